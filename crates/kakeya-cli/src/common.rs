@@ -1,0 +1,93 @@
+//! Shared CLI pieces: model/tokenizer location, device choice, loading.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use burn::tensor::Device;
+use clap::{Args, ValueEnum};
+use kakeya_models::Gemma3Model;
+use kakeya_weights::{Checkpoint, Tokenizer};
+
+/// Where `scripts/fetch_default_model.py` puts the default model.
+pub const DEFAULT_MODEL: &str = "models/gemma-3-270m/gemma-3-270m-q4_k_m.gguf";
+
+/// Compute device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DeviceKind {
+    /// CPU (burn-flex).
+    Cpu,
+    /// NVIDIA GPU (build with `--features cuda`).
+    Cuda,
+    /// Vulkan/Metal/DX12 through wgpu (build with `--features wgpu`).
+    Wgpu,
+    /// Apple Metal (build with `--features metal`).
+    Metal,
+}
+
+impl DeviceKind {
+    /// The Burn device, or an error when this binary was built without its feature.
+    pub fn device(self) -> Result<Device> {
+        match self {
+            DeviceKind::Cpu => Ok(Device::flex()),
+            #[cfg(feature = "cuda")]
+            DeviceKind::Cuda => Ok(Device::cuda(0)),
+            #[cfg(feature = "wgpu")]
+            DeviceKind::Wgpu => Ok(Device::wgpu(Default::default())),
+            #[cfg(feature = "metal")]
+            DeviceKind::Metal => Ok(Device::metal(Default::default())),
+            #[allow(unreachable_patterns)]
+            other => bail!("this kakeya was built without the `{other:?}` device; rebuild with `--features {}`", format!("{other:?}").to_lowercase()),
+        }
+    }
+}
+
+/// Model, tokenizer and device arguments shared by subcommands.
+#[derive(Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// A GGUF file or a Hugging Face folder (default: the fetched Gemma 3 270M).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// `tokenizer.json` (default: beside the GGUF, or inside the folder).
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Compute device.
+    #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
+    pub device: DeviceKind,
+}
+
+impl ModelArgs {
+    /// The model path, defaulting to the fetched model.
+    pub fn model_path(&self) -> Result<PathBuf> {
+        match &self.model {
+            Some(p) => Ok(p.clone()),
+            None => {
+                let p = PathBuf::from(DEFAULT_MODEL);
+                if !p.is_file() {
+                    bail!("{}: default model not found; run `python3 scripts/fetch_default_model.py` first or pass --model", p.display());
+                }
+                Ok(p)
+            }
+        }
+    }
+
+    /// The tokenizer path.
+    pub fn tokenizer_path(&self, model: &Path) -> PathBuf {
+        self.tokenizer.clone().unwrap_or_else(|| {
+            if model.is_dir() {
+                model.join("tokenizer.json")
+            } else {
+                model.with_file_name("tokenizer.json")
+            }
+        })
+    }
+
+    /// Loads model and tokenizer on the chosen device.
+    pub fn load(&self) -> Result<(Gemma3Model, Tokenizer)> {
+        let path = self.model_path()?;
+        let device = self.device.device()?;
+        let ck = Checkpoint::load(&path).with_context(|| format!("loading model {}", path.display()))?;
+        let tok = Tokenizer::load(&self.tokenizer_path(&path), ck.config.vocab_size)?;
+        let model = Gemma3Model::from_checkpoint(ck, &device)?;
+        Ok((model, tok))
+    }
+}

@@ -1,0 +1,192 @@
+//! `kakeya infer`: generation with streaming output, chat, and stats.
+
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use clap::{ArgGroup, Args};
+use kakeya_runtime::chat::{self, Message};
+use kakeya_runtime::{Generation, GenerationConfig, Sampling, Session, generate};
+use kakeya_weights::Tokenizer;
+
+use crate::common::ModelArgs;
+
+/// Arguments of `kakeya infer`.
+#[derive(Args, Debug)]
+#[command(group(ArgGroup::new("input").required(true).args(["prompt", "prompt_file", "chat", "chat_file"])))]
+pub struct InferArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompt text (raw completion; no chat template).
+    #[arg(long)]
+    pub prompt: Option<String>,
+    /// Read the prompt text from a file.
+    #[arg(long)]
+    pub prompt_file: Option<PathBuf>,
+    /// Interactive multi-turn chat on stdin with Gemma's chat template.
+    #[arg(long)]
+    pub chat: bool,
+    /// A JSON file `[{"role": "user", "content": "..."}, ...]`: answer its last turn.
+    #[arg(long)]
+    pub chat_file: Option<PathBuf>,
+    /// Most tokens to generate (per turn in chat).
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: usize,
+    /// Sampling temperature; 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Top-k (0 = off); with temperature > 0.
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Top-p nucleus (1 = off); with temperature > 0.
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// RNG seed for sampling.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Print one JSON object (text, token ids, stats) instead of streaming text.
+    #[arg(long)]
+    pub json: bool,
+    /// Prefill chunk length.
+    #[arg(long, default_value_t = 512)]
+    pub prefill_chunk: usize,
+}
+
+impl InferArgs {
+    fn sampling(&self) -> Result<Sampling> {
+        if self.temperature < 0.0 || !self.temperature.is_finite() {
+            bail!("--temperature must be >= 0, got {}", self.temperature);
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            bail!("--top-p must be in (0, 1], got {}", self.top_p);
+        }
+        Ok(if self.temperature == 0.0 {
+            Sampling::Greedy
+        } else {
+            Sampling::Sample { temperature: self.temperature, top_k: self.top_k, top_p: self.top_p, seed: self.seed }
+        })
+    }
+}
+
+/// Prints text as tokens arrive, holding back incomplete UTF-8.
+struct Streamer<'t> {
+    tok: &'t Tokenizer,
+    ids: Vec<u32>,
+    printed: usize,
+}
+
+impl Streamer<'_> {
+    fn push(&mut self, id: u32) {
+        self.ids.push(id);
+        if let Ok(text) = self.tok.decode(&self.ids)
+            && !text.ends_with('\u{fffd}')
+            && text.len() > self.printed
+            && text.is_char_boundary(self.printed)
+        {
+            print!("{}", &text[self.printed..]);
+            let _ = std::io::stdout().flush();
+            self.printed = text.len();
+        }
+    }
+}
+
+fn print_stats(g: &Generation) {
+    let s = &g.stats;
+    eprintln!(
+        "\n[prompt {} tok, prefill {:.1} tok/s | generated {} tok, decode {:.1} tok/s | KV held {:.2} MiB | stop: {:?}]",
+        s.prompt_tokens,
+        s.prefill_tok_s,
+        s.generated_tokens,
+        s.decode_tok_s,
+        s.kv_bytes as f64 / (1 << 20) as f64,
+        g.stop_reason
+    );
+}
+
+/// Runs `kakeya infer`.
+pub fn run(a: InferArgs) -> Result<()> {
+    let sampling = a.sampling()?;
+    if a.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1");
+    }
+    let (model, tok) = a.model.load()?;
+    let cfg = GenerationConfig {
+        max_tokens: a.max_tokens,
+        sampling,
+        stop_tokens: [Some(tok.eos), tok.end_of_turn].into_iter().flatten().collect(),
+        prefill_chunk: a.prefill_chunk,
+    };
+    let mut session = Session::new(&model, 0);
+    if a.chat {
+        return chat_loop(&mut session, &tok, &cfg);
+    }
+    let text = if let Some(p) = &a.prompt {
+        p.clone()
+    } else if let Some(f) = &a.prompt_file {
+        std::fs::read_to_string(f).with_context(|| format!("reading prompt file {}", f.display()))?
+    } else {
+        let f = a.chat_file.as_ref().expect("clap requires one input");
+        let body = std::fs::read_to_string(f).with_context(|| format!("reading chat file {}", f.display()))?;
+        let msgs: Vec<Message> =
+            serde_json::from_str(&body).with_context(|| format!("{}: expected a JSON list of {{role, content}}", f.display()))?;
+        chat::format_chat(&msgs).with_context(|| format!("{}", f.display()))?
+    };
+    if text.trim().is_empty() {
+        bail!("the prompt is empty");
+    }
+    let mut ids = vec![tok.bos];
+    ids.extend(tok.encode(&text)?);
+    let mut streamer = Streamer { tok: &tok, ids: Vec::new(), printed: 0 };
+    let g = if a.json {
+        generate(&mut session, &ids, &cfg, &mut |_| {})?
+    } else {
+        generate(&mut session, &ids, &cfg, &mut |t| streamer.push(t))?
+    };
+    if a.json {
+        let out = serde_json::json!({
+            "text": tok.decode(&g.tokens)?,
+            "prompt_ids": ids,
+            "tokens": g.tokens,
+            "stop_reason": g.stop_reason,
+            "stats": g.stats,
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        println!();
+        print_stats(&g);
+    }
+    Ok(())
+}
+
+/// Interactive chat: each user line is a turn; the caches carry over between turns.
+fn chat_loop(session: &mut Session<'_>, tok: &Tokenizer, cfg: &GenerationConfig) -> Result<()> {
+    let stdin = std::io::stdin();
+    let mut first = true;
+    eprintln!("chat: type a message and press Enter (Ctrl-D to quit)");
+    loop {
+        eprint!("> ");
+        let mut line = String::new();
+        if stdin.lock().read_line(&mut line)? == 0 {
+            return Ok(());
+        }
+        let line = line.trim_end_matches(['\n', '\r']);
+        if line.trim().is_empty() {
+            continue;
+        }
+        let mut ids = if first { vec![tok.bos] } else { Vec::new() };
+        first = false;
+        ids.extend(tok.encode(&format!("{}{}", chat::turn("user", line), chat::MODEL_PROMPT))?);
+        let mut streamer = Streamer { tok, ids: Vec::new(), printed: 0 };
+        let g = generate(session, &ids, cfg, &mut |t| streamer.push(t))?;
+        println!();
+        print_stats(&g);
+        // Close the model's turn in the context. A turn cut at max tokens has not run its
+        // last token yet; one ended by a stop token has run every emitted token.
+        let mut close = match g.stop_reason {
+            kakeya_runtime::StopReason::StopToken => Vec::new(),
+            _ => g.tokens.last().copied().into_iter().collect(),
+        };
+        close.extend(tok.encode("<end_of_turn>\n")?);
+        session.prefill(&close, 512)?;
+    }
+}

@@ -1,0 +1,49 @@
+//! `kakeya`: the command-line front end. Parses arguments, picks the device, calls the
+//! libraries.
+
+mod bench;
+mod common;
+mod convert;
+mod infer;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Kakeya: fast decoding with a bounded KV cache.
+#[derive(Parser, Debug)]
+#[command(name = "kakeya", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Generate text with a Gemma model.
+    Infer(infer::InferArgs),
+    /// Measure prefill and decode throughput.
+    Bench(bench::BenchArgs),
+    /// Write a GGUF model out as a Hugging Face safetensors folder.
+    Convert(convert::ConvertArgs),
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("KAKEYA_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Infer(a) => infer::run(a),
+        Command::Bench(a) => bench::run(a),
+        Command::Convert(a) => convert::run(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,156 @@
+//! Gemma 3 self-attention: q/k/v projections, per-head q_norm/k_norm, half-split RoPE,
+//! grouped-query attention with a causal or sliding mask, o_proj.
+
+use burn::tensor::activation::softmax;
+use burn::tensor::{Device, Tensor, TensorData};
+use kakeya_weights::AttentionKind;
+
+use super::norm::GemmaRmsNorm;
+use super::rope::Rope;
+use crate::cache::{CachedKv, LayerCache};
+use crate::error::Result;
+
+/// K/V supplied from outside the cache for some positions of one layer (restoration): raw
+/// projection outputs, before k_norm and RoPE, which the layer applies itself.
+#[derive(Debug, Clone)]
+pub struct ExternalKv {
+    /// Decoder layer these belong to.
+    pub layer: usize,
+    /// Absolute positions of the rows, all before the chunk being computed.
+    pub positions: Vec<usize>,
+    /// Raw keys, `[n, kv_heads · head_dim]`.
+    pub k_raw: Tensor<2>,
+    /// Raw values, `[n, kv_heads · head_dim]`.
+    pub v_raw: Tensor<2>,
+}
+
+/// What one layer's attention produced, for capture.
+#[derive(Debug, Clone)]
+pub struct AttentionCapture {
+    /// q_proj output, `[T, heads · head_dim]` (before q_norm and RoPE).
+    pub q_raw: Tensor<2>,
+    /// k_proj output, `[T, kv_heads · head_dim]` (before k_norm and RoPE).
+    pub k_raw: Tensor<2>,
+    /// v_proj output, `[T, kv_heads · head_dim]`.
+    pub v_raw: Tensor<2>,
+    /// Attention block output after o_proj (before post_attention_layernorm), `[T, hidden]`.
+    pub out: Tensor<2>,
+}
+
+/// One layer's attention weights and shape facts.
+#[derive(Debug, Clone)]
+pub struct Attention {
+    /// `[heads · head_dim, hidden]`.
+    pub q_proj: Tensor<2>,
+    /// `[kv_heads · head_dim, hidden]`.
+    pub k_proj: Tensor<2>,
+    /// `[kv_heads · head_dim, hidden]`.
+    pub v_proj: Tensor<2>,
+    /// `[hidden, heads · head_dim]`.
+    pub o_proj: Tensor<2>,
+    /// Per-head query norm over `head_dim`.
+    pub q_norm: GemmaRmsNorm,
+    /// Per-head key norm over `head_dim`.
+    pub k_norm: GemmaRmsNorm,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Head width.
+    pub head_dim: usize,
+    /// Score scale, `query_pre_attn_scalar^-1/2`.
+    pub scale: f64,
+    /// Full or sliding.
+    pub kind: AttentionKind,
+    /// Sliding window (used when `kind` is sliding).
+    pub window: usize,
+    /// RoPE of this layer's kind.
+    pub rope: Rope,
+}
+
+/// `x · Wᵀ` for a PyTorch-layout weight `[out, in]`.
+///
+/// # Shapes
+/// - `x`: `[T, in]`, `w`: `[out, in]` → `[T, out]`
+pub fn linear(x: Tensor<2>, w: &Tensor<2>) -> Tensor<2> {
+    x.matmul(w.clone().transpose())
+}
+
+impl Attention {
+    fn heads_first(&self, x: Tensor<2>, heads: usize) -> Tensor<3> {
+        let t = x.dims()[0];
+        x.reshape([t, heads, self.head_dim]).swap_dims(0, 1)
+    }
+
+    /// Keys from raw k_proj rows: k_norm then RoPE at `positions`.
+    ///
+    /// # Shapes
+    /// - `k_raw`: `[n, kv_heads · head_dim]` → `[kv_heads, n, head_dim]`
+    pub fn keys_from_raw(&self, k_raw: Tensor<2>, positions: &[usize], device: &Device) -> Tensor<3> {
+        let (cos, sin) = self.rope.tables(positions, device);
+        let k = self.k_norm.forward(self.heads_first(k_raw, self.kv_heads));
+        Rope::apply(k, &cos, &sin)
+    }
+
+    /// May a query at `q` attend to a key at `k`?
+    fn visible(&self, q: usize, k: usize) -> bool {
+        k <= q && (self.kind == AttentionKind::Full || q - k < self.window)
+    }
+
+    /// Additive mask `[G·T, S]` (rows ordered group-major), or `None` when every key is visible.
+    fn mask(&self, start: usize, t: usize, keys: &[usize], groups: usize, device: &Device) -> Option<Tensor<3>> {
+        let all = (0..t).all(|i| keys.iter().all(|&k| self.visible(start + i, k)));
+        if all {
+            return None;
+        }
+        let row: Vec<f32> = (0..t)
+            .flat_map(|i| keys.iter().map(move |&k| (i, k)))
+            .map(|(i, k)| if self.visible(start + i, k) { 0.0 } else { f32::NEG_INFINITY })
+            .collect();
+        let data: Vec<f32> = (0..groups).flat_map(|_| row.iter().copied()).collect();
+        Some(Tensor::from_data(TensorData::new(data, [1, groups * t, keys.len()]), device))
+    }
+
+    /// Attends a chunk of `T` positions `start..start+T`.
+    ///
+    /// # Shapes
+    /// - `x`: `[T, hidden]` (after input_layernorm) → `[T, hidden]` (after o_proj)
+    pub fn forward(
+        &self,
+        x: Tensor<2>,
+        start: usize,
+        cache: &mut dyn LayerCache,
+        external: Option<&ExternalKv>,
+        capture: bool,
+    ) -> Result<(Tensor<2>, Option<AttentionCapture>)> {
+        let device = x.device();
+        let t = x.dims()[0];
+        let positions: Vec<usize> = (start..start + t).collect();
+        let (cos, sin) = self.rope.tables(&positions, &device);
+        let q_raw = linear(x.clone(), &self.q_proj);
+        let k_raw = linear(x.clone(), &self.k_proj);
+        let v_raw = linear(x, &self.v_proj);
+        let q = Rope::apply(self.q_norm.forward(self.heads_first(q_raw.clone(), self.heads)), &cos, &sin);
+        let k = Rope::apply(self.k_norm.forward(self.heads_first(k_raw.clone(), self.kv_heads)), &cos, &sin);
+        let v = self.heads_first(v_raw.clone(), self.kv_heads);
+        let CachedKv { mut k, mut v, mut positions } = cache.update(k, v, start)?;
+        if let Some(ext) = external {
+            let ek = self.keys_from_raw(ext.k_raw.clone(), &ext.positions, &device);
+            let ev = self.heads_first(ext.v_raw.clone(), self.kv_heads);
+            k = Tensor::cat(vec![ek, k], 1);
+            v = Tensor::cat(vec![ev, v], 1);
+            positions = ext.positions.iter().copied().chain(positions).collect();
+        }
+        let groups = self.heads / self.kv_heads;
+        let q = q.reshape([self.kv_heads, groups * t, self.head_dim]);
+        let mut scores = q.matmul(k.swap_dims(1, 2)).mul_scalar(self.scale);
+        if let Some(mask) = self.mask(start, t, &positions, groups, &device) {
+            scores = scores + mask;
+        }
+        let attn = softmax(scores, 2).matmul(v);
+        let attn = attn.reshape([self.heads, t, self.head_dim]).swap_dims(0, 1).reshape([t, self.heads * self.head_dim]);
+        let out = linear(attn, &self.o_proj);
+        let cap = capture.then(|| AttentionCapture { q_raw, k_raw, v_raw, out: out.clone() });
+        Ok((out, cap))
+    }
+}

@@ -1,0 +1,9 @@
+//! Gemma 3 text decoder [transformers `models/gemma3/modeling_gemma3.py`].
+
+pub mod attention;
+pub mod model;
+pub mod norm;
+pub mod rope;
+
+pub use attention::{AttentionCapture, ExternalKv};
+pub use model::{ForwardOutput, ForwardRequest, Gemma3Model, Logits};

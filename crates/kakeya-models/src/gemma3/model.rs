@@ -1,0 +1,268 @@
+//! The Gemma 3 text decoder: embedding (× √hidden), decoder layers, final norm, tied LM head.
+
+use burn::tensor::activation::gelu_approximate;
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use kakeya_weights::{AttentionKind, Checkpoint, Gemma3Config, HostTensor};
+
+use super::attention::{Attention, AttentionCapture, ExternalKv, linear};
+use super::norm::GemmaRmsNorm;
+use super::rope::Rope;
+use crate::cache::{CacheSpec, LayerCache};
+use crate::error::{ModelError, Result};
+
+/// Which logits a forward returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    /// None (e.g. capture of hidden states only).
+    None,
+    /// Only the last position's, `[1, vocab]`.
+    Last,
+    /// Every position's, `[T, vocab]`.
+    All,
+}
+
+/// A forward over a chunk of tokens and what to return besides the caches' update.
+#[derive(Debug, Clone)]
+pub struct ForwardRequest<'a> {
+    /// Token ids of the chunk (at least one).
+    pub tokens: &'a [u32],
+    /// Absolute position of the first token (= tokens already in the caches).
+    pub start: usize,
+    /// Which logits to compute.
+    pub logits: Logits,
+    /// Return the hidden state after each of these layers (0-based, in this order).
+    pub hidden_after: &'a [usize],
+    /// Return, per layer, raw q/k/v projections and the attention output.
+    pub capture_attention: bool,
+    /// Externally supplied K/V for positions absent from the caches (at most one per layer).
+    pub external_kv: &'a [ExternalKv],
+}
+
+impl<'a> ForwardRequest<'a> {
+    /// A plain forward returning the given logits.
+    pub fn new(tokens: &'a [u32], start: usize, logits: Logits) -> Self {
+        Self { tokens, start, logits, hidden_after: &[], capture_attention: false, external_kv: &[] }
+    }
+}
+
+/// What a forward returns.
+#[derive(Debug, Clone)]
+pub struct ForwardOutput {
+    /// Logits, `[1 or T, vocab]`, when asked for.
+    pub logits: Option<Tensor<2>>,
+    /// Hidden states after the requested layers, each `[T, hidden]`.
+    pub hidden: Vec<Tensor<2>>,
+    /// Per-layer attention captures, when asked for.
+    pub attention: Vec<AttentionCapture>,
+}
+
+/// One decoder layer.
+#[derive(Debug, Clone)]
+pub struct DecoderLayer {
+    /// Self-attention.
+    pub attn: Attention,
+    /// Norm before attention.
+    pub input_norm: GemmaRmsNorm,
+    /// Norm of the attention output.
+    pub post_attn_norm: GemmaRmsNorm,
+    /// Norm before the MLP.
+    pub pre_ffn_norm: GemmaRmsNorm,
+    /// Norm of the MLP output.
+    pub post_ffn_norm: GemmaRmsNorm,
+    /// `[intermediate, hidden]`.
+    pub gate_proj: Tensor<2>,
+    /// `[intermediate, hidden]`.
+    pub up_proj: Tensor<2>,
+    /// `[hidden, intermediate]`.
+    pub down_proj: Tensor<2>,
+}
+
+impl DecoderLayer {
+    /// # Shapes
+    /// - `x`: `[T, hidden]` → `[T, hidden]`
+    fn forward(
+        &self,
+        x: Tensor<2>,
+        start: usize,
+        cache: &mut dyn LayerCache,
+        external: Option<&ExternalKv>,
+        capture: bool,
+    ) -> Result<(Tensor<2>, Option<AttentionCapture>)> {
+        let (a, cap) = self.attn.forward(self.input_norm.forward(x.clone()), start, cache, external, capture)?;
+        let h = x + self.post_attn_norm.forward(a);
+        let m = self.pre_ffn_norm.forward(h.clone());
+        let m = gelu_approximate(linear(m.clone(), &self.gate_proj)) * linear(m, &self.up_proj);
+        let m = linear(m, &self.down_proj);
+        Ok((h + self.post_ffn_norm.forward(m), cap))
+    }
+}
+
+/// The Gemma 3 text model.
+#[derive(Debug, Clone)]
+pub struct Gemma3Model {
+    /// Hyper-parameters.
+    pub config: Gemma3Config,
+    /// Token embedding, `[vocab, hidden]` (also the LM head).
+    pub embed: Tensor<2>,
+    /// Decoder layers.
+    pub layers: Vec<DecoderLayer>,
+    /// Final norm.
+    pub norm: GemmaRmsNorm,
+    device: Device,
+}
+
+struct Loader<'a> {
+    ck: &'a mut Checkpoint,
+    device: &'a Device,
+}
+
+impl Loader<'_> {
+    fn take(&mut self, name: &str) -> Result<HostTensor> {
+        self.ck.tensors.remove(name).ok_or_else(|| {
+            ModelError::Weights(kakeya_weights::WeightsError::MissingTensor { path: self.ck.source.clone(), tensor: name.into() })
+        })
+    }
+
+    fn t2(&mut self, name: &str) -> Result<Tensor<2>> {
+        let t = self.take(name)?;
+        Ok(Tensor::from_data(TensorData::new(t.data, [t.shape[0], t.shape[1]]), self.device))
+    }
+
+    fn norm(&mut self, name: &str, eps: f64) -> Result<GemmaRmsNorm> {
+        let t = self.take(name)?;
+        let n = t.data.len();
+        Ok(GemmaRmsNorm { scale: Tensor::from_data(TensorData::new(t.data, [n]), self.device), eps })
+    }
+}
+
+impl Gemma3Model {
+    /// Builds the model from a checkpoint (consumed: tensors move to the device).
+    pub fn from_checkpoint(mut ck: Checkpoint, device: &Device) -> Result<Self> {
+        ck.check_tensors()?;
+        let c = ck.config.clone();
+        let eps = c.rms_norm_eps;
+        let mut l = Loader { ck: &mut ck, device };
+        let global_rope = Rope::new(c.head_dim, c.rope_theta, c.rope_scaling_factor);
+        let local_rope = Rope::new(c.head_dim, c.rope_local_base_freq, 1.0);
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for (i, &kind) in c.layer_types.iter().enumerate() {
+            let p = |s: &str| format!("model.layers.{i}.{s}");
+            let attn = Attention {
+                q_proj: l.t2(&p("self_attn.q_proj.weight"))?,
+                k_proj: l.t2(&p("self_attn.k_proj.weight"))?,
+                v_proj: l.t2(&p("self_attn.v_proj.weight"))?,
+                o_proj: l.t2(&p("self_attn.o_proj.weight"))?,
+                q_norm: l.norm(&p("self_attn.q_norm.weight"), eps)?,
+                k_norm: l.norm(&p("self_attn.k_norm.weight"), eps)?,
+                heads: c.num_attention_heads,
+                kv_heads: c.num_key_value_heads,
+                head_dim: c.head_dim,
+                scale: c.query_pre_attn_scalar.powf(-0.5),
+                kind,
+                window: c.sliding_window,
+                rope: if kind == AttentionKind::Full { global_rope.clone() } else { local_rope.clone() },
+            };
+            layers.push(DecoderLayer {
+                attn,
+                input_norm: l.norm(&p("input_layernorm.weight"), eps)?,
+                post_attn_norm: l.norm(&p("post_attention_layernorm.weight"), eps)?,
+                pre_ffn_norm: l.norm(&p("pre_feedforward_layernorm.weight"), eps)?,
+                post_ffn_norm: l.norm(&p("post_feedforward_layernorm.weight"), eps)?,
+                gate_proj: l.t2(&p("mlp.gate_proj.weight"))?,
+                up_proj: l.t2(&p("mlp.up_proj.weight"))?,
+                down_proj: l.t2(&p("mlp.down_proj.weight"))?,
+            });
+        }
+        let embed = l.t2("model.embed_tokens.weight")?;
+        let norm = l.norm("model.norm.weight", eps)?;
+        Ok(Self { config: c, embed, layers, norm, device: device.clone() })
+    }
+
+    /// The device the weights live on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The cache each layer needs, in layer order (the caller builds and owns the caches).
+    pub fn cache_specs(&self) -> Vec<CacheSpec> {
+        self.config
+            .layer_types
+            .iter()
+            .map(|k| match k {
+                AttentionKind::Full => CacheSpec::Full,
+                AttentionKind::Sliding => CacheSpec::Sliding { window: self.config.sliding_window },
+            })
+            .collect()
+    }
+
+    /// Scaled token embeddings.
+    ///
+    /// # Shapes
+    /// - `tokens`: `T` ids → `[T, hidden]`
+    pub fn embed_tokens(&self, tokens: &[u32]) -> Tensor<2> {
+        let ids: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
+        let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [tokens.len()]), &self.device);
+        let scale = (self.config.hidden_size as f32).sqrt();
+        self.embed.clone().select(0, ids).mul_scalar(scale)
+    }
+
+    /// Final norm + tied LM head (+ soft-cap when configured).
+    ///
+    /// # Shapes
+    /// - `h`: `[T, hidden]` (before the final norm) → `[T, vocab]`
+    pub fn logits(&self, h: Tensor<2>) -> Tensor<2> {
+        let logits = linear(self.norm.forward(h), &self.embed);
+        match self.config.final_logit_softcapping {
+            Some(cap) => logits.div_scalar(cap).tanh().mul_scalar(cap),
+            None => logits,
+        }
+    }
+
+    /// Runs a chunk through the model, updating `caches` (one per layer, from
+    /// [`Self::cache_specs`]).
+    ///
+    /// # Shapes
+    /// - `req.tokens`: `T` ids at positions `start..start+T`
+    /// - returns logits `[1, vocab]` (`Last`) or `[T, vocab]` (`All`); hidden states `[T, hidden]`
+    pub fn forward<C: LayerCache>(&self, req: &ForwardRequest<'_>, caches: &mut [C]) -> Result<ForwardOutput> {
+        let c = &self.config;
+        let t = req.tokens.len();
+        if t == 0 {
+            return Err(ModelError::Input("empty token chunk".into()));
+        }
+        if let Some(&bad) = req.tokens.iter().find(|&&id| id as usize >= c.vocab_size) {
+            return Err(ModelError::Input(format!("token id {bad} is outside the vocabulary of {}", c.vocab_size)));
+        }
+        if req.start + t > c.max_position_embeddings {
+            return Err(ModelError::Input(format!(
+                "positions up to {} exceed the model's context of {}",
+                req.start + t,
+                c.max_position_embeddings
+            )));
+        }
+        if caches.len() != self.layers.len() {
+            return Err(ModelError::Cache(format!("{} caches for {} layers", caches.len(), self.layers.len())));
+        }
+        if let Some(&bad) = req.hidden_after.iter().find(|&&l| l >= self.layers.len()) {
+            return Err(ModelError::Input(format!("hidden_after layer {bad} >= {} layers", self.layers.len())));
+        }
+        let mut x = self.embed_tokens(req.tokens);
+        let mut hidden = vec![None; req.hidden_after.len()];
+        let mut attention = Vec::new();
+        for (i, (layer, cache)) in self.layers.iter().zip(caches.iter_mut()).enumerate() {
+            let ext = req.external_kv.iter().find(|e| e.layer == i);
+            let (y, cap) = layer.forward(x, req.start, cache, ext, req.capture_attention)?;
+            x = y;
+            attention.extend(cap);
+            for (slot, _) in req.hidden_after.iter().enumerate().filter(|(_, l)| **l == i) {
+                hidden[slot] = Some(x.clone());
+            }
+        }
+        let logits = match req.logits {
+            Logits::None => None,
+            Logits::All => Some(self.logits(x)),
+            Logits::Last => Some(self.logits(x.slice([t - 1..t, 0..c.hidden_size]))),
+        };
+        Ok(ForwardOutput { logits, hidden: hidden.into_iter().flatten().collect(), attention })
+    }
+}

@@ -1,0 +1,60 @@
+//! Rotary position embedding in the half-split ("NEOX") form Gemma uses: a head vector's
+//! first and second halves form the pairs `(x[i], x[i + d/2])` rotated by `pos · θ_i`.
+//! [RoFormer, arXiv:2104.09864]
+
+use burn::tensor::{Device, Tensor, TensorData};
+
+/// Inverse frequencies of one RoPE variant (a base and a linear scaling factor).
+#[derive(Debug, Clone)]
+pub struct Rope {
+    inv_freq: Vec<f32>,
+}
+
+impl Rope {
+    /// `θ_i = 1 / (base^(2i/d) · factor)` for `i < d/2`, rounded to f32 as transformers does.
+    pub fn new(head_dim: usize, base: f64, factor: f64) -> Self {
+        let inv_freq = (0..head_dim / 2)
+            .map(|i| {
+                let exponent = (2 * i) as f32 / head_dim as f32;
+                let denom = (base as f32).powf(exponent);
+                (1.0 / denom) / factor as f32
+            })
+            .collect();
+        Self { inv_freq }
+    }
+
+    /// Cosine and sine tables for `positions`, each `[T, d/2]`.
+    pub fn tables(&self, positions: &[usize], device: &Device) -> (Tensor<2>, Tensor<2>) {
+        let half = self.inv_freq.len();
+        let mut cos = Vec::with_capacity(positions.len() * half);
+        let mut sin = Vec::with_capacity(positions.len() * half);
+        for &p in positions {
+            for &f in &self.inv_freq {
+                let angle = p as f32 * f;
+                cos.push(angle.cos());
+                sin.push(angle.sin());
+            }
+        }
+        let shape = [positions.len(), half];
+        (
+            Tensor::from_data(TensorData::new(cos, shape), device),
+            Tensor::from_data(TensorData::new(sin, shape), device),
+        )
+    }
+
+    /// Rotates head vectors.
+    ///
+    /// # Shapes
+    /// - `x`: `[heads, T, d]`; `cos`, `sin`: `[T, d/2]` → `[heads, T, d]`
+    pub fn apply(x: Tensor<3>, cos: &Tensor<2>, sin: &Tensor<2>) -> Tensor<3> {
+        let [h, t, d] = x.dims();
+        let half = d / 2;
+        let x1 = x.clone().slice([0..h, 0..t, 0..half]);
+        let x2 = x.slice([0..h, 0..t, half..d]);
+        let cos = cos.clone().unsqueeze::<3>();
+        let sin = sin.clone().unsqueeze::<3>();
+        let r1 = x1.clone() * cos.clone() - x2.clone() * sin.clone();
+        let r2 = x2 * cos + x1 * sin;
+        Tensor::cat(vec![r1, r2], 2)
+    }
+}

@@ -1,0 +1,11 @@
+//! Kakeya's models — pure math over Burn tensors, no file I/O: the Gemma 3 verifier. Each
+//! model declares its cache layout ([`cache::CacheSpec`]); callers own the caches.
+
+pub mod cache;
+pub mod error;
+pub mod gemma3;
+pub mod testing;
+
+pub use cache::{CacheSpec, CachedKv, LayerCache};
+pub use error::{ModelError, Result};
+pub use gemma3::{ExternalKv, ForwardOutput, ForwardRequest, Gemma3Model, Logits};

@@ -1,0 +1,57 @@
+//! Tiny random-weight checkpoints for tests (deterministic, no RNG dependency).
+
+use std::collections::BTreeMap;
+
+use kakeya_weights::checkpoint::{expected_tensors, is_gemma_norm};
+use kakeya_weights::{AttentionKind, Checkpoint, Gemma3Config, HostTensor};
+
+/// A small Gemma 3 config: 6 layers (layer 5 global), window `window`.
+pub fn tiny_config(window: usize) -> Gemma3Config {
+    Gemma3Config {
+        vocab_size: 97,
+        hidden_size: 32,
+        intermediate_size: 64,
+        num_hidden_layers: 6,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        head_dim: 16,
+        rms_norm_eps: 1e-6,
+        rope_theta: 1_000_000.0,
+        rope_local_base_freq: 10_000.0,
+        rope_scaling_factor: 1.0,
+        sliding_window: window,
+        query_pre_attn_scalar: 16.0,
+        max_position_embeddings: 512,
+        final_logit_softcapping: None,
+        layer_types: (0..6).map(|i| if i == 5 { AttentionKind::Full } else { AttentionKind::Sliding }).collect(),
+    }
+}
+
+/// Uniform values in `[-scale, scale)` from a splitmix64 stream.
+fn values(n: usize, seed: &mut u64, scale: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            *seed = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = *seed;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^= z >> 31;
+            ((z >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+/// A random checkpoint for `config` (norm multipliers near 1, weights ~ U(±0.2)).
+pub fn random_checkpoint(config: &Gemma3Config, seed: u64) -> Checkpoint {
+    let mut s = seed;
+    let mut tensors = BTreeMap::new();
+    for (name, shape) in expected_tensors(config) {
+        let n = shape.iter().product();
+        let mut data = values(n, &mut s, if is_gemma_norm(&name) { 0.1 } else { 0.2 });
+        if is_gemma_norm(&name) {
+            data.iter_mut().for_each(|v| *v += 1.0);
+        }
+        tensors.insert(name, HostTensor { shape, data });
+    }
+    Checkpoint { source: "random".into(), config: config.clone(), tensors }
+}

@@ -1,0 +1,232 @@
+//! KV caches: a growable full cache and a sliding ring, both with an exact `truncate`.
+//!
+//! Keys/values are stored `[kv_heads, capacity, head_dim]` on the model's device. A ring
+//! keeps `window - 1 + slack` positions: `window - 1` are what the next query needs, and the
+//! `slack` extra let `truncate` roll back that many positions exactly even after wrapping
+//! (speculative decoding rolls back at most `block - 1`).
+
+use burn::tensor::Tensor;
+use kakeya_models::{CacheSpec, CachedKv, LayerCache, ModelError};
+
+/// Bytes per stored element (f32).
+const ELEM_BYTES: usize = 4;
+
+fn seq_slice(t: &Tensor<3>, from: usize, to: usize) -> Tensor<3> {
+    let [h, _, d] = t.dims();
+    t.clone().slice([0..h, from..to, 0..d])
+}
+
+fn assign(buf: Tensor<3>, at: usize, values: Tensor<3>) -> Tensor<3> {
+    let [h, n, d] = values.dims();
+    buf.slice_assign([0..h, at..at + n, 0..d], values)
+}
+
+/// Keeps every position; capacity doubles as needed.
+#[derive(Debug, Default)]
+pub struct FullCache {
+    kv: Option<(Tensor<3>, Tensor<3>)>,
+    len: usize,
+}
+
+impl FullCache {
+    fn capacity(&self) -> usize {
+        self.kv.as_ref().map_or(0, |(k, _)| k.dims()[1])
+    }
+
+    fn ensure(&mut self, k: &Tensor<3>, need: usize) {
+        let cap = self.capacity();
+        if need <= cap {
+            return;
+        }
+        let [h, _, d] = k.dims();
+        let new_cap = need.max(2 * cap).max(64);
+        let device = k.device();
+        let mut nk = Tensor::zeros([h, new_cap, d], &device);
+        let mut nv = Tensor::zeros([h, new_cap, d], &device);
+        if let Some((ok, ov)) = self.kv.take() {
+            nk = assign(nk, 0, seq_slice(&ok, 0, self.len));
+            nv = assign(nv, 0, seq_slice(&ov, 0, self.len));
+        }
+        self.kv = Some((nk, nv));
+    }
+}
+
+impl LayerCache for FullCache {
+    fn update(&mut self, k: Tensor<3>, v: Tensor<3>, start: usize) -> kakeya_models::Result<CachedKv> {
+        if start != self.len {
+            return Err(ModelError::Cache(format!("write at position {start} but the cache holds {}", self.len)));
+        }
+        let t = k.dims()[1];
+        self.ensure(&k, self.len + t);
+        let (bk, bv) = self.kv.take().expect("ensured");
+        let (bk, bv) = (assign(bk, start, k), assign(bv, start, v));
+        self.len += t;
+        let out = CachedKv { k: seq_slice(&bk, 0, self.len), v: seq_slice(&bv, 0, self.len), positions: (0..self.len).collect() };
+        self.kv = Some((bk, bv));
+        Ok(out)
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+/// Keeps the most recent `window - 1 + slack` positions in a ring.
+#[derive(Debug)]
+pub struct RingCache {
+    window: usize,
+    cap: usize,
+    kv: Option<(Tensor<3>, Tensor<3>)>,
+    /// Oldest position still held.
+    first: usize,
+    /// Next position to write.
+    len: usize,
+}
+
+impl RingCache {
+    /// A ring for a layer with attention `window`, able to roll back `slack` positions.
+    pub fn new(window: usize, slack: usize) -> Self {
+        Self { window, cap: (window - 1 + slack).max(1), kv: None, first: 0, len: 0 }
+    }
+
+    /// Ring slots.
+    pub fn capacity(&self) -> usize {
+        self.cap
+    }
+
+    /// Held positions `first..len` in chronological order.
+    fn chronological(&self, buf: &Tensor<3>) -> Option<Tensor<3>> {
+        let n = self.len - self.first;
+        if n == 0 {
+            return None;
+        }
+        let s = self.first % self.cap;
+        Some(if s + n <= self.cap {
+            seq_slice(buf, s, s + n)
+        } else {
+            Tensor::cat(vec![seq_slice(buf, s, self.cap), seq_slice(buf, 0, s + n - self.cap)], 1)
+        })
+    }
+
+    /// Writes `vals` (positions `p0..p0+n`, `n <= cap`) at their slots.
+    fn write(&self, buf: Tensor<3>, p0: usize, vals: Tensor<3>) -> Tensor<3> {
+        let n = vals.dims()[1];
+        let s = p0 % self.cap;
+        if s + n <= self.cap {
+            assign(buf, s, vals)
+        } else {
+            let first = self.cap - s;
+            let buf = assign(buf, s, seq_slice(&vals, 0, first));
+            assign(buf, 0, seq_slice(&vals, first, n))
+        }
+    }
+}
+
+impl LayerCache for RingCache {
+    fn update(&mut self, k: Tensor<3>, v: Tensor<3>, start: usize) -> kakeya_models::Result<CachedKv> {
+        if start != self.len {
+            return Err(ModelError::Cache(format!("write at position {start} but the ring is at {}", self.len)));
+        }
+        let [h, t, d] = k.dims();
+        let (bk, bv) = match self.kv.take() {
+            Some(kv) => kv,
+            None => {
+                let device = k.device();
+                (Tensor::zeros([h, self.cap, d], &device), Tensor::zeros([h, self.cap, d], &device))
+            }
+        };
+        let positions: Vec<usize> = (self.first..start + t).collect();
+        let (ok, ov) = (self.chronological(&bk), self.chronological(&bv));
+        let all_k = match ok {
+            Some(o) => Tensor::cat(vec![o, k.clone()], 1),
+            None => k.clone(),
+        };
+        let all_v = match ov {
+            Some(o) => Tensor::cat(vec![o, v.clone()], 1),
+            None => v.clone(),
+        };
+        // Store only the newest `cap` of the chunk.
+        let keep = t.min(self.cap);
+        let p0 = start + t - keep;
+        let bk = self.write(bk, p0, seq_slice(&k, t - keep, t));
+        let bv = self.write(bv, p0, seq_slice(&v, t - keep, t));
+        self.kv = Some((bk, bv));
+        self.len = start + t;
+        self.first = self.first.max(self.len.saturating_sub(self.cap));
+        Ok(CachedKv { k: all_k, v: all_v, positions })
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+/// One layer's cache, as the model's [`CacheSpec`] asks.
+#[derive(Debug)]
+pub enum KvCache {
+    /// Growable full cache.
+    Full(FullCache),
+    /// Sliding ring.
+    Ring(RingCache),
+}
+
+impl KvCache {
+    /// Builds one cache per layer from the model's specs; rings get `slack` positions of
+    /// exact rollback.
+    pub fn for_specs(specs: &[CacheSpec], slack: usize) -> Vec<KvCache> {
+        specs
+            .iter()
+            .map(|s| match *s {
+                CacheSpec::Full => KvCache::Full(FullCache::default()),
+                CacheSpec::Sliding { window } => KvCache::Ring(RingCache::new(window, slack)),
+            })
+            .collect()
+    }
+
+    /// Forgets every position `>= len`. Exact: afterwards the cache behaves as if it had only
+    /// ever seen positions `< len`. A ring refuses to roll back further than its slack.
+    pub fn truncate(&mut self, len: usize) -> kakeya_models::Result<()> {
+        let have = self.len();
+        if len > have {
+            return Err(ModelError::Cache(format!("cannot truncate to {len}: only {have} positions held")));
+        }
+        match self {
+            KvCache::Full(c) => c.len = len,
+            KvCache::Ring(r) => {
+                let need_from = (len + 1).saturating_sub(r.window);
+                if r.first > need_from {
+                    return Err(ModelError::Cache(format!(
+                        "cannot roll back to {len}: the ring already evicted position {need_from} (slack too small)"
+                    )));
+                }
+                r.len = len;
+            }
+        }
+        Ok(())
+    }
+
+    /// Bytes of K/V storage this cache holds (allocated buffers, not a formula of positions).
+    pub fn nbytes(&self) -> usize {
+        let kv = match self {
+            KvCache::Full(c) => &c.kv,
+            KvCache::Ring(r) => &r.kv,
+        };
+        kv.as_ref().map_or(0, |(k, v)| (k.shape().num_elements() + v.shape().num_elements()) * ELEM_BYTES)
+    }
+}
+
+impl LayerCache for KvCache {
+    fn update(&mut self, k: Tensor<3>, v: Tensor<3>, start: usize) -> kakeya_models::Result<CachedKv> {
+        match self {
+            KvCache::Full(c) => c.update(k, v, start),
+            KvCache::Ring(r) => r.update(k, v, start),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            KvCache::Full(c) => c.len,
+            KvCache::Ring(r) => r.len,
+        }
+    }
+}

@@ -1,0 +1,150 @@
+//! Tiny random-weight Gemma 3 tests: incremental decoding equals one full forward, the ring
+//! cache is exact across wraps and truncation, externally supplied K/V reproduce the cache.
+
+use burn::tensor::{Device, Tensor};
+use kakeya_models::testing::{random_checkpoint, tiny_config};
+use kakeya_models::{CachedKv, ExternalKv, ForwardRequest, Gemma3Model, LayerCache, Logits};
+use kakeya_runtime::{FullCache, KvCache, Session};
+
+/// Tolerance of f32 comparisons between differently-chunked computations of the same values.
+const TOL: f32 = 1e-4;
+
+fn model(window: usize) -> Gemma3Model {
+    Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(window), 11), &Device::flex()).unwrap()
+}
+
+fn tokens(n: usize) -> Vec<u32> {
+    (0..n).map(|i| ((i * 31 + 7) % 97) as u32).collect()
+}
+
+fn rows(t: Tensor<2>) -> Vec<Vec<f32>> {
+    let [n, v] = t.dims();
+    let flat = t.into_data().to_vec::<f32>().unwrap();
+    (0..n).map(|i| flat[i * v..(i + 1) * v].to_vec()).collect()
+}
+
+fn assert_close(a: &[f32], b: &[f32], what: &str) {
+    let d = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+    assert!(d <= TOL, "{what}: max abs diff {d} > {TOL}");
+}
+
+/// Logits of every position from one forward over the whole sequence.
+fn full_forward(m: &Gemma3Model, toks: &[u32]) -> Vec<Vec<f32>> {
+    let mut caches = KvCache::for_specs(&m.cache_specs(), 0);
+    rows(m.forward(&ForwardRequest::new(toks, 0, Logits::All), &mut caches).unwrap().logits.unwrap())
+}
+
+#[test]
+fn prefill_then_decode_equals_one_full_forward() {
+    let m = model(4);
+    let toks = tokens(24);
+    let full = full_forward(&m, &toks);
+    let mut s = Session::new(&m, 0);
+    let first = s.prefill(&toks[..7], 3).unwrap();
+    assert_close(&first, &full[6], "prefill last row");
+    for (i, &t) in toks.iter().enumerate().skip(7) {
+        let row = s.step(t).unwrap();
+        assert_close(&row, &full[i], &format!("decode position {i}"));
+    }
+}
+
+#[test]
+fn sliding_ring_matches_a_never_evicting_cache_across_wraps() {
+    let m = model(5);
+    let toks = tokens(30); // the ring (capacity 4) wraps 7 times
+    let mut ring = KvCache::for_specs(&m.cache_specs(), 0);
+    let mut keep_all: Vec<KvCache> = m.cache_specs().iter().map(|_| KvCache::Full(FullCache::default())).collect();
+    for (i, t) in toks.iter().enumerate() {
+        let req = ForwardRequest::new(std::slice::from_ref(t), i, Logits::Last);
+        let a = rows(m.forward(&req, &mut ring).unwrap().logits.unwrap());
+        let b = rows(m.forward(&req, &mut keep_all).unwrap().logits.unwrap());
+        assert_close(&a[0], &b[0], &format!("position {i}"));
+    }
+    let ring_bytes: usize = ring.iter().map(KvCache::nbytes).sum();
+    let all_bytes: usize = keep_all.iter().map(KvCache::nbytes).sum();
+    assert!(ring_bytes < all_bytes, "ring should hold less: {ring_bytes} vs {all_bytes}");
+}
+
+#[test]
+fn truncate_after_wrap_equals_never_having_appended() {
+    let m = model(4);
+    let toks = tokens(26);
+    let junk = [5u32, 6, 9, 90];
+    // Reference: never sees the junk.
+    let mut reference = Session::new(&m, 4);
+    reference.prefill(&toks[..15], 15).unwrap();
+    // Sees the junk after the ring has wrapped, then rolls it back.
+    let mut rolled = Session::new(&m, 4);
+    rolled.prefill(&toks[..15], 15).unwrap();
+    for &j in &junk {
+        rolled.step(j).unwrap();
+    }
+    rolled.truncate(15).unwrap();
+    for &t in &toks[15..] {
+        let a = reference.step(t).unwrap();
+        let b = rolled.step(t).unwrap();
+        assert_eq!(a, b, "rollback must be exact (bit-identical)");
+    }
+    // Rolling back further than the slack is refused.
+    let mut s = Session::new(&m, 1);
+    s.prefill(&toks[..12], 12).unwrap();
+    assert!(s.truncate(10).is_err());
+}
+
+/// A cache that stores nothing: attention sees only the chunk (plus any external K/V).
+struct NoCache;
+
+impl LayerCache for NoCache {
+    fn update(&mut self, k: Tensor<3>, v: Tensor<3>, start: usize) -> kakeya_models::Result<CachedKv> {
+        let t = k.dims()[1];
+        Ok(CachedKv { k, v, positions: (start..start + t).collect() })
+    }
+    fn len(&self) -> usize {
+        0
+    }
+}
+
+#[test]
+fn external_raw_kv_reproduces_the_cached_computation() {
+    let m = model(64); // windows wider than the sequence: every layer sees every position
+    let toks = tokens(12);
+    let split = 8;
+    let mut caches = KvCache::for_specs(&m.cache_specs(), 0);
+    let req = ForwardRequest { capture_attention: true, ..ForwardRequest::new(&toks, 0, Logits::All) };
+    let out = m.forward(&req, &mut caches).unwrap();
+    let full = rows(out.logits.unwrap());
+    let kv = m.config.num_key_value_heads * m.config.head_dim;
+    let external: Vec<ExternalKv> = out
+        .attention
+        .iter()
+        .enumerate()
+        .map(|(layer, cap)| ExternalKv {
+            layer,
+            positions: (0..split).collect(),
+            k_raw: cap.k_raw.clone().slice([0..split, 0..kv]),
+            v_raw: cap.v_raw.clone().slice([0..split, 0..kv]),
+        })
+        .collect();
+    let mut empty: Vec<NoCache> = (0..m.layers.len()).map(|_| NoCache).collect();
+    let req = ForwardRequest { external_kv: &external, ..ForwardRequest::new(&toks[split..], split, Logits::All) };
+    let tail = rows(m.forward(&req, &mut empty).unwrap().logits.unwrap());
+    for (i, row) in tail.iter().enumerate() {
+        assert_close(row, &full[split + i], &format!("position {}", split + i));
+    }
+}
+
+#[test]
+fn hidden_states_and_captures_have_documented_shapes() {
+    let m = model(4);
+    let toks = tokens(5);
+    let mut caches = KvCache::for_specs(&m.cache_specs(), 0);
+    let req = ForwardRequest { hidden_after: &[1, 4], capture_attention: true, ..ForwardRequest::new(&toks, 0, Logits::Last) };
+    let out = m.forward(&req, &mut caches).unwrap();
+    assert_eq!(out.logits.unwrap().dims(), [1, 97]);
+    assert_eq!(out.hidden.len(), 2);
+    assert_eq!(out.hidden[0].dims(), [5, 32]);
+    assert_eq!(out.attention.len(), 6);
+    assert_eq!(out.attention[0].q_raw.dims(), [5, 64]);
+    assert_eq!(out.attention[0].k_raw.dims(), [5, 32]);
+    assert_eq!(out.attention[0].out.dims(), [5, 32]);
+}

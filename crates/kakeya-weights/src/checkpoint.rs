@@ -1,0 +1,304 @@
+//! One in-memory checkpoint for both sources (GGUF file, HF safetensors folder), with the
+//! checkpoint names and conventions normalised at this edge.
+//!
+//! Canonical form: HF tensor names (`model.layers.N.self_attn.q_proj.weight`, ...), PyTorch
+//! shapes (`[out, in]`), f32 values, and every Gemma RMSNorm weight stored as its **multiplier**
+//! `1 + w` — the GGUF convention. HF checkpoints store `w`, so the HF loader adds 1 and the HF
+//! writer subtracts it; the GGUF loader keeps the stored value (llama.cpp's converter already
+//! added 1).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use half::{bf16, f16};
+use safetensors::{Dtype, SafeTensors};
+
+use crate::config::Gemma3Config;
+use crate::error::{Result, WeightsError};
+use crate::gguf::GgufFile;
+
+/// A dense f32 tensor on the host.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostTensor {
+    /// Shape, PyTorch order.
+    pub shape: Vec<usize>,
+    /// Row-major values.
+    pub data: Vec<f32>,
+}
+
+/// A Gemma 3 checkpoint: config + canonical tensors.
+#[derive(Debug, Clone)]
+pub struct Checkpoint {
+    /// Where it was read from.
+    pub source: PathBuf,
+    /// Model hyper-parameters.
+    pub config: Gemma3Config,
+    /// Tensors by canonical (HF) name; norms as multipliers `1 + w`.
+    pub tensors: BTreeMap<String, HostTensor>,
+}
+
+/// GGUF → HF name remap for Gemma 3: the one table of checkpoint names.
+/// Per-layer names (`blk.N.<gguf>` → `model.layers.N.<hf>`):
+const LAYER_NAMES: &[(&str, &str)] = &[
+    ("attn_q.weight", "self_attn.q_proj.weight"),
+    ("attn_k.weight", "self_attn.k_proj.weight"),
+    ("attn_v.weight", "self_attn.v_proj.weight"),
+    ("attn_output.weight", "self_attn.o_proj.weight"),
+    ("attn_q_norm.weight", "self_attn.q_norm.weight"),
+    ("attn_k_norm.weight", "self_attn.k_norm.weight"),
+    ("attn_norm.weight", "input_layernorm.weight"),
+    ("post_attention_norm.weight", "post_attention_layernorm.weight"),
+    // GGUF calls the pre-FFN norm `ffn_norm`.
+    ("ffn_norm.weight", "pre_feedforward_layernorm.weight"),
+    ("post_ffw_norm.weight", "post_feedforward_layernorm.weight"),
+    ("ffn_gate.weight", "mlp.gate_proj.weight"),
+    ("ffn_up.weight", "mlp.up_proj.weight"),
+    ("ffn_down.weight", "mlp.down_proj.weight"),
+];
+/// Whole-model names.
+const GLOBAL_NAMES: &[(&str, &str)] = &[
+    ("token_embd.weight", "model.embed_tokens.weight"),
+    ("output_norm.weight", "model.norm.weight"),
+];
+
+/// Is this canonical tensor a Gemma (1 + w) RMSNorm weight?
+pub fn is_gemma_norm(name: &str) -> bool {
+    name.ends_with("norm.weight") || name.ends_with("layernorm.weight")
+}
+
+/// Maps a GGUF tensor name to its canonical (HF) name.
+pub fn gguf_to_hf(name: &str) -> Option<String> {
+    if let Some(&(_, hf)) = GLOBAL_NAMES.iter().find(|(g, _)| *g == name) {
+        return Some(hf.to_string());
+    }
+    let rest = name.strip_prefix("blk.")?;
+    let (layer, suffix) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let &(_, hf) = LAYER_NAMES.iter().find(|(g, _)| *g == suffix)?;
+    Some(format!("model.layers.{layer}.{hf}"))
+}
+
+/// Maps an HF checkpoint name to canonical form, or `None` for tensors a text model ignores
+/// (vision tower, projector). Multimodal checkpoints prefix the text model.
+fn hf_canonical(name: &str) -> Option<String> {
+    let name = name
+        .strip_prefix("language_model.")
+        .map(str::to_string)
+        .or_else(|| name.strip_prefix("model.language_model.").map(|r| format!("model.{r}")))
+        .unwrap_or_else(|| name.to_string());
+    name.starts_with("model.").then_some(name)
+}
+
+/// Every tensor a Gemma 3 text model needs, with its shape.
+pub fn expected_tensors(c: &Gemma3Config) -> Vec<(String, Vec<usize>)> {
+    let (h, hd) = (c.hidden_size, c.head_dim);
+    let (q, kv) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
+    let mut v = vec![
+        ("model.embed_tokens.weight".to_string(), vec![c.vocab_size, h]),
+        ("model.norm.weight".to_string(), vec![h]),
+    ];
+    for i in 0..c.num_hidden_layers {
+        let p = |s: &str| format!("model.layers.{i}.{s}");
+        v.extend([
+            (p("self_attn.q_proj.weight"), vec![q, h]),
+            (p("self_attn.k_proj.weight"), vec![kv, h]),
+            (p("self_attn.v_proj.weight"), vec![kv, h]),
+            (p("self_attn.o_proj.weight"), vec![h, q]),
+            (p("self_attn.q_norm.weight"), vec![hd]),
+            (p("self_attn.k_norm.weight"), vec![hd]),
+            (p("input_layernorm.weight"), vec![h]),
+            (p("post_attention_layernorm.weight"), vec![h]),
+            (p("pre_feedforward_layernorm.weight"), vec![h]),
+            (p("post_feedforward_layernorm.weight"), vec![h]),
+            (p("mlp.gate_proj.weight"), vec![c.intermediate_size, h]),
+            (p("mlp.up_proj.weight"), vec![c.intermediate_size, h]),
+            (p("mlp.down_proj.weight"), vec![h, c.intermediate_size]),
+        ]);
+    }
+    v
+}
+
+impl Checkpoint {
+    /// Loads a `.gguf` file or an HF folder, by what `path` is.
+    pub fn load(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        if path.is_dir() {
+            Self::from_hf_dir(path)
+        } else {
+            Self::from_gguf(path)
+        }
+    }
+
+    /// Loads and dequantises a Gemma 3 GGUF file.
+    pub fn from_gguf(path: &Path) -> Result<Self> {
+        let f = GgufFile::open(path)?;
+        let config = Gemma3Config::from_gguf(&f)?;
+        config.validate(path)?;
+        let mut tensors = BTreeMap::new();
+        for t in &f.tensors {
+            let Some(name) = gguf_to_hf(&t.name) else {
+                tracing::debug!(tensor = %t.name, "ignoring GGUF tensor with no Gemma 3 text role");
+                continue;
+            };
+            let (shape, data) = f.tensor_f32(&t.name)?;
+            tensors.insert(name, HostTensor { shape, data });
+        }
+        let ck = Self { source: path.to_path_buf(), config, tensors };
+        ck.check_tensors()?;
+        Ok(ck)
+    }
+
+    /// Loads an HF folder: `config.json` + `model.safetensors`, or shards listed in
+    /// `model.safetensors.index.json`; f32, f16 or bf16.
+    pub fn from_hf_dir(dir: &Path) -> Result<Self> {
+        let cfg_path = dir.join("config.json");
+        let text = std::fs::read_to_string(&cfg_path).map_err(|e| WeightsError::io(&cfg_path, e))?;
+        let config = Gemma3Config::from_hf_json(&cfg_path, &text)?;
+        config.validate(&cfg_path)?;
+        let mut tensors = BTreeMap::new();
+        for file in safetensors_files(dir)? {
+            read_safetensors(&file, &mut tensors)?;
+        }
+        let ck = Self { source: dir.to_path_buf(), config, tensors };
+        ck.check_tensors()?;
+        Ok(ck)
+    }
+
+    /// Checks that every tensor the config implies is present with the right shape.
+    pub fn check_tensors(&self) -> Result<()> {
+        for (name, shape) in expected_tensors(&self.config) {
+            let t = self
+                .tensors
+                .get(&name)
+                .ok_or_else(|| WeightsError::MissingTensor { path: self.source.clone(), tensor: name.clone() })?;
+            if t.shape != shape {
+                return Err(WeightsError::Shape { path: self.source.clone(), tensor: name, got: t.shape.clone(), expected: shape });
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes the checkpoint as an HF folder (`config.json` + `model.safetensors`, f32, norms
+    /// as `w`). The folder is built under a temporary name and renamed when complete; an
+    /// existing non-empty `out` is refused.
+    pub fn write_hf_dir(&self, out: &Path) -> Result<()> {
+        if out.exists() && std::fs::read_dir(out).map(|mut d| d.next().is_some()).unwrap_or(true) {
+            return Err(WeightsError::format(out, "output folder exists and is not empty"));
+        }
+        let name = out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "out".into());
+        let tmp = out.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
+        let result = self.write_hf_files(&tmp).and_then(|()| {
+            if out.exists() {
+                std::fs::remove_dir(out).map_err(|e| WeightsError::io(out, e))?;
+            }
+            std::fs::rename(&tmp, out).map_err(|e| WeightsError::io(out, e))
+        });
+        if result.is_err() {
+            let _ = std::fs::remove_dir_all(&tmp);
+        }
+        result
+    }
+
+    fn write_hf_files(&self, dir: &Path) -> Result<()> {
+        std::fs::create_dir_all(dir).map_err(|e| WeightsError::io(dir, e))?;
+        let cfg = serde_json::to_string_pretty(&self.config.to_hf_json()).expect("config serialises");
+        let cfg_path = dir.join("config.json");
+        std::fs::write(&cfg_path, cfg).map_err(|e| WeightsError::io(&cfg_path, e))?;
+        let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = self
+            .tensors
+            .iter()
+            .map(|(name, t)| {
+                let minus = if is_gemma_norm(name) { 1.0 } else { 0.0 };
+                let raw = t.data.iter().flat_map(|v| (v - minus).to_le_bytes()).collect();
+                (name.clone(), t.shape.clone(), raw)
+            })
+            .collect();
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = bytes
+            .iter()
+            .map(|(n, s, b)| {
+                let view = safetensors::tensor::TensorView::new(Dtype::F32, s.clone(), b).expect("sizes agree");
+                (n.clone(), view)
+            })
+            .collect();
+        let st_path = dir.join("model.safetensors");
+        let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
+        safetensors::serialize_to_file(views, Some(meta), &st_path)
+            .map_err(|e| WeightsError::format(&st_path, format!("writing safetensors: {e}")))
+    }
+}
+
+/// The safetensors files of an HF folder.
+fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let single = dir.join("model.safetensors");
+    if single.is_file() {
+        return Ok(vec![single]);
+    }
+    let index = dir.join("model.safetensors.index.json");
+    let text = std::fs::read_to_string(&index).map_err(|e| {
+        WeightsError::format(dir, format!("no model.safetensors and no readable model.safetensors.index.json ({e})"))
+    })?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| WeightsError::format(&index, format!("invalid JSON: {e}")))?;
+    let map = v
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| WeightsError::MissingField { path: index.clone(), field: "weight_map".into() })?;
+    let mut files: Vec<PathBuf> = map.values().filter_map(|f| f.as_str()).map(|f| dir.join(f)).collect();
+    files.sort();
+    files.dedup();
+    Ok(files)
+}
+
+/// Reads one safetensors file into `out` (canonical names, f32, norms as multipliers).
+fn read_safetensors(path: &Path, out: &mut BTreeMap<String, HostTensor>) -> Result<()> {
+    let bytes = std::fs::read(path).map_err(|e| WeightsError::io(path, e))?;
+    let st = SafeTensors::deserialize(&bytes)
+        .map_err(|e| WeightsError::format(path, format!("invalid safetensors: {e}")))?;
+    for (name, view) in st.tensors() {
+        let Some(canon) = hf_canonical(&name) else { continue };
+        let raw = view.data();
+        let mut data: Vec<f32> = match view.dtype() {
+            Dtype::F32 => raw.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+            Dtype::F16 => raw.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            Dtype::BF16 => raw.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            other => {
+                return Err(WeightsError::format(path, format!("tensor `{name}` has dtype {other:?}; only F32, F16, BF16 are supported")));
+            }
+        };
+        if is_gemma_norm(&canon) {
+            data.iter_mut().for_each(|v| *v += 1.0);
+        }
+        out.insert(canon, HostTensor { shape: view.shape().to_vec(), data });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn remap_covers_layers_and_globals() {
+        assert_eq!(gguf_to_hf("blk.17.ffn_norm.weight").unwrap(), "model.layers.17.pre_feedforward_layernorm.weight");
+        assert_eq!(gguf_to_hf("token_embd.weight").unwrap(), "model.embed_tokens.weight");
+        assert_eq!(gguf_to_hf("blk.x.attn_q.weight"), None);
+        assert_eq!(hf_canonical("language_model.model.norm.weight").unwrap(), "model.norm.weight");
+        assert_eq!(hf_canonical("model.language_model.layers.0.mlp.up_proj.weight").unwrap(), "model.layers.0.mlp.up_proj.weight");
+        assert_eq!(hf_canonical("vision_tower.x"), None);
+    }
+
+    #[test]
+    fn safetensors_header_past_the_end_is_an_error() {
+        let dir = std::env::temp_dir().join(format!("kakeya-st-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("model.safetensors");
+        let header = br#"{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#;
+        let mut b = (header.len() as u64).to_le_bytes().to_vec();
+        b.extend_from_slice(header);
+        b.extend_from_slice(&[0u8; 8]); // only 8 of the 16 bytes
+        std::fs::write(&path, &b).unwrap();
+        let e = read_safetensors(&path, &mut BTreeMap::new()).unwrap_err().to_string();
+        assert!(e.contains("model.safetensors") && e.contains("invalid safetensors"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,16 @@
+//! Checkpoint I/O for Kakeya: GGUF (with dequantisation), Hugging Face safetensors folders,
+//! the Gemma 3 config, and tokenizer loading. Formats and checkpoint names are handled here,
+//! at the edge; `kakeya-models` sees one canonical checkpoint.
+
+pub mod checkpoint;
+pub mod config;
+pub mod dequant;
+pub mod error;
+pub mod gguf;
+pub mod tokenizer;
+
+pub use checkpoint::{Checkpoint, HostTensor};
+pub use config::{AttentionKind, Gemma3Config};
+pub use error::{Result, WeightsError};
+pub use gguf::GgufFile;
+pub use tokenizer::Tokenizer;

@@ -44,7 +44,11 @@ struct Figure {
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     let n = v.len();
-    if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 }
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
 }
 
 /// Deterministic pseudo-random prompt ids in `[4, vocab)` (llama-bench also uses synthetic ids).
@@ -62,7 +66,10 @@ fn synthetic_prompt(n: usize, vocab: usize, bos: u32) -> Vec<u32> {
 
 /// Runs the benchmark.
 pub fn run(a: BenchArgs) -> Result<()> {
-    anyhow::ensure!(a.runs > 0 && a.prompt_tokens > 0 && a.gen_tokens > 0, "--runs, --prompt-tokens and --gen-tokens must be positive");
+    anyhow::ensure!(
+        a.runs > 0 && a.prompt_tokens > 0 && a.gen_tokens > 0,
+        "--runs, --prompt-tokens and --gen-tokens must be positive"
+    );
     let (model, tok) = a.model.load()?;
     let prompt = synthetic_prompt(a.prompt_tokens, model.config.vocab_size, tok.bos);
     let mut pp = Vec::new();
@@ -89,17 +96,37 @@ pub fn run(a: BenchArgs) -> Result<()> {
         tracing::info!(run = i, pp_rate, tg_rate, "bench run");
     }
     let figures = [
-        Figure { test: format!("pp{}", a.prompt_tokens), tokens: a.prompt_tokens, median_tok_s: median(pp.clone()), runs_tok_s: pp },
-        Figure { test: format!("tg{}", a.gen_tokens), tokens: a.gen_tokens, median_tok_s: median(tg.clone()), runs_tok_s: tg },
+        Figure {
+            test: format!("pp{}", a.prompt_tokens),
+            tokens: a.prompt_tokens,
+            median_tok_s: median(pp.clone()),
+            runs_tok_s: pp,
+        },
+        Figure {
+            test: format!("tg{}", a.gen_tokens),
+            tokens: a.gen_tokens,
+            median_tok_s: median(tg.clone()),
+            runs_tok_s: tg,
+        },
     ];
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&serde_json::json!({"device": format!("{:?}", a.model.device), "results": figures}))?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(
+                &serde_json::json!({"device": format!("{:?}", a.model.device), "results": figures})
+            )?
+        );
     } else {
         println!("| test | tok/s (median of {}) | runs |", a.runs);
         println!("|---|---|---|");
         for f in &figures {
             let runs: Vec<String> = f.runs_tok_s.iter().map(|r| format!("{r:.1}")).collect();
-            println!("| {} | {:.2} | {} |", f.test, f.median_tok_s, runs.join(", "));
+            println!(
+                "| {} | {:.2} | {} |",
+                f.test,
+                f.median_tok_s,
+                runs.join(", ")
+            );
         }
     }
     Ok(())

@@ -36,7 +36,10 @@ impl DeviceKind {
             #[cfg(feature = "metal")]
             DeviceKind::Metal => Ok(Device::metal(Default::default())),
             #[allow(unreachable_patterns)]
-            other => bail!("this kakeya was built without the `{other:?}` device; rebuild with `--features {}`", format!("{other:?}").to_lowercase()),
+            other => bail!(
+                "this kakeya was built without the `{other:?}` device; rebuild with `--features {}`",
+                format!("{other:?}").to_lowercase()
+            ),
         }
     }
 }
@@ -63,7 +66,10 @@ impl ModelArgs {
             None => {
                 let p = PathBuf::from(DEFAULT_MODEL);
                 if !p.is_file() {
-                    bail!("{}: default model not found; run `python3 scripts/fetch_default_model.py` first or pass --model", p.display());
+                    bail!(
+                        "{}: default model not found; run `python3 scripts/fetch_default_model.py` first or pass --model",
+                        p.display()
+                    );
                 }
                 Ok(p)
             }
@@ -85,7 +91,8 @@ impl ModelArgs {
     pub fn load(&self) -> Result<(Gemma3Model, Tokenizer)> {
         let path = self.model_path()?;
         let device = self.device.device()?;
-        let ck = Checkpoint::load(&path).with_context(|| format!("loading model {}", path.display()))?;
+        let ck =
+            Checkpoint::load(&path).with_context(|| format!("loading model {}", path.display()))?;
         let tok = Tokenizer::load(&self.tokenizer_path(&path), ck.config.vocab_size)?;
         let model = Gemma3Model::from_checkpoint(ck, &device)?;
         Ok((model, tok))

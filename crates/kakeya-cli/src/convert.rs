@@ -22,12 +22,16 @@ pub struct ConvertArgs {
 
 /// Runs the conversion.
 pub fn run(a: ConvertArgs) -> Result<()> {
-    let ck = Checkpoint::from_gguf(&a.model).with_context(|| format!("reading {}", a.model.display()))?;
+    let ck = Checkpoint::from_gguf(&a.model)
+        .with_context(|| format!("reading {}", a.model.display()))?;
     ck.write_hf_dir(&a.out)?;
-    let tok = a.tokenizer.unwrap_or_else(|| a.model.with_file_name("tokenizer.json"));
+    let tok = a
+        .tokenizer
+        .unwrap_or_else(|| a.model.with_file_name("tokenizer.json"));
     if tok.is_file() {
         let dest = a.out.join("tokenizer.json");
-        std::fs::copy(&tok, &dest).with_context(|| format!("copying {} to {}", tok.display(), dest.display()))?;
+        std::fs::copy(&tok, &dest)
+            .with_context(|| format!("copying {} to {}", tok.display(), dest.display()))?;
     }
     eprintln!("wrote {}", a.out.display());
     Ok(())

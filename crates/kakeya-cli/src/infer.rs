@@ -63,7 +63,12 @@ impl InferArgs {
         Ok(if self.temperature == 0.0 {
             Sampling::Greedy
         } else {
-            Sampling::Sample { temperature: self.temperature, top_k: self.top_k, top_p: self.top_p, seed: self.seed }
+            Sampling::Sample {
+                temperature: self.temperature,
+                top_k: self.top_k,
+                top_p: self.top_p,
+                seed: self.seed,
+            }
         })
     }
 }
@@ -113,7 +118,10 @@ pub fn run(a: InferArgs) -> Result<()> {
     let cfg = GenerationConfig {
         max_tokens: a.max_tokens,
         sampling,
-        stop_tokens: [Some(tok.eos), tok.end_of_turn].into_iter().flatten().collect(),
+        stop_tokens: [Some(tok.eos), tok.end_of_turn]
+            .into_iter()
+            .flatten()
+            .collect(),
         prefill_chunk: a.prefill_chunk,
     };
     let mut session = Session::new(&model, 0);
@@ -123,12 +131,15 @@ pub fn run(a: InferArgs) -> Result<()> {
     let text = if let Some(p) = &a.prompt {
         p.clone()
     } else if let Some(f) = &a.prompt_file {
-        std::fs::read_to_string(f).with_context(|| format!("reading prompt file {}", f.display()))?
+        std::fs::read_to_string(f)
+            .with_context(|| format!("reading prompt file {}", f.display()))?
     } else {
         let f = a.chat_file.as_ref().expect("clap requires one input");
-        let body = std::fs::read_to_string(f).with_context(|| format!("reading chat file {}", f.display()))?;
-        let msgs: Vec<Message> =
-            serde_json::from_str(&body).with_context(|| format!("{}: expected a JSON list of {{role, content}}", f.display()))?;
+        let body = std::fs::read_to_string(f)
+            .with_context(|| format!("reading chat file {}", f.display()))?;
+        let msgs: Vec<Message> = serde_json::from_str(&body).with_context(|| {
+            format!("{}: expected a JSON list of {{role, content}}", f.display())
+        })?;
         chat::format_chat(&msgs).with_context(|| format!("{}", f.display()))?
     };
     if text.trim().is_empty() {
@@ -136,7 +147,11 @@ pub fn run(a: InferArgs) -> Result<()> {
     }
     let mut ids = vec![tok.bos];
     ids.extend(tok.encode(&text)?);
-    let mut streamer = Streamer { tok: &tok, ids: Vec::new(), printed: 0 };
+    let mut streamer = Streamer {
+        tok: &tok,
+        ids: Vec::new(),
+        printed: 0,
+    };
     let g = if a.json {
         generate(&mut session, &ids, &cfg, &mut |_| {})?
     } else {
@@ -175,8 +190,16 @@ fn chat_loop(session: &mut Session<'_>, tok: &Tokenizer, cfg: &GenerationConfig)
         }
         let mut ids = if first { vec![tok.bos] } else { Vec::new() };
         first = false;
-        ids.extend(tok.encode(&format!("{}{}", chat::turn("user", line), chat::MODEL_PROMPT))?);
-        let mut streamer = Streamer { tok, ids: Vec::new(), printed: 0 };
+        ids.extend(tok.encode(&format!(
+            "{}{}",
+            chat::turn("user", line),
+            chat::MODEL_PROMPT
+        ))?);
+        let mut streamer = Streamer {
+            tok,
+            ids: Vec::new(),
+            printed: 0,
+        };
         let g = generate(session, &ids, cfg, &mut |t| streamer.push(t))?;
         println!();
         print_stats(&g);

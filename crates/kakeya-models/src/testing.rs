@@ -23,7 +23,15 @@ pub fn tiny_config(window: usize) -> Gemma3Config {
         query_pre_attn_scalar: 16.0,
         max_position_embeddings: 512,
         final_logit_softcapping: None,
-        layer_types: (0..6).map(|i| if i == 5 { AttentionKind::Full } else { AttentionKind::Sliding }).collect(),
+        layer_types: (0..6)
+            .map(|i| {
+                if i == 5 {
+                    AttentionKind::Full
+                } else {
+                    AttentionKind::Sliding
+                }
+            })
+            .collect(),
     }
 }
 
@@ -53,5 +61,9 @@ pub fn random_checkpoint(config: &Gemma3Config, seed: u64) -> Checkpoint {
         }
         tensors.insert(name, HostTensor { shape, data });
     }
-    Checkpoint { source: "random".into(), config: config.clone(), tensors }
+    Checkpoint {
+        source: "random".into(),
+        config: config.clone(),
+        tensors,
+    }
 }

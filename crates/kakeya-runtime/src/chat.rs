@@ -73,12 +73,21 @@ mod tests {
     use super::*;
 
     fn m(role: &str, content: &str) -> Message {
-        Message { role: role.into(), content: content.into() }
+        Message {
+            role: role.into(),
+            content: content.into(),
+        }
     }
 
     #[test]
     fn multi_turn_with_system() {
-        let text = format_chat(&[m("system", "Be brief."), m("user", "Hi"), m("assistant", "Hello!"), m("user", "2+2?")]).unwrap();
+        let text = format_chat(&[
+            m("system", "Be brief."),
+            m("user", "Hi"),
+            m("assistant", "Hello!"),
+            m("user", "2+2?"),
+        ])
+        .unwrap();
         assert_eq!(
             text,
             "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello!<end_of_turn>\n\
@@ -88,7 +97,10 @@ mod tests {
 
     #[test]
     fn bad_roles_and_empty() {
-        assert_eq!(format_chat(&[m("robot", "x")]), Err(ChatError::Role("robot".into())));
+        assert_eq!(
+            format_chat(&[m("robot", "x")]),
+            Err(ChatError::Role("robot".into()))
+        );
         assert_eq!(format_chat(&[]), Err(ChatError::Empty));
     }
 }

@@ -12,7 +12,10 @@ use crate::sampler::{Sampler, Sampling};
 
 /// Copies one row of logits `[1, vocab]` to the host.
 pub fn logits_row(logits: Tensor<2>) -> Vec<f32> {
-    logits.into_data().to_vec::<f32>().expect("logits are f32")
+    logits
+        .into_data()
+        .try_into_vec::<f32>()
+        .expect("logits are f32")
 }
 
 /// A model plus the caches of one sequence.
@@ -26,7 +29,11 @@ pub struct Session<'m> {
 impl<'m> Session<'m> {
     /// An empty sequence; rings keep `slack` positions of exact rollback.
     pub fn new(model: &'m Gemma3Model, slack: usize) -> Self {
-        Self { model, caches: KvCache::for_specs(&model.cache_specs(), slack), len: 0 }
+        Self {
+            model,
+            caches: KvCache::for_specs(&model.cache_specs(), slack),
+            len: 0,
+        }
     }
 
     /// Positions processed so far.
@@ -65,8 +72,15 @@ impl<'m> Session<'m> {
         let mut last = None;
         let n = tokens.chunks(chunk.max(1)).count();
         for (i, part) in tokens.chunks(chunk.max(1)).enumerate() {
-            let logits = if i + 1 == n { Logits::Last } else { Logits::None };
-            let out = self.model.forward(&ForwardRequest::new(part, self.len, logits), &mut self.caches)?;
+            let logits = if i + 1 == n {
+                Logits::Last
+            } else {
+                Logits::None
+            };
+            let out = self.model.forward(
+                &ForwardRequest::new(part, self.len, logits),
+                &mut self.caches,
+            )?;
             self.len += part.len();
             last = out.logits;
         }
@@ -75,7 +89,10 @@ impl<'m> Session<'m> {
 
     /// Runs one token; returns its logits.
     pub fn step(&mut self, token: u32) -> Result<Vec<f32>> {
-        let out = self.model.forward(&ForwardRequest::new(&[token], self.len, Logits::Last), &mut self.caches)?;
+        let out = self.model.forward(
+            &ForwardRequest::new(&[token], self.len, Logits::Last),
+            &mut self.caches,
+        )?;
         self.len += 1;
         Ok(logits_row(out.logits.expect("asked for logits")))
     }
@@ -190,5 +207,9 @@ pub fn generate(
         decode_tok_s: rate(steps, decode_secs),
         kv_bytes: session.kv_bytes(),
     };
-    Ok(Generation { tokens, stop_reason, stats })
+    Ok(Generation {
+        tokens,
+        stop_reason,
+        stats,
+    })
 }

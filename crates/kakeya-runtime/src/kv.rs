@@ -52,16 +52,28 @@ impl FullCache {
 }
 
 impl LayerCache for FullCache {
-    fn update(&mut self, k: Tensor<3>, v: Tensor<3>, start: usize) -> kakeya_models::Result<CachedKv> {
+    fn update(
+        &mut self,
+        k: Tensor<3>,
+        v: Tensor<3>,
+        start: usize,
+    ) -> kakeya_models::Result<CachedKv> {
         if start != self.len {
-            return Err(ModelError::Cache(format!("write at position {start} but the cache holds {}", self.len)));
+            return Err(ModelError::Cache(format!(
+                "write at position {start} but the cache holds {}",
+                self.len
+            )));
         }
         let t = k.dims()[1];
         self.ensure(&k, self.len + t);
         let (bk, bv) = self.kv.take().expect("ensured");
         let (bk, bv) = (assign(bk, start, k), assign(bv, start, v));
         self.len += t;
-        let out = CachedKv { k: seq_slice(&bk, 0, self.len), v: seq_slice(&bv, 0, self.len), positions: (0..self.len).collect() };
+        let out = CachedKv {
+            k: seq_slice(&bk, 0, self.len),
+            v: seq_slice(&bv, 0, self.len),
+            positions: (0..self.len).collect(),
+        };
         self.kv = Some((bk, bv));
         Ok(out)
     }
@@ -86,7 +98,13 @@ pub struct RingCache {
 impl RingCache {
     /// A ring for a layer with attention `window`, able to roll back `slack` positions.
     pub fn new(window: usize, slack: usize) -> Self {
-        Self { window, cap: (window - 1 + slack).max(1), kv: None, first: 0, len: 0 }
+        Self {
+            window,
+            cap: (window - 1 + slack).max(1),
+            kv: None,
+            first: 0,
+            len: 0,
+        }
     }
 
     /// Ring slots.
@@ -104,7 +122,13 @@ impl RingCache {
         Some(if s + n <= self.cap {
             seq_slice(buf, s, s + n)
         } else {
-            Tensor::cat(vec![seq_slice(buf, s, self.cap), seq_slice(buf, 0, s + n - self.cap)], 1)
+            Tensor::cat(
+                vec![
+                    seq_slice(buf, s, self.cap),
+                    seq_slice(buf, 0, s + n - self.cap),
+                ],
+                1,
+            )
         })
     }
 
@@ -123,16 +147,27 @@ impl RingCache {
 }
 
 impl LayerCache for RingCache {
-    fn update(&mut self, k: Tensor<3>, v: Tensor<3>, start: usize) -> kakeya_models::Result<CachedKv> {
+    fn update(
+        &mut self,
+        k: Tensor<3>,
+        v: Tensor<3>,
+        start: usize,
+    ) -> kakeya_models::Result<CachedKv> {
         if start != self.len {
-            return Err(ModelError::Cache(format!("write at position {start} but the ring is at {}", self.len)));
+            return Err(ModelError::Cache(format!(
+                "write at position {start} but the ring is at {}",
+                self.len
+            )));
         }
         let [h, t, d] = k.dims();
         let (bk, bv) = match self.kv.take() {
             Some(kv) => kv,
             None => {
                 let device = k.device();
-                (Tensor::zeros([h, self.cap, d], &device), Tensor::zeros([h, self.cap, d], &device))
+                (
+                    Tensor::zeros([h, self.cap, d], &device),
+                    Tensor::zeros([h, self.cap, d], &device),
+                )
             }
         };
         let positions: Vec<usize> = (self.first..start + t).collect();
@@ -153,7 +188,11 @@ impl LayerCache for RingCache {
         self.kv = Some((bk, bv));
         self.len = start + t;
         self.first = self.first.max(self.len.saturating_sub(self.cap));
-        Ok(CachedKv { k: all_k, v: all_v, positions })
+        Ok(CachedKv {
+            k: all_k,
+            v: all_v,
+            positions,
+        })
     }
 
     fn len(&self) -> usize {
@@ -188,7 +227,9 @@ impl KvCache {
     pub fn truncate(&mut self, len: usize) -> kakeya_models::Result<()> {
         let have = self.len();
         if len > have {
-            return Err(ModelError::Cache(format!("cannot truncate to {len}: only {have} positions held")));
+            return Err(ModelError::Cache(format!(
+                "cannot truncate to {len}: only {have} positions held"
+            )));
         }
         match self {
             KvCache::Full(c) => c.len = len,
@@ -211,12 +252,19 @@ impl KvCache {
             KvCache::Full(c) => &c.kv,
             KvCache::Ring(r) => &r.kv,
         };
-        kv.as_ref().map_or(0, |(k, v)| (k.shape().num_elements() + v.shape().num_elements()) * ELEM_BYTES)
+        kv.as_ref().map_or(0, |(k, v)| {
+            (k.shape().num_elements() + v.shape().num_elements()) * ELEM_BYTES
+        })
     }
 }
 
 impl LayerCache for KvCache {
-    fn update(&mut self, k: Tensor<3>, v: Tensor<3>, start: usize) -> kakeya_models::Result<CachedKv> {
+    fn update(
+        &mut self,
+        k: Tensor<3>,
+        v: Tensor<3>,
+        start: usize,
+    ) -> kakeya_models::Result<CachedKv> {
         match self {
             KvCache::Full(c) => c.update(k, v, start),
             KvCache::Ring(r) => r.update(k, v, start),

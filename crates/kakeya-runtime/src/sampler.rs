@@ -49,7 +49,10 @@ impl Sampler {
             Sampling::Sample { seed, .. } => seed,
             Sampling::Greedy => 0,
         };
-        Self { mode, rng: StdRng::seed_from_u64(seed) }
+        Self {
+            mode,
+            rng: StdRng::seed_from_u64(seed),
+        }
     }
 
     /// The mode.
@@ -61,14 +64,22 @@ impl Sampler {
     pub fn pick(&mut self, logits: &[f32]) -> u32 {
         match self.mode {
             Sampling::Greedy => argmax(logits).unwrap_or(0) as u32,
-            Sampling::Sample { temperature, top_k, top_p, .. } => {
+            Sampling::Sample {
+                temperature,
+                top_k,
+                top_p,
+                ..
+            } => {
                 let mut idx: Vec<usize> = (0..logits.len()).collect();
                 idx.sort_unstable_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
                 if top_k > 0 {
                     idx.truncate(top_k);
                 }
                 let max = logits[idx[0]];
-                let mut probs: Vec<f64> = idx.iter().map(|&i| (((logits[i] - max) / temperature) as f64).exp()).collect();
+                let mut probs: Vec<f64> = idx
+                    .iter()
+                    .map(|&i| (((logits[i] - max) / temperature) as f64).exp())
+                    .collect();
                 let total: f64 = probs.iter().sum();
                 probs.iter_mut().for_each(|p| *p /= total);
                 if top_p < 1.0 {
@@ -101,19 +112,36 @@ mod tests {
 
     #[test]
     fn greedy_takes_first_max() {
-        assert_eq!(Sampler::new(Sampling::Greedy).pick(&[0.0, 3.0, 3.0, 1.0]), 1);
+        assert_eq!(
+            Sampler::new(Sampling::Greedy).pick(&[0.0, 3.0, 3.0, 1.0]),
+            1
+        );
     }
 
     #[test]
     fn top_k_one_is_greedy_and_seed_repeats() {
         let logits: Vec<f32> = (0..50).map(|i| ((i * 37) % 11) as f32).collect();
-        let mode = |k, seed| Sampling::Sample { temperature: 1.0, top_k: k, top_p: 1.0, seed };
+        let mode = |k, seed| Sampling::Sample {
+            temperature: 1.0,
+            top_k: k,
+            top_p: 1.0,
+            seed,
+        };
         let mut s = Sampler::new(mode(1, 7));
         assert_eq!(s.pick(&logits), argmax(&logits).unwrap() as u32);
-        let a: Vec<u32> = { let mut s = Sampler::new(mode(0, 3)); (0..20).map(|_| s.pick(&logits)).collect() };
-        let b: Vec<u32> = { let mut s = Sampler::new(mode(0, 3)); (0..20).map(|_| s.pick(&logits)).collect() };
+        let a: Vec<u32> = {
+            let mut s = Sampler::new(mode(0, 3));
+            (0..20).map(|_| s.pick(&logits)).collect()
+        };
+        let b: Vec<u32> = {
+            let mut s = Sampler::new(mode(0, 3));
+            (0..20).map(|_| s.pick(&logits)).collect()
+        };
         assert_eq!(a, b);
-        assert!(a.iter().any(|&t| t != a[0]), "sampling at T=1 over 50 tokens should vary");
+        assert!(
+            a.iter().any(|&t| t != a[0]),
+            "sampling at T=1 over 50 tokens should vary"
+        );
     }
 
     #[test]
@@ -121,7 +149,12 @@ mod tests {
         // One token holds ~all the mass: top_p 0.5 must always return it.
         let mut logits = vec![0.0f32; 10];
         logits[4] = 20.0;
-        let mut s = Sampler::new(Sampling::Sample { temperature: 1.0, top_k: 0, top_p: 0.5, seed: 1 });
+        let mut s = Sampler::new(Sampling::Sample {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 0.5,
+            seed: 1,
+        });
         assert!((0..50).all(|_| s.pick(&logits) == 4));
     }
 }

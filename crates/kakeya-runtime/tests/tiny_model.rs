@@ -10,7 +10,8 @@ use kakeya_runtime::{FullCache, KvCache, Session};
 const TOL: f32 = 1e-4;
 
 fn model(window: usize) -> Gemma3Model {
-    Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(window), 11), &Device::flex()).unwrap()
+    Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(window), 11), &Device::flex())
+        .unwrap()
 }
 
 fn tokens(n: usize) -> Vec<u32> {
@@ -19,19 +20,28 @@ fn tokens(n: usize) -> Vec<u32> {
 
 fn rows(t: Tensor<2>) -> Vec<Vec<f32>> {
     let [n, v] = t.dims();
-    let flat = t.into_data().to_vec::<f32>().unwrap();
+    let flat = t.into_data().try_into_vec::<f32>().unwrap();
     (0..n).map(|i| flat[i * v..(i + 1) * v].to_vec()).collect()
 }
 
 fn assert_close(a: &[f32], b: &[f32], what: &str) {
-    let d = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+    let d = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
     assert!(d <= TOL, "{what}: max abs diff {d} > {TOL}");
 }
 
 /// Logits of every position from one forward over the whole sequence.
 fn full_forward(m: &Gemma3Model, toks: &[u32]) -> Vec<Vec<f32>> {
     let mut caches = KvCache::for_specs(&m.cache_specs(), 0);
-    rows(m.forward(&ForwardRequest::new(toks, 0, Logits::All), &mut caches).unwrap().logits.unwrap())
+    rows(
+        m.forward(&ForwardRequest::new(toks, 0, Logits::All), &mut caches)
+            .unwrap()
+            .logits
+            .unwrap(),
+    )
 }
 
 #[test]
@@ -53,7 +63,11 @@ fn sliding_ring_matches_a_never_evicting_cache_across_wraps() {
     let m = model(5);
     let toks = tokens(30); // the ring (capacity 4) wraps 7 times
     let mut ring = KvCache::for_specs(&m.cache_specs(), 0);
-    let mut keep_all: Vec<KvCache> = m.cache_specs().iter().map(|_| KvCache::Full(FullCache::default())).collect();
+    let mut keep_all: Vec<KvCache> = m
+        .cache_specs()
+        .iter()
+        .map(|_| KvCache::Full(FullCache::default()))
+        .collect();
     for (i, t) in toks.iter().enumerate() {
         let req = ForwardRequest::new(std::slice::from_ref(t), i, Logits::Last);
         let a = rows(m.forward(&req, &mut ring).unwrap().logits.unwrap());
@@ -62,7 +76,10 @@ fn sliding_ring_matches_a_never_evicting_cache_across_wraps() {
     }
     let ring_bytes: usize = ring.iter().map(KvCache::nbytes).sum();
     let all_bytes: usize = keep_all.iter().map(KvCache::nbytes).sum();
-    assert!(ring_bytes < all_bytes, "ring should hold less: {ring_bytes} vs {all_bytes}");
+    assert!(
+        ring_bytes < all_bytes,
+        "ring should hold less: {ring_bytes} vs {all_bytes}"
+    );
 }
 
 #[test]
@@ -95,9 +112,18 @@ fn truncate_after_wrap_equals_never_having_appended() {
 struct NoCache;
 
 impl LayerCache for NoCache {
-    fn update(&mut self, k: Tensor<3>, v: Tensor<3>, start: usize) -> kakeya_models::Result<CachedKv> {
+    fn update(
+        &mut self,
+        k: Tensor<3>,
+        v: Tensor<3>,
+        start: usize,
+    ) -> kakeya_models::Result<CachedKv> {
         let t = k.dims()[1];
-        Ok(CachedKv { k, v, positions: (start..start + t).collect() })
+        Ok(CachedKv {
+            k,
+            v,
+            positions: (start..start + t).collect(),
+        })
     }
     fn len(&self) -> usize {
         0
@@ -110,7 +136,10 @@ fn external_raw_kv_reproduces_the_cached_computation() {
     let toks = tokens(12);
     let split = 8;
     let mut caches = KvCache::for_specs(&m.cache_specs(), 0);
-    let req = ForwardRequest { capture_attention: true, ..ForwardRequest::new(&toks, 0, Logits::All) };
+    let req = ForwardRequest {
+        capture_attention: true,
+        ..ForwardRequest::new(&toks, 0, Logits::All)
+    };
     let out = m.forward(&req, &mut caches).unwrap();
     let full = rows(out.logits.unwrap());
     let kv = m.config.num_key_value_heads * m.config.head_dim;
@@ -126,7 +155,10 @@ fn external_raw_kv_reproduces_the_cached_computation() {
         })
         .collect();
     let mut empty: Vec<NoCache> = (0..m.layers.len()).map(|_| NoCache).collect();
-    let req = ForwardRequest { external_kv: &external, ..ForwardRequest::new(&toks[split..], split, Logits::All) };
+    let req = ForwardRequest {
+        external_kv: &external,
+        ..ForwardRequest::new(&toks[split..], split, Logits::All)
+    };
     let tail = rows(m.forward(&req, &mut empty).unwrap().logits.unwrap());
     for (i, row) in tail.iter().enumerate() {
         assert_close(row, &full[split + i], &format!("position {}", split + i));
@@ -138,7 +170,11 @@ fn hidden_states_and_captures_have_documented_shapes() {
     let m = model(4);
     let toks = tokens(5);
     let mut caches = KvCache::for_specs(&m.cache_specs(), 0);
-    let req = ForwardRequest { hidden_after: &[1, 4], capture_attention: true, ..ForwardRequest::new(&toks, 0, Logits::Last) };
+    let req = ForwardRequest {
+        hidden_after: &[1, 4],
+        capture_attention: true,
+        ..ForwardRequest::new(&toks, 0, Logits::Last)
+    };
     let out = m.forward(&req, &mut caches).unwrap();
     assert_eq!(out.logits.unwrap().dims(), [1, 97]);
     assert_eq!(out.hidden.len(), 2);

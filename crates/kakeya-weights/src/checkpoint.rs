@@ -47,7 +47,10 @@ const LAYER_NAMES: &[(&str, &str)] = &[
     ("attn_q_norm.weight", "self_attn.q_norm.weight"),
     ("attn_k_norm.weight", "self_attn.k_norm.weight"),
     ("attn_norm.weight", "input_layernorm.weight"),
-    ("post_attention_norm.weight", "post_attention_layernorm.weight"),
+    (
+        "post_attention_norm.weight",
+        "post_attention_layernorm.weight",
+    ),
     // GGUF calls the pre-FFN norm `ffn_norm`.
     ("ffn_norm.weight", "pre_feedforward_layernorm.weight"),
     ("post_ffw_norm.weight", "post_feedforward_layernorm.weight"),
@@ -84,7 +87,10 @@ fn hf_canonical(name: &str) -> Option<String> {
     let name = name
         .strip_prefix("language_model.")
         .map(str::to_string)
-        .or_else(|| name.strip_prefix("model.language_model.").map(|r| format!("model.{r}")))
+        .or_else(|| {
+            name.strip_prefix("model.language_model.")
+                .map(|r| format!("model.{r}"))
+        })
         .unwrap_or_else(|| name.to_string());
     name.starts_with("model.").then_some(name)
 }
@@ -94,7 +100,10 @@ pub fn expected_tensors(c: &Gemma3Config) -> Vec<(String, Vec<usize>)> {
     let (h, hd) = (c.hidden_size, c.head_dim);
     let (q, kv) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
     let mut v = vec![
-        ("model.embed_tokens.weight".to_string(), vec![c.vocab_size, h]),
+        (
+            "model.embed_tokens.weight".to_string(),
+            vec![c.vocab_size, h],
+        ),
         ("model.norm.weight".to_string(), vec![h]),
     ];
     for i in 0..c.num_hidden_layers {
@@ -143,7 +152,11 @@ impl Checkpoint {
             let (shape, data) = f.tensor_f32(&t.name)?;
             tensors.insert(name, HostTensor { shape, data });
         }
-        let ck = Self { source: path.to_path_buf(), config, tensors };
+        let ck = Self {
+            source: path.to_path_buf(),
+            config,
+            tensors,
+        };
         ck.check_tensors()?;
         Ok(ck)
     }
@@ -152,14 +165,19 @@ impl Checkpoint {
     /// `model.safetensors.index.json`; f32, f16 or bf16.
     pub fn from_hf_dir(dir: &Path) -> Result<Self> {
         let cfg_path = dir.join("config.json");
-        let text = std::fs::read_to_string(&cfg_path).map_err(|e| WeightsError::io(&cfg_path, e))?;
+        let text =
+            std::fs::read_to_string(&cfg_path).map_err(|e| WeightsError::io(&cfg_path, e))?;
         let config = Gemma3Config::from_hf_json(&cfg_path, &text)?;
         config.validate(&cfg_path)?;
         let mut tensors = BTreeMap::new();
         for file in safetensors_files(dir)? {
             read_safetensors(&file, &mut tensors)?;
         }
-        let ck = Self { source: dir.to_path_buf(), config, tensors };
+        let ck = Self {
+            source: dir.to_path_buf(),
+            config,
+            tensors,
+        };
         ck.check_tensors()?;
         Ok(ck)
     }
@@ -170,9 +188,17 @@ impl Checkpoint {
             let t = self
                 .tensors
                 .get(&name)
-                .ok_or_else(|| WeightsError::MissingTensor { path: self.source.clone(), tensor: name.clone() })?;
+                .ok_or_else(|| WeightsError::MissingTensor {
+                    path: self.source.clone(),
+                    tensor: name.clone(),
+                })?;
             if t.shape != shape {
-                return Err(WeightsError::Shape { path: self.source.clone(), tensor: name, got: t.shape.clone(), expected: shape });
+                return Err(WeightsError::Shape {
+                    path: self.source.clone(),
+                    tensor: name,
+                    got: t.shape.clone(),
+                    expected: shape,
+                });
             }
         }
         Ok(())
@@ -182,10 +208,20 @@ impl Checkpoint {
     /// as `w`). The folder is built under a temporary name and renamed when complete; an
     /// existing non-empty `out` is refused.
     pub fn write_hf_dir(&self, out: &Path) -> Result<()> {
-        if out.exists() && std::fs::read_dir(out).map(|mut d| d.next().is_some()).unwrap_or(true) {
-            return Err(WeightsError::format(out, "output folder exists and is not empty"));
+        if out.exists()
+            && std::fs::read_dir(out)
+                .map(|mut d| d.next().is_some())
+                .unwrap_or(true)
+        {
+            return Err(WeightsError::format(
+                out,
+                "output folder exists and is not empty",
+            ));
         }
-        let name = out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "out".into());
+        let name = out
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "out".into());
         let tmp = out.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
         let result = self.write_hf_files(&tmp).and_then(|()| {
             if out.exists() {
@@ -201,7 +237,8 @@ impl Checkpoint {
 
     fn write_hf_files(&self, dir: &Path) -> Result<()> {
         std::fs::create_dir_all(dir).map_err(|e| WeightsError::io(dir, e))?;
-        let cfg = serde_json::to_string_pretty(&self.config.to_hf_json()).expect("config serialises");
+        let cfg =
+            serde_json::to_string_pretty(&self.config.to_hf_json()).expect("config serialises");
         let cfg_path = dir.join("config.json");
         std::fs::write(&cfg_path, cfg).map_err(|e| WeightsError::io(&cfg_path, e))?;
         let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = self
@@ -209,14 +246,19 @@ impl Checkpoint {
             .iter()
             .map(|(name, t)| {
                 let minus = if is_gemma_norm(name) { 1.0 } else { 0.0 };
-                let raw = t.data.iter().flat_map(|v| (v - minus).to_le_bytes()).collect();
+                let raw = t
+                    .data
+                    .iter()
+                    .flat_map(|v| (v - minus).to_le_bytes())
+                    .collect();
                 (name.clone(), t.shape.clone(), raw)
             })
             .collect();
         let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = bytes
             .iter()
             .map(|(n, s, b)| {
-                let view = safetensors::tensor::TensorView::new(Dtype::F32, s.clone(), b).expect("sizes agree");
+                let view = safetensors::tensor::TensorView::new(Dtype::F32, s.clone(), b)
+                    .expect("sizes agree");
                 (n.clone(), view)
             })
             .collect();
@@ -235,15 +277,25 @@ fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
     }
     let index = dir.join("model.safetensors.index.json");
     let text = std::fs::read_to_string(&index).map_err(|e| {
-        WeightsError::format(dir, format!("no model.safetensors and no readable model.safetensors.index.json ({e})"))
+        WeightsError::format(
+            dir,
+            format!("no model.safetensors and no readable model.safetensors.index.json ({e})"),
+        )
     })?;
-    let v: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| WeightsError::format(&index, format!("invalid JSON: {e}")))?;
+    let v: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| WeightsError::format(&index, format!("invalid JSON: {e}")))?;
     let map = v
         .get("weight_map")
         .and_then(|m| m.as_object())
-        .ok_or_else(|| WeightsError::MissingField { path: index.clone(), field: "weight_map".into() })?;
-    let mut files: Vec<PathBuf> = map.values().filter_map(|f| f.as_str()).map(|f| dir.join(f)).collect();
+        .ok_or_else(|| WeightsError::MissingField {
+            path: index.clone(),
+            field: "weight_map".into(),
+        })?;
+    let mut files: Vec<PathBuf> = map
+        .values()
+        .filter_map(|f| f.as_str())
+        .map(|f| dir.join(f))
+        .collect();
     files.sort();
     files.dedup();
     Ok(files)
@@ -255,20 +307,42 @@ fn read_safetensors(path: &Path, out: &mut BTreeMap<String, HostTensor>) -> Resu
     let st = SafeTensors::deserialize(&bytes)
         .map_err(|e| WeightsError::format(path, format!("invalid safetensors: {e}")))?;
     for (name, view) in st.tensors() {
-        let Some(canon) = hf_canonical(&name) else { continue };
+        let Some(canon) = hf_canonical(&name) else {
+            continue;
+        };
         let raw = view.data();
         let mut data: Vec<f32> = match view.dtype() {
-            Dtype::F32 => raw.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
-            Dtype::F16 => raw.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-            Dtype::BF16 => raw.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            Dtype::F32 => raw
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            Dtype::F16 => raw
+                .chunks_exact(2)
+                .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            Dtype::BF16 => raw
+                .chunks_exact(2)
+                .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
             other => {
-                return Err(WeightsError::format(path, format!("tensor `{name}` has dtype {other:?}; only F32, F16, BF16 are supported")));
+                return Err(WeightsError::format(
+                    path,
+                    format!(
+                        "tensor `{name}` has dtype {other:?}; only F32, F16, BF16 are supported"
+                    ),
+                ));
             }
         };
         if is_gemma_norm(&canon) {
             data.iter_mut().for_each(|v| *v += 1.0);
         }
-        out.insert(canon, HostTensor { shape: view.shape().to_vec(), data });
+        out.insert(
+            canon,
+            HostTensor {
+                shape: view.shape().to_vec(),
+                data,
+            },
+        );
     }
     Ok(())
 }
@@ -279,11 +353,23 @@ mod tests {
 
     #[test]
     fn remap_covers_layers_and_globals() {
-        assert_eq!(gguf_to_hf("blk.17.ffn_norm.weight").unwrap(), "model.layers.17.pre_feedforward_layernorm.weight");
-        assert_eq!(gguf_to_hf("token_embd.weight").unwrap(), "model.embed_tokens.weight");
+        assert_eq!(
+            gguf_to_hf("blk.17.ffn_norm.weight").unwrap(),
+            "model.layers.17.pre_feedforward_layernorm.weight"
+        );
+        assert_eq!(
+            gguf_to_hf("token_embd.weight").unwrap(),
+            "model.embed_tokens.weight"
+        );
         assert_eq!(gguf_to_hf("blk.x.attn_q.weight"), None);
-        assert_eq!(hf_canonical("language_model.model.norm.weight").unwrap(), "model.norm.weight");
-        assert_eq!(hf_canonical("model.language_model.layers.0.mlp.up_proj.weight").unwrap(), "model.layers.0.mlp.up_proj.weight");
+        assert_eq!(
+            hf_canonical("language_model.model.norm.weight").unwrap(),
+            "model.norm.weight"
+        );
+        assert_eq!(
+            hf_canonical("model.language_model.layers.0.mlp.up_proj.weight").unwrap(),
+            "model.layers.0.mlp.up_proj.weight"
+        );
         assert_eq!(hf_canonical("vision_tower.x"), None);
     }
 
@@ -297,8 +383,13 @@ mod tests {
         b.extend_from_slice(header);
         b.extend_from_slice(&[0u8; 8]); // only 8 of the 16 bytes
         std::fs::write(&path, &b).unwrap();
-        let e = read_safetensors(&path, &mut BTreeMap::new()).unwrap_err().to_string();
-        assert!(e.contains("model.safetensors") && e.contains("invalid safetensors"), "{e}");
+        let e = read_safetensors(&path, &mut BTreeMap::new())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("model.safetensors") && e.contains("invalid safetensors"),
+            "{e}"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -59,7 +59,13 @@ pub struct Gemma3Config {
 /// Gemma 3's default layer pattern: every sixth layer is global.
 fn default_layer_types(n: usize, pattern: usize) -> Vec<AttentionKind> {
     (0..n)
-        .map(|i| if (i + 1) % pattern == 0 { AttentionKind::Full } else { AttentionKind::Sliding })
+        .map(|i| {
+            if (i + 1) % pattern == 0 {
+                AttentionKind::Full
+            } else {
+                AttentionKind::Sliding
+            }
+        })
         .collect()
 }
 
@@ -68,7 +74,10 @@ impl Gemma3Config {
     /// constants; they are filled in as llama.cpp does (local RoPE base 1e4, a global layer
     /// every 6th, `query_pre_attn_scalar = key_length`).
     pub fn from_gguf(f: &GgufFile) -> Result<Self> {
-        let arch = f.get("general.architecture").and_then(|v| v.as_str()).unwrap_or("");
+        let arch = f
+            .get("general.architecture")
+            .and_then(|v| v.as_str())
+            .unwrap_or("");
         if arch != "gemma3" {
             return Err(WeightsError::format(
                 &f.path,
@@ -80,9 +89,17 @@ impl Gemma3Config {
         let head_dim = u("attention.key_length")?;
         let vocab_size = match f.info("token_embd.weight") {
             Some(t) => t.torch_shape()[0],
-            None => return Err(WeightsError::MissingTensor { path: f.path.clone(), tensor: "token_embd.weight".into() }),
+            None => {
+                return Err(WeightsError::MissingTensor {
+                    path: f.path.clone(),
+                    tensor: "token_embd.weight".into(),
+                });
+            }
         };
-        let scaling = f.get("gemma3.rope.scaling.type").and_then(|v| v.as_str()).unwrap_or("none");
+        let scaling = f
+            .get("gemma3.rope.scaling.type")
+            .and_then(|v| v.as_str())
+            .unwrap_or("none");
         let rope_scaling_factor = match scaling {
             "linear" => f.req_f64("gemma3.rope.scaling.factor")?,
             _ => 1.0,
@@ -114,9 +131,17 @@ impl Gemma3Config {
         let root: Value = serde_json::from_str(text)
             .map_err(|e| WeightsError::format(path, format!("invalid JSON: {e}")))?;
         let c = root.get("text_config").unwrap_or(&root);
-        let missing = |field: &str| WeightsError::MissingField { path: path.to_path_buf(), field: field.to_string() };
+        let missing = |field: &str| WeightsError::MissingField {
+            path: path.to_path_buf(),
+            field: field.to_string(),
+        };
         let num = |k: &str| c.get(k).and_then(Value::as_f64).ok_or_else(|| missing(k));
-        let int = |k: &str| c.get(k).and_then(Value::as_u64).map(|v| v as usize).ok_or_else(|| missing(k));
+        let int = |k: &str| {
+            c.get(k)
+                .and_then(Value::as_u64)
+                .map(|v| v as usize)
+                .ok_or_else(|| missing(k))
+        };
         let n_layers = int("num_hidden_layers")?;
         let rope_params = c.get("rope_parameters");
         let rope_of = |kind: &str| rope_params.and_then(|p| p.get(kind));
@@ -130,13 +155,21 @@ impl Gemma3Config {
         let rope_local_base_freq = c
             .get("rope_local_base_freq")
             .and_then(Value::as_f64)
-            .or_else(|| rope_of("sliding_attention").and_then(|p| p.get("rope_theta")).and_then(Value::as_f64))
+            .or_else(|| {
+                rope_of("sliding_attention")
+                    .and_then(|p| p.get("rope_theta"))
+                    .and_then(Value::as_f64)
+            })
             .unwrap_or(10_000.0);
-        let scaling = c.get("rope_scaling").filter(|v| !v.is_null()).or_else(|| rope_of("full_attention"));
+        let scaling = c
+            .get("rope_scaling")
+            .filter(|v| !v.is_null())
+            .or_else(|| rope_of("full_attention"));
         let rope_scaling_factor = match scaling {
-            Some(s) if s.get("rope_type").and_then(Value::as_str) == Some("linear") => {
-                s.get("factor").and_then(Value::as_f64).ok_or_else(|| missing("rope_scaling.factor"))?
-            }
+            Some(s) if s.get("rope_type").and_then(Value::as_str) == Some("linear") => s
+                .get("factor")
+                .and_then(Value::as_f64)
+                .ok_or_else(|| missing("rope_scaling.factor"))?,
             _ => 1.0,
         };
         let layer_types = match c.get("layer_types").and_then(Value::as_array) {
@@ -145,15 +178,26 @@ impl Gemma3Config {
                 .map(|v| match v.as_str() {
                     Some("full_attention") => Ok(AttentionKind::Full),
                     Some("sliding_attention") => Ok(AttentionKind::Sliding),
-                    other => Err(WeightsError::format(path, format!("unknown layer type {other:?} in layer_types"))),
+                    other => Err(WeightsError::format(
+                        path,
+                        format!("unknown layer type {other:?} in layer_types"),
+                    )),
                 })
                 .collect::<Result<Vec<_>>>()?,
-            None => default_layer_types(n_layers, c.get("sliding_window_pattern").and_then(Value::as_u64).unwrap_or(6) as usize),
+            None => default_layer_types(
+                n_layers,
+                c.get("sliding_window_pattern")
+                    .and_then(Value::as_u64)
+                    .unwrap_or(6) as usize,
+            ),
         };
         if layer_types.len() != n_layers {
             return Err(WeightsError::format(
                 path,
-                format!("layer_types has {} entries but num_hidden_layers is {n_layers}", layer_types.len()),
+                format!(
+                    "layer_types has {} entries but num_hidden_layers is {n_layers}",
+                    layer_types.len()
+                ),
             ));
         }
         Ok(Self {
@@ -224,14 +268,18 @@ impl Gemma3Config {
     /// Checks internal consistency (head counts divide, etc.).
     pub fn validate(&self, path: &Path) -> Result<()> {
         let bad = |msg: String| Err(WeightsError::format(path, msg));
-        if self.num_key_value_heads == 0 || self.num_attention_heads % self.num_key_value_heads != 0 {
+        if self.num_key_value_heads == 0 || self.num_attention_heads % self.num_key_value_heads != 0
+        {
             return bad(format!(
                 "num_attention_heads {} is not a multiple of num_key_value_heads {}",
                 self.num_attention_heads, self.num_key_value_heads
             ));
         }
         if self.head_dim % 2 != 0 || self.head_dim == 0 {
-            return bad(format!("head_dim {} must be even and non-zero", self.head_dim));
+            return bad(format!(
+                "head_dim {} must be even and non-zero",
+                self.head_dim
+            ));
         }
         if self.sliding_window == 0 {
             return bad("sliding_window must be positive".into());
@@ -262,7 +310,9 @@ mod tests {
     #[test]
     fn missing_field_names_file_and_field() {
         let text = TINY.replace("\"head_dim\": 8,", "");
-        let e = Gemma3Config::from_hf_json(Path::new("dir/config.json"), &text).unwrap_err().to_string();
+        let e = Gemma3Config::from_hf_json(Path::new("dir/config.json"), &text)
+            .unwrap_err()
+            .to_string();
         assert_eq!(e, "dir/config.json: missing required field `head_dim`");
     }
 }

@@ -56,11 +56,48 @@ impl GgmlType {
     /// The name ggml gives a raw type id (for error messages), also for types we cannot decode.
     pub fn name_of_id(id: u32) -> &'static str {
         const NAMES: [&str; 42] = [
-            "F32", "F16", "Q4_0", "Q4_1", "Q4_2", "Q4_3", "Q5_0", "Q5_1", "Q8_0", "Q8_1", "Q2_K",
-            "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S",
-            "IQ4_NL", "IQ3_S", "IQ2_S", "IQ4_XS", "I8", "I16", "I32", "I64", "F64", "IQ1_M",
-            "BF16", "Q4_0_4_4", "Q4_0_4_8", "Q4_0_8_8", "TQ1_0", "TQ2_0", "IQ4_NL_4_4",
-            "IQ4_NL_4_8", "IQ4_NL_8_8", "MXFP4", "NVFP4", "Q1_0",
+            "F32",
+            "F16",
+            "Q4_0",
+            "Q4_1",
+            "Q4_2",
+            "Q4_3",
+            "Q5_0",
+            "Q5_1",
+            "Q8_0",
+            "Q8_1",
+            "Q2_K",
+            "Q3_K",
+            "Q4_K",
+            "Q5_K",
+            "Q6_K",
+            "Q8_K",
+            "IQ2_XXS",
+            "IQ2_XS",
+            "IQ3_XXS",
+            "IQ1_S",
+            "IQ4_NL",
+            "IQ3_S",
+            "IQ2_S",
+            "IQ4_XS",
+            "I8",
+            "I16",
+            "I32",
+            "I64",
+            "F64",
+            "IQ1_M",
+            "BF16",
+            "Q4_0_4_4",
+            "Q4_0_4_8",
+            "Q4_0_8_8",
+            "TQ1_0",
+            "TQ2_0",
+            "IQ4_NL_4_4",
+            "IQ4_NL_4_8",
+            "IQ4_NL_8_8",
+            "MXFP4",
+            "NVFP4",
+            "Q1_0",
         ];
         NAMES.get(id as usize).copied().unwrap_or("unknown")
     }
@@ -125,12 +162,20 @@ fn f16_at(b: &[u8], i: usize) -> f32 {
 pub fn dequantize_into(ty: GgmlType, data: &[u8], out: &mut [f32]) {
     let be = ty.block_elems();
     let bb = ty.block_bytes();
-    assert_eq!(Some(data.len()), ty.bytes_for(out.len()), "dequantize_into: length mismatch");
+    assert_eq!(
+        Some(data.len()),
+        ty.bytes_for(out.len()),
+        "dequantize_into: length mismatch"
+    );
     let blocks = data.chunks_exact(bb).zip(out.chunks_exact_mut(be));
     match ty {
-        GgmlType::F32 => blocks.for_each(|(b, y)| y[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        GgmlType::F32 => {
+            blocks.for_each(|(b, y)| y[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        }
         GgmlType::F16 => blocks.for_each(|(b, y)| y[0] = f16_at(b, 0)),
-        GgmlType::Bf16 => blocks.for_each(|(b, y)| y[0] = half::bf16::from_le_bytes([b[0], b[1]]).to_f32()),
+        GgmlType::Bf16 => {
+            blocks.for_each(|(b, y)| y[0] = half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+        }
         GgmlType::Q4_0 => blocks.for_each(|(b, y)| block_q4_0(b, y)),
         GgmlType::Q4_1 => blocks.for_each(|(b, y)| block_q4_1(b, y)),
         GgmlType::Q5_0 => blocks.for_each(|(b, y)| block_q5_0(b, y)),

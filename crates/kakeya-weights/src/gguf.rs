@@ -109,12 +109,20 @@ impl<'a> Cursor<'a> {
     fn err(&self, what: &str) -> WeightsError {
         WeightsError::format(
             self.path,
-            format!("truncated or corrupt GGUF: {what} at byte {} (file has {})", self.pos, self.buf.len()),
+            format!(
+                "truncated or corrupt GGUF: {what} at byte {} (file has {})",
+                self.pos,
+                self.buf.len()
+            ),
         )
     }
 
     fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8]> {
-        let end = self.pos.checked_add(n).filter(|&e| e <= self.buf.len()).ok_or_else(|| self.err(what))?;
+        let end = self
+            .pos
+            .checked_add(n)
+            .filter(|&e| e <= self.buf.len())
+            .ok_or_else(|| self.err(what))?;
         let s = &self.buf[self.pos..end];
         self.pos = end;
         Ok(s)
@@ -189,7 +197,11 @@ impl GgufFile {
 
     /// Parses an in-memory GGUF image; `path` is used in messages only.
     pub fn parse(path: &Path, bytes: Vec<u8>) -> Result<Self> {
-        let mut c = Cursor { buf: &bytes, pos: 0, path };
+        let mut c = Cursor {
+            buf: &bytes,
+            pos: 0,
+            path,
+        };
         let magic = c.array::<4>("magic")?;
         if &magic != MAGIC {
             return Err(WeightsError::format(
@@ -199,7 +211,10 @@ impl GgufFile {
         }
         let version = c.u32("version")?;
         if !(2..=3).contains(&version) {
-            return Err(WeightsError::format(path, format!("unsupported GGUF version {version} (need 2 or 3)")));
+            return Err(WeightsError::format(
+                path,
+                format!("unsupported GGUF version {version} (need 2 or 3)"),
+            ));
         }
         let n_tensors = c.count(24, "tensor count")?;
         let n_kv = c.count(12, "metadata count")?;
@@ -215,9 +230,14 @@ impl GgufFile {
             let name = c.string("tensor name")?;
             let n_dims = c.u32("tensor rank")? as usize;
             if n_dims > 4 {
-                return Err(WeightsError::format(path, format!("tensor `{name}` has rank {n_dims} (max 4)")));
+                return Err(WeightsError::format(
+                    path,
+                    format!("tensor `{name}` has rank {n_dims} (max 4)"),
+                ));
             }
-            let dims = (0..n_dims).map(|_| c.u64("tensor dim")).collect::<Result<Vec<_>>>()?;
+            let dims = (0..n_dims)
+                .map(|_| c.u64("tensor dim"))
+                .collect::<Result<Vec<_>>>()?;
             let type_id = c.u32("tensor type")?;
             let offset = c.u64("tensor offset")?;
             let ty = GgmlType::from_id(type_id).ok_or_else(|| WeightsError::UnsupportedType {
@@ -226,17 +246,31 @@ impl GgufFile {
                 type_id,
                 type_name: GgmlType::name_of_id(type_id).to_string(),
             })?;
-            tensors.push(GgufTensorInfo { name, dims, ty, offset });
+            tensors.push(GgufTensorInfo {
+                name,
+                dims,
+                ty,
+                offset,
+            });
         }
         let alignment = match metadata.get("general.alignment") {
             None => DEFAULT_ALIGNMENT,
-            Some(v) => v
-                .as_u64()
-                .filter(|a| a.is_power_of_two())
-                .ok_or_else(|| WeightsError::format(path, format!("general.alignment {v:?} is not a power of two")))?,
+            Some(v) => v.as_u64().filter(|a| a.is_power_of_two()).ok_or_else(|| {
+                WeightsError::format(
+                    path,
+                    format!("general.alignment {v:?} is not a power of two"),
+                )
+            })?,
         };
         let data_start = (c.pos as u64).div_ceil(alignment) * alignment;
-        let file = Self { path: path.to_path_buf(), version, metadata, tensors, data_start: data_start as usize, bytes };
+        let file = Self {
+            path: path.to_path_buf(),
+            version,
+            metadata,
+            tensors,
+            data_start: data_start as usize,
+            bytes,
+        };
         for t in &file.tensors {
             file.byte_range(t)?;
         }
@@ -247,7 +281,15 @@ impl GgufFile {
         let elems = t.dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
         let len = elems
             .and_then(|n| t.ty.bytes_for(n as usize))
-            .ok_or_else(|| WeightsError::format(&self.path, format!("tensor `{}` has invalid dims {:?} for {:?}", t.name, t.dims, t.ty)))?;
+            .ok_or_else(|| {
+                WeightsError::format(
+                    &self.path,
+                    format!(
+                        "tensor `{}` has invalid dims {:?} for {:?}",
+                        t.name, t.dims, t.ty
+                    ),
+                )
+            })?;
         let start = (self.data_start as u64).checked_add(t.offset);
         let end = start.and_then(|s| s.checked_add(len as u64));
         match (start, end) {
@@ -276,9 +318,10 @@ impl GgufFile {
 
     /// Dequantises tensor `name` to f32: (shape in PyTorch order, row-major values).
     pub fn tensor_f32(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
-        let t = self
-            .info(name)
-            .ok_or_else(|| WeightsError::MissingTensor { path: self.path.clone(), tensor: name.to_string() })?;
+        let t = self.info(name).ok_or_else(|| WeightsError::MissingTensor {
+            path: self.path.clone(),
+            tensor: name.to_string(),
+        })?;
         let raw = self.raw(t)?;
         Ok((t.torch_shape(), dequantize(t.ty, raw, t.elems())))
     }
@@ -292,14 +335,20 @@ impl GgufFile {
     pub fn req_u64(&self, key: &str) -> Result<u64> {
         self.get(key)
             .and_then(GgufValue::as_u64)
-            .ok_or_else(|| WeightsError::MissingField { path: self.path.clone(), field: key.to_string() })
+            .ok_or_else(|| WeightsError::MissingField {
+                path: self.path.clone(),
+                field: key.to_string(),
+            })
     }
 
     /// Required float metadata value.
     pub fn req_f64(&self, key: &str) -> Result<f64> {
         self.get(key)
             .and_then(GgufValue::as_f64)
-            .ok_or_else(|| WeightsError::MissingField { path: self.path.clone(), field: key.to_string() })
+            .ok_or_else(|| WeightsError::MissingField {
+                path: self.path.clone(),
+                field: key.to_string(),
+            })
     }
 }
 
@@ -339,18 +388,31 @@ mod tests {
     #[test]
     fn parses_a_minimal_file() {
         let f = GgufFile::parse(Path::new("t.gguf"), tiny_gguf(0)).unwrap();
-        assert_eq!(f.get("general.architecture").and_then(|v| v.as_str()), Some("gemma3"));
-        assert_eq!(f.tensor_f32("w").unwrap(), (vec![4], vec![1.0, 2.0, 3.0, 4.0]));
+        assert_eq!(
+            f.get("general.architecture").and_then(|v| v.as_str()),
+            Some("gemma3")
+        );
+        assert_eq!(
+            f.tensor_f32("w").unwrap(),
+            (vec![4], vec![1.0, 2.0, 3.0, 4.0])
+        );
     }
 
     #[test]
     fn truncated_file_is_an_error_naming_the_tensor() {
         let mut b = tiny_gguf(0);
         b.truncate(b.len() - 3);
-        let e = GgufFile::parse(Path::new("t.gguf"), b).unwrap_err().to_string();
-        assert!(e.contains("t.gguf") && e.contains("truncated") && e.contains("`w`"), "{e}");
+        let e = GgufFile::parse(Path::new("t.gguf"), b)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("t.gguf") && e.contains("truncated") && e.contains("`w`"),
+            "{e}"
+        );
         // Cut inside the header too.
-        let e = GgufFile::parse(Path::new("t.gguf"), tiny_gguf(0)[..30].to_vec()).unwrap_err().to_string();
+        let e = GgufFile::parse(Path::new("t.gguf"), tiny_gguf(0)[..30].to_vec())
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("truncated"), "{e}");
     }
 
@@ -358,13 +420,20 @@ mod tests {
     fn wrong_magic_is_an_error() {
         let mut b = tiny_gguf(0);
         b[0] = b'X';
-        let e = GgufFile::parse(Path::new("t.gguf"), b).unwrap_err().to_string();
+        let e = GgufFile::parse(Path::new("t.gguf"), b)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("not a GGUF file"), "{e}");
     }
 
     #[test]
     fn unknown_quant_type_is_an_error() {
-        let e = GgufFile::parse(Path::new("t.gguf"), tiny_gguf(16)).unwrap_err().to_string();
-        assert!(e.contains("unsupported GGML type 16 (IQ2_XXS)") && e.contains("`w`"), "{e}");
+        let e = GgufFile::parse(Path::new("t.gguf"), tiny_gguf(16))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("unsupported GGML type 16 (IQ2_XXS)") && e.contains("`w`"),
+            "{e}"
+        );
     }
 }

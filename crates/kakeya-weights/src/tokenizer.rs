@@ -19,7 +19,10 @@ pub struct Tokenizer {
 
 impl std::fmt::Debug for Tokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Tokenizer").field("path", &self.path).field("vocab_size", &self.vocab_size).finish()
+        f.debug_struct("Tokenizer")
+            .field("path", &self.path)
+            .field("vocab_size", &self.vocab_size)
+            .finish()
     }
 }
 
@@ -27,11 +30,18 @@ impl Tokenizer {
     /// Loads `path` and checks that its base vocabulary has exactly `model_vocab` entries
     /// (the rows of the model's embedding).
     pub fn load(path: &Path, model_vocab: usize) -> Result<Self> {
-        let err = |msg: String| WeightsError::Tokenizer { path: path.to_path_buf(), msg };
+        let err = |msg: String| WeightsError::Tokenizer {
+            path: path.to_path_buf(),
+            msg,
+        };
         if !path.is_file() {
-            return Err(WeightsError::io(path, std::io::Error::new(std::io::ErrorKind::NotFound, "tokenizer file not found")));
+            return Err(WeightsError::io(
+                path,
+                std::io::Error::new(std::io::ErrorKind::NotFound, "tokenizer file not found"),
+            ));
         }
-        let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| err(format!("cannot load tokenizer: {e}")))?;
+        let inner = tokenizers::Tokenizer::from_file(path)
+            .map_err(|e| err(format!("cannot load tokenizer: {e}")))?;
         let base = inner.get_vocab_size(false);
         if base != model_vocab {
             return Err(err(format!(
@@ -43,7 +53,14 @@ impl Tokenizer {
         let bos = id("<bos>").ok_or_else(|| err("tokenizer has no <bos> token".into()))?;
         let eos = id("<eos>").ok_or_else(|| err("tokenizer has no <eos> token".into()))?;
         let end_of_turn = id("<end_of_turn>");
-        Ok(Self { inner, path: path.to_path_buf(), bos, eos, end_of_turn, vocab_size: model_vocab })
+        Ok(Self {
+            inner,
+            path: path.to_path_buf(),
+            bos,
+            eos,
+            end_of_turn,
+            vocab_size: model_vocab,
+        })
     }
 
     /// Encodes text. Special-token strings in `text` (e.g. `<start_of_turn>`) become their ids;
@@ -52,12 +69,18 @@ impl Tokenizer {
         let enc = self
             .inner
             .encode(text, false)
-            .map_err(|e| WeightsError::Tokenizer { path: self.path.clone(), msg: format!("encode failed: {e}") })?;
+            .map_err(|e| WeightsError::Tokenizer {
+                path: self.path.clone(),
+                msg: format!("encode failed: {e}"),
+            })?;
         let ids = enc.get_ids().to_vec();
         if let Some(&bad) = ids.iter().find(|&&i| i as usize >= self.vocab_size) {
             return Err(WeightsError::Tokenizer {
                 path: self.path.clone(),
-                msg: format!("token id {bad} is outside the model's vocabulary of {}", self.vocab_size),
+                msg: format!(
+                    "token id {bad} is outside the model's vocabulary of {}",
+                    self.vocab_size
+                ),
             });
         }
         Ok(ids)
@@ -67,6 +90,9 @@ impl Tokenizer {
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         self.inner
             .decode(ids, true)
-            .map_err(|e| WeightsError::Tokenizer { path: self.path.clone(), msg: format!("decode failed: {e}") })
+            .map_err(|e| WeightsError::Tokenizer {
+                path: self.path.clone(),
+                msg: format!("decode failed: {e}"),
+            })
     }
 }

@@ -86,7 +86,12 @@ impl Attention {
     ///
     /// # Shapes
     /// - `k_raw`: `[n, kv_heads · head_dim]` → `[kv_heads, n, head_dim]`
-    pub fn keys_from_raw(&self, k_raw: Tensor<2>, positions: &[usize], device: &Device) -> Tensor<3> {
+    pub fn keys_from_raw(
+        &self,
+        k_raw: Tensor<2>,
+        positions: &[usize],
+        device: &Device,
+    ) -> Tensor<3> {
         let (cos, sin) = self.rope.tables(positions, device);
         let k = self.k_norm.forward(self.heads_first(k_raw, self.kv_heads));
         Rope::apply(k, &cos, &sin)
@@ -98,17 +103,33 @@ impl Attention {
     }
 
     /// Additive mask `[G·T, S]` (rows ordered group-major), or `None` when every key is visible.
-    fn mask(&self, start: usize, t: usize, keys: &[usize], groups: usize, device: &Device) -> Option<Tensor<3>> {
+    fn mask(
+        &self,
+        start: usize,
+        t: usize,
+        keys: &[usize],
+        groups: usize,
+        device: &Device,
+    ) -> Option<Tensor<3>> {
         let all = (0..t).all(|i| keys.iter().all(|&k| self.visible(start + i, k)));
         if all {
             return None;
         }
         let row: Vec<f32> = (0..t)
             .flat_map(|i| keys.iter().map(move |&k| (i, k)))
-            .map(|(i, k)| if self.visible(start + i, k) { 0.0 } else { f32::NEG_INFINITY })
+            .map(|(i, k)| {
+                if self.visible(start + i, k) {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
             .collect();
         let data: Vec<f32> = (0..groups).flat_map(|_| row.iter().copied()).collect();
-        Some(Tensor::from_data(TensorData::new(data, [1, groups * t, keys.len()]), device))
+        Some(Tensor::from_data(
+            TensorData::new(data, [1, groups * t, keys.len()]),
+            device,
+        ))
     }
 
     /// Attends a chunk of `T` positions `start..start+T`.
@@ -130,10 +151,24 @@ impl Attention {
         let q_raw = linear(x.clone(), &self.q_proj);
         let k_raw = linear(x.clone(), &self.k_proj);
         let v_raw = linear(x, &self.v_proj);
-        let q = Rope::apply(self.q_norm.forward(self.heads_first(q_raw.clone(), self.heads)), &cos, &sin);
-        let k = Rope::apply(self.k_norm.forward(self.heads_first(k_raw.clone(), self.kv_heads)), &cos, &sin);
+        let q = Rope::apply(
+            self.q_norm
+                .forward(self.heads_first(q_raw.clone(), self.heads)),
+            &cos,
+            &sin,
+        );
+        let k = Rope::apply(
+            self.k_norm
+                .forward(self.heads_first(k_raw.clone(), self.kv_heads)),
+            &cos,
+            &sin,
+        );
         let v = self.heads_first(v_raw.clone(), self.kv_heads);
-        let CachedKv { mut k, mut v, mut positions } = cache.update(k, v, start)?;
+        let CachedKv {
+            mut k,
+            mut v,
+            mut positions,
+        } = cache.update(k, v, start)?;
         if let Some(ext) = external {
             let ek = self.keys_from_raw(ext.k_raw.clone(), &ext.positions, &device);
             let ev = self.heads_first(ext.v_raw.clone(), self.kv_heads);
@@ -148,9 +183,17 @@ impl Attention {
             scores = scores + mask;
         }
         let attn = softmax(scores, 2).matmul(v);
-        let attn = attn.reshape([self.heads, t, self.head_dim]).swap_dims(0, 1).reshape([t, self.heads * self.head_dim]);
+        let attn = attn
+            .reshape([self.heads, t, self.head_dim])
+            .swap_dims(0, 1)
+            .reshape([t, self.heads * self.head_dim]);
         let out = linear(attn, &self.o_proj);
-        let cap = capture.then(|| AttentionCapture { q_raw, k_raw, v_raw, out: out.clone() });
+        let cap = capture.then(|| AttentionCapture {
+            q_raw,
+            k_raw,
+            v_raw,
+            out: out.clone(),
+        });
         Ok((out, cap))
     }
 }

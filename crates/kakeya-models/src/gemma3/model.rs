@@ -41,7 +41,14 @@ pub struct ForwardRequest<'a> {
 impl<'a> ForwardRequest<'a> {
     /// A plain forward returning the given logits.
     pub fn new(tokens: &'a [u32], start: usize, logits: Logits) -> Self {
-        Self { tokens, start, logits, hidden_after: &[], capture_attention: false, external_kv: &[] }
+        Self {
+            tokens,
+            start,
+            logits,
+            hidden_after: &[],
+            capture_attention: false,
+            external_kv: &[],
+        }
     }
 }
 
@@ -88,7 +95,13 @@ impl DecoderLayer {
         external: Option<&ExternalKv>,
         capture: bool,
     ) -> Result<(Tensor<2>, Option<AttentionCapture>)> {
-        let (a, cap) = self.attn.forward(self.input_norm.forward(x.clone()), start, cache, external, capture)?;
+        let (a, cap) = self.attn.forward(
+            self.input_norm.forward(x.clone()),
+            start,
+            cache,
+            external,
+            capture,
+        )?;
         let h = x + self.post_attn_norm.forward(a);
         let m = self.pre_ffn_norm.forward(h.clone());
         let m = gelu_approximate(linear(m.clone(), &self.gate_proj)) * linear(m, &self.up_proj);
@@ -119,19 +132,28 @@ struct Loader<'a> {
 impl Loader<'_> {
     fn take(&mut self, name: &str) -> Result<HostTensor> {
         self.ck.tensors.remove(name).ok_or_else(|| {
-            ModelError::Weights(kakeya_weights::WeightsError::MissingTensor { path: self.ck.source.clone(), tensor: name.into() })
+            ModelError::Weights(kakeya_weights::WeightsError::MissingTensor {
+                path: self.ck.source.clone(),
+                tensor: name.into(),
+            })
         })
     }
 
     fn t2(&mut self, name: &str) -> Result<Tensor<2>> {
         let t = self.take(name)?;
-        Ok(Tensor::from_data(TensorData::new(t.data, [t.shape[0], t.shape[1]]), self.device))
+        Ok(Tensor::from_data(
+            TensorData::new(t.data, [t.shape[0], t.shape[1]]),
+            self.device,
+        ))
     }
 
     fn norm(&mut self, name: &str, eps: f64) -> Result<GemmaRmsNorm> {
         let t = self.take(name)?;
         let n = t.data.len();
-        Ok(GemmaRmsNorm { scale: Tensor::from_data(TensorData::new(t.data, [n]), self.device), eps })
+        Ok(GemmaRmsNorm {
+            scale: Tensor::from_data(TensorData::new(t.data, [n]), self.device),
+            eps,
+        })
     }
 }
 
@@ -141,7 +163,10 @@ impl Gemma3Model {
         ck.check_tensors()?;
         let c = ck.config.clone();
         let eps = c.rms_norm_eps;
-        let mut l = Loader { ck: &mut ck, device };
+        let mut l = Loader {
+            ck: &mut ck,
+            device,
+        };
         let global_rope = Rope::new(c.head_dim, c.rope_theta, c.rope_scaling_factor);
         let local_rope = Rope::new(c.head_dim, c.rope_local_base_freq, 1.0);
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
@@ -160,7 +185,11 @@ impl Gemma3Model {
                 scale: c.query_pre_attn_scalar.powf(-0.5),
                 kind,
                 window: c.sliding_window,
-                rope: if kind == AttentionKind::Full { global_rope.clone() } else { local_rope.clone() },
+                rope: if kind == AttentionKind::Full {
+                    global_rope.clone()
+                } else {
+                    local_rope.clone()
+                },
             };
             layers.push(DecoderLayer {
                 attn,
@@ -175,7 +204,13 @@ impl Gemma3Model {
         }
         let embed = l.t2("model.embed_tokens.weight")?;
         let norm = l.norm("model.norm.weight", eps)?;
-        Ok(Self { config: c, embed, layers, norm, device: device.clone() })
+        Ok(Self {
+            config: c,
+            embed,
+            layers,
+            norm,
+            device: device.clone(),
+        })
     }
 
     /// The device the weights live on.
@@ -190,7 +225,9 @@ impl Gemma3Model {
             .iter()
             .map(|k| match k {
                 AttentionKind::Full => CacheSpec::Full,
-                AttentionKind::Sliding => CacheSpec::Sliding { window: self.config.sliding_window },
+                AttentionKind::Sliding => CacheSpec::Sliding {
+                    window: self.config.sliding_window,
+                },
             })
             .collect()
     }
@@ -224,14 +261,21 @@ impl Gemma3Model {
     /// # Shapes
     /// - `req.tokens`: `T` ids at positions `start..start+T`
     /// - returns logits `[1, vocab]` (`Last`) or `[T, vocab]` (`All`); hidden states `[T, hidden]`
-    pub fn forward<C: LayerCache>(&self, req: &ForwardRequest<'_>, caches: &mut [C]) -> Result<ForwardOutput> {
+    pub fn forward<C: LayerCache>(
+        &self,
+        req: &ForwardRequest<'_>,
+        caches: &mut [C],
+    ) -> Result<ForwardOutput> {
         let c = &self.config;
         let t = req.tokens.len();
         if t == 0 {
             return Err(ModelError::Input("empty token chunk".into()));
         }
         if let Some(&bad) = req.tokens.iter().find(|&&id| id as usize >= c.vocab_size) {
-            return Err(ModelError::Input(format!("token id {bad} is outside the vocabulary of {}", c.vocab_size)));
+            return Err(ModelError::Input(format!(
+                "token id {bad} is outside the vocabulary of {}",
+                c.vocab_size
+            )));
         }
         if req.start + t > c.max_position_embeddings {
             return Err(ModelError::Input(format!(
@@ -241,10 +285,17 @@ impl Gemma3Model {
             )));
         }
         if caches.len() != self.layers.len() {
-            return Err(ModelError::Cache(format!("{} caches for {} layers", caches.len(), self.layers.len())));
+            return Err(ModelError::Cache(format!(
+                "{} caches for {} layers",
+                caches.len(),
+                self.layers.len()
+            )));
         }
         if let Some(&bad) = req.hidden_after.iter().find(|&&l| l >= self.layers.len()) {
-            return Err(ModelError::Input(format!("hidden_after layer {bad} >= {} layers", self.layers.len())));
+            return Err(ModelError::Input(format!(
+                "hidden_after layer {bad} >= {} layers",
+                self.layers.len()
+            )));
         }
         let mut x = self.embed_tokens(req.tokens);
         let mut hidden = vec![None; req.hidden_after.len()];
@@ -254,7 +305,12 @@ impl Gemma3Model {
             let (y, cap) = layer.forward(x, req.start, cache, ext, req.capture_attention)?;
             x = y;
             attention.extend(cap);
-            for (slot, _) in req.hidden_after.iter().enumerate().filter(|(_, l)| **l == i) {
+            for (slot, _) in req
+                .hidden_after
+                .iter()
+                .enumerate()
+                .filter(|(_, l)| **l == i)
+            {
                 hidden[slot] = Some(x.clone());
             }
         }
@@ -263,6 +319,10 @@ impl Gemma3Model {
             Logits::All => Some(self.logits(x)),
             Logits::Last => Some(self.logits(x.slice([t - 1..t, 0..c.hidden_size]))),
         };
-        Ok(ForwardOutput { logits, hidden: hidden.into_iter().flatten().collect(), attention })
+        Ok(ForwardOutput {
+            logits,
+            hidden: hidden.into_iter().flatten().collect(),
+            attention,
+        })
     }
 }

@@ -18,7 +18,13 @@ impl GemmaRmsNorm {
     /// # Shapes
     /// - `x`: `[..., dim]` → `[..., dim]`
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        let inv = x.clone().square().mean_dim(D - 1).add_scalar(self.eps).sqrt().recip();
+        let inv = x
+            .clone()
+            .square()
+            .mean_dim(D - 1)
+            .add_scalar(self.eps)
+            .sqrt()
+            .recip();
         x * inv * self.scale.clone().unsqueeze::<D>()
     }
 }

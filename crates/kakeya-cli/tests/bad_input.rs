@@ -1,0 +1,254 @@
+//! Bad input to the `kakeya` binary: each case must exit non-zero with a message naming the
+//! file and the problem, never panic, and leave no partial output.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use kakeya_models::testing::{random_checkpoint, tiny_config};
+
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Self {
+        let p = std::env::temp_dir().join(format!("kakeya-cli-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).unwrap();
+        Self(p)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Runs kakeya; asserts failure without a panic; returns stderr.
+fn fails(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_kakeya"))
+        .args(args)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        !out.status.success(),
+        "expected failure for {args:?}; stderr: {err}"
+    );
+    assert!(!err.contains("panicked"), "panic for {args:?}: {err}");
+    err
+}
+
+/// A word-level tokenizer with `n` tokens (<pad>, <eos>, <bos>, <unk>, w4, w5, ...).
+fn write_tokenizer(path: &Path, n: usize) {
+    let mut vocab = serde_json::Map::new();
+    for (i, name) in ["<pad>", "<eos>", "<bos>", "<unk>"].iter().enumerate() {
+        vocab.insert(name.to_string(), i.into());
+    }
+    for i in 4..n {
+        vocab.insert(format!("w{i}"), i.into());
+    }
+    let tok = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+        "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
+    });
+    std::fs::write(path, tok.to_string()).unwrap();
+}
+
+/// A tiny random Gemma 3 as an HF folder, with a matching tokenizer (vocab 97, context 512).
+fn tiny_model(dir: &Path) -> PathBuf {
+    let m = dir.join("tiny");
+    random_checkpoint(&tiny_config(4), 3)
+        .write_hf_dir(&m)
+        .unwrap();
+    write_tokenizer(&m.join("tokenizer.json"), 97);
+    m
+}
+
+/// A GGUF image with one F32 tensor `w` of 4 elements of type `type_id`.
+fn gguf_bytes(type_id: u32) -> Vec<u8> {
+    let mut b = b"GGUF".to_vec();
+    b.extend(3u32.to_le_bytes());
+    b.extend(1u64.to_le_bytes());
+    b.extend(1u64.to_le_bytes());
+    let key = b"general.architecture";
+    b.extend((key.len() as u64).to_le_bytes());
+    b.extend(key);
+    b.extend(8u32.to_le_bytes());
+    b.extend(6u64.to_le_bytes());
+    b.extend(b"gemma3");
+    b.extend(1u64.to_le_bytes());
+    b.push(b'w');
+    b.extend(1u32.to_le_bytes());
+    b.extend(4u64.to_le_bytes());
+    b.extend(type_id.to_le_bytes());
+    b.extend(0u64.to_le_bytes());
+    b.resize(b.len().div_ceil(32) * 32, 0);
+    b.extend([0u8; 16]);
+    b
+}
+
+#[test]
+fn truncated_gguf() {
+    let s = Scratch::new("trunc");
+    let p = s.0.join("m.gguf");
+    let mut b = gguf_bytes(0);
+    b.truncate(b.len() - 5);
+    std::fs::write(&p, b).unwrap();
+    let err = fails(&["infer", "--model", p.to_str().unwrap(), "--prompt", "hi"]);
+    assert!(err.contains("m.gguf") && err.contains("truncated"), "{err}");
+    // convert leaves nothing behind
+    let out = s.0.join("out");
+    let err = fails(&[
+        "convert",
+        "--model",
+        p.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(err.contains("truncated"), "{err}");
+    assert!(!out.exists());
+    assert_eq!(
+        std::fs::read_dir(&s.0).unwrap().count(),
+        1,
+        "no temp folders left"
+    );
+}
+
+#[test]
+fn wrong_magic() {
+    let s = Scratch::new("magic");
+    let p = s.0.join("m.gguf");
+    let mut b = gguf_bytes(0);
+    b[..4].copy_from_slice(b"GGML");
+    std::fs::write(&p, b).unwrap();
+    let err = fails(&["infer", "--model", p.to_str().unwrap(), "--prompt", "hi"]);
+    assert!(
+        err.contains("m.gguf") && err.contains("not a GGUF file"),
+        "{err}"
+    );
+}
+
+#[test]
+fn unknown_quant_type() {
+    let s = Scratch::new("qtype");
+    let p = s.0.join("m.gguf");
+    std::fs::write(&p, gguf_bytes(19)).unwrap();
+    let err = fails(&["infer", "--model", p.to_str().unwrap(), "--prompt", "hi"]);
+    assert!(
+        err.contains("m.gguf") && err.contains("unsupported GGML type 19 (IQ1_S)"),
+        "{err}"
+    );
+}
+
+#[test]
+fn safetensors_header_past_the_end() {
+    let s = Scratch::new("st");
+    let m = tiny_model(&s.0);
+    let st = m.join("model.safetensors");
+    let len = std::fs::metadata(&st).unwrap().len();
+    let f = std::fs::OpenOptions::new().write(true).open(&st).unwrap();
+    f.set_len(len - 100).unwrap();
+    let err = fails(&["infer", "--model", m.to_str().unwrap(), "--prompt", "w4"]);
+    assert!(
+        err.contains("model.safetensors") && err.contains("invalid safetensors"),
+        "{err}"
+    );
+}
+
+#[test]
+fn config_missing_a_field() {
+    let s = Scratch::new("cfg");
+    let m = tiny_model(&s.0);
+    let cfg = m.join("config.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+    v.as_object_mut().unwrap().remove("num_key_value_heads");
+    std::fs::write(&cfg, v.to_string()).unwrap();
+    let err = fails(&["infer", "--model", m.to_str().unwrap(), "--prompt", "w4"]);
+    assert!(
+        err.contains("config.json: missing required field `num_key_value_heads`"),
+        "{err}"
+    );
+}
+
+#[test]
+fn tokenizer_vocab_mismatch() {
+    let s = Scratch::new("tok");
+    let m = tiny_model(&s.0);
+    let other = s.0.join("other-tokenizer.json");
+    write_tokenizer(&other, 50);
+    let err = fails(&[
+        "infer",
+        "--model",
+        m.to_str().unwrap(),
+        "--tokenizer",
+        other.to_str().unwrap(),
+        "--prompt",
+        "w4",
+    ]);
+    assert!(
+        err.contains("other-tokenizer.json")
+            && err.contains("50 tokens")
+            && err.contains("97 rows"),
+        "{err}"
+    );
+}
+
+#[test]
+fn empty_prompt() {
+    let s = Scratch::new("empty");
+    let m = tiny_model(&s.0);
+    let err = fails(&["infer", "--model", m.to_str().unwrap(), "--prompt", "  "]);
+    assert!(err.contains("prompt is empty"), "{err}");
+    let pf = s.0.join("prompt.txt");
+    std::fs::write(&pf, "").unwrap();
+    let err = fails(&[
+        "infer",
+        "--model",
+        m.to_str().unwrap(),
+        "--prompt-file",
+        pf.to_str().unwrap(),
+    ]);
+    assert!(err.contains("prompt is empty"), "{err}");
+}
+
+#[test]
+fn prompt_longer_than_context() {
+    let s = Scratch::new("long");
+    let m = tiny_model(&s.0);
+    let prompt = vec!["w5"; 600].join(" ");
+    let err = fails(&["infer", "--model", m.to_str().unwrap(), "--prompt", &prompt]);
+    assert!(
+        err.contains("601 tokens") && err.contains("context of 512"),
+        "{err}"
+    );
+}
+
+#[test]
+fn tiny_model_generates() {
+    // The good path of the same fixtures, so the failures above are failures of the input.
+    let s = Scratch::new("ok");
+    let m = tiny_model(&s.0);
+    let out = Command::new(env!("CARGO_BIN_EXE_kakeya"))
+        .args([
+            "infer",
+            "--model",
+            m.to_str().unwrap(),
+            "--prompt",
+            "w4 w5 w6",
+            "--max-tokens",
+            "5",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["prompt_ids"].as_array().unwrap().len(), 4);
+    assert!(!v["tokens"].as_array().unwrap().is_empty());
+}

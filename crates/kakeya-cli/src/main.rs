@@ -1,6 +1,9 @@
 //! `kakeya`: the command-line front end. Parses arguments, picks the device, calls the
 //! libraries.
 
+// Printing results to stdout is this binary's job (libraries use `tracing`).
+#![allow(clippy::print_stdout)]
+
 mod bench;
 mod common;
 mod convert;

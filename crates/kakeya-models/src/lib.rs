@@ -4,6 +4,7 @@
 pub mod cache;
 pub mod error;
 pub mod gemma3;
+pub mod linear;
 pub mod testing;
 
 pub use cache::{CacheSpec, CachedKv, LayerCache};

@@ -65,5 +65,6 @@ pub fn random_checkpoint(config: &Gemma3Config, seed: u64) -> Checkpoint {
         source: "random".into(),
         config: config.clone(),
         tensors,
+        quantized: BTreeMap::new(),
     }
 }

@@ -14,8 +14,10 @@ use half::{bf16, f16};
 use safetensors::{Dtype, SafeTensors};
 
 use crate::config::Gemma3Config;
+use crate::dequant::GgmlType;
 use crate::error::{Result, WeightsError};
 use crate::gguf::GgufFile;
+use crate::quant::QuantMatrix;
 
 /// A dense f32 tensor on the host.
 #[derive(Debug, Clone, PartialEq)]
@@ -35,6 +37,9 @@ pub struct Checkpoint {
     pub config: Gemma3Config,
     /// Tensors by canonical (HF) name; norms as multipliers `1 + w`.
     pub tensors: BTreeMap<String, HostTensor>,
+    /// The GGUF blocks of quantised 2-D tensors, by canonical name, for CPU kernels that read
+    /// them directly (same values as `tensors`; empty for HF folders).
+    pub quantized: BTreeMap<String, QuantMatrix>,
 }
 
 /// GGUF → HF name remap for Gemma 3: the one table of checkpoint names.
@@ -144,18 +149,25 @@ impl Checkpoint {
         let config = Gemma3Config::from_gguf(&f)?;
         config.validate(path)?;
         let mut tensors = BTreeMap::new();
+        let mut quantized = BTreeMap::new();
         for t in &f.tensors {
             let Some(name) = gguf_to_hf(&t.name) else {
                 tracing::debug!(tensor = %t.name, "ignoring GGUF tensor with no Gemma 3 text role");
                 continue;
             };
             let (shape, data) = f.tensor_f32(&t.name)?;
+            let is_quant = !matches!(t.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16);
+            if is_quant && shape.len() == 2 {
+                let q = QuantMatrix::new(t.ty, shape[0], shape[1], f.raw(t)?.to_vec());
+                quantized.extend(q.map(|q| (name.clone(), q)));
+            }
             tensors.insert(name, HostTensor { shape, data });
         }
         let ck = Self {
             source: path.to_path_buf(),
             config,
             tensors,
+            quantized,
         };
         ck.check_tensors()?;
         Ok(ck)
@@ -177,6 +189,7 @@ impl Checkpoint {
             source: dir.to_path_buf(),
             config,
             tensors,
+            quantized: BTreeMap::new(),
         };
         ck.check_tensors()?;
         Ok(ck)

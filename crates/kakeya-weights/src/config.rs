@@ -268,14 +268,17 @@ impl Gemma3Config {
     /// Checks internal consistency (head counts divide, etc.).
     pub fn validate(&self, path: &Path) -> Result<()> {
         let bad = |msg: String| Err(WeightsError::format(path, msg));
-        if self.num_key_value_heads == 0 || self.num_attention_heads % self.num_key_value_heads != 0
+        if self.num_key_value_heads == 0
+            || !self
+                .num_attention_heads
+                .is_multiple_of(self.num_key_value_heads)
         {
             return bad(format!(
                 "num_attention_heads {} is not a multiple of num_key_value_heads {}",
                 self.num_attention_heads, self.num_key_value_heads
             ));
         }
-        if self.head_dim % 2 != 0 || self.head_dim == 0 {
+        if !self.head_dim.is_multiple_of(2) || self.head_dim == 0 {
             return bad(format!(
                 "head_dim {} must be even and non-zero",
                 self.head_dim

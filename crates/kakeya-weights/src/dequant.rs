@@ -5,8 +5,6 @@
 //! `gguf/quants.py` implements the same formulas and is the oracle of this module's tests
 //! (`tests/fixtures/dequant/`).
 
-use half::f16;
-
 /// A GGML tensor element type, as stored in a GGUF tensor info.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GgmlType {
@@ -147,43 +145,71 @@ impl GgmlType {
     /// Bytes that `n` elements occupy, or `None` when `n` is not a whole number of blocks.
     pub fn bytes_for(self, n: usize) -> Option<usize> {
         let be = self.block_elems();
-        (n % be == 0).then(|| n / be * self.block_bytes())
+        n.is_multiple_of(be).then(|| n / be * self.block_bytes())
     }
 }
 
+/// Exact IEEE half → f32, inlinable into the SIMD kernels (the `half` crate's conversion is an
+/// out-of-line, runtime-dispatched call, too costly once per 32 weights).
+#[inline(always)]
+fn f16_bits_to_f32(h: u16) -> f32 {
+    let sign = ((h & 0x8000) as u32) << 16;
+    let exp = ((h >> 10) & 0x1f) as u32;
+    let mant = (h & 0x3ff) as u32;
+    match exp {
+        0 => {
+            // Zero or subnormal: mant · 2^-24, exact in f32.
+            let v = mant as f32 * (1.0 / 16_777_216.0);
+            if sign != 0 { -v } else { v }
+        }
+        31 => f32::from_bits(sign | 0x7f80_0000 | (mant << 13)),
+        _ => f32::from_bits(sign | ((exp + 112) << 23) | (mant << 13)),
+    }
+}
+
+#[inline(always)]
 fn f16_at(b: &[u8], i: usize) -> f32 {
-    f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
+    f16_bits_to_f32(u16::from_le_bytes([b[i], b[i + 1]]))
+}
+
+/// Runs a block decoder over whole blocks: `$bb` bytes → `$be` values. Fixed-size arrays let
+/// the compiler drop bounds checks, and direct calls (not function values) let the decoders
+/// inline into the SIMD-enabled kernels of [`crate::quant`].
+macro_rules! decode_blocks {
+    ($data:expr, $out:expr, $bb:literal, $be:literal, |$b:ident, $y:ident| $body:expr) => {{
+        let (bs, _) = $data.as_chunks::<$bb>();
+        let (ys, _) = $out.as_chunks_mut::<$be>();
+        for ($b, $y) in bs.iter().zip(ys) {
+            $body;
+        }
+    }};
 }
 
 /// Dequantises `data` (exactly `ty.bytes_for(out.len())` bytes) into `out`.
 ///
 /// # Panics
 /// If the lengths disagree; callers check them against the tensor info first.
+#[inline(always)]
 pub fn dequantize_into(ty: GgmlType, data: &[u8], out: &mut [f32]) {
-    let be = ty.block_elems();
-    let bb = ty.block_bytes();
     assert_eq!(
         Some(data.len()),
         ty.bytes_for(out.len()),
         "dequantize_into: length mismatch"
     );
-    let blocks = data.chunks_exact(bb).zip(out.chunks_exact_mut(be));
     match ty {
-        GgmlType::F32 => {
-            blocks.for_each(|(b, y)| y[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        }
-        GgmlType::F16 => blocks.for_each(|(b, y)| y[0] = f16_at(b, 0)),
-        GgmlType::Bf16 => {
-            blocks.for_each(|(b, y)| y[0] = half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-        }
-        GgmlType::Q4_0 => blocks.for_each(|(b, y)| block_q4_0(b, y)),
-        GgmlType::Q4_1 => blocks.for_each(|(b, y)| block_q4_1(b, y)),
-        GgmlType::Q5_0 => blocks.for_each(|(b, y)| block_q5_0(b, y)),
-        GgmlType::Q5_1 => blocks.for_each(|(b, y)| block_q5_1(b, y)),
-        GgmlType::Q8_0 => blocks.for_each(|(b, y)| block_q8_0(b, y)),
-        GgmlType::Q4K => blocks.for_each(|(b, y)| block_q4_k(b, y)),
-        GgmlType::Q5K => blocks.for_each(|(b, y)| block_q5_k(b, y)),
-        GgmlType::Q6K => blocks.for_each(|(b, y)| block_q6_k(b, y)),
+        GgmlType::F32 => decode_blocks!(data, out, 4, 1, |b, y| y[0] = f32::from_le_bytes(*b)),
+        GgmlType::F16 => decode_blocks!(data, out, 2, 1, |b, y| y[0] =
+            f16_bits_to_f32(u16::from_le_bytes(*b))),
+        GgmlType::Bf16 => decode_blocks!(data, out, 2, 1, |b, y| y[0] =
+            half::bf16::from_le_bytes(*b).to_f32()),
+        GgmlType::Q4_0 => decode_blocks!(data, out, 18, 32, |b, y| block_q4_0(b, y)),
+        GgmlType::Q4_1 => decode_blocks!(data, out, 20, 32, |b, y| block_q4_1(b, y)),
+        GgmlType::Q5_0 => decode_blocks!(data, out, 22, 32, |b, y| block_q5_0(b, y)),
+        GgmlType::Q5_1 => decode_blocks!(data, out, 24, 32, |b, y| block_q5_1(b, y)),
+        GgmlType::Q8_0 => decode_blocks!(data, out, 34, 32, |b, y| block_q8_0(b, y)),
+        GgmlType::Q4K => decode_blocks!(data, out, 144, 256, |b, y| block_q4_k(b, y)),
+        GgmlType::Q5K => decode_blocks!(data, out, 176, 256, |b, y| block_q5_k(b, y)),
+        GgmlType::Q6K => decode_blocks!(data, out, 210, 256, |b, y| block_q6_k(b, y)),
     }
 }
 
@@ -195,7 +221,8 @@ pub fn dequantize(ty: GgmlType, data: &[u8], n: usize) -> Vec<f32> {
 }
 
 // Layout: d: f16, qs: [u8; 16]; low nibbles are elements 0..16, high nibbles 16..32.
-fn block_q4_0(b: &[u8], y: &mut [f32]) {
+#[inline(always)]
+fn block_q4_0(b: &[u8; 18], y: &mut [f32; 32]) {
     let d = f16_at(b, 0);
     let qs = &b[2..18];
     for j in 0..16 {
@@ -205,7 +232,8 @@ fn block_q4_0(b: &[u8], y: &mut [f32]) {
 }
 
 // Layout: d: f16, m: f16, qs: [u8; 16].
-fn block_q4_1(b: &[u8], y: &mut [f32]) {
+#[inline(always)]
+fn block_q4_1(b: &[u8; 20], y: &mut [f32; 32]) {
     let d = f16_at(b, 0);
     let m = f16_at(b, 2);
     let qs = &b[4..20];
@@ -216,6 +244,7 @@ fn block_q4_1(b: &[u8], y: &mut [f32]) {
 }
 
 /// The fifth bits of a Q5 block: bit j of `qh` is the high bit of element j.
+#[inline(always)]
 fn q5_high(qh: u32, j: usize) -> (u8, u8) {
     let h0 = (((qh >> j) << 4) & 0x10) as u8;
     let h1 = ((qh >> (j + 12)) & 0x10) as u8;
@@ -223,7 +252,8 @@ fn q5_high(qh: u32, j: usize) -> (u8, u8) {
 }
 
 // Layout: d: f16, qh: u32 (LE), qs: [u8; 16].
-fn block_q5_0(b: &[u8], y: &mut [f32]) {
+#[inline(always)]
+fn block_q5_0(b: &[u8; 22], y: &mut [f32; 32]) {
     let d = f16_at(b, 0);
     let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
     let qs = &b[6..22];
@@ -235,7 +265,8 @@ fn block_q5_0(b: &[u8], y: &mut [f32]) {
 }
 
 // Layout: d: f16, m: f16, qh: u32 (LE), qs: [u8; 16].
-fn block_q5_1(b: &[u8], y: &mut [f32]) {
+#[inline(always)]
+fn block_q5_1(b: &[u8; 24], y: &mut [f32; 32]) {
     let d = f16_at(b, 0);
     let m = f16_at(b, 2);
     let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
@@ -248,7 +279,8 @@ fn block_q5_1(b: &[u8], y: &mut [f32]) {
 }
 
 // Layout: d: f16, qs: [i8; 32].
-fn block_q8_0(b: &[u8], y: &mut [f32]) {
+#[inline(always)]
+fn block_q8_0(b: &[u8; 34], y: &mut [f32; 32]) {
     let d = f16_at(b, 0);
     for (j, yj) in y.iter_mut().enumerate() {
         *yj = (b[2 + j] as i8) as f32 * d;
@@ -257,6 +289,7 @@ fn block_q8_0(b: &[u8], y: &mut [f32]) {
 
 /// The 6-bit scale and min of sub-block `j` (0..8) packed in the 12 `scales` bytes of a
 /// Q4_K / Q5_K super-block.
+#[inline(always)]
 fn k_scale_min(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
@@ -269,7 +302,8 @@ fn k_scale_min(j: usize, q: &[u8]) -> (u8, u8) {
 }
 
 // Layout: d: f16, dmin: f16, scales: [u8; 12], qs: [u8; 128].
-fn block_q4_k(b: &[u8], y: &mut [f32]) {
+#[inline(always)]
+fn block_q4_k(b: &[u8; 144], y: &mut [f32; 256]) {
     let d = f16_at(b, 0);
     let dmin = f16_at(b, 2);
     let scales = &b[4..16];
@@ -289,7 +323,8 @@ fn block_q4_k(b: &[u8], y: &mut [f32]) {
 }
 
 // Layout: d: f16, dmin: f16, scales: [u8; 12], qh: [u8; 32], qs: [u8; 128].
-fn block_q5_k(b: &[u8], y: &mut [f32]) {
+#[inline(always)]
+fn block_q5_k(b: &[u8; 176], y: &mut [f32; 256]) {
     let d = f16_at(b, 0);
     let dmin = f16_at(b, 2);
     let scales = &b[4..16];
@@ -313,7 +348,8 @@ fn block_q5_k(b: &[u8], y: &mut [f32]) {
 }
 
 // Layout: ql: [u8; 128], qh: [u8; 64], scales: [i8; 16], d: f16.
-fn block_q6_k(b: &[u8], y: &mut [f32]) {
+#[inline(always)]
+fn block_q6_k(b: &[u8; 210], y: &mut [f32; 256]) {
     let d = f16_at(b, 208);
     for half in 0..2 {
         let ql = &b[64 * half..64 * half + 64];
@@ -331,6 +367,23 @@ fn block_q6_k(b: &[u8], y: &mut [f32]) {
             out[l + 32] = s(2) * q2 as f32;
             out[l + 64] = s(4) * q3 as f32;
             out[l + 96] = s(6) * q4 as f32;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f16_conversion_is_exact_for_every_bit_pattern() {
+        for h in 0..=u16::MAX {
+            let want = half::f16::from_bits(h).to_f32();
+            let got = f16_bits_to_f32(h);
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "{h:#06x}: {got} vs {want}"
+            );
         }
     }
 }

@@ -7,10 +7,12 @@ pub mod config;
 pub mod dequant;
 pub mod error;
 pub mod gguf;
+pub mod quant;
 pub mod tokenizer;
 
 pub use checkpoint::{Checkpoint, HostTensor};
 pub use config::{AttentionKind, Gemma3Config};
 pub use error::{Result, WeightsError};
 pub use gguf::GgufFile;
+pub use quant::QuantMatrix;
 pub use tokenizer::Tokenizer;

@@ -9,6 +9,7 @@ use super::norm::GemmaRmsNorm;
 use super::rope::Rope;
 use crate::cache::{CachedKv, LayerCache};
 use crate::error::Result;
+use crate::linear::Linear;
 
 /// K/V supplied from outside the cache for some positions of one layer (restoration): raw
 /// projection outputs, before k_norm and RoPE, which the layer applies itself.
@@ -41,13 +42,13 @@ pub struct AttentionCapture {
 #[derive(Debug, Clone)]
 pub struct Attention {
     /// `[heads · head_dim, hidden]`.
-    pub q_proj: Tensor<2>,
+    pub q_proj: Linear,
     /// `[kv_heads · head_dim, hidden]`.
-    pub k_proj: Tensor<2>,
+    pub k_proj: Linear,
     /// `[kv_heads · head_dim, hidden]`.
-    pub v_proj: Tensor<2>,
+    pub v_proj: Linear,
     /// `[hidden, heads · head_dim]`.
-    pub o_proj: Tensor<2>,
+    pub o_proj: Linear,
     /// Per-head query norm over `head_dim`.
     pub q_norm: GemmaRmsNorm,
     /// Per-head key norm over `head_dim`.
@@ -66,14 +67,6 @@ pub struct Attention {
     pub window: usize,
     /// RoPE of this layer's kind.
     pub rope: Rope,
-}
-
-/// `x · Wᵀ` for a PyTorch-layout weight `[out, in]`.
-///
-/// # Shapes
-/// - `x`: `[T, in]`, `w`: `[out, in]` → `[T, out]`
-pub fn linear(x: Tensor<2>, w: &Tensor<2>) -> Tensor<2> {
-    x.matmul(w.clone().transpose())
 }
 
 impl Attention {
@@ -148,9 +141,9 @@ impl Attention {
         let t = x.dims()[0];
         let positions: Vec<usize> = (start..start + t).collect();
         let (cos, sin) = self.rope.tables(&positions, &device);
-        let q_raw = linear(x.clone(), &self.q_proj);
-        let k_raw = linear(x.clone(), &self.k_proj);
-        let v_raw = linear(x, &self.v_proj);
+        let q_raw = self.q_proj.forward(x.clone());
+        let k_raw = self.k_proj.forward(x.clone());
+        let v_raw = self.v_proj.forward(x);
         let q = Rope::apply(
             self.q_norm
                 .forward(self.heads_first(q_raw.clone(), self.heads)),
@@ -187,7 +180,7 @@ impl Attention {
             .reshape([self.heads, t, self.head_dim])
             .swap_dims(0, 1)
             .reshape([t, self.heads * self.head_dim]);
-        let out = linear(attn, &self.o_proj);
+        let out = self.o_proj.forward(attn);
         let cap = capture.then(|| AttentionCapture {
             q_raw,
             k_raw,

@@ -4,11 +4,12 @@ use burn::tensor::activation::gelu_approximate;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use kakeya_weights::{AttentionKind, Checkpoint, Gemma3Config, HostTensor};
 
-use super::attention::{Attention, AttentionCapture, ExternalKv, linear};
+use super::attention::{Attention, AttentionCapture, ExternalKv};
 use super::norm::GemmaRmsNorm;
 use super::rope::Rope;
 use crate::cache::{CacheSpec, LayerCache};
 use crate::error::{ModelError, Result};
+use crate::linear::Linear;
 
 /// Which logits a forward returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -77,11 +78,11 @@ pub struct DecoderLayer {
     /// Norm of the MLP output.
     pub post_ffn_norm: GemmaRmsNorm,
     /// `[intermediate, hidden]`.
-    pub gate_proj: Tensor<2>,
+    pub gate_proj: Linear,
     /// `[intermediate, hidden]`.
-    pub up_proj: Tensor<2>,
+    pub up_proj: Linear,
     /// `[hidden, intermediate]`.
-    pub down_proj: Tensor<2>,
+    pub down_proj: Linear,
 }
 
 impl DecoderLayer {
@@ -104,8 +105,8 @@ impl DecoderLayer {
         )?;
         let h = x + self.post_attn_norm.forward(a);
         let m = self.pre_ffn_norm.forward(h.clone());
-        let m = gelu_approximate(linear(m.clone(), &self.gate_proj)) * linear(m, &self.up_proj);
-        let m = linear(m, &self.down_proj);
+        let m = gelu_approximate(self.gate_proj.forward(m.clone())) * self.up_proj.forward(m);
+        let m = self.down_proj.forward(m);
         Ok((h + self.post_ffn_norm.forward(m), cap))
     }
 }
@@ -115,8 +116,10 @@ impl DecoderLayer {
 pub struct Gemma3Model {
     /// Hyper-parameters.
     pub config: Gemma3Config,
-    /// Token embedding, `[vocab, hidden]` (also the LM head).
+    /// Token embedding, `[vocab, hidden]`.
     pub embed: Tensor<2>,
+    /// Tied LM head: the embedding as a linear map `hidden → vocab`.
+    pub head: Linear,
     /// Decoder layers.
     pub layers: Vec<DecoderLayer>,
     /// Final norm.
@@ -147,6 +150,14 @@ impl Loader<'_> {
         ))
     }
 
+    fn lin(&mut self, name: &str) -> Result<Linear> {
+        let quant = self.ck.quantized.remove(name).map(std::sync::Arc::new);
+        Ok(Linear {
+            weight: self.t2(name)?,
+            quant,
+        })
+    }
+
     fn norm(&mut self, name: &str, eps: f64) -> Result<GemmaRmsNorm> {
         let t = self.take(name)?;
         let n = t.data.len();
@@ -173,10 +184,10 @@ impl Gemma3Model {
         for (i, &kind) in c.layer_types.iter().enumerate() {
             let p = |s: &str| format!("model.layers.{i}.{s}");
             let attn = Attention {
-                q_proj: l.t2(&p("self_attn.q_proj.weight"))?,
-                k_proj: l.t2(&p("self_attn.k_proj.weight"))?,
-                v_proj: l.t2(&p("self_attn.v_proj.weight"))?,
-                o_proj: l.t2(&p("self_attn.o_proj.weight"))?,
+                q_proj: l.lin(&p("self_attn.q_proj.weight"))?,
+                k_proj: l.lin(&p("self_attn.k_proj.weight"))?,
+                v_proj: l.lin(&p("self_attn.v_proj.weight"))?,
+                o_proj: l.lin(&p("self_attn.o_proj.weight"))?,
                 q_norm: l.norm(&p("self_attn.q_norm.weight"), eps)?,
                 k_norm: l.norm(&p("self_attn.k_norm.weight"), eps)?,
                 heads: c.num_attention_heads,
@@ -197,16 +208,18 @@ impl Gemma3Model {
                 post_attn_norm: l.norm(&p("post_attention_layernorm.weight"), eps)?,
                 pre_ffn_norm: l.norm(&p("pre_feedforward_layernorm.weight"), eps)?,
                 post_ffn_norm: l.norm(&p("post_feedforward_layernorm.weight"), eps)?,
-                gate_proj: l.t2(&p("mlp.gate_proj.weight"))?,
-                up_proj: l.t2(&p("mlp.up_proj.weight"))?,
-                down_proj: l.t2(&p("mlp.down_proj.weight"))?,
+                gate_proj: l.lin(&p("mlp.gate_proj.weight"))?,
+                up_proj: l.lin(&p("mlp.up_proj.weight"))?,
+                down_proj: l.lin(&p("mlp.down_proj.weight"))?,
             });
         }
-        let embed = l.t2("model.embed_tokens.weight")?;
+        let head = l.lin("model.embed_tokens.weight")?;
+        let embed = head.weight.clone();
         let norm = l.norm("model.norm.weight", eps)?;
         Ok(Self {
             config: c,
             embed,
+            head,
             layers,
             norm,
             device: device.clone(),
@@ -248,7 +261,7 @@ impl Gemma3Model {
     /// # Shapes
     /// - `h`: `[T, hidden]` (before the final norm) → `[T, vocab]`
     pub fn logits(&self, h: Tensor<2>) -> Tensor<2> {
-        let logits = linear(self.norm.forward(h), &self.embed);
+        let logits = self.head.forward(self.norm.forward(h));
         match self.config.final_logit_softcapping {
             Some(cap) => logits.div_scalar(cap).tanh().mul_scalar(cap),
             None => logits,

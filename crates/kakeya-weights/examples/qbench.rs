@@ -18,7 +18,7 @@ fn main() {
         {
             continue;
         }
-        let Some(q) = QuantMatrix::new(t.ty, shape[0], shape[1], f.raw(t).unwrap().to_vec()) else {
+        let Some(q) = QuantMatrix::new(t.ty, shape[0], shape[1], f.raw(t).unwrap()) else {
             continue;
         };
         let x = vec![0.5f32; shape[1]];

@@ -158,7 +158,7 @@ impl Checkpoint {
             let (shape, data) = f.tensor_f32(&t.name)?;
             let is_quant = !matches!(t.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16);
             if is_quant && shape.len() == 2 {
-                let q = QuantMatrix::new(t.ty, shape[0], shape[1], f.raw(t)?.to_vec());
+                let q = QuantMatrix::new(t.ty, shape[0], shape[1], f.raw(t)?);
                 quantized.extend(q.map(|q| (name.clone(), q)));
             }
             tensors.insert(name, HostTensor { shape, data });

@@ -290,7 +290,7 @@ fn block_q8_0(b: &[u8; 34], y: &mut [f32; 32]) {
 /// The 6-bit scale and min of sub-block `j` (0..8) packed in the 12 `scales` bytes of a
 /// Q4_K / Q5_K super-block.
 #[inline(always)]
-fn k_scale_min(j: usize, q: &[u8]) -> (u8, u8) {
+pub(crate) fn k_scale_min(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {

@@ -1,69 +1,178 @@
-//! Matrix products straight from GGML blocks, for CPU decoding.
+//! Matrix products on quantised weights, for CPU decoding.
 //!
-//! A decode step reads every weight once; held as f32 the default model moves ~1.07 GB per
-//! token, held as its GGUF blocks ~0.25 GB. [`QuantMatrix::matmul`] dequantises one row at a
-//! time into a small f32 buffer (the *same* f32 values [`crate::dequant`] produces: an f16 scale
-//! times a small integer is exact in f32) and dots it with each input row, so results differ
-//! from a dense f32 matmul only in summation order. Rows are split across the rayon pool.
-//!
-//! On x86-64 the kernel is compiled a second time with AVX2+FMA enabled and picked at run time
-//! when the CPU has them; elsewhere the portable build runs.
+//! A decode step reads every weight once: held as f32 the default model moves ~1.07 GB per
+//! token. [`QuantMatrix`] repacks a GGML-quantised matrix into int8 values with one f32 scale
+//! (and, for the asymmetric formats, one f32 offset) per group of 16 or 32 — ~1.15 bytes per
+//! weight — taken straight from the block fields. In the kernel each weight is rebuilt in a
+//! register as `q·s` (`+ o`) with exactly the f32 operations of [`crate::dequant`], so the
+//! weights are bit-identical to the dense model's; only the summation order differs. Rows are
+//! split across the rayon pool; on x86-64 the kernel is also compiled with AVX2 and picked at
+//! run time when the CPU has it.
 
 use rayon::prelude::*;
 
-use crate::dequant::{GgmlType, dequantize_into};
+use crate::dequant::GgmlType;
 
 /// Rows of output per parallel task.
-const ROWS_PER_TASK: usize = 64;
+const ROWS_PER_TASK: usize = 32;
 
-/// A `[rows, cols]` weight held as GGML blocks (each row a whole number of blocks).
+/// A `[rows, cols]` weight as int8 groups with f32 scales (and offsets).
 #[derive(Debug, Clone)]
 pub struct QuantMatrix {
     ty: GgmlType,
     rows: usize,
     cols: usize,
-    row_bytes: usize,
-    data: Vec<u8>,
+    /// Values per group (16 or 32).
+    group: usize,
+    q: Vec<i8>,
+    scale: Vec<f32>,
+    offset: Option<Vec<f32>>,
 }
 
-/// Dot product with 16 independent partial sums (vectorisable without reassociation).
+fn f16(b: &[u8], i: usize) -> f32 {
+    half::f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
+}
+
+/// Unpacks one block into values `q`, group scales `s` and offsets `o` (when asymmetric), such
+/// that the dequantiser's value of element `j` of group `g` is `q[j]·s[g] + o[g]` (as f32 ops).
+fn unpack_block(ty: GgmlType, b: &[u8], q: &mut [i8], s: &mut [f32], o: &mut [f32]) {
+    let nib = |qs: &[u8], j: usize| {
+        if j < 16 {
+            qs[j] & 0x0f
+        } else {
+            qs[j - 16] >> 4
+        }
+    };
+    let high5 = |qh: u32, j: usize| (((qh >> j) & 1) << 4) as u8;
+    match ty {
+        GgmlType::Q8_0 => {
+            s[0] = f16(b, 0);
+            q.iter_mut().zip(&b[2..34]).for_each(|(q, &v)| *q = v as i8);
+        }
+        GgmlType::Q4_0 => {
+            s[0] = f16(b, 0);
+            (0..32).for_each(|j| q[j] = nib(&b[2..18], j) as i8 - 8);
+        }
+        GgmlType::Q4_1 => {
+            (s[0], o[0]) = (f16(b, 0), f16(b, 2));
+            (0..32).for_each(|j| q[j] = nib(&b[4..20], j) as i8);
+        }
+        GgmlType::Q5_0 => {
+            s[0] = f16(b, 0);
+            let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+            (0..32).for_each(|j| q[j] = (nib(&b[6..22], j) | high5(qh, j)) as i8 - 16);
+        }
+        GgmlType::Q5_1 => {
+            (s[0], o[0]) = (f16(b, 0), f16(b, 2));
+            let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+            (0..32).for_each(|j| q[j] = (nib(&b[8..24], j) | high5(qh, j)) as i8);
+        }
+        GgmlType::Q4K | GgmlType::Q5K => {
+            let (d, dmin) = (f16(b, 0), f16(b, 2));
+            let scales = &b[4..16];
+            for g in 0..8 {
+                let (sc, m) = crate::dequant::k_scale_min(g, scales);
+                s[g] = d * sc as f32;
+                o[g] = -(dmin * m as f32);
+            }
+            for (chunk, qc) in q.chunks_mut(64).enumerate() {
+                for l in 0..32 {
+                    let (lo, hi) = match ty {
+                        GgmlType::Q4K => {
+                            let v = b[16 + 32 * chunk + l];
+                            (v & 0x0f, v >> 4)
+                        }
+                        _ => {
+                            let v = b[48 + 32 * chunk + l];
+                            let h = b[16 + l];
+                            let h0 = if h & (1 << (2 * chunk)) != 0 { 16 } else { 0 };
+                            let h1 = if h & (2 << (2 * chunk)) != 0 { 16 } else { 0 };
+                            ((v & 0x0f) + h0, (v >> 4) + h1)
+                        }
+                    };
+                    qc[l] = lo as i8;
+                    qc[l + 32] = hi as i8;
+                }
+            }
+        }
+        GgmlType::Q6K => {
+            let d = f16(b, 208);
+            for half in 0..2 {
+                let ql = &b[64 * half..64 * half + 64];
+                let qh = &b[128 + 32 * half..128 + 32 * half + 32];
+                let sc = &b[192 + 8 * half..192 + 8 * half + 8];
+                for k in 0..4 {
+                    for i in 0..2 {
+                        s[8 * half + 2 * k + i] = d * (sc[i + 2 * k] as i8) as f32;
+                    }
+                }
+                let out = &mut q[128 * half..128 * half + 128];
+                for l in 0..32 {
+                    out[l] = ((ql[l] & 0x0f) | ((qh[l] & 3) << 4)) as i8 - 32;
+                    out[l + 32] = ((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) as i8 - 32;
+                    out[l + 64] = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i8 - 32;
+                    out[l + 96] = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i8 - 32;
+                }
+            }
+        }
+        GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => unreachable!("not a quantised type"),
+    }
+}
+
+/// `Σ_j w_j · x_j` over one row, `w_j = q_j·s_g (+ o_g)` rebuilt per group of `G`.
 #[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 16];
-    let (ca, ra) = a.as_chunks::<16>();
-    let (cb, rb) = b.as_chunks::<16>();
-    for (x, y) in ca.iter().zip(cb) {
-        for i in 0..16 {
-            acc[i] += x[i] * y[i];
+fn row_dot<const G: usize>(q: &[i8], s: &[f32], o: Option<&[f32]>, x: &[f32]) -> f32 {
+    let mut acc = [0.0f32; G];
+    let (qc, _) = q.as_chunks::<G>();
+    let (xc, _) = x.as_chunks::<G>();
+    match o {
+        None => {
+            for ((qg, xg), &sg) in qc.iter().zip(xc).zip(s) {
+                for i in 0..G {
+                    acc[i] += (qg[i] as f32 * sg) * xg[i];
+                }
+            }
+        }
+        Some(o) => {
+            for (((qg, xg), &sg), &og) in qc.iter().zip(xc).zip(s).zip(o) {
+                for i in 0..G {
+                    acc[i] += (qg[i] as f32 * sg + og) * xg[i];
+                }
+            }
         }
     }
-    let tail: f32 = ra.iter().zip(rb).map(|(x, y)| x * y).sum();
-    let mut s = [0.0f32; 4];
-    for i in 0..4 {
-        s[i] = (acc[i] + acc[i + 8]) + (acc[i + 4] + acc[i + 12]);
+    let mut width = G;
+    while width > 1 {
+        width /= 2;
+        for i in 0..width {
+            acc[i] += acc[i + width];
+        }
     }
-    (s[0] + s[2]) + (s[1] + s[3]) + tail
+    acc[0]
 }
 
-/// One task: rows `r0..r0 + out.len()/t`, output laid out `[row][t]`.
+/// One task: rows `r0..`, output laid out `[row][t]`.
 #[inline(always)]
 fn rows_kernel(m: &QuantMatrix, r0: usize, out: &mut [f32], x: &[f32], t: usize) {
-    let mut buf = vec![0.0f32; m.cols];
+    let gpr = m.cols / m.group;
     for (i, o) in out.chunks_mut(t).enumerate() {
         let r = r0 + i;
-        dequantize_into(
-            m.ty,
-            &m.data[r * m.row_bytes..(r + 1) * m.row_bytes],
-            &mut buf,
-        );
+        let q = &m.q[r * m.cols..(r + 1) * m.cols];
+        let s = &m.scale[r * gpr..(r + 1) * gpr];
+        let off = m.offset.as_ref().map(|v| &v[r * gpr..(r + 1) * gpr]);
         for (tt, slot) in o.iter_mut().enumerate() {
-            *slot = dot(&buf, &x[tt * m.cols..(tt + 1) * m.cols]);
+            let xt = &x[tt * m.cols..(tt + 1) * m.cols];
+            *slot = if m.group == 16 {
+                row_dot::<16>(q, s, off, xt)
+            } else {
+                row_dot::<32>(q, s, off, xt)
+            };
         }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2")]
 fn rows_kernel_avx2(m: &QuantMatrix, r0: usize, out: &mut [f32], x: &[f32], t: usize) {
     rows_kernel(m, r0, out, x, t)
 }
@@ -71,9 +180,9 @@ fn rows_kernel_avx2(m: &QuantMatrix, r0: usize, out: &mut [f32], x: &[f32], t: u
 #[allow(unsafe_code)]
 fn rows_dispatch(m: &QuantMatrix, r0: usize, out: &mut [f32], x: &[f32], t: usize) {
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU supports AVX2 and FMA (checked just above), which is all
-        // `rows_kernel_avx2` requires beyond the baseline.
+    if std::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2 (checked just above), all `rows_kernel_avx2` needs
+        // beyond the baseline.
         unsafe { rows_kernel_avx2(m, r0, out, x, t) };
         return;
     }
@@ -81,16 +190,49 @@ fn rows_dispatch(m: &QuantMatrix, r0: usize, out: &mut [f32], x: &[f32], t: usiz
 }
 
 impl QuantMatrix {
-    /// Wraps GGML block data of a `[rows, cols]` matrix, or `None` when a row is not a whole
-    /// number of blocks or the byte count is wrong.
-    pub fn new(ty: GgmlType, rows: usize, cols: usize, data: Vec<u8>) -> Option<Self> {
+    /// Repacks GGML blocks of a `[rows, cols]` matrix, or `None` when the type is not a
+    /// quantised one, a row is not a whole number of blocks, or the byte count is wrong.
+    pub fn new(ty: GgmlType, rows: usize, cols: usize, data: &[u8]) -> Option<Self> {
         let row_bytes = ty.bytes_for(cols)?;
-        (data.len() == rows * row_bytes).then_some(Self {
+        if matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16)
+            || data.len() != rows * row_bytes
+        {
+            return None;
+        }
+        let group = if ty == GgmlType::Q6K { 16 } else { 32 };
+        let asym = matches!(
+            ty,
+            GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K
+        );
+        let (be, bb) = (ty.block_elems(), ty.block_bytes());
+        let gpb = be / group;
+        let n = rows * cols;
+        let mut q = vec![0i8; n];
+        let mut scale = vec![0.0f32; n / group];
+        let mut offset = vec![0.0f32; if asym { n / group } else { 0 }];
+        let mut scratch = [0.0f32; 16];
+        for (k, b) in data.chunks_exact(bb).enumerate() {
+            let o = if asym {
+                &mut offset[k * gpb..(k + 1) * gpb]
+            } else {
+                &mut scratch[..gpb]
+            };
+            unpack_block(
+                ty,
+                b,
+                &mut q[k * be..(k + 1) * be],
+                &mut scale[k * gpb..(k + 1) * gpb],
+                o,
+            );
+        }
+        Some(Self {
             ty,
             rows,
             cols,
-            row_bytes,
-            data,
+            group,
+            q,
+            scale,
+            offset: asym.then_some(offset),
         })
     }
 
@@ -104,14 +246,14 @@ impl QuantMatrix {
         self.cols
     }
 
-    /// Block format.
+    /// The GGML format it came from.
     pub fn ggml_type(&self) -> GgmlType {
         self.ty
     }
 
     /// Bytes held.
     pub fn nbytes(&self) -> usize {
-        self.data.len()
+        self.q.len() + 4 * (self.scale.len() + self.offset.as_ref().map_or(0, Vec::len))
     }
 
     /// `y = x · Wᵀ`.
@@ -140,6 +282,20 @@ impl QuantMatrix {
         }
         y
     }
+
+    /// The dense values (for tests): must equal [`crate::dequant::dequantize`] bit for bit.
+    pub fn to_dense(&self) -> Vec<f32> {
+        let g = self.group;
+        (0..self.q.len())
+            .map(|j| {
+                let w = self.q[j] as f32 * self.scale[j / g];
+                match &self.offset {
+                    Some(o) => w + o[j / g],
+                    None => w,
+                }
+            })
+            .collect()
+    }
 }
 
 #[cfg(test)]
@@ -147,44 +303,76 @@ mod tests {
     use super::*;
     use crate::dequant::dequantize;
 
-    /// Q8_0 blocks with varied scales and values.
-    fn q8_rows(rows: usize, cols: usize) -> Vec<u8> {
-        let mut data = Vec::new();
-        for r in 0..rows {
-            for b in 0..cols / 32 {
-                data.extend(half::f16::from_f32(0.01 * (1 + (r + b) % 7) as f32).to_le_bytes());
-                data.extend((0..32).map(|i| ((i * 13 + r * 7 + b) % 255) as u8));
+    /// Pseudo-random blocks with sane f16 scales at the type's scale fields.
+    fn blocks(ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
+        let n = ty.bytes_for(rows * cols).unwrap();
+        let mut x: u32 = 12345;
+        let mut data: Vec<u8> = (0..n)
+            .map(|_| {
+                x = x.wrapping_mul(1_103_515_245).wrapping_add(12345);
+                (x >> 16) as u8
+            })
+            .collect();
+        let scale_at: &[usize] = match ty {
+            GgmlType::Q6K => &[208],
+            GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q4_1 | GgmlType::Q5_1 => &[0, 2],
+            _ => &[0],
+        };
+        for (k, b) in data.chunks_exact_mut(ty.block_bytes()).enumerate() {
+            for &at in scale_at {
+                b[at..at + 2].copy_from_slice(
+                    &half::f16::from_f32(0.001 * (1 + k % 5) as f32).to_le_bytes(),
+                );
             }
         }
         data
     }
 
     #[test]
-    fn matches_dense_matmul() {
-        let (rows, cols, t) = (150, 96, 3);
-        let data = q8_rows(rows, cols);
-        let dense = dequantize(GgmlType::Q8_0, &data, rows * cols);
-        let q = QuantMatrix::new(GgmlType::Q8_0, rows, cols, data).unwrap();
-        let x: Vec<f32> = (0..t * cols)
-            .map(|i| ((i * 31) % 17) as f32 * 0.1 - 0.8)
-            .collect();
-        let y = q.matmul(&x, t);
-        for tt in 0..t {
-            for r in 0..rows {
-                let want: f32 = (0..cols)
-                    .map(|c| dense[r * cols + c] * x[tt * cols + c])
-                    .sum();
-                let got = y[tt * rows + r];
-                assert!(
-                    (got - want).abs() <= 1e-4 * want.abs().max(1.0),
-                    "[{tt},{r}]: {got} vs {want}"
-                );
+    fn repacked_values_equal_the_dequantiser_bit_for_bit() {
+        use GgmlType::*;
+        for ty in [Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4K, Q5K, Q6K] {
+            let (rows, cols) = (3, 512);
+            let data = blocks(ty, rows, cols);
+            let q = QuantMatrix::new(ty, rows, cols, &data).unwrap();
+            let want = dequantize(ty, &data, rows * cols);
+            let got = q.to_dense();
+            let bad = want
+                .iter()
+                .zip(&got)
+                .position(|(a, b)| a.to_bits() != b.to_bits());
+            assert_eq!(bad, None, "{ty:?}: element {bad:?} differs");
+        }
+    }
+
+    #[test]
+    fn matmul_matches_dense_products() {
+        for ty in [GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K] {
+            let (rows, cols, t) = (70, 512, 3);
+            let data = blocks(ty, rows, cols);
+            let dense = dequantize(ty, &data, rows * cols);
+            let q = QuantMatrix::new(ty, rows, cols, &data).unwrap();
+            let x: Vec<f32> = (0..t * cols)
+                .map(|i| ((i * 31) % 17) as f32 * 0.1 - 0.8)
+                .collect();
+            let y = q.matmul(&x, t);
+            for tt in 0..t {
+                for r in 0..rows {
+                    let want: f64 = (0..cols)
+                        .map(|c| dense[r * cols + c] as f64 * x[tt * cols + c] as f64)
+                        .sum();
+                    let got = y[tt * rows + r] as f64;
+                    assert!(
+                        (got - want).abs() <= 1e-4 * want.abs().max(1.0),
+                        "{ty:?} [{tt},{r}]: {got} vs {want}"
+                    );
+                }
             }
         }
     }
 
     #[test]
     fn refuses_partial_blocks() {
-        assert!(QuantMatrix::new(GgmlType::Q4K, 2, 640, vec![0; 2 * 360]).is_none());
+        assert!(QuantMatrix::new(GgmlType::Q4K, 2, 640, &[0; 2 * 360]).is_none());
     }
 }

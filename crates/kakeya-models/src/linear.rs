@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{Tensor, TensorData};
 use kakeya_weights::QuantMatrix;
 
 /// Inputs of at most this many rows (decode steps, small verify blocks) use the block kernel
@@ -15,7 +15,8 @@ pub const QUANT_MAX_ROWS: usize = 16;
 pub struct Linear {
     /// Dense weight, `[out, in]`.
     pub weight: Tensor<2>,
-    /// The same weight as GGML blocks, if quantised in the checkpoint.
+    /// The same weight repacked from its GGML blocks, when quantised in the checkpoint and
+    /// the weight lives on the CPU (the kernel reads host memory).
     pub quant: Option<Arc<QuantMatrix>>,
 }
 
@@ -33,8 +34,8 @@ impl Linear {
     pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
         if let Some(q) = &self.quant {
             let t = x.dims()[0];
-            let device = x.device();
-            if t <= QUANT_MAX_ROWS && device == Device::flex() {
+            if t <= QUANT_MAX_ROWS {
+                let device = x.device();
                 let host = x
                     .into_data()
                     .try_into_vec::<f32>()

@@ -18,6 +18,7 @@ import json
 import subprocess
 import sys
 import tarfile
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -31,9 +32,12 @@ def sdist() -> Path:
     tgz = WORK / f"llama_cpp_python-{VERSION}.tar.gz"
     if tgz.is_file() and hashlib.sha256(tgz.read_bytes()).hexdigest() == SHA256:
         return tgz
-    meta = json.load(urllib.request.urlopen(f"https://pypi.org/pypi/llama-cpp-python/{VERSION}/json"))
-    url = next(u["url"] for u in meta["urls"] if u["packagetype"] == "sdist")
-    url = urllib.parse.urljoin(f"https://pypi.org/pypi/llama-cpp-python/{VERSION}/json", url)
+    index = "https://pypi.org/pypi/llama-cpp-python/json"
+    meta = json.load(urllib.request.urlopen(index))
+    files = meta.get("releases", {}).get(VERSION) or meta["urls"]
+    name = f"llama_cpp_python-{VERSION}.tar.gz"
+    url = next(u["url"] for u in files if u["filename"] == name)
+    url = urllib.parse.urljoin(index, url)
     print(f"bench_llama_cpp: downloading {url}", file=sys.stderr)
     body = urllib.request.urlopen(url).read()
     if hashlib.sha256(body).hexdigest() != SHA256:

@@ -74,6 +74,13 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let prompt = synthetic_prompt(a.prompt_tokens, model.config.vocab_size, tok.bos);
     let mut pp = Vec::new();
     let mut tg = Vec::new();
+    let bar = indicatif::ProgressBar::new((a.warmup + a.runs) as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} runs {msg}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    bar.set_prefix("bench");
     for i in 0..a.warmup + a.runs {
         // Prefill: the whole prompt into empty caches.
         let mut s = Session::new(&model, 0);
@@ -94,7 +101,13 @@ pub fn run(a: BenchArgs) -> Result<()> {
             tg.push(tg_rate);
         }
         tracing::info!(run = i, pp_rate, tg_rate, "bench run");
+        let phase = if i < a.warmup { "warm-up" } else { "measured" };
+        bar.set_message(format!(
+            "({phase}: pp {pp_rate:.1} tok/s, tg {tg_rate:.1} tok/s)"
+        ));
+        bar.inc(1);
     }
+    bar.finish_and_clear();
     let figures = [
         Figure {
             test: format!("pp{}", a.prompt_tokens),

@@ -152,7 +152,12 @@ impl Loader<'_> {
 
     fn lin(&mut self, name: &str) -> Result<Linear> {
         // The block kernel runs on host memory: only worth it when the model is on the CPU.
-        let quant = self.ck.quantized.remove(name).filter(|_| *self.device == Device::flex()).map(std::sync::Arc::new);
+        let quant = self
+            .ck
+            .quantized
+            .remove(name)
+            .filter(|_| *self.device == Device::flex())
+            .map(std::sync::Arc::new);
         Ok(Linear {
             weight: self.t2(name)?,
             quant,

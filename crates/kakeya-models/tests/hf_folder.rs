@@ -10,6 +10,9 @@ use kakeya_weights::checkpoint::is_gemma_norm;
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 
+/// Tensors of one shard file: (name, shape, little-endian bytes).
+type Shard = Vec<(String, Vec<usize>, Vec<u8>)>;
+
 fn scratch(name: &str) -> PathBuf {
     let p = std::env::temp_dir().join(format!("kakeya-hf-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&p);
@@ -35,7 +38,7 @@ fn single_and_sharded_half_precision_folders_load_the_same_model() {
     std::fs::create_dir_all(&sharded).unwrap();
     std::fs::copy(single.join("config.json"), sharded.join("config.json")).unwrap();
     let mut weight_map = serde_json::Map::new();
-    let mut files: HashMap<&str, Vec<(String, Vec<usize>, Vec<u8>)>> = HashMap::new();
+    let mut files: HashMap<&str, Shard> = HashMap::new();
     for (name, t) in &ck.tensors {
         let stored: Vec<f32> = t
             .data

@@ -119,6 +119,19 @@ fn unpack_block(ty: GgmlType, b: &[u8], q: &mut [i8], s: &mut [f32], o: &mut [f3
     }
 }
 
+/// Pairwise sum of a power-of-two number of partial sums.
+#[inline(always)]
+fn tree_sum<const N: usize>(mut acc: [f32; N]) -> f32 {
+    let mut width = N;
+    while width > 1 {
+        width /= 2;
+        for i in 0..width {
+            acc[i] += acc[i + width];
+        }
+    }
+    acc[0]
+}
+
 /// `Σ_j w_j · x_j` over one row, `w_j = q_j·s_g (+ o_g)` rebuilt per group of `G`.
 #[inline(always)]
 fn row_dot<const G: usize>(q: &[i8], s: &[f32], o: Option<&[f32]>, x: &[f32]) -> f32 {
@@ -141,14 +154,7 @@ fn row_dot<const G: usize>(q: &[i8], s: &[f32], o: Option<&[f32]>, x: &[f32]) ->
             }
         }
     }
-    let mut width = G;
-    while width > 1 {
-        width /= 2;
-        for i in 0..width {
-            acc[i] += acc[i + width];
-        }
-    }
-    acc[0]
+    tree_sum(acc)
 }
 
 /// As [`row_dot`] for symmetric groups of 16 (Q6_K), taken in pairs so the vector loop is as
@@ -167,14 +173,7 @@ fn row_dot_16x2(q: &[i8], s: &[f32], x: &[f32]) -> f32 {
             acc[i] += (qg[i] as f32 * sg[1]) * xg[i];
         }
     }
-    let mut width = 32;
-    while width > 1 {
-        width /= 2;
-        for i in 0..width {
-            acc[i] += acc[i + width];
-        }
-    }
-    acc[0]
+    tree_sum(acc)
 }
 
 /// One task: rows `r0..`, output laid out `[row][t]`.

@@ -125,36 +125,38 @@ impl Attention {
         ))
     }
 
-    /// Attends a chunk of `T` positions `start..start+T`.
+    /// Attends a chunk of `T` positions `start..start+T`; `rope` holds this layer kind's
+    /// cos/sin tables for those positions (built once per forward by the model).
     ///
     /// # Shapes
     /// - `x`: `[T, hidden]` (after input_layernorm) → `[T, hidden]` (after o_proj)
+    /// - `rope`: cos and sin, each `[T, head_dim/2]`
     pub fn forward(
         &self,
         x: Tensor<2>,
         start: usize,
+        rope: &(Tensor<2>, Tensor<2>),
         cache: &mut dyn LayerCache,
         external: Option<&ExternalKv>,
         capture: bool,
     ) -> Result<(Tensor<2>, Option<AttentionCapture>)> {
         let device = x.device();
         let t = x.dims()[0];
-        let positions: Vec<usize> = (start..start + t).collect();
-        let (cos, sin) = self.rope.tables(&positions, &device);
+        let (cos, sin) = rope;
         let q_raw = self.q_proj.forward(x.clone());
         let k_raw = self.k_proj.forward(x.clone());
         let v_raw = self.v_proj.forward(x);
         let q = Rope::apply(
             self.q_norm
                 .forward(self.heads_first(q_raw.clone(), self.heads)),
-            &cos,
-            &sin,
+            cos,
+            sin,
         );
         let k = Rope::apply(
             self.k_norm
                 .forward(self.heads_first(k_raw.clone(), self.kv_heads)),
-            &cos,
-            &sin,
+            cos,
+            sin,
         );
         let v = self.heads_first(v_raw.clone(), self.kv_heads);
         let CachedKv {

@@ -92,6 +92,7 @@ impl DecoderLayer {
         &self,
         x: Tensor<2>,
         start: usize,
+        rope: &(Tensor<2>, Tensor<2>),
         cache: &mut dyn LayerCache,
         external: Option<&ExternalKv>,
         capture: bool,
@@ -99,6 +100,7 @@ impl DecoderLayer {
         let (a, cap) = self.attn.forward(
             self.input_norm.forward(x.clone()),
             start,
+            rope,
             cache,
             external,
             capture,
@@ -319,9 +321,15 @@ impl Gemma3Model {
         let mut x = self.embed_tokens(req.tokens);
         let mut hidden = vec![None; req.hidden_after.len()];
         let mut attention = Vec::new();
+        // RoPE tables depend only on the positions and the layer kind: build each once.
+        let positions: Vec<usize> = (req.start..req.start + t).collect();
+        let mut rope_tables: [Option<(Tensor<2>, Tensor<2>)>; 2] = [None, None];
         for (i, (layer, cache)) in self.layers.iter().zip(caches.iter_mut()).enumerate() {
             let ext = req.external_kv.iter().find(|e| e.layer == i);
-            let (y, cap) = layer.forward(x, req.start, cache, ext, req.capture_attention)?;
+            let kind = usize::from(layer.attn.kind == AttentionKind::Sliding);
+            let rope = rope_tables[kind]
+                .get_or_insert_with(|| layer.attn.rope.tables(&positions, &self.device));
+            let (y, cap) = layer.forward(x, req.start, rope, cache, ext, req.capture_attention)?;
             x = y;
             attention.extend(cap);
             for (slot, _) in req

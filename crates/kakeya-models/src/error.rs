@@ -12,6 +12,14 @@ pub enum ModelError {
     /// The input does not fit the model (empty chunk, token id out of range, too long).
     #[error("invalid input: {0}")]
     Input(String),
+    /// A drafter (or other companion checkpoint) built for a different verifier.
+    #[error("{path}: does not fit the verifier: {msg}")]
+    Mismatch {
+        /// The companion checkpoint.
+        path: std::path::PathBuf,
+        /// What differs.
+        msg: String,
+    },
     /// A cache was asked for something it cannot do (e.g. roll back past its slack).
     #[error("cache: {0}")]
     Cache(String),

@@ -1,12 +1,18 @@
-//! Kakeya's models — pure math over Burn tensors, no file I/O: the Gemma 3 verifier. Each
+//! Kakeya's models — pure math over Burn tensors, no file I/O: the Gemma 3 verifier and the
+//! DFlash drafter. Each
 //! model declares its cache layout ([`cache::CacheSpec`]); callers own the caches.
 
 pub mod cache;
+pub mod dflash;
 pub mod error;
 pub mod gemma3;
 pub mod linear;
+pub mod norm;
+pub mod rope;
+pub mod sdpa;
 pub mod testing;
 
 pub use cache::{CacheSpec, CachedKv, LayerCache};
+pub use dflash::{DFlashDrafter, DraftOutput, DraftRequest};
 pub use error::{ModelError, Result};
 pub use gemma3::{ExternalKv, ForwardOutput, ForwardRequest, Gemma3Model, Logits};

@@ -3,7 +3,9 @@
 use std::collections::BTreeMap;
 
 use kakeya_weights::checkpoint::{expected_tensors, is_gemma_norm};
-use kakeya_weights::{AttentionKind, Checkpoint, Gemma3Config, HostTensor};
+use kakeya_weights::{
+    AttentionKind, Checkpoint, DFlashConfig, DraftCheckpoint, Gemma3Config, HostTensor,
+};
 
 /// A small Gemma 3 config: 6 layers (layer 5 global), window `window`.
 pub fn tiny_config(window: usize) -> Gemma3Config {
@@ -66,5 +68,68 @@ pub fn random_checkpoint(config: &Gemma3Config, seed: u64) -> Checkpoint {
         config: config.clone(),
         tensors,
         quantized: BTreeMap::new(),
+    }
+}
+
+/// A drafter config fitting `verifier`: `layers` layers with the verifier's head layout,
+/// `block_size`, default target layers, mask token 4.
+pub fn drafter_config(verifier: &Gemma3Config, layers: usize, block_size: usize) -> DFlashConfig {
+    DFlashConfig {
+        hidden_size: verifier.hidden_size,
+        intermediate_size: verifier.intermediate_size,
+        num_hidden_layers: layers,
+        num_attention_heads: verifier.num_attention_heads,
+        num_key_value_heads: verifier.num_key_value_heads,
+        head_dim: verifier.head_dim,
+        rms_norm_eps: 1e-6,
+        rope_theta: 1_000_000.0,
+        vocab_size: verifier.vocab_size,
+        max_position_embeddings: verifier.max_position_embeddings,
+        block_size,
+        mask_token_id: 4,
+        target_layer_ids: kakeya_weights::dflash::default_target_layers(
+            verifier.num_hidden_layers,
+            layers,
+        ),
+        num_target_layers: verifier.num_hidden_layers,
+        draft_vocab_size: None,
+    }
+}
+
+/// A random drafter for `config` (norm weights near 1, weights ~ U(±0.2)); with
+/// `config.draft_vocab_size = Some(n)`, the map sends draft id `i` to token `(7 i) % vocab`
+/// made unique by taking the first `n` distinct values.
+pub fn random_drafter(config: &DFlashConfig, seed: u64) -> DraftCheckpoint {
+    let mut s = seed;
+    let mut tensors = BTreeMap::new();
+    for (name, shape) in config.expected_tensors() {
+        let n = shape.iter().product();
+        let is_norm = name.ends_with("norm.weight");
+        let mut data = values(n, &mut s, if is_norm { 0.1 } else { 0.2 });
+        if is_norm {
+            data.iter_mut().for_each(|v| *v += 1.0);
+        }
+        tensors.insert(name, HostTensor { shape, data });
+    }
+    let d2t = config.draft_vocab_size.map(|n| {
+        let mut seen = vec![false; config.vocab_size];
+        let mut map = Vec::with_capacity(n);
+        let mut i = 0usize;
+        while map.len() < n {
+            let t = (7 * i + 3) % config.vocab_size;
+            if !seen[t] {
+                seen[t] = true;
+                map.push(t as u32);
+            }
+            i += 1;
+        }
+        map.sort_unstable();
+        map
+    });
+    DraftCheckpoint {
+        source: "random-drafter".into(),
+        config: config.clone(),
+        tensors,
+        d2t,
     }
 }

@@ -221,35 +221,10 @@ impl Checkpoint {
     /// as `w`). The folder is built under a temporary name and renamed when complete; an
     /// existing non-empty `out` is refused.
     pub fn write_hf_dir(&self, out: &Path) -> Result<()> {
-        if out.exists()
-            && std::fs::read_dir(out)
-                .map(|mut d| d.next().is_some())
-                .unwrap_or(true)
-        {
-            return Err(WeightsError::format(
-                out,
-                "output folder exists and is not empty",
-            ));
-        }
-        let name = out
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "out".into());
-        let tmp = out.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
-        let result = self.write_hf_files(&tmp).and_then(|()| {
-            if out.exists() {
-                std::fs::remove_dir(out).map_err(|e| WeightsError::io(out, e))?;
-            }
-            std::fs::rename(&tmp, out).map_err(|e| WeightsError::io(out, e))
-        });
-        if result.is_err() {
-            let _ = std::fs::remove_dir_all(&tmp);
-        }
-        result
+        write_dir_atomically(out, |dir| self.write_hf_files(dir))
     }
 
     fn write_hf_files(&self, dir: &Path) -> Result<()> {
-        std::fs::create_dir_all(dir).map_err(|e| WeightsError::io(dir, e))?;
         let cfg =
             serde_json::to_string_pretty(&self.config.to_hf_json()).expect("config serialises");
         let cfg_path = dir.join("config.json");
@@ -280,6 +255,42 @@ impl Checkpoint {
         safetensors::serialize_to_file(views, Some(meta), &st_path)
             .map_err(|e| WeightsError::format(&st_path, format!("writing safetensors: {e}")))
     }
+}
+
+/// Builds a folder with `fill` under a temporary sibling name, then renames it to `out`. An
+/// existing non-empty `out` is refused; on failure the temporary folder is removed.
+pub(crate) fn write_dir_atomically(
+    out: &Path,
+    fill: impl FnOnce(&Path) -> Result<()>,
+) -> Result<()> {
+    if out.exists()
+        && std::fs::read_dir(out)
+            .map(|mut d| d.next().is_some())
+            .unwrap_or(true)
+    {
+        return Err(WeightsError::format(
+            out,
+            "output folder exists and is not empty",
+        ));
+    }
+    let name = out
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "out".into());
+    let tmp = out.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
+    let result = std::fs::create_dir_all(&tmp)
+        .map_err(|e| WeightsError::io(&tmp, e))
+        .and_then(|()| fill(&tmp))
+        .and_then(|()| {
+            if out.exists() {
+                std::fs::remove_dir(out).map_err(|e| WeightsError::io(out, e))?;
+            }
+            std::fs::rename(&tmp, out).map_err(|e| WeightsError::io(out, e))
+        });
+    if result.is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    result
 }
 
 /// The safetensors files of an HF folder.
@@ -316,15 +327,33 @@ fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
 
 /// Reads one safetensors file into `out` (canonical names, f32, norms as multipliers).
 fn read_safetensors(path: &Path, out: &mut BTreeMap<String, HostTensor>) -> Result<()> {
+    let mut read = BTreeMap::new();
+    read_safetensors_as(path, &hf_canonical, &mut read)?;
+    for (name, mut t) in read {
+        if is_gemma_norm(&name) {
+            t.data.iter_mut().for_each(|v| *v += 1.0);
+        }
+        out.insert(name, t);
+    }
+    Ok(())
+}
+
+/// Reads the floating-point tensors of one safetensors file whose names `rename` maps to
+/// `Some(name)` into `out`, as f32 under the new name (values as stored).
+pub(crate) fn read_safetensors_as(
+    path: &Path,
+    rename: &dyn Fn(&str) -> Option<String>,
+    out: &mut BTreeMap<String, HostTensor>,
+) -> Result<()> {
     let bytes = std::fs::read(path).map_err(|e| WeightsError::io(path, e))?;
     let st = SafeTensors::deserialize(&bytes)
         .map_err(|e| WeightsError::format(path, format!("invalid safetensors: {e}")))?;
     for (name, view) in st.tensors() {
-        let Some(canon) = hf_canonical(&name) else {
+        let Some(canon) = rename(&name) else {
             continue;
         };
         let raw = view.data();
-        let mut data: Vec<f32> = match view.dtype() {
+        let data: Vec<f32> = match view.dtype() {
             Dtype::F32 => raw
                 .chunks_exact(4)
                 .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
@@ -346,9 +375,6 @@ fn read_safetensors(path: &Path, out: &mut BTreeMap<String, HostTensor>) -> Resu
                 ));
             }
         };
-        if is_gemma_norm(&canon) {
-            data.iter_mut().for_each(|v| *v += 1.0);
-        }
         out.insert(
             canon,
             HostTensor {

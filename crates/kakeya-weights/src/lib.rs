@@ -1,10 +1,11 @@
 //! Checkpoint I/O for Kakeya: GGUF (with dequantisation), Hugging Face safetensors folders,
-//! the Gemma 3 config, and tokenizer loading. Formats and checkpoint names are handled here,
+//! the Gemma 3 config, DFlash drafter folders, and tokenizer loading. Formats and checkpoint names are handled here,
 //! at the edge; `kakeya-models` sees one canonical checkpoint.
 
 pub mod checkpoint;
 pub mod config;
 pub mod dequant;
+pub mod dflash;
 pub mod error;
 pub mod gguf;
 pub mod quant;
@@ -12,6 +13,7 @@ pub mod tokenizer;
 
 pub use checkpoint::{Checkpoint, HostTensor};
 pub use config::{AttentionKind, Gemma3Config};
+pub use dflash::{DFlashConfig, DraftCheckpoint};
 pub use error::{Result, WeightsError};
 pub use gguf::GgufFile;
 pub use quant::QuantMatrix;

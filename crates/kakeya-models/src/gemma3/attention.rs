@@ -1,15 +1,15 @@
 //! Gemma 3 self-attention: q/k/v projections, per-head q_norm/k_norm, half-split RoPE,
 //! grouped-query attention with a causal or sliding mask, o_proj.
 
-use burn::tensor::activation::softmax;
 use burn::tensor::{Device, Tensor, TensorData};
 use kakeya_weights::AttentionKind;
 
-use super::norm::GemmaRmsNorm;
-use super::rope::Rope;
 use crate::cache::{CachedKv, LayerCache};
 use crate::error::Result;
 use crate::linear::Linear;
+use crate::norm::RmsNorm;
+use crate::rope::Rope;
+use crate::sdpa::grouped_attention;
 
 /// K/V supplied from outside the cache for some positions of one layer (restoration): raw
 /// projection outputs, before k_norm and RoPE, which the layer applies itself.
@@ -50,9 +50,9 @@ pub struct Attention {
     /// `[hidden, heads · head_dim]`.
     pub o_proj: Linear,
     /// Per-head query norm over `head_dim`.
-    pub q_norm: GemmaRmsNorm,
+    pub q_norm: RmsNorm,
     /// Per-head key norm over `head_dim`.
-    pub k_norm: GemmaRmsNorm,
+    pub k_norm: RmsNorm,
     /// Query heads.
     pub heads: usize,
     /// Key/value heads.
@@ -172,16 +172,8 @@ impl Attention {
             positions = ext.positions.iter().copied().chain(positions).collect();
         }
         let groups = self.heads / self.kv_heads;
-        let q = q.reshape([self.kv_heads, groups * t, self.head_dim]);
-        let mut scores = q.matmul(k.swap_dims(1, 2)).mul_scalar(self.scale);
-        if let Some(mask) = self.mask(start, t, &positions, groups, &device) {
-            scores = scores + mask;
-        }
-        let attn = softmax(scores, 2).matmul(v);
-        let attn = attn
-            .reshape([self.heads, t, self.head_dim])
-            .swap_dims(0, 1)
-            .reshape([t, self.heads * self.head_dim]);
+        let mask = self.mask(start, t, &positions, groups, &device);
+        let attn = grouped_attention(q, k, v, self.scale, mask);
         let out = self.o_proj.forward(attn);
         let cap = capture.then(|| AttentionCapture {
             q_raw,

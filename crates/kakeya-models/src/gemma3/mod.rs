@@ -2,8 +2,6 @@
 
 pub mod attention;
 pub mod model;
-pub mod norm;
-pub mod rope;
 
 pub use attention::{AttentionCapture, ExternalKv};
 pub use model::{ForwardOutput, ForwardRequest, Gemma3Model, Logits};

@@ -5,11 +5,11 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use kakeya_weights::{AttentionKind, Checkpoint, Gemma3Config, HostTensor};
 
 use super::attention::{Attention, AttentionCapture, ExternalKv};
-use super::norm::GemmaRmsNorm;
-use super::rope::Rope;
 use crate::cache::{CacheSpec, LayerCache};
 use crate::error::{ModelError, Result};
 use crate::linear::Linear;
+use crate::norm::RmsNorm;
+use crate::rope::Rope;
 
 /// Which logits a forward returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,13 +70,13 @@ pub struct DecoderLayer {
     /// Self-attention.
     pub attn: Attention,
     /// Norm before attention.
-    pub input_norm: GemmaRmsNorm,
+    pub input_norm: RmsNorm,
     /// Norm of the attention output.
-    pub post_attn_norm: GemmaRmsNorm,
+    pub post_attn_norm: RmsNorm,
     /// Norm before the MLP.
-    pub pre_ffn_norm: GemmaRmsNorm,
+    pub pre_ffn_norm: RmsNorm,
     /// Norm of the MLP output.
-    pub post_ffn_norm: GemmaRmsNorm,
+    pub post_ffn_norm: RmsNorm,
     /// `[intermediate, hidden]`.
     pub gate_proj: Linear,
     /// `[intermediate, hidden]`.
@@ -125,7 +125,7 @@ pub struct Gemma3Model {
     /// Decoder layers.
     pub layers: Vec<DecoderLayer>,
     /// Final norm.
-    pub norm: GemmaRmsNorm,
+    pub norm: RmsNorm,
     device: Device,
 }
 
@@ -166,10 +166,10 @@ impl Loader<'_> {
         })
     }
 
-    fn norm(&mut self, name: &str, eps: f64) -> Result<GemmaRmsNorm> {
+    fn norm(&mut self, name: &str, eps: f64) -> Result<RmsNorm> {
         let t = self.take(name)?;
         let n = t.data.len();
-        Ok(GemmaRmsNorm {
+        Ok(RmsNorm {
             scale: Tensor::from_data(TensorData::new(t.data, [n]), self.device),
             eps,
         })

@@ -1,18 +1,19 @@
-//! Gemma's RMSNorm: `x / sqrt(mean(x²) + eps) * (1 + w)`, computed in f32.
+//! RMSNorm, `x / sqrt(mean(x²) + eps) · m`, computed in f32, with a stored multiplier `m`:
+//! Gemma's `1 + w` (the `1` added at load, see `kakeya_weights::checkpoint`) or the plain `w`
+//! of Qwen3-style layers (the DFlash drafter).
 
 use burn::tensor::Tensor;
 
-/// RMSNorm over the last dimension with a stored **multiplier** (`1 + w` already added; see
-/// `kakeya_weights::checkpoint`).
+/// RMSNorm over the last dimension with a stored **multiplier**.
 #[derive(Debug, Clone)]
-pub struct GemmaRmsNorm {
-    /// Multiplier `1 + w`, shape `[dim]`.
+pub struct RmsNorm {
+    /// Multiplier (`1 + w` for Gemma, `w` for Qwen3), shape `[dim]`.
     pub scale: Tensor<1>,
     /// Epsilon added to the mean square.
     pub eps: f64,
 }
 
-impl GemmaRmsNorm {
+impl RmsNorm {
     /// Normalises the last dimension.
     ///
     /// # Shapes

@@ -5,8 +5,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use burn::tensor::Device;
 use clap::{Args, ValueEnum};
-use kakeya_models::Gemma3Model;
-use kakeya_weights::{Checkpoint, Tokenizer};
+use kakeya_models::{DFlashDrafter, Gemma3Model};
+use kakeya_weights::{Checkpoint, DraftCheckpoint, Tokenizer};
 
 /// Where `scripts/fetch_default_model.py` puts the default model.
 pub const DEFAULT_MODEL: &str = "models/gemma-3-270m/gemma-3-270m-q4_k_m.gguf";
@@ -97,4 +97,22 @@ impl ModelArgs {
         let model = Gemma3Model::from_checkpoint(ck, &device)?;
         Ok((model, tok))
     }
+}
+
+/// Loads a DFlash drafter folder for `verifier`, refusing one built for another model.
+pub fn load_drafter(dir: &Path, verifier: &Gemma3Model) -> Result<DFlashDrafter> {
+    let ck =
+        DraftCheckpoint::load(dir).with_context(|| format!("loading drafter {}", dir.display()))?;
+    Ok(DFlashDrafter::from_checkpoint(ck, verifier)?)
+}
+
+/// Checks a block size against the drafter and the model's context.
+pub fn check_block_size(block: usize, context: usize) -> Result<()> {
+    if block == 0 {
+        bail!("--block-size must be at least 1 (1 = no drafts)");
+    }
+    if block > context {
+        bail!("--block-size {block} is larger than the model's context of {context}");
+    }
+    Ok(())
 }

@@ -5,11 +5,15 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::{ArgGroup, Args};
+use kakeya_models::{DFlashDrafter, Gemma3Model};
 use kakeya_runtime::chat::{self, Message};
-use kakeya_runtime::{Generation, GenerationConfig, Sampling, Session, generate};
+use kakeya_runtime::{
+    DFlashProposer, Generation, GenerationConfig, RunawayGuard, Sampling, Session, SpecConfig,
+    Verifier, generate, speculative_generate,
+};
 use kakeya_weights::Tokenizer;
 
-use crate::common::ModelArgs;
+use crate::common::{ModelArgs, check_block_size, load_drafter};
 
 /// Arguments of `kakeya infer`.
 #[derive(Args, Debug)]
@@ -50,6 +54,19 @@ pub struct InferArgs {
     /// Prefill chunk length.
     #[arg(long, default_value_t = 512)]
     pub prefill_chunk: usize,
+    /// A DFlash drafter folder (z-lab format): decode speculatively (greedy, lossless).
+    #[arg(long)]
+    pub drafter: Option<PathBuf>,
+    /// Tokens per speculative block (default: the drafter's `block_size`).
+    #[arg(long)]
+    pub block_size: Option<usize>,
+    /// Also decode the same prompt autoregressively and report its tok/s (and whether the
+    /// tokens are identical) in the stats.
+    #[arg(long)]
+    pub compare_ar: bool,
+    /// Do not stop on runaway repetition (a 1–8 token unit repeated 12 times).
+    #[arg(long)]
+    pub no_loop_guard: bool,
 }
 
 impl InferArgs {
@@ -106,6 +123,37 @@ fn print_stats(g: &Generation) {
         s.kv_bytes as f64 / (1 << 20) as f64,
         g.stop_reason
     );
+    if let Some(sp) = &g.spec {
+        eprintln!(
+            "[speculative: block {}, {} blocks, mean acceptance length {:.2}]",
+            sp.block_size, sp.blocks, sp.mean_acceptance_length
+        );
+    }
+}
+
+/// Decodes `ids` with the drafter when one is given, otherwise autoregressively.
+fn decode(
+    model: &Gemma3Model,
+    drafter: Option<(&DFlashDrafter, usize)>,
+    ids: &[u32],
+    cfg: &GenerationConfig,
+    on_token: &mut dyn FnMut(u32),
+) -> Result<Generation> {
+    Ok(match drafter {
+        Some((d, block)) => {
+            let mut verifier = Verifier::new(model, d.config.target_layer_ids.clone(), block);
+            let mut proposer = DFlashProposer::new(d);
+            speculative_generate(
+                &mut verifier,
+                &mut proposer,
+                ids,
+                cfg,
+                SpecConfig { block_size: block },
+                on_token,
+            )?
+        }
+        None => generate(&mut Session::new(model, 0), ids, cfg, on_token)?,
+    })
 }
 
 /// Runs `kakeya infer`.
@@ -115,6 +163,31 @@ pub fn run(a: InferArgs) -> Result<()> {
         bail!("--max-tokens must be at least 1");
     }
     let (model, tok) = a.model.load()?;
+    let drafter = match &a.drafter {
+        Some(dir) => {
+            if sampling != Sampling::Greedy {
+                bail!("--drafter decodes greedily (lossless); drop --temperature or the drafter");
+            }
+            if a.chat {
+                bail!("--chat with --drafter is not supported yet; use --chat-file for one turn");
+            }
+            Some(load_drafter(dir, &model)?)
+        }
+        None => None,
+    };
+    let block = match &drafter {
+        Some(d) => {
+            let b = a.block_size.unwrap_or(d.block_size());
+            check_block_size(b, model.config.max_position_embeddings)?;
+            b
+        }
+        None => {
+            if a.block_size.is_some() {
+                bail!("--block-size needs --drafter");
+            }
+            0
+        }
+    };
     let cfg = GenerationConfig {
         max_tokens: a.max_tokens,
         sampling,
@@ -123,9 +196,12 @@ pub fn run(a: InferArgs) -> Result<()> {
             .flatten()
             .collect(),
         prefill_chunk: a.prefill_chunk,
+        loop_guard: (!a.no_loop_guard).then(RunawayGuard::default),
     };
-    let mut session = Session::new(&model, 0);
     if a.chat {
+        // Slack lets a turn the loop guard trimmed roll its cut repeats out of the caches.
+        let guard = RunawayGuard::default();
+        let mut session = Session::new(&model, guard.max_unit * guard.min_repeats + 1);
         return chat_loop(&mut session, &tok, &cfg);
     }
     let text = if let Some(p) = &a.prompt {
@@ -152,23 +228,48 @@ pub fn run(a: InferArgs) -> Result<()> {
         ids: Vec::new(),
         printed: 0,
     };
+    let spec = drafter.as_ref().map(|d| (d, block));
     let g = if a.json {
-        generate(&mut session, &ids, &cfg, &mut |_| {})?
+        decode(&model, spec, &ids, &cfg, &mut |_| {})?
     } else {
-        generate(&mut session, &ids, &cfg, &mut |t| streamer.push(t))?
+        decode(&model, spec, &ids, &cfg, &mut |t| streamer.push(t))?
+    };
+    let ar = if a.compare_ar {
+        Some(decode(&model, None, &ids, &cfg, &mut |_| {})?)
+    } else {
+        None
     };
     if a.json {
+        let mut stats = serde_json::to_value(&g.stats)?;
+        if let Some(sp) = &g.spec {
+            stats["speculative"] = serde_json::to_value(sp)?;
+        }
+        if let Some(ar) = &ar {
+            stats["ar_decode_tok_s"] = ar.stats.decode_tok_s.into();
+            stats["identical_to_ar"] = (ar.tokens == g.tokens).into();
+            if g.stats.decode_tok_s > 0.0 && ar.stats.decode_tok_s > 0.0 {
+                stats["speedup_vs_ar"] = (g.stats.decode_tok_s / ar.stats.decode_tok_s).into();
+            }
+        }
         let out = serde_json::json!({
             "text": tok.decode(&g.tokens)?,
             "prompt_ids": ids,
             "tokens": g.tokens,
             "stop_reason": g.stop_reason,
-            "stats": g.stats,
+            "stopped_on_runaway": g.stopped_on_runaway,
+            "stats": stats,
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
         println!();
         print_stats(&g);
+        if let Some(ar) = &ar {
+            eprintln!(
+                "[AR on the same prompt: decode {:.1} tok/s; identical tokens: {}]",
+                ar.stats.decode_tok_s,
+                ar.tokens == g.tokens
+            );
+        }
     }
     Ok(())
 }
@@ -200,7 +301,12 @@ fn chat_loop(session: &mut Session<'_>, tok: &Tokenizer, cfg: &GenerationConfig)
             ids: Vec::new(),
             printed: 0,
         };
+        let base = session.len() + ids.len();
         let g = generate(session, &ids, cfg, &mut |t| streamer.push(t))?;
+        if g.stop_reason == kakeya_runtime::StopReason::Runaway {
+            // The guard trimmed repeats the session has already run: forget them too.
+            session.truncate(base + g.tokens.len() - 1)?;
+        }
         println!();
         print_stats(&g);
         // Close the model's turn in the context. A turn cut at max tokens has not run its

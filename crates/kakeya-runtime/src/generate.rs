@@ -3,10 +3,11 @@
 use std::time::Instant;
 
 use burn::tensor::Tensor;
-use kakeya_models::{ForwardRequest, Gemma3Model, Logits};
+use kakeya_models::{ForwardOutput, ForwardRequest, Gemma3Model, Logits};
 use serde::Serialize;
 
 use crate::error::{Result, RuntimeError};
+use crate::guard::RunawayGuard;
 use crate::kv::KvCache;
 use crate::sampler::{Sampler, Sampling};
 
@@ -87,6 +88,29 @@ impl<'m> Session<'m> {
         Ok(logits_row(last.expect("last chunk returns logits")))
     }
 
+    /// Runs `tokens` at the next positions in one forward, returning what `logits` and
+    /// `hidden_after` ask for.
+    ///
+    /// # Shapes
+    /// - returns logits `[1 or T, vocab]`, hidden states `[T, hidden]` per requested layer
+    pub fn forward(
+        &mut self,
+        tokens: &[u32],
+        logits: Logits,
+        hidden_after: &[usize],
+    ) -> Result<ForwardOutput> {
+        let mut req = ForwardRequest::new(tokens, self.len, logits);
+        req.hidden_after = hidden_after;
+        let out = self.model.forward(&req, &mut self.caches)?;
+        self.len += tokens.len();
+        Ok(out)
+    }
+
+    /// The caches, one per layer (read-only: for inspection and tests).
+    pub fn caches(&self) -> &[KvCache] {
+        &self.caches
+    }
+
     /// Runs one token; returns its logits.
     pub fn step(&mut self, token: u32) -> Result<Vec<f32>> {
         let out = self.model.forward(
@@ -118,6 +142,8 @@ pub struct GenerationConfig {
     pub stop_tokens: Vec<u32>,
     /// Prefill chunk length.
     pub prefill_chunk: usize,
+    /// Stop runaway repetition (`None`: never).
+    pub loop_guard: Option<RunawayGuard>,
 }
 
 /// Why generation ended.
@@ -130,6 +156,8 @@ pub enum StopReason {
     MaxTokens,
     /// The model's context is full.
     ContextFull,
+    /// The runaway-loop guard fired (the repeated tail was trimmed).
+    Runaway,
 }
 
 /// Measured figures of one generation.
@@ -160,8 +188,84 @@ pub struct Generation {
     pub tokens: Vec<u32>,
     /// Why it ended.
     pub stop_reason: StopReason,
+    /// True when the runaway-loop guard ended it.
+    pub stopped_on_runaway: bool,
     /// Figures.
     pub stats: GenerationStats,
+    /// Speculation figures (speculative decoding only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub spec: Option<crate::spec::SpecStats>,
+}
+
+/// Collects generated tokens and applies the stop rules one token at a time, so that every
+/// decoder (autoregressive or speculative) stops at exactly the same token. Tokens reach
+/// `on_token` as soon as no rule can take them back (the loop guard may hold back a
+/// repeating tail).
+pub struct TokenSink<'a> {
+    tokens: Vec<u32>,
+    released: usize,
+    cfg: &'a GenerationConfig,
+    on_token: &'a mut dyn FnMut(u32),
+}
+
+impl<'a> TokenSink<'a> {
+    /// An empty output under `cfg`'s stop rules.
+    pub fn new(cfg: &'a GenerationConfig, on_token: &'a mut dyn FnMut(u32)) -> Self {
+        Self {
+            tokens: Vec::new(),
+            released: 0,
+            cfg,
+            on_token,
+        }
+    }
+
+    /// Tokens kept so far.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    fn release(&mut self, upto: usize) {
+        while self.released < upto {
+            (self.on_token)(self.tokens[self.released]);
+            self.released += 1;
+        }
+    }
+
+    /// Offers the next generated token; `Some(reason)` when generation must stop here.
+    pub fn push(&mut self, tok: u32) -> Option<StopReason> {
+        if self.cfg.stop_tokens.contains(&tok) {
+            self.release(self.tokens.len());
+            return Some(StopReason::StopToken);
+        }
+        self.tokens.push(tok);
+        if let Some(guard) = &self.cfg.loop_guard {
+            if let Some(keep) = guard.check(&self.tokens) {
+                self.tokens.truncate(keep);
+                self.release(keep);
+                return Some(StopReason::Runaway);
+            }
+            let hold = guard.holdback(&self.tokens);
+            self.release(self.tokens.len() - hold);
+        } else {
+            self.release(self.tokens.len());
+        }
+        if self.tokens.len() >= self.cfg.max_tokens {
+            self.release(self.tokens.len());
+            return Some(StopReason::MaxTokens);
+        }
+        None
+    }
+
+    /// Releases anything held back and returns the tokens.
+    pub fn finish(mut self) -> Vec<u32> {
+        self.release(self.tokens.len());
+        self.tokens
+    }
+}
+
+/// Tokens per second, 0 for an empty interval.
+pub(crate) fn rate(n: usize, secs: f64) -> f64 {
+    if secs > 0.0 { n as f64 / secs } else { 0.0 }
 }
 
 /// Prefills `prompt` into `session` and generates; `on_token` sees each emitted token.
@@ -171,23 +275,21 @@ pub fn generate(
     cfg: &GenerationConfig,
     on_token: &mut dyn FnMut(u32),
 ) -> Result<Generation> {
+    if cfg.max_tokens == 0 {
+        return Err(RuntimeError::Input("max_tokens must be at least 1".into()));
+    }
     let mut sampler = Sampler::new(cfg.sampling.clone());
     let ctx = session.model().config.max_position_embeddings;
     let t0 = Instant::now();
     let mut logits = session.prefill(prompt, cfg.prefill_chunk)?;
     let prefill_secs = t0.elapsed().as_secs_f64();
-    let mut tokens = Vec::new();
+    let mut sink = TokenSink::new(cfg, on_token);
     let t1 = Instant::now();
     let mut steps = 0;
     let stop_reason = loop {
         let tok = sampler.pick(&logits);
-        if cfg.stop_tokens.contains(&tok) {
-            break StopReason::StopToken;
-        }
-        tokens.push(tok);
-        on_token(tok);
-        if tokens.len() >= cfg.max_tokens {
-            break StopReason::MaxTokens;
+        if let Some(reason) = sink.push(tok) {
+            break reason;
         }
         if session.len() >= ctx {
             break StopReason::ContextFull;
@@ -196,7 +298,7 @@ pub fn generate(
         steps += 1;
     };
     let decode_secs = t1.elapsed().as_secs_f64();
-    let rate = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
+    let tokens = sink.finish();
     let stats = GenerationStats {
         prompt_tokens: prompt.len(),
         generated_tokens: tokens.len(),
@@ -210,6 +312,8 @@ pub fn generate(
     Ok(Generation {
         tokens,
         stop_reason,
+        stopped_on_runaway: stop_reason == StopReason::Runaway,
         stats,
+        spec: None,
     })
 }

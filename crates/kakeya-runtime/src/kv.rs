@@ -246,6 +246,24 @@ impl KvCache {
         Ok(())
     }
 
+    /// The positions this cache holds, oldest first, with their K/V (inspection and tests).
+    pub fn held(&self) -> Option<CachedKv> {
+        match self {
+            KvCache::Full(c) => c.kv.as_ref().filter(|_| c.len > 0).map(|(k, v)| CachedKv {
+                k: seq_slice(k, 0, c.len),
+                v: seq_slice(v, 0, c.len),
+                positions: (0..c.len).collect(),
+            }),
+            KvCache::Ring(r) => r.kv.as_ref().and_then(|(k, v)| {
+                Some(CachedKv {
+                    k: r.chronological(k)?,
+                    v: r.chronological(v)?,
+                    positions: (r.first..r.len).collect(),
+                })
+            }),
+        }
+    }
+
     /// Bytes of K/V storage this cache holds (allocated buffers, not a formula of positions).
     pub fn nbytes(&self) -> usize {
         let kv = match self {

@@ -89,6 +89,7 @@ fn logits_and_greedy_match_transformers() {
             sampling: Sampling::Greedy,
             stop_tokens: vec![],
             prefill_chunk: 512,
+            loop_guard: None,
         };
         let mut s = Session::new(&model, 0);
         let g = generate(&mut s, &want_ids, &cfg, &mut |_| {}).unwrap();

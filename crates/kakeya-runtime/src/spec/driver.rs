@@ -1,0 +1,163 @@
+//! The speculative decoding loop: draft a block, verify it in one forward, accept greedily,
+//! commit, roll back the rejected tail, tell the proposer what was committed.
+
+use std::time::Instant;
+
+use serde::Serialize;
+
+use super::accept_greedy;
+use super::proposer::Proposer;
+use super::verifier::Verifier;
+use crate::error::{Result, RuntimeError};
+use crate::generate::{Generation, GenerationConfig, GenerationStats, StopReason, TokenSink, rate};
+use crate::sampler::{Sampling, argmax};
+
+/// Speculation settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SpecConfig {
+    /// Tokens per verified block: the last committed token plus `block_size - 1` drafts.
+    pub block_size: usize,
+}
+
+/// Figures of one speculative generation.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct SpecStats {
+    /// Block size used.
+    pub block_size: usize,
+    /// Verifier forwards over a block.
+    pub blocks: usize,
+    /// Draft tokens proposed.
+    pub drafted: usize,
+    /// Draft tokens accepted.
+    pub accepted: usize,
+    /// Mean tokens committed per block (accepted drafts + the verifier's own token).
+    pub mean_acceptance_length: f64,
+    /// For draft slot `k` (1-based, index `k - 1`): the fraction of blocks that drafted slot
+    /// `k` and accepted it.
+    pub per_position_acceptance: Vec<f64>,
+    /// Seconds spent in the proposer.
+    pub draft_secs: f64,
+    /// Seconds spent in verifier forwards.
+    pub verify_secs: f64,
+    /// Bytes of the proposer's state at the end (drafter context cache).
+    pub proposer_bytes: usize,
+}
+
+/// Generates greedily from `prompt` with speculation: the output is token-for-token what
+/// [`crate::generate`] produces for the same verifier and `cfg`.
+pub fn speculative_generate(
+    verifier: &mut Verifier<'_>,
+    proposer: &mut dyn Proposer,
+    prompt: &[u32],
+    cfg: &GenerationConfig,
+    spec: SpecConfig,
+    on_token: &mut dyn FnMut(u32),
+) -> Result<Generation> {
+    let ctx = verifier.model().config.max_position_embeddings;
+    if spec.block_size == 0 || spec.block_size > ctx {
+        return Err(RuntimeError::Input(format!(
+            "block size {} must be between 1 and the context length {ctx}",
+            spec.block_size
+        )));
+    }
+    if cfg.sampling != Sampling::Greedy {
+        return Err(RuntimeError::Input(
+            "speculative decoding is lossless for greedy decoding only; drop the sampling options or the drafter".into(),
+        ));
+    }
+    if cfg.max_tokens == 0 {
+        return Err(RuntimeError::Input("max_tokens must be at least 1".into()));
+    }
+    let t0 = Instant::now();
+    let (logits, aux) = verifier.prefill(prompt, cfg.prefill_chunk)?;
+    let prefill_secs = t0.elapsed().as_secs_f64();
+    let t1 = Instant::now();
+    proposer.observe(prompt, aux)?;
+    let mut sink = TokenSink::new(cfg, on_token);
+    let mut stats = SpecStats {
+        block_size: spec.block_size,
+        ..SpecStats::default()
+    };
+    let mut slot_tried = vec![0usize; spec.block_size.saturating_sub(1)];
+    let mut slot_hit = vec![0usize; spec.block_size.saturating_sub(1)];
+    let mut last = argmax(&logits).unwrap_or(0) as u32;
+    let mut pos = prompt.len();
+    let mut committed_in_decode = 0;
+    let stop_reason = 'outer: {
+        if let Some(r) = sink.push(last) {
+            break 'outer r;
+        }
+        loop {
+            if pos >= ctx {
+                break 'outer StopReason::ContextFull;
+            }
+            let remaining = cfg.max_tokens - sink.tokens().len();
+            let b = spec.block_size.min(ctx - pos).min(remaining).max(1);
+            let td = Instant::now();
+            let drafts = if b > 1 {
+                proposer.propose(last, pos, b - 1)?
+            } else {
+                Vec::new()
+            };
+            stats.draft_secs += td.elapsed().as_secs_f64();
+            let mut block = Vec::with_capacity(b);
+            block.push(last);
+            block.extend(&drafts);
+            let tv = Instant::now();
+            let (posterior, aux) = verifier.verify(&block)?;
+            let a = accept_greedy(&drafts, &posterior);
+            verifier.rollback(pos + a + 1)?;
+            stats.verify_secs += tv.elapsed().as_secs_f64();
+            let aux = aux.map(|t| {
+                let w = t.dims()[1];
+                t.slice([0..a + 1, 0..w])
+            });
+            proposer.observe(&block[..=a], aux)?;
+            stats.blocks += 1;
+            stats.drafted += drafts.len();
+            stats.accepted += a;
+            for k in 0..drafts.len() {
+                slot_tried[k] += 1;
+                slot_hit[k] += usize::from(k < a);
+            }
+            pos += a + 1;
+            for &tok in &posterior[..=a] {
+                committed_in_decode += 1;
+                if let Some(r) = sink.push(tok) {
+                    break 'outer r;
+                }
+            }
+            last = posterior[a];
+        }
+    };
+    let decode_secs = t1.elapsed().as_secs_f64();
+    stats.mean_acceptance_length = if stats.blocks > 0 {
+        (stats.accepted + stats.blocks) as f64 / stats.blocks as f64
+    } else {
+        0.0
+    };
+    stats.per_position_acceptance = slot_tried
+        .iter()
+        .zip(&slot_hit)
+        .map(|(&t, &h)| if t > 0 { h as f64 / t as f64 } else { 0.0 })
+        .collect();
+    stats.proposer_bytes = proposer.nbytes();
+    let tokens = sink.finish();
+    let gen_stats = GenerationStats {
+        prompt_tokens: prompt.len(),
+        generated_tokens: tokens.len(),
+        prefill_secs,
+        decode_steps: stats.blocks,
+        decode_secs,
+        prefill_tok_s: rate(prompt.len(), prefill_secs),
+        decode_tok_s: rate(committed_in_decode, decode_secs),
+        kv_bytes: verifier.kv_bytes(),
+    };
+    Ok(Generation {
+        tokens,
+        stop_reason,
+        stopped_on_runaway: stop_reason == StopReason::Runaway,
+        stats: gen_stats,
+        spec: Some(stats),
+    })
+}

@@ -1,0 +1,56 @@
+//! Lossless greedy speculative decoding, split by role: a [`Proposer`] drafts tokens, the
+//! [`Verifier`] checks a whole block in one forward and rolls back the rejected tail, and the
+//! [`driver`] runs the loop. The acceptance rule is the pure function [`accept_greedy`].
+//! [Leviathan et al., arXiv:2211.17192; DFlash, arXiv:2602.06036]
+
+pub mod driver;
+pub mod proposer;
+pub mod verifier;
+
+pub use driver::{SpecConfig, SpecStats, speculative_generate};
+pub use proposer::{DFlashProposer, Proposer, ReplayProposer};
+pub use verifier::Verifier;
+
+/// Greedy acceptance: the number of drafts accepted, i.e. the longest prefix with
+/// `drafts[i] == posterior[i]`, where `posterior[i]` is the verifier's argmax after block row
+/// `i` (row 0 is the last committed token, row `i + 1` holds `drafts[i]`).
+///
+/// The block then commits `posterior[0..=a]`: the `a` accepted drafts (equal to the verifier's
+/// own choices) and the verifier's token after them, so every block commits at least one.
+///
+/// # Panics
+/// If `posterior` is shorter than `drafts.len() + 1` (a verifier bug, not user input).
+pub fn accept_greedy(drafts: &[u32], posterior: &[u32]) -> usize {
+    assert!(
+        posterior.len() > drafts.len(),
+        "posterior has {} rows for {} drafts",
+        posterior.len(),
+        drafts.len()
+    );
+    drafts
+        .iter()
+        .zip(posterior)
+        .take_while(|(d, p)| d == p)
+        .count()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::accept_greedy;
+
+    #[test]
+    fn accepts_the_longest_matching_prefix() {
+        assert_eq!(accept_greedy(&[5, 6, 7], &[5, 6, 7, 8]), 3);
+        assert_eq!(accept_greedy(&[5, 6, 7], &[5, 6, 9, 8]), 2);
+        assert_eq!(accept_greedy(&[5, 6, 7], &[1, 6, 7, 8]), 0);
+        // A later match after a mismatch does not count.
+        assert_eq!(accept_greedy(&[5, 6, 7], &[5, 0, 7, 8]), 1);
+        assert_eq!(accept_greedy(&[], &[3]), 0);
+    }
+
+    #[test]
+    #[should_panic(expected = "posterior has 3 rows for 3 drafts")]
+    fn too_short_a_posterior_is_a_bug() {
+        accept_greedy(&[1, 2, 3], &[1, 2, 3]);
+    }
+}

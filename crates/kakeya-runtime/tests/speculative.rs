@@ -1,0 +1,329 @@
+//! The speculative engine on tiny random verifier/drafter pairs: lossless against plain greedy
+//! decoding (with sliding rings that wrap), every draft accepted when the drafts are the
+//! verifier's own choices, exact rollback of verifier and drafter caches under random accept
+//! counts, and bad settings refused.
+
+use burn::tensor::{Device, Tensor};
+use kakeya_models::testing::{drafter_config, random_checkpoint, random_drafter, tiny_config};
+use kakeya_models::{DFlashDrafter, DraftRequest, Gemma3Model};
+use kakeya_runtime::sampler::argmax;
+use kakeya_runtime::{
+    DFlashProposer, GenerationConfig, KvCache, Proposer, Result, Sampling, Session, SpecConfig,
+    Verifier, generate, speculative_generate,
+};
+
+/// Sliding window of the tiny verifier: short, so rings wrap many times per generation.
+const WINDOW: usize = 8;
+/// Tolerance for K/V values computed in differently-shaped forwards.
+const TOL: f32 = 1e-4;
+
+fn verifier(seed: u64) -> Gemma3Model {
+    Gemma3Model::from_checkpoint(
+        random_checkpoint(&tiny_config(WINDOW), seed),
+        &Device::flex(),
+    )
+    .unwrap()
+}
+
+fn drafter(v: &Gemma3Model, layers: usize, block: usize, seed: u64) -> DFlashDrafter {
+    let c = drafter_config(&v.config, layers, block);
+    DFlashDrafter::from_checkpoint(random_drafter(&c, seed), v).unwrap()
+}
+
+fn prompt(i: usize) -> Vec<u32> {
+    let len = 2 + (i * 7) % 37;
+    (0..len)
+        .map(|j| ((j * 13 + i * 29 + 5) % 97) as u32)
+        .collect()
+}
+
+fn cfg(max_tokens: usize) -> GenerationConfig {
+    GenerationConfig {
+        max_tokens,
+        sampling: Sampling::Greedy,
+        stop_tokens: vec![],
+        prefill_chunk: 16,
+        loop_guard: None,
+    }
+}
+
+/// Plain greedy decoding: the reference.
+fn greedy(v: &Gemma3Model, p: &[u32], max_tokens: usize) -> Vec<u32> {
+    generate(&mut Session::new(v, 0), p, &cfg(max_tokens), &mut |_| {})
+        .unwrap()
+        .tokens
+}
+
+/// On a mismatch, the position and the reference's top-1/top-2 logit gap there.
+fn explain_divergence(v: &Gemma3Model, p: &[u32], want: &[u32], got: &[u32]) -> String {
+    let i = want.iter().zip(got).take_while(|(a, b)| a == b).count();
+    let mut s = Session::new(v, 0);
+    let mut logits = s.prefill(p, 64).unwrap();
+    for &t in &want[..i] {
+        logits = s.step(t).unwrap();
+    }
+    let mut sorted = logits.clone();
+    sorted.sort_by(|a, b| b.total_cmp(a));
+    format!(
+        "first divergence at generated token {i}: greedy {} vs speculative {}; reference top-1/top-2 gap {:.3e}",
+        want.get(i).copied().unwrap_or(u32::MAX),
+        got.get(i).copied().unwrap_or(u32::MAX),
+        sorted[0] - sorted[1]
+    )
+}
+
+/// Drafts the verifier's own greedy continuation (a separate session of the same model),
+/// optionally corrupting each draft with probability `noise` (seeded).
+struct Oracle<'m> {
+    session: Session<'m>,
+    noise: f64,
+    rng: u64,
+    inner: Option<DFlashProposer<'m>>,
+}
+
+impl<'m> Oracle<'m> {
+    fn new(v: &'m Gemma3Model, noise: f64, seed: u64) -> Self {
+        Self {
+            session: Session::new(v, 32),
+            noise,
+            rng: seed,
+            inner: None,
+        }
+    }
+
+    fn coin(&mut self) -> f64 {
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        (self.rng % 10_000) as f64 / 10_000.0
+    }
+}
+
+impl Proposer for Oracle<'_> {
+    fn aux_layers(&self) -> Vec<usize> {
+        self.inner.as_ref().map_or(Vec::new(), |p| p.aux_layers())
+    }
+
+    fn observe(&mut self, tokens: &[u32], aux: Option<Tensor<2>>) -> Result<()> {
+        self.session.prefill(tokens, 64)?;
+        if let Some(p) = &mut self.inner {
+            p.observe(tokens, aux)?;
+        }
+        Ok(())
+    }
+
+    fn propose(&mut self, last: u32, pos: usize, n: usize) -> Result<Vec<u32>> {
+        assert_eq!(pos, self.session.len());
+        if let Some(p) = &mut self.inner {
+            // Keep the drafter's context cache in step (its drafts are discarded).
+            p.propose(last, pos, n)?;
+        }
+        let mut out = Vec::with_capacity(n);
+        let mut t = last;
+        for _ in 0..n {
+            t = argmax(&self.session.step(t)?).unwrap() as u32;
+            out.push(t);
+        }
+        self.session.truncate(pos)?;
+        for d in &mut out {
+            if self.coin() < self.noise {
+                *d = (*d + 1) % 97;
+            }
+        }
+        Ok(out)
+    }
+}
+
+#[test]
+fn random_drafter_is_lossless_over_prompts_and_block_sizes() {
+    let v = verifier(21);
+    let max_tokens = 40;
+    for block in [4, 8, 16] {
+        let d = drafter(&v, 2, block, 5 + block as u64);
+        for i in 0..20 {
+            let p = prompt(i);
+            let want = greedy(&v, &p, max_tokens);
+            let mut ver = Verifier::new(&v, d.config.target_layer_ids.clone(), block);
+            let mut prop = DFlashProposer::new(&d);
+            let g = speculative_generate(
+                &mut ver,
+                &mut prop,
+                &p,
+                &cfg(max_tokens),
+                SpecConfig { block_size: block },
+                &mut |_| {},
+            )
+            .unwrap();
+            assert!(
+                g.tokens == want,
+                "block {block}, prompt {i}: {}",
+                explain_divergence(&v, &p, &want, &g.tokens)
+            );
+            let spec = g.spec.unwrap();
+            assert!(spec.blocks >= 1 && spec.mean_acceptance_length >= 1.0);
+        }
+    }
+}
+
+#[test]
+fn drafts_equal_to_the_target_are_all_accepted() {
+    let v = verifier(22);
+    for block in [4, 8, 16] {
+        for i in 0..4 {
+            let p = prompt(i);
+            // 1 token from prefill + whole blocks of `block` tokens.
+            let max_tokens = 1 + 3 * block;
+            let want = greedy(&v, &p, max_tokens);
+            let mut ver = Verifier::new(&v, vec![], block);
+            let mut oracle = Oracle::new(&v, 0.0, 1);
+            let g = speculative_generate(
+                &mut ver,
+                &mut oracle,
+                &p,
+                &cfg(max_tokens),
+                SpecConfig { block_size: block },
+                &mut |_| {},
+            )
+            .unwrap();
+            assert!(
+                g.tokens == want,
+                "{}",
+                explain_divergence(&v, &p, &want, &g.tokens)
+            );
+            let s = g.spec.unwrap();
+            assert_eq!(s.blocks, 3, "block {block}: 3 blocks of {block} tokens");
+            assert_eq!(s.accepted, 3 * (block - 1), "every draft accepted");
+            assert_eq!(s.mean_acceptance_length, block as f64);
+            assert!(s.per_position_acceptance.iter().all(|&r| r == 1.0));
+        }
+    }
+}
+
+fn assert_kv_close(a: &Tensor<3>, b: &Tensor<3>, what: &str) {
+    let x = a.clone().into_data().try_into_vec::<f32>().unwrap();
+    let y = b.clone().into_data().try_into_vec::<f32>().unwrap();
+    assert_eq!(x.len(), y.len(), "{what}: sizes");
+    let d = x
+        .iter()
+        .zip(&y)
+        .map(|(p, q)| (p - q).abs())
+        .fold(0.0f32, f32::max);
+    assert!(d <= TOL, "{what}: max |Δ| {d} > {TOL}");
+}
+
+/// The positions both caches hold must agree, and both must hold what the next query needs.
+fn assert_same_cache(a: &KvCache, b: &KvCache, need_from: usize, what: &str) {
+    let (ha, hb) = (a.held().unwrap(), b.held().unwrap());
+    let lo = ha.positions[0].max(hb.positions[0]);
+    assert!(
+        lo <= need_from,
+        "{what}: positions from {need_from} must be held"
+    );
+    let hi = *ha.positions.last().unwrap();
+    assert_eq!(hi, *hb.positions.last().unwrap(), "{what}: same length");
+    let cut = |c: &kakeya_models::CachedKv| {
+        let off = lo - c.positions[0];
+        let n = hi + 1 - lo;
+        let [h, _, d] = c.k.dims();
+        (
+            c.k.clone().slice([0..h, off..off + n, 0..d]),
+            c.v.clone().slice([0..h, off..off + n, 0..d]),
+        )
+    };
+    let ((ka, va), (kb, vb)) = (cut(&ha), cut(&hb));
+    assert_kv_close(&ka, &kb, &format!("{what} K"));
+    assert_kv_close(&va, &vb, &format!("{what} V"));
+}
+
+#[test]
+fn random_accept_counts_leave_caches_as_if_only_committed_tokens_were_seen() {
+    let v = verifier(23);
+    for (block, noise, seed) in [(4, 0.3, 3u64), (8, 0.15, 4), (16, 0.1, 5)] {
+        let d = drafter(&v, 2, block, 40);
+        let p = prompt(seed as usize);
+        let max_tokens = 90;
+        let mut ver = Verifier::new(&v, d.config.target_layer_ids.clone(), block);
+        let mut oracle = Oracle::new(&v, noise, seed * 7919);
+        oracle.inner = Some(DFlashProposer::new(&d));
+        let g = speculative_generate(
+            &mut ver,
+            &mut oracle,
+            &p,
+            &cfg(max_tokens),
+            SpecConfig { block_size: block },
+            &mut |_| {},
+        )
+        .unwrap();
+        let s = g.spec.clone().unwrap();
+        assert!(
+            s.accepted > 0 && s.accepted < s.drafted,
+            "block {block}: accept counts vary ({} of {} drafts)",
+            s.accepted,
+            s.drafted
+        );
+        assert_eq!(g.tokens, greedy(&v, &p, max_tokens), "block {block}");
+
+        // Reference: a verifier that only ever saw the committed sequence.
+        let mut seq = p.clone();
+        seq.extend(&g.tokens[..g.tokens.len() - 1]);
+        let held = ver.len();
+        let mut reference = Session::new(&v, 0);
+        reference.prefill(&seq[..held], 5).unwrap();
+        for (l, (a, b)) in ver.caches().iter().zip(reference.caches()).enumerate() {
+            let need = (held + 1).saturating_sub(WINDOW);
+            let need = if matches!(a, KvCache::Full(_)) {
+                0
+            } else {
+                need
+            };
+            assert_same_cache(a, b, need, &format!("block {block}, verifier layer {l}"));
+        }
+
+        // Drafter context: the same as one drafter pass over the committed positions' aux.
+        let prop = oracle.inner.as_ref().unwrap();
+        let ctx_len = prop.caches()[0].held().unwrap().positions.len();
+        let mut full = Session::new(&v, 0);
+        let aux = full
+            .forward(
+                &seq[..ctx_len],
+                kakeya_models::Logits::None,
+                &d.config.target_layer_ids,
+            )
+            .unwrap()
+            .hidden;
+        let mut fresh = KvCache::for_specs(&d.cache_specs(), 0);
+        d.forward(
+            &DraftRequest {
+                context: Tensor::cat(aux, 1),
+                block: &[seq[ctx_len]],
+                capture_context: false,
+            },
+            &mut fresh,
+        )
+        .unwrap();
+        for (l, (a, b)) in prop.caches().iter().zip(&fresh).enumerate() {
+            assert_same_cache(a, b, 0, &format!("block {block}, drafter layer {l}"));
+        }
+    }
+}
+
+#[test]
+fn bad_block_sizes_are_refused() {
+    let v = verifier(24);
+    let d = drafter(&v, 1, 4, 1);
+    for block in [0, v.config.max_position_embeddings + 1] {
+        let mut ver = Verifier::new(&v, d.config.target_layer_ids.clone(), 4);
+        let mut prop = DFlashProposer::new(&d);
+        let err = speculative_generate(
+            &mut ver,
+            &mut prop,
+            &prompt(1),
+            &cfg(8),
+            SpecConfig { block_size: block },
+            &mut |_| {},
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("block size"), "{err}");
+    }
+}

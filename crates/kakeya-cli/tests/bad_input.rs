@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use kakeya_models::testing::{random_checkpoint, tiny_config};
+use kakeya_models::testing::{drafter_config, random_checkpoint, random_drafter, tiny_config};
 
 struct Scratch(PathBuf);
 
@@ -251,4 +251,123 @@ fn tiny_model_generates() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["prompt_ids"].as_array().unwrap().len(), 4);
     assert!(!v["tokens"].as_array().unwrap().is_empty());
+}
+
+/// A random drafter folder for the tiny model, with `edit` applied to its config.
+fn tiny_drafter(
+    dir: &Path,
+    name: &str,
+    edit: impl FnOnce(&mut kakeya_weights::DFlashConfig),
+) -> PathBuf {
+    let mut c = drafter_config(&tiny_config(4), 1, 4);
+    edit(&mut c);
+    let d = dir.join(name);
+    random_drafter(&c, 7).write_dir(&d).unwrap();
+    d
+}
+
+#[test]
+fn mismatched_drafter_and_bad_block_sizes() {
+    let s = Scratch::new("drafter");
+    let m = tiny_model(&s.0);
+    let m = m.to_str().unwrap();
+    let wide = tiny_drafter(&s.0, "wide", |c| {
+        c.hidden_size = 64;
+    });
+    let err = fails(&[
+        "infer",
+        "--model",
+        m,
+        "--prompt",
+        "w4",
+        "--drafter",
+        wide.to_str().unwrap(),
+    ]);
+    assert!(
+        err.contains("wide") && err.contains("hidden_size 64"),
+        "{err}"
+    );
+    let deep = tiny_drafter(&s.0, "deep", |c| c.target_layer_ids = vec![2, 40]);
+    let err = fails(&[
+        "infer",
+        "--model",
+        m,
+        "--prompt",
+        "w4",
+        "--drafter",
+        deep.to_str().unwrap(),
+    ]);
+    assert!(
+        err.contains("deep") && err.contains("target layer 40"),
+        "{err}"
+    );
+    let ok = tiny_drafter(&s.0, "ok", |_| {});
+    let ok = ok.to_str().unwrap();
+    for (b, what) in [
+        ("0", "at least 1"),
+        ("513", "larger than the model's context"),
+    ] {
+        let err = fails(&[
+            "infer",
+            "--model",
+            m,
+            "--prompt",
+            "w4",
+            "--drafter",
+            ok,
+            "--block-size",
+            b,
+        ]);
+        assert!(err.contains(what), "{err}");
+    }
+    let err = fails(&[
+        "infer",
+        "--model",
+        m,
+        "--prompt",
+        "w4",
+        "--drafter",
+        s.0.join("nope").to_str().unwrap(),
+    ]);
+    assert!(err.contains("nope"), "{err}");
+}
+
+#[test]
+fn tiny_model_decodes_speculatively_like_greedy() {
+    let s = Scratch::new("spec");
+    let m = tiny_model(&s.0);
+    let d = tiny_drafter(&s.0, "drafter", |_| {});
+    let out = Command::new(env!("CARGO_BIN_EXE_kakeya"))
+        .args([
+            "infer",
+            "--model",
+            m.to_str().unwrap(),
+            "--prompt",
+            "w4 w5 w6",
+            "--max-tokens",
+            "20",
+            "--drafter",
+            d.to_str().unwrap(),
+            "--block-size",
+            "4",
+            "--compare-ar",
+            "--json",
+            "--no-loop-guard",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let st = &v["stats"];
+    assert_eq!(st["identical_to_ar"], true, "{v}");
+    let sp = &st["speculative"];
+    assert_eq!(sp["block_size"], 4);
+    assert!(sp["blocks"].as_u64().unwrap() >= 1);
+    assert!(sp["mean_acceptance_length"].as_f64().unwrap() >= 1.0);
+    assert_eq!(sp["per_position_acceptance"].as_array().unwrap().len(), 3);
+    assert!(st["ar_decode_tok_s"].as_f64().unwrap() > 0.0);
 }

@@ -1,0 +1,217 @@
+//! Speculative decoding on the real Gemma 3 270M (GGUF Q4_K_M): token-identical to plain greedy
+//! decoding with a random-weight DFlash drafter over 20 prompts and block sizes 4, 8, 16 (two
+//! prompts of ~800 tokens, past the 512-token sliding window, so the rings wrap at every step); every draft
+//! accepted when the drafts are the verifier's own output; the loop guard on real token
+//! streams.
+//!
+//! They need the fetched model (`python3 scripts/fetch_default_model.py`), so they are
+//! `#[ignore]`d; the README's test command runs them with `--include-ignored`.
+
+use std::path::PathBuf;
+
+use burn::tensor::Device;
+use kakeya_models::testing::{drafter_config, random_drafter};
+use kakeya_models::{DFlashDrafter, Gemma3Model};
+use kakeya_runtime::{
+    DFlashProposer, GenerationConfig, ReplayProposer, RunawayGuard, Sampling, Session, SpecConfig,
+    Verifier, generate, speculative_generate,
+};
+use kakeya_weights::{Checkpoint, Tokenizer};
+
+fn model_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/gemma-3-270m")
+}
+
+fn load() -> (Gemma3Model, Tokenizer) {
+    let ck = Checkpoint::load(model_dir().join("gemma-3-270m-q4_k_m.gguf")).expect("fetched model");
+    let tok = Tokenizer::load(&model_dir().join("tokenizer.json"), ck.config.vocab_size).unwrap();
+    (
+        Gemma3Model::from_checkpoint(ck, &Device::flex()).unwrap(),
+        tok,
+    )
+}
+
+const SHORT: [&str; 18] = [
+    "The capital of France is",
+    "Once upon a time, in a small village,",
+    "def fibonacci(n):",
+    "The three primary colors are",
+    "Water boils at",
+    "In 1969, the first humans",
+    "A haiku about the sea:\n",
+    "To make a cup of tea, first",
+    "The quick brown fox",
+    "Photosynthesis is the process by which",
+    "List of planets in the solar system:\n1.",
+    "SELECT name, age FROM",
+    "The best way to learn a new language is",
+    "Dear hiring manager,\n",
+    "Q: What is 12 times 12?\nA:",
+    "The mitochondria is",
+    "fn main() {\n    let x =",
+    "Rain is falling on the",
+];
+
+/// A ~550-token prompt: generation then runs past the 512-token sliding window.
+fn long_prompt(seed: usize) -> String {
+    let topics = [
+        "rivers",
+        "mountains",
+        "cities",
+        "forests",
+        "oceans",
+        "deserts",
+    ];
+    let mut s = String::from("Notes on geography.\n");
+    for i in 0..40 {
+        let t = topics[(i * 5 + seed) % topics.len()];
+        s.push_str(&format!(
+            "Entry {}: the {t} of region {} were surveyed in year {}.\n",
+            i + 1,
+            (i * 7 + seed * 3) % 23,
+            1900 + (i * 13 + seed) % 120
+        ));
+    }
+    s.push_str("Summary:");
+    s
+}
+
+fn cfg(max_tokens: usize) -> GenerationConfig {
+    GenerationConfig {
+        max_tokens,
+        sampling: Sampling::Greedy,
+        stop_tokens: vec![],
+        prefill_chunk: 512,
+        loop_guard: None,
+    }
+}
+
+/// On a mismatch: the position, both tokens and the reference's top-1/top-2 logit gap there.
+fn divergence(v: &Gemma3Model, p: &[u32], want: &[u32], got: &[u32]) -> String {
+    let i = want.iter().zip(got).take_while(|(a, b)| a == b).count();
+    let mut s = Session::new(v, 0);
+    let mut logits = s.prefill(p, 512).unwrap();
+    for &t in &want[..i] {
+        logits = s.step(t).unwrap();
+    }
+    logits.sort_by(|a, b| b.total_cmp(a));
+    format!(
+        "first divergence at generated token {i} (greedy {:?}, speculative {:?}); reference top-1/top-2 gap {:.3e}",
+        want.get(i),
+        got.get(i),
+        logits[0] - logits[1]
+    )
+}
+
+#[test]
+#[ignore = "needs the fetched Gemma 3 270M (scripts/fetch_default_model.py)"]
+fn speculative_equals_greedy_on_gemma3_270m() {
+    let (v, tok) = load();
+    let mut prompts: Vec<Vec<u32>> = SHORT
+        .iter()
+        .map(|t| {
+            let mut ids = vec![tok.bos];
+            ids.extend(tok.encode(t).unwrap());
+            ids
+        })
+        .collect();
+    for seed in 0..2 {
+        let mut ids = vec![tok.bos];
+        ids.extend(tok.encode(&long_prompt(seed)).unwrap());
+        assert!(ids.len() > 480, "long prompt has {} tokens", ids.len());
+        prompts.push(ids);
+    }
+    let max_tokens = 16;
+    let drafters: Vec<(usize, DFlashDrafter)> = [4, 8, 16]
+        .into_iter()
+        .map(|b| {
+            // A reduced draft vocabulary keeps the random drafter's head cheap.
+            let mut c = drafter_config(&v.config, 1, b);
+            c.draft_vocab_size = Some(4096);
+            (
+                b,
+                DFlashDrafter::from_checkpoint(random_drafter(&c, b as u64), &v).unwrap(),
+            )
+        })
+        .collect();
+    for (i, p) in prompts.iter().enumerate() {
+        let want = generate(&mut Session::new(&v, 0), p, &cfg(max_tokens), &mut |_| {})
+            .unwrap()
+            .tokens;
+        for (block, d) in &drafters {
+            let mut ver = Verifier::new(&v, d.config.target_layer_ids.clone(), *block);
+            let mut prop = DFlashProposer::new(d);
+            let g = speculative_generate(
+                &mut ver,
+                &mut prop,
+                p,
+                &cfg(max_tokens),
+                SpecConfig { block_size: *block },
+                &mut |_| {},
+            )
+            .unwrap();
+            assert!(
+                g.tokens == want,
+                "prompt {i} ({} tokens), block {block}: {}",
+                p.len(),
+                divergence(&v, p, &want, &g.tokens)
+            );
+        }
+        // Drafts equal to the target: every block commits `block` tokens.
+        let block = 8;
+        let mut ver = Verifier::new(&v, vec![], block);
+        let mut replay = ReplayProposer::new(p, &want);
+        let g = speculative_generate(
+            &mut ver,
+            &mut replay,
+            p,
+            &cfg(1 + 2 * block),
+            SpecConfig { block_size: block },
+            &mut |_| {},
+        )
+        .unwrap();
+        assert!(
+            g.tokens[..] == want[..1 + 2 * block],
+            "prompt {i}: {}",
+            divergence(&v, p, &want, &g.tokens)
+        );
+        let s = g.spec.unwrap();
+        assert_eq!((s.blocks, s.accepted), (2, 2 * (block - 1)), "prompt {i}");
+    }
+}
+
+#[test]
+#[ignore = "needs the fetched tokenizer (scripts/fetch_default_model.py)"]
+fn loop_guard_on_real_token_streams() {
+    let tok = Tokenizer::load(&model_dir().join("tokenizer.json"), 262_144).unwrap();
+    let guard = RunawayGuard::default();
+    let never = [
+        (1..=60)
+            .map(|i| format!("{i}. Item number {i}\n"))
+            .collect::<String>(),
+        (0..40)
+            .map(|i| format!("- {}\n", ["apples", "pears", "plums", "figs", "kiwis"][i % 5]))
+            .collect(),
+        "fn main() {\n    let m = [[1, 0, 0], [0, 1, 0], [0, 0, 1]];\n    for row in m.iter() {\n        for x in row {\n            if *x > 0 {\n                println!(\"{x}\");\n            }\n        }\n    }\n}\n"
+            .repeat(3),
+        (0..30).map(|i| format!("| {i} | {} |\n", i * i)).collect(),
+    ];
+    for text in &never {
+        let ids = tok.encode(text).unwrap();
+        for end in 1..=ids.len() {
+            assert_eq!(
+                guard.check(&ids[..end]),
+                None,
+                "fired inside ordinary text at token {end}: {:?}",
+                tok.decode(&ids[..end]).unwrap()
+            );
+        }
+    }
+    let ids = tok.encode(&"ha! ".repeat(30)).unwrap();
+    let fired = (1..=ids.len()).find_map(|end| guard.check(&ids[..end]));
+    let keep = fired.expect("a 30-fold repetition fires");
+    let text = tok.decode(&ids[..keep]).unwrap();
+    // The periodic tail keeps three units; the first "ha" may tokenize differently.
+    let n = text.matches("ha!").count();
+    assert!((3..=4).contains(&n), "kept {text:?}");
+}

@@ -31,6 +31,20 @@ pub struct BenchArgs {
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
+    /// Compare AR with speculative decoding using this DFlash drafter folder (instead of the
+    /// pp/tg tests), over `--prompts` with `--gen-tokens` new tokens each.
+    #[arg(long)]
+    pub drafter: Option<std::path::PathBuf>,
+    /// Compare AR with speculative decoding whose drafts are the AR output itself (every draft
+    /// accepted): the engine's ceiling and overhead.
+    #[arg(long, conflicts_with = "drafter")]
+    pub replay_drafts: bool,
+    /// Tokens per speculative block (default: the drafter's, or 8 with --replay-drafts).
+    #[arg(long)]
+    pub block_size: Option<usize>,
+    /// Prompts for the speculative comparison, JSON lines `{"text": ...}` (default: 20 built-in).
+    #[arg(long)]
+    pub prompts: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Serialize)]
@@ -71,6 +85,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
         "--runs, --prompt-tokens and --gen-tokens must be positive"
     );
     let (model, tok) = a.model.load()?;
+    if a.drafter.is_some() || a.replay_drafts {
+        return run_spec(&a, &model, &tok);
+    }
     let prompt = synthetic_prompt(a.prompt_tokens, model.config.vocab_size, tok.bos);
     let mut pp = Vec::new();
     let mut tg = Vec::new();
@@ -141,6 +158,49 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 runs.join(", ")
             );
         }
+    }
+    Ok(())
+}
+
+/// The AR-vs-speculative comparison.
+fn run_spec(
+    a: &BenchArgs,
+    model: &kakeya_models::Gemma3Model,
+    tok: &kakeya_weights::Tokenizer,
+) -> Result<()> {
+    let drafter = match &a.drafter {
+        Some(dir) => Some(crate::common::load_drafter(dir, model)?),
+        None => None,
+    };
+    let block = a
+        .block_size
+        .unwrap_or(drafter.as_ref().map_or(8, |d| d.block_size()));
+    crate::common::check_block_size(block, model.config.max_position_embeddings)?;
+    let prompts = match &a.prompts {
+        Some(p) => crate::bench_spec::read_prompts(p)?,
+        None => crate::bench_spec::DEFAULT_PROMPTS
+            .iter()
+            .map(|s| s.to_string())
+            .collect(),
+    };
+    let drafts = match &drafter {
+        Some(d) => crate::bench_spec::Drafts::Drafter(d),
+        None => crate::bench_spec::Drafts::Replay,
+    };
+    let b = crate::bench_spec::run(
+        model,
+        tok,
+        drafts,
+        &prompts,
+        block,
+        a.gen_tokens,
+        a.runs,
+        a.warmup,
+    )?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&b)?);
+    } else {
+        crate::bench_spec::print(&b);
     }
     Ok(())
 }

@@ -5,6 +5,7 @@
 #![allow(clippy::print_stdout)]
 
 mod bench;
+mod bench_spec;
 mod common;
 mod convert;
 mod infer;
@@ -25,7 +26,7 @@ struct Cli {
 enum Command {
     /// Generate text with a Gemma model.
     Infer(infer::InferArgs),
-    /// Measure prefill and decode throughput.
+    /// Measure prefill and decode throughput, or AR vs speculative decoding.
     Bench(bench::BenchArgs),
     /// Write a GGUF model out as a Hugging Face safetensors folder.
     Convert(convert::ConvertArgs),

@@ -1,5 +1,5 @@
 #![allow(clippy::print_stdout)]
-//! Times `QuantMatrix::matmul` (one row of input) on every quantised tensor kind of a GGUF.
+//! Times `QuantMatrix::matmul` (1, 8 and 16 input rows) on every quantised tensor kind of a GGUF.
 //! Usage: cargo run --release -p kakeya-weights --example qbench -- model.gguf
 use std::time::Instant;
 
@@ -21,21 +21,23 @@ fn main() {
         let Some(q) = QuantMatrix::new(t.ty, shape[0], shape[1], f.raw(t).unwrap()) else {
             continue;
         };
-        let x = vec![0.5f32; shape[1]];
-        let _ = q.matmul(&x, 1);
-        let n = 20;
-        let t0 = Instant::now();
-        for _ in 0..n {
-            std::hint::black_box(q.matmul(&x, 1));
+        for t_rows in [1usize, 8, 16] {
+            let x = vec![0.5f32; shape[1] * t_rows];
+            let _ = q.matmul(&x, t_rows);
+            let n = 10;
+            let t0 = Instant::now();
+            for _ in 0..n {
+                std::hint::black_box(q.matmul(&x, t_rows));
+            }
+            let s = t0.elapsed().as_secs_f64() / n as f64;
+            println!(
+                "{:>24} {:?} {:?} t={t_rows:>2}: {:.3} ms, {:.2} GMAC/s",
+                t.name,
+                t.ty,
+                shape,
+                s * 1e3,
+                (shape[0] * shape[1] * t_rows) as f64 / s / 1e9
+            );
         }
-        let s = t0.elapsed().as_secs_f64() / n as f64;
-        println!(
-            "{:>24} {:?} {:?}: {:.3} ms, {:.2} GB/s",
-            t.name,
-            t.ty,
-            shape,
-            s * 1e3,
-            q.nbytes() as f64 / s / 1e9
-        );
     }
 }

@@ -176,22 +176,83 @@ fn row_dot_16x2(q: &[i8], s: &[f32], x: &[f32]) -> f32 {
     tree_sum(acc)
 }
 
-/// One task: rows `r0..`, output laid out `[row][t]`.
+/// Rebuilds one row's weights `w_j = q_j·s_g (+ o_g)` with exactly the arithmetic of
+/// [`row_dot`] / [`row_dot_16x2`], so dot products over `w` equal theirs bit for bit.
+#[inline(always)]
+fn dequant_row(q: &[i8], s: &[f32], o: Option<&[f32]>, group: usize, w: &mut [f32]) {
+    for (g, (qg, wg)) in q
+        .chunks_exact(group)
+        .zip(w.chunks_exact_mut(group))
+        .enumerate()
+    {
+        let sg = s[g];
+        match o {
+            None => {
+                for (wi, &qi) in wg.iter_mut().zip(qg) {
+                    *wi = qi as f32 * sg;
+                }
+            }
+            Some(o) => {
+                let og = o[g];
+                for (wi, &qi) in wg.iter_mut().zip(qg) {
+                    *wi = qi as f32 * sg + og;
+                }
+            }
+        }
+    }
+}
+
+/// Two dot products sharing the weight loads; each accumulates in 32 lanes in the order of
+/// [`row_dot`] (lane `i` sums elements `i mod 32`), then [`tree_sum`].
+#[inline(always)]
+fn dot2(w: &[f32], x0: &[f32], x1: &[f32]) -> (f32, f32) {
+    let mut a0 = [0.0f32; 32];
+    let mut a1 = [0.0f32; 32];
+    let (wc, _) = w.as_chunks::<32>();
+    let (c0, _) = x0.as_chunks::<32>();
+    let (c1, _) = x1.as_chunks::<32>();
+    for ((wg, g0), g1) in wc.iter().zip(c0).zip(c1) {
+        for i in 0..32 {
+            a0[i] += wg[i] * g0[i];
+            a1[i] += wg[i] * g1[i];
+        }
+    }
+    (tree_sum(a0), tree_sum(a1))
+}
+
+/// One task: rows `r0..`, output laid out `[row][t]`. One input row: the fused kernels. More:
+/// each weight row is rebuilt once into f32 and reused for every input row (same values, same
+/// summation order, so a row's result does not depend on `t`).
 #[inline(always)]
 fn rows_kernel(m: &QuantMatrix, r0: usize, out: &mut [f32], x: &[f32], t: usize) {
     let gpr = m.cols / m.group;
+    let mut w = if t > 1 {
+        vec![0.0f32; m.cols]
+    } else {
+        Vec::new()
+    };
     for (i, o) in out.chunks_mut(t).enumerate() {
         let r = r0 + i;
         let q = &m.q[r * m.cols..(r + 1) * m.cols];
         let s = &m.scale[r * gpr..(r + 1) * gpr];
         let off = m.offset.as_ref().map(|v| &v[r * gpr..(r + 1) * gpr]);
-        for (tt, slot) in o.iter_mut().enumerate() {
-            let xt = &x[tt * m.cols..(tt + 1) * m.cols];
-            *slot = if m.group == 16 {
-                row_dot_16x2(q, s, xt)
+        if t == 1 {
+            o[0] = if m.group == 16 {
+                row_dot_16x2(q, s, x)
             } else {
-                row_dot::<32>(q, s, off, xt)
+                row_dot::<32>(q, s, off, x)
             };
+            continue;
+        }
+        dequant_row(q, s, off, m.group, &mut w);
+        let xs = |tt: usize| &x[tt * m.cols..(tt + 1) * m.cols];
+        let mut tt = 0;
+        while tt + 1 < t {
+            (o[tt], o[tt + 1]) = dot2(&w, xs(tt), xs(tt + 1));
+            tt += 2;
+        }
+        if tt < t {
+            o[tt] = dot2(&w, xs(tt), xs(tt)).0;
         }
     }
 }
@@ -398,6 +459,28 @@ mod tests {
                         "{ty:?} [{tt},{r}]: {got} vs {want}"
                     );
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn a_rows_result_does_not_depend_on_how_many_rows_run_together() {
+        // Speculative verification runs a block of rows where decoding ran one: same bits.
+        for ty in [GgmlType::Q8_0, GgmlType::Q4_1, GgmlType::Q4K, GgmlType::Q6K] {
+            let (rows, cols) = (9, 256);
+            let data = blocks(ty, rows, cols);
+            let q = QuantMatrix::new(ty, rows, cols, &data).unwrap();
+            let x: Vec<f32> = (0..5 * cols)
+                .map(|i| ((i * 37) % 23) as f32 * 0.07 - 0.7)
+                .collect();
+            let all = q.matmul(&x, 5);
+            for tt in 0..5 {
+                let one = q.matmul(&x[tt * cols..(tt + 1) * cols], 1);
+                assert_eq!(
+                    &all[tt * rows..(tt + 1) * rows],
+                    &one[..],
+                    "{ty:?} row {tt}"
+                );
             }
         }
     }

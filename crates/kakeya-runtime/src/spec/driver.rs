@@ -35,6 +35,10 @@ pub struct SpecStats {
     /// For draft slot `k` (1-based, index `k - 1`): the fraction of blocks that drafted slot
     /// `k` and accepted it.
     pub per_position_acceptance: Vec<f64>,
+    /// Blocks that drafted slot `k` (index `k - 1`).
+    pub per_position_drafted: Vec<usize>,
+    /// Blocks that accepted slot `k` (index `k - 1`).
+    pub per_position_accepted: Vec<usize>,
     /// Seconds spent in the proposer.
     pub draft_secs: f64,
     /// Seconds spent in verifier forwards.
@@ -141,6 +145,8 @@ pub fn speculative_generate(
         .zip(&slot_hit)
         .map(|(&t, &h)| if t > 0 { h as f64 / t as f64 } else { 0.0 })
         .collect();
+    stats.per_position_drafted = slot_tried;
+    stats.per_position_accepted = slot_hit;
     stats.proposer_bytes = proposer.nbytes();
     let tokens = sink.finish();
     let gen_stats = GenerationStats {

@@ -1,0 +1,276 @@
+//! `kakeya bench --drafter DIR` / `--replay-drafts`: autoregressive vs speculative decode
+//! measured side by side in one run over a prompt set, after warm-up, median of runs.
+
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use kakeya_models::{DFlashDrafter, Gemma3Model};
+use kakeya_runtime::{
+    DFlashProposer, Generation, GenerationConfig, Proposer, ReplayProposer, Sampling, Session,
+    SpecConfig, Verifier, generate, speculative_generate,
+};
+use kakeya_weights::Tokenizer;
+use serde::Serialize;
+
+/// Prompts used when `--prompts` is not given (general text, code, lists; not training data).
+pub const DEFAULT_PROMPTS: [&str; 20] = [
+    "The history of the printing press begins",
+    "Write a short story about a lighthouse keeper who",
+    "def quicksort(items):\n    \"\"\"Sort a list.\"\"\"\n",
+    "The main differences between rivers and canals are",
+    "Here is a recipe for banana bread. Ingredients:\n",
+    "In economics, inflation refers to",
+    "The following is a letter from a student to her teacher:\n\nDear",
+    "A list of common houseplants and how to care for them:\n1.",
+    "class Stack:\n    def __init__(self):\n",
+    "The planet Mars has two moons,",
+    "Explain how a bicycle stays upright:",
+    "The year was 1848, and the city",
+    "SQL query to find the ten largest orders:\n",
+    "Tips for a good night's sleep:\n-",
+    "The theory of evolution by natural selection states that",
+    "Once there was a robot who wanted to",
+    "function debounce(fn, ms) {\n",
+    "The Great Wall of China is",
+    "Summary of the water cycle: evaporation,",
+    "My favourite season is autumn because",
+];
+
+/// Reads `{"text": ...}` JSON lines.
+pub fn read_prompts(path: &Path) -> Result<Vec<String>> {
+    let body = std::fs::read_to_string(path)
+        .with_context(|| format!("reading prompts {}", path.display()))?;
+    let mut out = Vec::new();
+    for (i, line) in body.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let v: serde_json::Value = serde_json::from_str(line)
+            .with_context(|| format!("{}:{}: invalid JSON", path.display(), i + 1))?;
+        let text = v["text"]
+            .as_str()
+            .with_context(|| format!("{}:{}: expected {{\"text\": ...}}", path.display(), i + 1))?;
+        out.push(text.to_string());
+    }
+    if out.is_empty() {
+        bail!("{}: no prompts", path.display());
+    }
+    Ok(out)
+}
+
+/// What drafts the tokens.
+pub enum Drafts<'a> {
+    /// A DFlash drafter.
+    Drafter(&'a DFlashDrafter),
+    /// The AR output itself (every draft right): the engine's ceiling and overhead.
+    Replay,
+}
+
+/// One prompt's figures (medians over the measured runs).
+#[derive(Debug, Serialize)]
+pub struct PromptFigure {
+    prompt_tokens: usize,
+    generated: usize,
+    ar_decode_tok_s: f64,
+    spec_decode_tok_s: f64,
+    speedup: f64,
+    mean_acceptance_length: f64,
+    identical: bool,
+}
+
+/// The whole comparison.
+#[derive(Debug, Serialize)]
+pub struct SpecBench {
+    drafts: String,
+    block_size: usize,
+    gen_tokens: usize,
+    runs: usize,
+    warmup: usize,
+    prompts: Vec<PromptFigure>,
+    /// Generated tokens / decode seconds over all prompts (medians per prompt).
+    ar_decode_tok_s: f64,
+    spec_decode_tok_s: f64,
+    speedup: f64,
+    mean_acceptance_length: f64,
+    per_position_acceptance: Vec<f64>,
+    all_identical: bool,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+fn run_spec(
+    model: &Gemma3Model,
+    drafts: &Drafts<'_>,
+    ids: &[u32],
+    reference: &[u32],
+    cfg: &GenerationConfig,
+    block: usize,
+) -> Result<Generation> {
+    let (mut proposer, aux): (Box<dyn Proposer + '_>, Vec<usize>) = match drafts {
+        Drafts::Drafter(d) => (
+            Box::new(DFlashProposer::new(d)),
+            d.config.target_layer_ids.clone(),
+        ),
+        Drafts::Replay => (Box::new(ReplayProposer::new(ids, reference)), Vec::new()),
+    };
+    let mut verifier = Verifier::new(model, aux, block);
+    Ok(speculative_generate(
+        &mut verifier,
+        proposer.as_mut(),
+        ids,
+        cfg,
+        SpecConfig { block_size: block },
+        &mut |_| {},
+    )?)
+}
+
+/// Runs AR and speculative decoding on every prompt: `warmup` unmeasured rounds on the first
+/// prompt, then `runs` measured rounds per prompt, AR and speculative interleaved.
+#[allow(clippy::too_many_arguments)]
+pub fn run(
+    model: &Gemma3Model,
+    tok: &Tokenizer,
+    drafts: Drafts<'_>,
+    prompts: &[String],
+    block: usize,
+    gen_tokens: usize,
+    runs: usize,
+    warmup: usize,
+) -> Result<SpecBench> {
+    let cfg = GenerationConfig {
+        max_tokens: gen_tokens,
+        sampling: Sampling::Greedy,
+        stop_tokens: Vec::new(),
+        prefill_chunk: 512,
+        loop_guard: None,
+    };
+    let bar = indicatif::ProgressBar::new((prompts.len() * runs + warmup) as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {msg}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    bar.set_prefix("AR vs speculative");
+    let mut figures = Vec::new();
+    let (mut ar_tok, mut ar_secs, mut sp_tok, mut sp_secs) = (0usize, 0.0, 0usize, 0.0);
+    let (mut blocks, mut committed) = (0usize, 0usize);
+    let mut slot_tried = vec![0usize; block.saturating_sub(1)];
+    let mut slot_hit = vec![0usize; block.saturating_sub(1)];
+    for (pi, text) in prompts.iter().enumerate() {
+        let mut ids = vec![tok.bos];
+        ids.extend(tok.encode(text)?);
+        let rounds = runs + if pi == 0 { warmup } else { 0 };
+        let (mut ar_rates, mut sp_rates) = (Vec::new(), Vec::new());
+        let mut last = None;
+        for r in 0..rounds {
+            let t = Instant::now();
+            let ar = generate(&mut Session::new(model, 0), &ids, &cfg, &mut |_| {})?;
+            let ar_wall = t.elapsed().as_secs_f64();
+            let sp = run_spec(model, &drafts, &ids, &ar.tokens, &cfg, block)?;
+            tracing::debug!(prompt = pi, run = r, ar_wall, "bench round");
+            let measured = pi > 0 || r >= warmup;
+            if measured {
+                ar_rates.push(ar.stats.decode_tok_s);
+                sp_rates.push(sp.stats.decode_tok_s);
+                bar.set_message(format!(
+                    "prompt {pi}: AR {:.1} tok/s, spec {:.1} tok/s",
+                    ar.stats.decode_tok_s, sp.stats.decode_tok_s
+                ));
+            }
+            bar.inc(1);
+            last = Some((ar, sp));
+        }
+        let (ar, sp) = last.expect("at least one run");
+        let st = sp.spec.as_ref().expect("speculative stats");
+        let (ar_rate, sp_rate) = (median(ar_rates), median(sp_rates));
+        let decoded = sp.tokens.len().saturating_sub(1);
+        ar_tok += decoded;
+        ar_secs += decoded as f64 / ar_rate.max(1e-9);
+        sp_tok += decoded;
+        sp_secs += decoded as f64 / sp_rate.max(1e-9);
+        blocks += st.blocks;
+        committed += st.blocks + st.accepted;
+        for (k, (&t, &h)) in st
+            .per_position_drafted
+            .iter()
+            .zip(&st.per_position_accepted)
+            .enumerate()
+        {
+            slot_tried[k] += t;
+            slot_hit[k] += h;
+        }
+        figures.push(PromptFigure {
+            prompt_tokens: ids.len(),
+            generated: sp.tokens.len(),
+            ar_decode_tok_s: ar_rate,
+            spec_decode_tok_s: sp_rate,
+            speedup: sp_rate / ar_rate.max(1e-9),
+            mean_acceptance_length: st.mean_acceptance_length,
+            identical: sp.tokens == ar.tokens,
+        });
+    }
+    bar.finish_and_clear();
+    let ar_rate = ar_tok as f64 / ar_secs.max(1e-9);
+    let sp_rate = sp_tok as f64 / sp_secs.max(1e-9);
+    Ok(SpecBench {
+        drafts: match drafts {
+            Drafts::Drafter(_) => "dflash".into(),
+            Drafts::Replay => "replay (AR output; every draft right)".into(),
+        },
+        block_size: block,
+        gen_tokens,
+        runs,
+        warmup,
+        all_identical: figures.iter().all(|f| f.identical),
+        prompts: figures,
+        ar_decode_tok_s: ar_rate,
+        spec_decode_tok_s: sp_rate,
+        speedup: sp_rate / ar_rate.max(1e-9),
+        mean_acceptance_length: committed as f64 / blocks.max(1) as f64,
+        per_position_acceptance: slot_tried
+            .iter()
+            .zip(&slot_hit)
+            .map(|(&t, &h)| if t > 0 { h as f64 / t as f64 } else { 0.0 })
+            .collect(),
+    })
+}
+
+/// Prints the comparison as a Markdown table.
+pub fn print(b: &SpecBench) {
+    println!(
+        "AR vs speculative ({}), block {}, {} new tokens, median of {} runs after {} warm-up",
+        b.drafts, b.block_size, b.gen_tokens, b.runs, b.warmup
+    );
+    println!(
+        "| prompt | prompt tok | AR tok/s | spec tok/s | speed-up | acceptance length | identical |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for (i, f) in b.prompts.iter().enumerate() {
+        println!(
+            "| {i} | {} | {:.1} | {:.1} | {:.2}× | {:.2} | {} |",
+            f.prompt_tokens,
+            f.ar_decode_tok_s,
+            f.spec_decode_tok_s,
+            f.speedup,
+            f.mean_acceptance_length,
+            f.identical
+        );
+    }
+    println!(
+        "| all | | {:.1} | {:.1} | {:.2}× | {:.2} | {} |",
+        b.ar_decode_tok_s,
+        b.spec_decode_tok_s,
+        b.speedup,
+        b.mean_acceptance_length,
+        b.all_identical
+    );
+}

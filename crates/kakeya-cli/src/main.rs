@@ -6,6 +6,7 @@
 
 mod bench;
 mod bench_spec;
+mod capture;
 mod common;
 mod convert;
 mod infer;
@@ -28,6 +29,8 @@ enum Command {
     Infer(infer::InferArgs),
     /// Measure prefill and decode throughput, or AR vs speculative decoding.
     Bench(bench::BenchArgs),
+    /// Capture verifier/drafter tensors over a prompt corpus to Parquet.
+    Capture(capture::CaptureArgs),
     /// Write a GGUF model out as a Hugging Face safetensors folder.
     Convert(convert::ConvertArgs),
 }
@@ -45,6 +48,7 @@ fn main() -> ExitCode {
         Command::Infer(a) => infer::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Convert(a) => convert::run(a),
+        Command::Capture(a) => capture::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,567 @@
+//! A capture job: resolve the config against the models, then write shards (temp name →
+//! footer → rename), updating `manifest.json` after each finished shard. A killed job resumes
+//! at the first unfinished shard; `shard i/n` runs the shards with `index % n == i`.
+
+use std::fs::File;
+use std::io::{BufWriter, Read};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use arrow::array::{
+    ArrayRef, BooleanArray, FixedSizeListArray, Float16Array, Float32Array, UInt32Array,
+};
+use arrow::datatypes::{DataType, Field};
+use arrow::record_batch::RecordBatch;
+use half::f16;
+use kakeya_models::{DFlashDrafter, Gemma3Model};
+use kakeya_weights::Tokenizer;
+use parquet::arrow::ArrowWriter;
+use parquet::basic::{Compression, ZstdLevel};
+use parquet::file::properties::WriterProperties;
+use sha2::{Digest, Sha256};
+
+use crate::capture::{Selection, SequenceCapture, capture_sequence, sample_positions};
+use crate::config::{CaptureConfig, Dtype, LayerSet};
+use crate::error::{CaptureError, Result};
+use crate::prompts::{Prompt, load_sources};
+use crate::schema::{
+    ColumnInfo, Manifest, ModelInfo, SCHEMA_VERSION, SequenceInfo, ShardInfo, aux_column,
+    drafter_column, verifier_column,
+};
+
+/// How this process takes part in the job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RunOptions {
+    /// `(i, n)`: run shards with `index % n == i`.
+    pub shard: (usize, usize),
+    /// Continue an existing dataset (skip finished shards).
+    pub resume: bool,
+}
+
+/// Progress events for a front end (the library itself only logs).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Progress {
+    /// Work to do: sequences this process will capture.
+    Start {
+        /// Sequences to capture.
+        sequences: usize,
+    },
+    /// One sequence captured and written.
+    Sequence {
+        /// Positions written (rows).
+        rows: usize,
+        /// Tokens the sequence has.
+        tokens: usize,
+    },
+    /// A shard finished (renamed into place, listed in the manifest).
+    Shard {
+        /// Index.
+        index: usize,
+        /// File size.
+        bytes: u64,
+    },
+}
+
+/// Figures of a finished run.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct Summary {
+    /// Sequences captured by this run.
+    pub sequences: usize,
+    /// Rows (positions) written by this run.
+    pub rows: usize,
+    /// Bytes of shards written by this run.
+    pub bytes: u64,
+    /// Shards written by this run.
+    pub shards: usize,
+    /// Shards skipped as already finished.
+    pub skipped_shards: usize,
+    /// Wall seconds.
+    pub secs: f64,
+}
+
+/// The models a job runs.
+pub struct Models<'a> {
+    /// Verifier.
+    pub verifier: &'a Gemma3Model,
+    /// Its tokenizer.
+    pub tokenizer: &'a Tokenizer,
+    /// The drafter, when its K/V are captured.
+    pub drafter: Option<&'a DFlashDrafter>,
+    /// Identity of the verifier file(s).
+    pub verifier_info: ModelInfo,
+    /// Identity of the tokenizer file.
+    pub tokenizer_info: ModelInfo,
+    /// Identity of the drafter folder.
+    pub drafter_info: Option<ModelInfo>,
+}
+
+/// SHA-256 of a file, or of a folder's regular files in name order (names included).
+pub fn sha256_path(path: &Path) -> Result<String> {
+    let mut h = Sha256::new();
+    let mut files = Vec::new();
+    if path.is_dir() {
+        let rd = std::fs::read_dir(path).map_err(|e| CaptureError::io(path, e))?;
+        for e in rd {
+            let p = e.map_err(|e| CaptureError::io(path, e))?.path();
+            if p.is_file() {
+                files.push(p);
+            }
+        }
+        files.sort();
+    } else {
+        files.push(path.to_path_buf());
+    }
+    let mut buf = vec![0u8; 1 << 20];
+    for f in files {
+        if path.is_dir() {
+            h.update(
+                f.file_name()
+                    .map(|n| n.as_encoded_bytes())
+                    .unwrap_or_default(),
+            );
+        }
+        let mut file = File::open(&f).map_err(|e| CaptureError::io(&f, e))?;
+        loop {
+            let n = file.read(&mut buf).map_err(|e| CaptureError::io(&f, e))?;
+            if n == 0 {
+                break;
+            }
+            h.update(&buf[..n]);
+        }
+    }
+    Ok(format!("{:x}", h.finalize()))
+}
+
+/// Resolves layers and columns against the models; errors name the config file.
+pub fn resolve(
+    cfg: &CaptureConfig,
+    cfg_path: &Path,
+    m: &Models<'_>,
+) -> Result<(Selection, Vec<ColumnInfo>)> {
+    let c = &m.verifier.config;
+    let n = c.num_hidden_layers;
+    let bad = |msg: String| Err(CaptureError::config(cfg_path, msg));
+    let verifier_layers = match &cfg.tensors.verifier_layers {
+        LayerSet::All(_) => (0..n).collect(),
+        LayerSet::List(l) => l.clone(),
+    };
+    let aux_layers = match (&cfg.tensors.aux_layers, m.drafter) {
+        (Some(a), _) => a.clone(),
+        (None, Some(d)) => d.config.target_layer_ids.clone(),
+        (None, None) => kakeya_weights::dflash::default_target_layers(n, 4),
+    };
+    for (what, layers) in [
+        ("verifier_layers", &verifier_layers),
+        ("aux_layers", &aux_layers),
+    ] {
+        if let Some(&l) = layers.iter().find(|&&l| l >= n) {
+            return bad(format!(
+                "tensors.{what}: layer {l} does not exist (the verifier has {n} layers)"
+            ));
+        }
+    }
+    let drafter_layers: Vec<usize> = match (cfg.tensors.drafter_kv, m.drafter) {
+        (true, Some(d)) => (0..d.config.num_hidden_layers).collect(),
+        (true, None) => return bad("tensors.drafter_kv = true needs model.drafter".into()),
+        (false, _) => Vec::new(),
+    };
+    let mut tensors = cfg.tensors.verifier.clone();
+    tensors.dedup();
+    let sel = Selection {
+        verifier_layers,
+        verifier_tensors: tensors,
+        aux_layers,
+        drafter_layers,
+    };
+    let mut cols = Vec::new();
+    for &l in &sel.verifier_layers {
+        for &t in &sel.verifier_tensors {
+            let dim = match t {
+                crate::config::VerifierTensor::QRaw => c.num_attention_heads * c.head_dim,
+                crate::config::VerifierTensor::KRaw | crate::config::VerifierTensor::VRaw => {
+                    c.num_key_value_heads * c.head_dim
+                }
+                crate::config::VerifierTensor::AttnOut => c.hidden_size,
+            };
+            cols.push(ColumnInfo {
+                name: verifier_column(l, t),
+                group: "verifier".into(),
+                layer: l,
+                tensor: t.name().into(),
+                dim,
+            });
+        }
+    }
+    for &l in &sel.aux_layers {
+        cols.push(ColumnInfo {
+            name: aux_column(l),
+            group: "aux".into(),
+            layer: l,
+            tensor: "hidden".into(),
+            dim: c.hidden_size,
+        });
+    }
+    if let Some(d) = m.drafter.filter(|_| !sel.drafter_layers.is_empty()) {
+        let kv = d.config.num_key_value_heads * d.config.head_dim;
+        for &l in &sel.drafter_layers {
+            for k in [true, false] {
+                cols.push(ColumnInfo {
+                    name: drafter_column(l, k),
+                    group: "drafter".into(),
+                    layer: l,
+                    tensor: if k { "k" } else { "v" }.into(),
+                    dim: kv,
+                });
+            }
+        }
+    }
+    Ok((sel, cols))
+}
+
+fn write_json_atomic(path: &Path, v: &impl serde::Serialize) -> Result<()> {
+    let tmp = path.with_extension(format!("json.tmp-{}", std::process::id()));
+    let body = serde_json::to_string_pretty(v).expect("serialisable");
+    let res = std::fs::write(&tmp, body)
+        .and_then(|()| std::fs::rename(&tmp, path))
+        .map_err(|e| CaptureError::io(path, e));
+    if res.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    res
+}
+
+/// Reads `dir/manifest.json`.
+pub fn read_manifest(dir: &Path) -> Result<Manifest> {
+    let p = dir.join("manifest.json");
+    let text = std::fs::read_to_string(&p).map_err(|e| CaptureError::io(&p, e))?;
+    let m: Manifest = serde_json::from_str(&text)
+        .map_err(|e| CaptureError::dataset(&p, format!("invalid manifest: {e}")))?;
+    if m.schema_version != SCHEMA_VERSION {
+        return Err(CaptureError::dataset(
+            &p,
+            format!(
+                "schema version {} (this kakeya reads {SCHEMA_VERSION})",
+                m.schema_version
+            ),
+        ));
+    }
+    Ok(m)
+}
+
+/// Writes `dir/manifest.json` atomically.
+pub fn write_manifest(dir: &Path, m: &Manifest) -> Result<()> {
+    write_json_atomic(&dir.join("manifest.json"), m)
+}
+
+fn vector_array(m: &crate::capture::HostMatrix, rows: &[usize], dtype: Dtype) -> ArrayRef {
+    let sel = m.select(rows);
+    let (values, elem): (ArrayRef, DataType) = match dtype {
+        Dtype::F16 => (
+            Arc::new(Float16Array::from(
+                sel.data
+                    .iter()
+                    .map(|&x| f16::from_f32(x))
+                    .collect::<Vec<_>>(),
+            )),
+            DataType::Float16,
+        ),
+        Dtype::F32 => (Arc::new(Float32Array::from(sel.data)), DataType::Float32),
+    };
+    Arc::new(FixedSizeListArray::new(
+        Arc::new(Field::new("item", elem, false)),
+        m.dim as i32,
+        values,
+        None,
+    ))
+}
+
+/// One sequence as a record batch (the rows at `positions`).
+fn sequence_batch(
+    manifest: &Manifest,
+    seq: usize,
+    cap: &SequenceCapture,
+    positions: &[usize],
+) -> Result<RecordBatch> {
+    let mut cols: Vec<ArrayRef> = vec![
+        Arc::new(UInt32Array::from(vec![seq as u32; positions.len()])),
+        Arc::new(UInt32Array::from(
+            positions.iter().map(|&p| p as u32).collect::<Vec<_>>(),
+        )),
+        Arc::new(UInt32Array::from(
+            positions.iter().map(|&p| cap.tokens[p]).collect::<Vec<_>>(),
+        )),
+        Arc::new(BooleanArray::from(
+            positions
+                .iter()
+                .map(|&p| p < cap.prompt_len)
+                .collect::<Vec<_>>(),
+        )),
+    ];
+    for m in &cap.columns {
+        cols.push(vector_array(m, positions, manifest.dtype));
+    }
+    RecordBatch::try_new(manifest.arrow_schema(), cols).map_err(|e| {
+        CaptureError::dataset(PathBuf::from("<batch>"), format!("building a batch: {e}"))
+    })
+}
+
+/// Writes one shard to a temporary name, then renames it. Returns its info.
+#[allow(clippy::too_many_arguments)]
+fn write_shard(
+    dir: &Path,
+    index: usize,
+    seqs: &[usize],
+    prompts: &[Prompt],
+    cfg: &CaptureConfig,
+    sel: &Selection,
+    m: &Models<'_>,
+    manifest: &Manifest,
+    on: &mut dyn FnMut(Progress),
+) -> Result<ShardInfo> {
+    let file = Manifest::shard_file(index);
+    let path = dir.join(&file);
+    let tmp = dir.join(format!(".{file}.tmp-{}", std::process::id()));
+    let result = (|| -> Result<usize> {
+        let f = File::create(&tmp).map_err(|e| CaptureError::io(&tmp, e))?;
+        let props = WriterProperties::builder()
+            .set_compression(Compression::ZSTD(
+                ZstdLevel::try_new(cfg.output.zstd_level)
+                    .map_err(|e| CaptureError::config(&path, format!("zstd level: {e}")))?,
+            ))
+            .set_dictionary_enabled(false)
+            .set_created_by(format!("kakeya {}", env!("CARGO_PKG_VERSION")))
+            .set_max_row_group_row_count(None)
+            .set_max_row_group_bytes(None)
+            .build();
+        let mut w = ArrowWriter::try_new(BufWriter::new(f), manifest.arrow_schema(), Some(props))
+            .map_err(|e| CaptureError::parquet(&tmp, e))?;
+        let mut rows = 0;
+        for &s in seqs {
+            let cap = capture_sequence(
+                m.verifier,
+                m.drafter,
+                m.tokenizer,
+                &prompts[s].text,
+                cfg,
+                sel,
+            )?;
+            let n = cap.tokens.len();
+            let positions = match cfg.tensors.sample_positions {
+                Some(k) => sample_positions(n, k, cfg.tensors.sample_seed, s),
+                None => (0..n).collect(),
+            };
+            let batch = sequence_batch(manifest, s, &cap, &positions)?;
+            w.write(&batch)
+                .map_err(|e| CaptureError::parquet(&tmp, e))?;
+            // One row group per sequence.
+            w.flush().map_err(|e| CaptureError::parquet(&tmp, e))?;
+            rows += positions.len();
+            on(Progress::Sequence {
+                rows: positions.len(),
+                tokens: n,
+            });
+        }
+        let inner = w.into_inner().map_err(|e| CaptureError::parquet(&tmp, e))?;
+        let f = inner
+            .into_inner()
+            .map_err(|e| CaptureError::io(&tmp, e.into_error()))?;
+        f.sync_all().map_err(|e| CaptureError::io(&tmp, e))?;
+        Ok(rows)
+    })();
+    let rows = match result {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e);
+        }
+    };
+    std::fs::rename(&tmp, &path).map_err(|e| CaptureError::io(&path, e))?;
+    let bytes = std::fs::metadata(&path)
+        .map_err(|e| CaptureError::io(&path, e))?
+        .len();
+    Ok(ShardInfo {
+        index,
+        file,
+        sequences: seqs.to_vec(),
+        rows,
+        bytes,
+        sha256: sha256_path(&path)?,
+    })
+}
+
+/// Runs (or resumes) a capture job; `on` receives progress events.
+pub fn run(
+    cfg: &CaptureConfig,
+    cfg_path: &Path,
+    m: &Models<'_>,
+    opts: RunOptions,
+    on: &mut dyn FnMut(Progress),
+) -> Result<Summary> {
+    let t0 = Instant::now();
+    let (i, n) = opts.shard;
+    if n == 0 || i >= n {
+        return Err(CaptureError::config(
+            cfg_path,
+            format!("--shard {i}/{n}: need 0 ≤ i < n"),
+        ));
+    }
+    let (sel, columns) = resolve(cfg, cfg_path, m)?;
+    let prompts = load_sources(&cfg.sources)?;
+    if prompts.is_empty() {
+        return Err(CaptureError::config(
+            cfg_path,
+            "the sources hold no prompts",
+        ));
+    }
+    let per = cfg.output.sequences_per_shard;
+    let shards_total = prompts.len().div_ceil(per);
+    let c = &m.verifier.config;
+    let mut fresh = Manifest {
+        schema_version: SCHEMA_VERSION,
+        created_by: format!("kakeya {}", env!("CARGO_PKG_VERSION")),
+        verifier: m.verifier_info.clone(),
+        tokenizer: m.tokenizer_info.clone(),
+        drafter: m
+            .drafter_info
+            .clone()
+            .filter(|_| !sel.drafter_layers.is_empty()),
+        dims: serde_json::json!({
+            "hidden": c.hidden_size, "heads": c.num_attention_heads,
+            "kv_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+            "layers": c.num_hidden_layers, "vocab": c.vocab_size,
+        }),
+        verifier_layers: sel.verifier_layers.clone(),
+        aux_layers: sel.aux_layers.clone(),
+        drafter_layers: sel.drafter_layers.clone(),
+        dtype: cfg.output.dtype,
+        columns,
+        config: {
+            let mut c = cfg.clone();
+            // Where the dataset lives is not part of what it is.
+            c.output.dir = PathBuf::new();
+            c
+        },
+        sequences: prompts.len(),
+        shards_total,
+        sequence_sources: prompts
+            .iter()
+            .map(|p| SequenceInfo {
+                source: p.source,
+                item: p.item,
+            })
+            .collect(),
+        shards: Vec::new(),
+    };
+    let dir = &cfg.output.dir;
+    let manifest_path = dir.join("manifest.json");
+    if manifest_path.exists() {
+        if !opts.resume {
+            return Err(CaptureError::dataset(
+                dir,
+                "a dataset already exists here; pass --resume to continue it or choose another output.dir",
+            ));
+        }
+        let old = read_manifest(dir)?;
+        if old.fingerprint() != fresh.fingerprint() {
+            return Err(CaptureError::dataset(
+                &manifest_path,
+                "was made with a different config or models; --resume needs the same ones",
+            ));
+        }
+        // Keep only finished shards whose files are still there, intact.
+        for s in old.shards {
+            let p = dir.join(&s.file);
+            if p.is_file() && sha256_path(&p)? == s.sha256 {
+                fresh.shards.push(s);
+            }
+        }
+    } else {
+        std::fs::create_dir_all(dir).map_err(|e| CaptureError::io(dir, e))?;
+    }
+    // Leftovers of a killed run are never valid shards.
+    if let Ok(rd) = std::fs::read_dir(dir) {
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.starts_with(".shard-") && name.contains(".tmp-") {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+    write_manifest(dir, &fresh)?;
+    let todo: Vec<usize> = (0..shards_total)
+        .filter(|s| s % n == i)
+        .filter(|s| !fresh.shards.iter().any(|d| d.index == *s))
+        .collect();
+    let mine = (0..shards_total).filter(|s| s % n == i).count();
+    let sequences: usize = todo
+        .iter()
+        .map(|&s| ((s + 1) * per).min(prompts.len()) - s * per)
+        .sum();
+    on(Progress::Start { sequences });
+    let mut summary = Summary {
+        skipped_shards: mine - todo.len(),
+        ..Summary::default()
+    };
+    for s in todo {
+        let seqs: Vec<usize> = (s * per..((s + 1) * per).min(prompts.len())).collect();
+        let info = write_shard(dir, s, &seqs, &prompts, cfg, &sel, m, &fresh, on)?;
+        tracing::info!(
+            shard = s,
+            rows = info.rows,
+            bytes = info.bytes,
+            "shard written"
+        );
+        summary.sequences += seqs.len();
+        summary.rows += info.rows;
+        summary.bytes += info.bytes;
+        summary.shards += 1;
+        on(Progress::Shard {
+            index: s,
+            bytes: info.bytes,
+        });
+        fresh.shards.push(info);
+        fresh.shards.sort_by_key(|x| x.index);
+        write_manifest(dir, &fresh)?;
+    }
+    summary.secs = t0.elapsed().as_secs_f64();
+    Ok(summary)
+}
+
+/// Merges datasets made by `--shard i/n` runs of one config into `out` (files copied; the
+/// manifests must have equal fingerprints).
+pub fn merge(out: &Path, inputs: &[PathBuf]) -> Result<Manifest> {
+    let mut merged: Option<Manifest> = None;
+    std::fs::create_dir_all(out).map_err(|e| CaptureError::io(out, e))?;
+    for dir in inputs {
+        let m = read_manifest(dir)?;
+        if let Some(acc) = &merged
+            && acc.fingerprint() != m.fingerprint()
+        {
+            return Err(CaptureError::dataset(
+                dir.join("manifest.json"),
+                "was made with a different config or models than the first input",
+            ));
+        }
+        for s in &m.shards {
+            let (from, to) = (dir.join(&s.file), out.join(&s.file));
+            let tmp = out.join(format!(".{}.tmp-{}", s.file, std::process::id()));
+            std::fs::copy(&from, &tmp)
+                .and_then(|_| std::fs::rename(&tmp, &to))
+                .map_err(|e| CaptureError::io(&to, e))?;
+        }
+        let acc = merged.get_or_insert_with(|| Manifest {
+            shards: Vec::new(),
+            ..m.clone()
+        });
+        for s in m.shards {
+            if !acc.shards.iter().any(|x| x.index == s.index) {
+                acc.shards.push(s);
+            }
+        }
+    }
+    let mut m = merged.ok_or_else(|| CaptureError::dataset(out, "nothing to merge"))?;
+    m.shards.sort_by_key(|s| s.index);
+    write_manifest(out, &m)?;
+    Ok(m)
+}

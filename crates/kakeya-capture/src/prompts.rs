@@ -1,0 +1,132 @@
+//! Prompt sources: JSON-lines files and the synthetic needle-in-a-haystack generator.
+
+use std::path::Path;
+
+use kakeya_runtime::chat::{self, Message};
+use serde::{Deserialize, Serialize};
+
+use crate::config::SourceConfig;
+use crate::error::{CaptureError, Result};
+
+/// One prompt, with where it came from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Prompt {
+    /// Index of the source in the config.
+    pub source: usize,
+    /// Index within the source (line number − 1 for files, `i` for the generator).
+    pub item: usize,
+    /// The prompt text (chat template already applied for messages).
+    pub text: String,
+    /// For needle prompts: the code the answer should contain.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub answer: Option<String>,
+}
+
+/// Reads every source in order.
+pub fn load_sources(sources: &[SourceConfig]) -> Result<Vec<Prompt>> {
+    let mut out = Vec::new();
+    for (i, s) in sources.iter().enumerate() {
+        match s {
+            SourceConfig::Jsonl { path, limit } => out.extend(read_jsonl(i, path, *limit)?),
+            SourceConfig::Needle { count, seed, lines } => {
+                out.extend((0..*count).map(|k| needle(i, k, *seed, *lines)));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// `{"text": ...}` or `{"messages": [...]}` per line; blank lines are skipped.
+fn read_jsonl(source: usize, path: &Path, limit: Option<usize>) -> Result<Vec<Prompt>> {
+    let body = std::fs::read_to_string(path).map_err(|e| CaptureError::io(path, e))?;
+    let mut out = Vec::new();
+    for (n, line) in body.lines().enumerate() {
+        if limit.is_some_and(|l| out.len() >= l) {
+            break;
+        }
+        if line.trim().is_empty() {
+            continue;
+        }
+        let err = |msg: String| CaptureError::Prompt {
+            path: path.to_path_buf(),
+            line: n + 1,
+            msg,
+        };
+        let v: serde_json::Value =
+            serde_json::from_str(line).map_err(|e| err(format!("invalid JSON: {e}")))?;
+        let text = if let Some(t) = v.get("text").and_then(|t| t.as_str()) {
+            t.to_string()
+        } else if let Some(m) = v.get("messages") {
+            let msgs: Vec<Message> = serde_json::from_value(m.clone())
+                .map_err(|e| err(format!("messages must be [{{role, content}}]: {e}")))?;
+            chat::format_chat(&msgs).map_err(|e| err(e.to_string()))?
+        } else {
+            return Err(err(
+                r#"expected {"text": ...} or {"messages": [...]}"#.into()
+            ));
+        };
+        if text.trim().is_empty() {
+            return Err(err("empty prompt".into()));
+        }
+        out.push(Prompt {
+            source,
+            item: n,
+            text,
+            answer: None,
+        });
+    }
+    Ok(out)
+}
+
+/// splitmix64: a tiny deterministic stream (prompt `i` depends only on seed and `i`).
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+const FILLER: [&str; 12] = [
+    "The grass is green and the sky is blue.",
+    "A gentle breeze moved through the trees by the river.",
+    "The market opened early, as it did every day of the week.",
+    "Clouds drifted slowly over the hills in the afternoon.",
+    "The library kept its old books on the highest shelves.",
+    "Children played in the park until the streetlights came on.",
+    "The baker sold out of bread before noon.",
+    "Rain fell softly on the roofs of the quiet town.",
+    "A cat slept in the sun on the windowsill.",
+    "The train to the coast left on time this morning.",
+    "Farmers brought apples and pears to the square.",
+    "The museum was closed for repairs all summer.",
+];
+
+/// Needle prompt `k` of a source: `lines` filler lines, the needle at a random depth, the
+/// question last.
+pub fn needle(source: usize, k: usize, seed: u64, lines: [usize; 2]) -> Prompt {
+    let mut state = mix(seed ^ mix(k as u64));
+    let mut next = || {
+        state = mix(state);
+        state
+    };
+    let n = lines[0] + (next() % (lines[1] - lines[0] + 1) as u64) as usize;
+    let code = format!("{:06}", next() % 1_000_000);
+    let depth = (next() % (n as u64 + 1)) as usize;
+    let mut text = String::new();
+    for i in 0..=n {
+        if i == depth {
+            text.push_str(&format!("The secret code is {code}.\n"));
+        }
+        if i < n {
+            text.push_str(FILLER[(next() % FILLER.len() as u64) as usize]);
+            text.push('\n');
+        }
+    }
+    text.push_str("Question: what is the secret code?\nAnswer: The secret code is");
+    Prompt {
+        source,
+        item: k,
+        text,
+        answer: Some(code),
+    }
+}

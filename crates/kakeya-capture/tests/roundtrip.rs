@@ -1,0 +1,326 @@
+//! Capture round trip on a tiny random verifier + drafter: what the reader returns equals what
+//! the models produce (f32 exactly, f16 within half-precision rounding); position sampling and
+//! column projection; bad configs are refused before anything is written.
+
+use std::path::{Path, PathBuf};
+
+use burn::tensor::{Device, Tensor};
+use kakeya_capture::config::{Dtype, LayerSet, VerifierTensor};
+use kakeya_capture::schema::ModelInfo;
+use kakeya_capture::{CaptureConfig, Dataset, Models, Query, RunOptions};
+use kakeya_models::testing::{drafter_config, random_checkpoint, random_drafter, tiny_config};
+use kakeya_models::{DFlashDrafter, DraftRequest, ForwardRequest, Gemma3Model, Logits};
+use kakeya_runtime::KvCache;
+use kakeya_weights::Tokenizer;
+
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Self {
+        let p = std::env::temp_dir().join(format!("kakeya-cap-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).unwrap();
+        Self(p)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A word-level tokenizer with `n` tokens (<pad>, <eos>, <bos>, <unk>, w4, w5, ...).
+fn write_tokenizer(path: &Path, n: usize) {
+    let mut vocab = serde_json::Map::new();
+    for (i, name) in ["<pad>", "<eos>", "<bos>", "<unk>"].iter().enumerate() {
+        vocab.insert(name.to_string(), i.into());
+    }
+    for i in 4..n {
+        vocab.insert(format!("w{i}"), i.into());
+    }
+    let tok = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+        "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
+    });
+    std::fs::write(path, tok.to_string()).unwrap();
+}
+
+fn config(dir: &Path, prompts: &Path, dtype: Dtype) -> CaptureConfig {
+    let text = format!(
+        r#"
+[model]
+verifier = "unused"
+drafter = "unused"
+[output]
+dir = "{}"
+dtype = "{}"
+sequences_per_shard = 2
+[generation]
+gen_len = 6
+max_prompt_tokens = 64
+chunk = 5
+[tensors]
+verifier = ["q_raw", "k_raw", "v_raw", "attn_out"]
+verifier_layers = [0, 5]
+aux_layers = [1, 3]
+drafter_kv = true
+[[sources]]
+kind = "jsonl"
+path = "{}"
+"#,
+        dir.display(),
+        if dtype == Dtype::F16 { "f16" } else { "f32" },
+        prompts.display()
+    );
+    toml::from_str(&text).unwrap()
+}
+
+fn info() -> ModelInfo {
+    ModelInfo {
+        path: "tiny".into(),
+        sha256: "0".repeat(64),
+    }
+}
+
+fn host(t: Tensor<2>) -> Vec<f32> {
+    t.into_data().try_into_vec::<f32>().unwrap()
+}
+
+#[test]
+fn values_read_back_equal_what_the_models_produce() {
+    let s = Scratch::new("rt");
+    let v = Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(4), 8), &Device::flex())
+        .unwrap();
+    let d = DFlashDrafter::from_checkpoint(random_drafter(&drafter_config(&v.config, 2, 4), 2), &v)
+        .unwrap();
+    write_tokenizer(&s.0.join("tokenizer.json"), 97);
+    let tok = Tokenizer::load(&s.0.join("tokenizer.json"), 97).unwrap();
+    let prompts = s.0.join("p.jsonl");
+    std::fs::write(
+        &prompts,
+        "{\"text\": \"w4 w5 w6 w7 w8 w9 w10 w11 w12\"}\n\n{\"text\": \"w20 w21\"}\n{\"text\": \"w30 w31 w32\"}\n",
+    )
+    .unwrap();
+    let models = Models {
+        verifier: &v,
+        tokenizer: &tok,
+        drafter: Some(&d),
+        verifier_info: info(),
+        tokenizer_info: info(),
+        drafter_info: Some(info()),
+    };
+    for dtype in [Dtype::F32, Dtype::F16] {
+        let out = s.0.join(format!("ds-{dtype:?}"));
+        let cfg = config(&out, &prompts, dtype);
+        let sum = kakeya_capture::run(
+            &cfg,
+            Path::new("cfg.toml"),
+            &models,
+            RunOptions {
+                shard: (0, 1),
+                resume: false,
+            },
+            &mut |_| {},
+        )
+        .unwrap();
+        assert_eq!((sum.sequences, sum.shards), (3, 2));
+        let ds = Dataset::open(&out).unwrap();
+        let names: Vec<String> = ds
+            .manifest()
+            .columns
+            .iter()
+            .map(|c| c.name.clone())
+            .collect();
+        assert_eq!(names.len(), 2 * 4 + 2 + 2 * 2);
+        let got: Vec<_> = ds
+            .read(&Query {
+                columns: names.clone(),
+                ..Query::default()
+            })
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        assert_eq!(got.len(), 3);
+        for b in &got {
+            // Recompute the sequence in one pass and compare every column.
+            let toks = &b.token;
+            let mut caches = KvCache::for_specs(&v.cache_specs(), 0);
+            let mut req = ForwardRequest::new(toks, 0, Logits::None);
+            let aux_layers = [1, 3];
+            req.hidden_after = &aux_layers;
+            req.capture_attention = true;
+            let o = v.forward(&req, &mut caches).unwrap();
+            let mut want: Vec<Vec<f32>> = Vec::new();
+            for l in [0, 5] {
+                let c = &o.attention[l];
+                for t in [&c.q_raw, &c.k_raw, &c.v_raw, &c.out] {
+                    want.push(host(t.clone()));
+                }
+            }
+            for h in &o.hidden {
+                want.push(host(h.clone()));
+            }
+            let ctx: Vec<Tensor<2>> = d
+                .config
+                .target_layer_ids
+                .iter()
+                .map(|&l| {
+                    let mut c2 = KvCache::for_specs(&v.cache_specs(), 0);
+                    let mut r = ForwardRequest::new(toks, 0, Logits::None);
+                    let la = [l];
+                    r.hidden_after = &la;
+                    v.forward(&r, &mut c2).unwrap().hidden.remove(0)
+                })
+                .collect();
+            let mut dc = KvCache::for_specs(&d.cache_specs(), 0);
+            let dout = d
+                .forward(
+                    &DraftRequest {
+                        context: Tensor::cat(ctx, 1),
+                        block: &toks[toks.len() - 1..],
+                        capture_context: true,
+                    },
+                    &mut dc,
+                )
+                .unwrap();
+            for (k, vv) in dout.context_kv {
+                want.push(host(k));
+                want.push(host(vv));
+            }
+            assert_eq!(want.len(), b.columns.len());
+            for ((name, _, got), want) in b.columns.iter().zip(&want) {
+                assert_eq!(got.len(), want.len(), "{name}");
+                for (g, w) in got.iter().zip(want) {
+                    // The capture ran in chunks of 5, the reference in one pass: f32 sums differ
+                    // by ~1e-7. On top, f16 storage rounds to 2^-11 relative.
+                    let f32_tol = 1e-5 * w.abs().max(1.0);
+                    let tol = match dtype {
+                        Dtype::F32 => f32_tol,
+                        Dtype::F16 => w.abs() * 4.9e-4 + f32_tol,
+                    };
+                    assert!(
+                        (g - w).abs() <= tol,
+                        "{dtype:?} seq {} {name}: {g} vs {w}",
+                        b.seq
+                    );
+                }
+            }
+            assert!(b.in_prompt.iter().filter(|&&p| p).count() >= 2);
+            assert_eq!(b.pos, (0..b.pos.len() as u32).collect::<Vec<_>>());
+        }
+    }
+}
+
+#[test]
+fn sampled_positions_and_projection() {
+    let s = Scratch::new("sample");
+    let v = Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(4), 8), &Device::flex())
+        .unwrap();
+    write_tokenizer(&s.0.join("tokenizer.json"), 97);
+    let tok = Tokenizer::load(&s.0.join("tokenizer.json"), 97).unwrap();
+    let prompts = s.0.join("p.jsonl");
+    std::fs::write(
+        &prompts,
+        "{\"text\": \"w4 w5 w6 w7 w8 w9 w10 w11 w12 w13 w14\"}\n",
+    )
+    .unwrap();
+    let mut cfg = config(&s.0.join("ds"), &prompts, Dtype::F32);
+    cfg.model.drafter = None;
+    cfg.tensors.drafter_kv = false;
+    cfg.tensors.verifier = vec![VerifierTensor::KRaw];
+    cfg.tensors.verifier_layers = LayerSet::All("all".into());
+    cfg.tensors.sample_positions = Some(5);
+    let models = Models {
+        verifier: &v,
+        tokenizer: &tok,
+        drafter: None,
+        verifier_info: info(),
+        tokenizer_info: info(),
+        drafter_info: None,
+    };
+    kakeya_capture::run(
+        &cfg,
+        Path::new("c.toml"),
+        &models,
+        RunOptions {
+            shard: (0, 1),
+            resume: false,
+        },
+        &mut |_| {},
+    )
+    .unwrap();
+    let ds = Dataset::open(&s.0.join("ds")).unwrap();
+    let b = ds
+        .read(&Query {
+            columns: vec!["v03_k_raw".into()],
+            positions: Some(0..12),
+            ..Query::default()
+        })
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap();
+    assert!(b.pos.len() <= 5 && !b.pos.is_empty(), "{:?}", b.pos);
+    assert!(b.pos.windows(2).all(|w| w[0] < w[1]));
+    assert_eq!(b.columns[0].1, 2 * 16);
+    assert_eq!(b.columns[0].2.len(), b.pos.len() * 32);
+    let err = ds
+        .read(&Query {
+            columns: vec!["v03_q_raw".into()],
+            ..Query::default()
+        })
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("v03_q_raw") && err.contains("recapture"),
+        "{err}"
+    );
+}
+
+#[test]
+fn unknown_tensor_or_layer_is_refused() {
+    let s = Scratch::new("badcfg");
+    let p = s.0.join("c.toml");
+    std::fs::write(
+        &p,
+        "[model]\nverifier = \"x\"\n[output]\ndir = \"o\"\n[tensors]\nverifier = [\"z_raw\"]\n[[sources]]\nkind = \"needle\"\ncount = 1\nseed = 1\nlines = [1, 2]\n",
+    )
+    .unwrap();
+    let err = CaptureConfig::load(&p).unwrap_err().to_string();
+    assert!(err.contains("c.toml") && err.contains("z_raw"), "{err}");
+
+    let v = Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(4), 8), &Device::flex())
+        .unwrap();
+    write_tokenizer(&s.0.join("tokenizer.json"), 97);
+    let tok = Tokenizer::load(&s.0.join("tokenizer.json"), 97).unwrap();
+    let prompts = s.0.join("p.jsonl");
+    std::fs::write(&prompts, "{\"text\": \"w4\"}\n").unwrap();
+    let mut cfg = config(&s.0.join("ds"), &prompts, Dtype::F32);
+    cfg.tensors.drafter_kv = false;
+    cfg.tensors.verifier_layers = LayerSet::List(vec![0, 40]);
+    let models = Models {
+        verifier: &v,
+        tokenizer: &tok,
+        drafter: None,
+        verifier_info: info(),
+        tokenizer_info: info(),
+        drafter_info: None,
+    };
+    let err = kakeya_capture::run(
+        &cfg,
+        Path::new("c.toml"),
+        &models,
+        RunOptions {
+            shard: (0, 1),
+            resume: false,
+        },
+        &mut |_| {},
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("c.toml") && err.contains("layer 40"), "{err}");
+    assert!(!s.0.join("ds").exists(), "nothing written for a bad config");
+}

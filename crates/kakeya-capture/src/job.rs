@@ -142,7 +142,7 @@ pub fn resolve(
     let c = &m.verifier.config;
     let n = c.num_hidden_layers;
     let bad = |msg: String| Err(CaptureError::config(cfg_path, msg));
-    let verifier_layers = match &cfg.tensors.verifier_layers {
+    let verifier_layers: Vec<usize> = match &cfg.tensors.verifier_layers {
         LayerSet::All(_) => (0..n).collect(),
         LayerSet::List(l) => l.clone(),
     };
@@ -169,7 +169,12 @@ pub fn resolve(
     let mut tensors = cfg.tensors.verifier.clone();
     tensors.dedup();
     let sel = Selection {
-        verifier_layers,
+        // No per-layer tensors asked for: no per-layer columns at all.
+        verifier_layers: if tensors.is_empty() {
+            Vec::new()
+        } else {
+            verifier_layers
+        },
         verifier_tensors: tensors,
         aux_layers,
         drafter_layers,

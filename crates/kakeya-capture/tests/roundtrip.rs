@@ -263,6 +263,28 @@ fn sampled_positions_and_projection() {
         .unwrap()
         .unwrap();
     assert!(b.pos.len() <= 5 && !b.pos.is_empty(), "{:?}", b.pos);
+    // Aux states only (the drafter trainer's set): no per-layer columns.
+    cfg.tensors.verifier = vec![];
+    cfg.output.dir = s.0.join("aux-only");
+    kakeya_capture::run(
+        &cfg,
+        Path::new("c.toml"),
+        &models,
+        RunOptions {
+            shard: (0, 1),
+            resume: false,
+        },
+        &mut |_| {},
+    )
+    .unwrap();
+    let aux = Dataset::open(&s.0.join("aux-only")).unwrap();
+    let names: Vec<&str> = aux
+        .manifest()
+        .columns
+        .iter()
+        .map(|c| c.name.as_str())
+        .collect();
+    assert_eq!(names, ["aux_01", "aux_03"]);
     assert!(b.pos.windows(2).all(|w| w[0] < w[1]));
     assert_eq!(b.columns[0].1, 2 * 16);
     assert_eq!(b.columns[0].2.len(), b.pos.len() * 32);

@@ -8,7 +8,9 @@ use burn::tensor::{Device, Tensor};
 use kakeya_capture::config::{Dtype, LayerSet, VerifierTensor};
 use kakeya_capture::schema::ModelInfo;
 use kakeya_capture::{CaptureConfig, Dataset, Models, Query, RunOptions};
-use kakeya_models::testing::{drafter_config, random_checkpoint, random_drafter, tiny_config};
+use kakeya_models::testing::{
+    drafter_config, random_checkpoint, random_drafter, tiny_config, word_level_tokenizer_json,
+};
 use kakeya_models::{DFlashDrafter, DraftRequest, ForwardRequest, Gemma3Model, Logits};
 use kakeya_runtime::KvCache;
 use kakeya_weights::Tokenizer;
@@ -32,19 +34,7 @@ impl Drop for Scratch {
 
 /// A word-level tokenizer with `n` tokens (<pad>, <eos>, <bos>, <unk>, w4, w5, ...).
 fn write_tokenizer(path: &Path, n: usize) {
-    let mut vocab = serde_json::Map::new();
-    for (i, name) in ["<pad>", "<eos>", "<bos>", "<unk>"].iter().enumerate() {
-        vocab.insert(name.to_string(), i.into());
-    }
-    for i in 4..n {
-        vocab.insert(format!("w{i}"), i.into());
-    }
-    let tok = serde_json::json!({
-        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
-        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
-        "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
-    });
-    std::fs::write(path, tok.to_string()).unwrap();
+    std::fs::write(path, word_level_tokenizer_json(n)).unwrap();
 }
 
 fn config(dir: &Path, prompts: &Path, dtype: Dtype) -> CaptureConfig {

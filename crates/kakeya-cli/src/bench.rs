@@ -55,7 +55,8 @@ struct Figure {
     median_tok_s: f64,
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+/// Median of the runs (mean of the middle two for an even count).
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     let n = v.len();
     if n % 2 == 1 {

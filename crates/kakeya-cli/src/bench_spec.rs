@@ -13,6 +13,8 @@ use kakeya_runtime::{
 use kakeya_weights::Tokenizer;
 use serde::Serialize;
 
+use crate::bench::median;
+
 /// Prompts used when `--prompts` is not given (general text, code, lists; not training data).
 pub const DEFAULT_PROMPTS: [&str; 20] = [
     "The history of the printing press begins",
@@ -95,16 +97,6 @@ pub struct SpecBench {
     mean_acceptance_length: f64,
     per_position_acceptance: Vec<f64>,
     all_identical: bool,
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
 }
 
 fn run_spec(

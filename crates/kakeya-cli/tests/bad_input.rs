@@ -4,7 +4,9 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use kakeya_models::testing::{drafter_config, random_checkpoint, random_drafter, tiny_config};
+use kakeya_models::testing::{
+    drafter_config, random_checkpoint, random_drafter, tiny_config, word_level_tokenizer_json,
+};
 
 struct Scratch(PathBuf);
 
@@ -40,19 +42,7 @@ fn fails(args: &[&str]) -> String {
 
 /// A word-level tokenizer with `n` tokens (<pad>, <eos>, <bos>, <unk>, w4, w5, ...).
 fn write_tokenizer(path: &Path, n: usize) {
-    let mut vocab = serde_json::Map::new();
-    for (i, name) in ["<pad>", "<eos>", "<bos>", "<unk>"].iter().enumerate() {
-        vocab.insert(name.to_string(), i.into());
-    }
-    for i in 4..n {
-        vocab.insert(format!("w{i}"), i.into());
-    }
-    let tok = serde_json::json!({
-        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
-        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
-        "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
-    });
-    std::fs::write(path, tok.to_string()).unwrap();
+    std::fs::write(path, word_level_tokenizer_json(n)).unwrap();
 }
 
 /// A tiny random Gemma 3 as an HF folder, with a matching tokenizer (vocab 97, context 512).

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kakeya_models::testing::{random_checkpoint, tiny_config};
+use kakeya_models::testing::{random_checkpoint, tiny_config, word_level_tokenizer_json};
 
 struct Scratch(PathBuf);
 
@@ -35,19 +35,7 @@ fn setup(dir: &Path, n: usize) -> (PathBuf, PathBuf) {
     random_checkpoint(&tiny_config(4), 3)
         .write_hf_dir(&m)
         .unwrap();
-    let mut vocab = serde_json::Map::new();
-    for (i, name) in ["<pad>", "<eos>", "<bos>", "<unk>"].iter().enumerate() {
-        vocab.insert(name.to_string(), i.into());
-    }
-    for i in 4..97 {
-        vocab.insert(format!("w{i}"), i.into());
-    }
-    let tok = serde_json::json!({
-        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
-        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
-        "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
-    });
-    std::fs::write(m.join("tokenizer.json"), tok.to_string()).unwrap();
+    std::fs::write(m.join("tokenizer.json"), word_level_tokenizer_json(97)).unwrap();
     let prompts = dir.join("prompts.jsonl");
     let lines: Vec<String> = (0..n)
         .map(|i| {

@@ -133,3 +133,21 @@ pub fn random_drafter(config: &DFlashConfig, seed: u64) -> DraftCheckpoint {
         d2t,
     }
 }
+
+/// A word-level `tokenizer.json` with `n` tokens (`<pad>`, `<eos>`, `<bos>`, `<unk>`, `w4`,
+/// `w5`, ...) split on whitespace: text `"w4 w5"` encodes to ids 4, 5.
+pub fn word_level_tokenizer_json(n: usize) -> String {
+    let mut vocab = Vec::with_capacity(n);
+    for (i, name) in ["<pad>", "<eos>", "<bos>", "<unk>"].iter().enumerate() {
+        vocab.push(format!("\"{name}\": {i}"));
+    }
+    for i in 4..n {
+        vocab.push(format!("\"w{i}\": {i}"));
+    }
+    format!(
+        r#"{{"version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+"normalizer": null, "pre_tokenizer": {{"type": "Whitespace"}}, "post_processor": null,
+"decoder": null, "model": {{"type": "WordLevel", "vocab": {{{}}}, "unk_token": "<unk>"}}}}"#,
+        vocab.join(", ")
+    )
+}

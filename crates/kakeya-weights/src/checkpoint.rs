@@ -197,24 +197,7 @@ impl Checkpoint {
 
     /// Checks that every tensor the config implies is present with the right shape.
     pub fn check_tensors(&self) -> Result<()> {
-        for (name, shape) in expected_tensors(&self.config) {
-            let t = self
-                .tensors
-                .get(&name)
-                .ok_or_else(|| WeightsError::MissingTensor {
-                    path: self.source.clone(),
-                    tensor: name.clone(),
-                })?;
-            if t.shape != shape {
-                return Err(WeightsError::Shape {
-                    path: self.source.clone(),
-                    tensor: name,
-                    got: t.shape.clone(),
-                    expected: shape,
-                });
-            }
-        }
-        Ok(())
+        check_shapes(&self.source, &self.tensors, expected_tensors(&self.config))
     }
 
     /// Writes the checkpoint as an HF folder (`config.json` + `model.safetensors`, f32, norms
@@ -255,6 +238,32 @@ impl Checkpoint {
         safetensors::serialize_to_file(views, Some(meta), &st_path)
             .map_err(|e| WeightsError::format(&st_path, format!("writing safetensors: {e}")))
     }
+}
+
+/// Checks that every `(name, shape)` in `expected` is in `tensors` with that shape; errors
+/// name `source` and the tensor.
+pub(crate) fn check_shapes(
+    source: &Path,
+    tensors: &BTreeMap<String, HostTensor>,
+    expected: Vec<(String, Vec<usize>)>,
+) -> Result<()> {
+    for (name, shape) in expected {
+        let t = tensors
+            .get(&name)
+            .ok_or_else(|| WeightsError::MissingTensor {
+                path: source.to_path_buf(),
+                tensor: name.clone(),
+            })?;
+        if t.shape != shape {
+            return Err(WeightsError::Shape {
+                path: source.to_path_buf(),
+                tensor: name,
+                got: t.shape.clone(),
+                expected: shape,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Builds a folder with `fill` under a temporary sibling name, then renames it to `out`. An

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use safetensors::{Dtype, SafeTensors};
 use serde_json::{Value, json};
 
-use crate::checkpoint::{HostTensor, read_safetensors_as};
+use crate::checkpoint::{HostTensor, check_shapes, read_safetensors_as};
 use crate::error::{Result, WeightsError};
 
 /// Hyper-parameters of a DFlash drafter.
@@ -330,23 +330,7 @@ impl DraftCheckpoint {
 
     /// Checks tensor presence and shapes and the token map against the config.
     pub fn check(&self) -> Result<()> {
-        for (name, shape) in self.config.expected_tensors() {
-            let t = self
-                .tensors
-                .get(&name)
-                .ok_or_else(|| WeightsError::MissingTensor {
-                    path: self.source.clone(),
-                    tensor: name.clone(),
-                })?;
-            if t.shape != shape {
-                return Err(WeightsError::Shape {
-                    path: self.source.clone(),
-                    tensor: name,
-                    got: t.shape.clone(),
-                    expected: shape,
-                });
-            }
-        }
+        check_shapes(&self.source, &self.tensors, self.config.expected_tensors())?;
         match (&self.d2t, self.config.draft_vocab_size) {
             (None, None) => Ok(()),
             (Some(map), Some(n)) => {

@@ -268,10 +268,7 @@ pub(crate) fn check_shapes(
 
 /// Builds a folder with `fill` under a temporary sibling name, then renames it to `out`. An
 /// existing non-empty `out` is refused; on failure the temporary folder is removed.
-pub(crate) fn write_dir_atomically(
-    out: &Path,
-    fill: impl FnOnce(&Path) -> Result<()>,
-) -> Result<()> {
+pub fn write_dir_atomically(out: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     if out.exists()
         && std::fs::read_dir(out)
             .map(|mut d| d.next().is_some())
@@ -347,9 +344,26 @@ fn read_safetensors(path: &Path, out: &mut BTreeMap<String, HostTensor>) -> Resu
     Ok(())
 }
 
+/// Writes f32 tensors to one safetensors file (not atomically: write into a folder that
+/// [`write_dir_atomically`] renames into place).
+pub fn write_safetensors_f32(path: &Path, tensors: &BTreeMap<String, HostTensor>) -> Result<()> {
+    let bytes: Vec<(&String, &HostTensor, Vec<u8>)> = tensors
+        .iter()
+        .map(|(n, t)| (n, t, t.data.iter().flat_map(|v| v.to_le_bytes()).collect()))
+        .collect();
+    let mut views = Vec::with_capacity(bytes.len());
+    for (n, t, b) in &bytes {
+        let view = safetensors::tensor::TensorView::new(Dtype::F32, t.shape.clone(), b)
+            .map_err(|e| WeightsError::format(path, format!("tensor `{n}`: {e}")))?;
+        views.push(((*n).clone(), view));
+    }
+    safetensors::serialize_to_file(views, None, path)
+        .map_err(|e| WeightsError::format(path, format!("writing safetensors: {e}")))
+}
+
 /// Reads the floating-point tensors of one safetensors file whose names `rename` maps to
 /// `Some(name)` into `out`, as f32 under the new name (values as stored).
-pub(crate) fn read_safetensors_as(
+pub fn read_safetensors_as(
     path: &Path,
     rename: &dyn Fn(&str) -> Option<String>,
     out: &mut BTreeMap<String, HostTensor>,

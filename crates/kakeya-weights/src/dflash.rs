@@ -288,6 +288,44 @@ pub struct DraftCheckpoint {
     pub d2t: Option<Vec<u32>>,
 }
 
+/// Element type a drafter's weights are written in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StoreDtype {
+    /// 32-bit float.
+    #[default]
+    F32,
+    /// IEEE half (round to nearest even).
+    F16,
+    /// bfloat16 (round to nearest even), as z-lab publishes its drafters.
+    Bf16,
+}
+
+impl StoreDtype {
+    fn dtype(self) -> Dtype {
+        match self {
+            Self::F32 => Dtype::F32,
+            Self::F16 => Dtype::F16,
+            Self::Bf16 => Dtype::BF16,
+        }
+    }
+
+    /// Little-endian bytes of `data` in this type.
+    fn encode(self, data: &[f32]) -> Vec<u8> {
+        match self {
+            Self::F32 => data.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            Self::F16 => data
+                .iter()
+                .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
+                .collect(),
+            Self::Bf16 => data
+                .iter()
+                .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+                .collect(),
+        }
+    }
+}
+
 /// Drafter tensor names: z-lab stores them bare; accept a `model.` prefix too.
 fn drafter_name(name: &str) -> Option<String> {
     let n = name.strip_prefix("model.").unwrap_or(name);
@@ -361,11 +399,16 @@ impl DraftCheckpoint {
     /// Writes the folder (`config.json`, `model.safetensors` in f32) under a temporary name and
     /// renames it into place; an existing non-empty `out` is refused.
     pub fn write_dir(&self, out: &Path) -> Result<()> {
-        self.check()?;
-        crate::checkpoint::write_dir_atomically(out, |dir| self.write_files(dir))
+        self.write_dir_as(out, StoreDtype::F32)
     }
 
-    fn write_files(&self, dir: &Path) -> Result<()> {
+    /// [`Self::write_dir`] with the weights stored as `dtype` (the loader reads all three).
+    pub fn write_dir_as(&self, out: &Path, dtype: StoreDtype) -> Result<()> {
+        self.check()?;
+        crate::checkpoint::write_dir_atomically(out, |dir| self.write_files(dir, dtype))
+    }
+
+    fn write_files(&self, dir: &Path, dtype: StoreDtype) -> Result<()> {
         let cfg = serde_json::to_string_pretty(&self.config.to_json()).expect("config serialises");
         let cfg_path = dir.join("config.json");
         std::fs::write(&cfg_path, cfg).map_err(|e| WeightsError::io(&cfg_path, e))?;
@@ -373,8 +416,12 @@ impl DraftCheckpoint {
             .tensors
             .iter()
             .map(|(n, t)| {
-                let raw = t.data.iter().flat_map(|v| v.to_le_bytes()).collect();
-                (n.clone(), Dtype::F32, t.shape.clone(), raw)
+                (
+                    n.clone(),
+                    dtype.dtype(),
+                    t.shape.clone(),
+                    dtype.encode(&t.data),
+                )
             })
             .collect();
         if let Some(map) = &self.d2t {

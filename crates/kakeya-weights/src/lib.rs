@@ -13,7 +13,7 @@ pub mod tokenizer;
 
 pub use checkpoint::{Checkpoint, HostTensor};
 pub use config::{AttentionKind, Gemma3Config};
-pub use dflash::{DFlashConfig, DraftCheckpoint};
+pub use dflash::{DFlashConfig, DraftCheckpoint, StoreDtype};
 pub use error::{Result, WeightsError};
 pub use gguf::GgufFile;
 pub use quant::QuantMatrix;

@@ -1,0 +1,208 @@
+//! `curves.png`: training loss per step (left) and held-out simulated acceptance length per
+//! evaluation (right), drawn with a small built-in bitmap font so that no font file is needed.
+
+use crate::train::{EvalRecord, StepRecord};
+
+const W: usize = 960;
+const H: usize = 400;
+const PANEL_W: usize = W / 2;
+const MARGIN: usize = 44;
+
+/// 3×5 glyphs, one row per `u8` (3 low bits, leftmost = bit 2).
+fn glyph(c: char) -> [u8; 5] {
+    match c {
+        '0' => [7, 5, 5, 5, 7],
+        '1' => [2, 6, 2, 2, 7],
+        '2' => [7, 1, 7, 4, 7],
+        '3' => [7, 1, 7, 1, 7],
+        '4' => [5, 5, 7, 1, 1],
+        '5' => [7, 4, 7, 1, 7],
+        '6' => [7, 4, 7, 5, 7],
+        '7' => [7, 1, 1, 1, 1],
+        '8' => [7, 5, 7, 5, 7],
+        '9' => [7, 5, 7, 1, 7],
+        '.' => [0, 0, 0, 0, 2],
+        '-' => [0, 0, 7, 0, 0],
+        ' ' => [0, 0, 0, 0, 0],
+        'A' => [2, 5, 7, 5, 5],
+        'C' => [7, 4, 4, 4, 7],
+        'D' => [6, 5, 5, 5, 6],
+        'E' => [7, 4, 6, 4, 7],
+        'G' => [7, 4, 5, 5, 7],
+        'H' => [5, 5, 7, 5, 5],
+        'I' => [7, 2, 2, 2, 7],
+        'L' => [4, 4, 4, 4, 7],
+        'N' => [6, 5, 5, 5, 5],
+        'O' => [7, 5, 5, 5, 7],
+        'P' => [7, 5, 7, 4, 4],
+        'R' => [7, 5, 6, 5, 5],
+        'S' => [7, 4, 7, 1, 7],
+        'T' => [7, 2, 2, 2, 2],
+        'U' => [5, 5, 5, 5, 7],
+        'V' => [5, 5, 5, 5, 2],
+        _ => [7, 7, 7, 7, 7],
+    }
+}
+
+struct Canvas {
+    px: Vec<u8>,
+}
+
+impl Canvas {
+    fn new() -> Self {
+        Self {
+            px: vec![255; W * H * 3],
+        }
+    }
+
+    fn dot(&mut self, x: i64, y: i64, rgb: [u8; 3]) {
+        if (0..W as i64).contains(&x) && (0..H as i64).contains(&y) {
+            let i = (y as usize * W + x as usize) * 3;
+            self.px[i..i + 3].copy_from_slice(&rgb);
+        }
+    }
+
+    fn line(&mut self, (x0, y0): (f64, f64), (x1, y1): (f64, f64), rgb: [u8; 3]) {
+        let n = ((x1 - x0).abs().max((y1 - y0).abs()).ceil() as usize).max(1);
+        for i in 0..=n {
+            let t = i as f64 / n as f64;
+            let (x, y) = (x0 + (x1 - x0) * t, y0 + (y1 - y0) * t);
+            self.dot(x.round() as i64, y.round() as i64, rgb);
+            self.dot(x.round() as i64, y.round() as i64 + 1, rgb);
+        }
+    }
+
+    fn text(&mut self, x: usize, y: usize, s: &str, scale: usize) {
+        for (i, c) in s.chars().enumerate() {
+            let g = glyph(c.to_ascii_uppercase());
+            for (r, bits) in g.iter().enumerate() {
+                for col in 0..3 {
+                    if bits & (4 >> col) != 0 {
+                        for dy in 0..scale {
+                            for dx in 0..scale {
+                                self.dot(
+                                    (x + (i * 4 + col) * scale + dx) as i64,
+                                    (y + r * scale + dy) as i64,
+                                    [0, 0, 0],
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// One panel: axes, min/max labels, the series.
+    fn panel(&mut self, x0: usize, title: &str, pts: &[(f64, f64)], rgb: [u8; 3]) {
+        let (left, right) = (x0 + MARGIN, x0 + PANEL_W - 16);
+        let (top, bottom) = (28, H - MARGIN);
+        self.text(left, 8, title, 2);
+        let black = [0, 0, 0];
+        self.line(
+            (left as f64, top as f64),
+            (left as f64, bottom as f64),
+            black,
+        );
+        self.line(
+            (left as f64, bottom as f64),
+            (right as f64, bottom as f64),
+            black,
+        );
+        if pts.is_empty() {
+            return;
+        }
+        let (mut xmin, mut xmax) = (f64::MAX, f64::MIN);
+        let (mut ymin, mut ymax) = (f64::MAX, f64::MIN);
+        for &(x, y) in pts {
+            xmin = xmin.min(x);
+            xmax = xmax.max(x);
+            ymin = ymin.min(y);
+            ymax = ymax.max(y);
+        }
+        if xmax <= xmin {
+            xmax = xmin + 1.0;
+        }
+        if ymax <= ymin {
+            ymax = ymin + 1.0;
+        }
+        let sx = |x: f64| left as f64 + (x - xmin) / (xmax - xmin) * (right - left) as f64;
+        let sy = |y: f64| bottom as f64 - (y - ymin) / (ymax - ymin) * (bottom - top) as f64;
+        for w in pts.windows(2) {
+            self.line((sx(w[0].0), sy(w[0].1)), (sx(w[1].0), sy(w[1].1)), rgb);
+        }
+        if pts.len() == 1 {
+            let (x, y) = (sx(pts[0].0), sy(pts[0].1));
+            self.line((x - 2.0, y), (x + 2.0, y), rgb);
+        }
+        self.text(x0 + 2, top, &format!("{ymax:.2}"), 1);
+        self.text(x0 + 2, bottom - 5, &format!("{ymin:.2}"), 1);
+        self.text(left, bottom + 6, &format!("{xmin:.0}"), 1);
+        let xl = format!("{xmax:.0}");
+        self.text(right - xl.len() * 4, bottom + 6, &xl, 1);
+        self.text((left + right) / 2 - 8, bottom + 18, "STEP", 1);
+    }
+}
+
+/// A PNG of the loss (smoothed over a window of 1/50 of the steps) and acceptance curves.
+pub fn curves(steps: &[StepRecord], evals: &[EvalRecord], block: usize) -> Vec<u8> {
+    let mut c = Canvas::new();
+    let win = (steps.len() / 50).max(1);
+    let loss: Vec<(f64, f64)> = steps
+        .windows(win)
+        .map(|w| {
+            let mean = w.iter().map(|s| s.loss).sum::<f64>() / w.len() as f64;
+            (w[w.len() - 1].step as f64, mean)
+        })
+        .collect();
+    c.panel(0, "TRAIN LOSS", &loss, [200, 40, 40]);
+    let acc: Vec<(f64, f64)> = evals
+        .iter()
+        .map(|e| (e.step as f64, e.acceptance_length))
+        .collect();
+    c.panel(
+        PANEL_W,
+        &format!("HELD-OUT ACCEPTANCE B{block}"),
+        &acc,
+        [30, 90, 200],
+    );
+    let mut out = Vec::new();
+    {
+        let mut enc = png::Encoder::new(&mut out, W as u32, H as u32);
+        enc.set_color(png::ColorType::Rgb);
+        enc.set_depth(png::BitDepth::Eight);
+        let mut w = enc.write_header().expect("png header to memory");
+        w.write_image_data(&c.px).expect("png data to memory");
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn curves_are_a_png_of_the_declared_size() {
+        let steps: Vec<StepRecord> = (1..=20)
+            .map(|i| StepRecord {
+                step: i,
+                loss: 5.0 / i as f64,
+                lr: 1e-3,
+                grad_norm: 1.0,
+                secs: 0.1,
+            })
+            .collect();
+        let evals = vec![EvalRecord {
+            step: 20,
+            loss: 1.0,
+            acceptance_length: 2.5,
+            per_slot_acceptance: vec![0.5],
+            anchors: 10,
+        }];
+        let png = curves(&steps, &evals, 8);
+        assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+        let d = png::Decoder::new(std::io::Cursor::new(png));
+        let r = d.read_info().unwrap();
+        assert_eq!((r.info().width, r.info().height), (W as u32, H as u32));
+    }
+}

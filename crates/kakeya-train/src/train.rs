@@ -1,0 +1,617 @@
+//! The drafter training loop: data and vocabulary, fresh or resumed state, steps, held-out
+//! evaluation, periodic checkpoints, export, report and curves.
+//!
+//! Resuming is exact: every step's batch is drawn from an RNG seeded by `(seed, step)`, the
+//! schedule is a function of the step, and the state (weights, Adam moments, step, history)
+//! is saved in f32 — so a run interrupted after any checkpoint and resumed reaches the same
+//! weights as an uninterrupted one.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use burn::tensor::{Device, Tensor};
+use kakeya_capture::Dataset;
+use kakeya_models::Gemma3Model;
+use kakeya_weights::checkpoint::{
+    read_safetensors_as, write_dir_atomically, write_safetensors_f32,
+};
+use kakeya_weights::dflash::default_target_layers;
+use kakeya_weights::{DFlashConfig, HostTensor};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+
+use crate::config::DrafterTrainConfig;
+use crate::data::{self, Sequence, TrainData};
+use crate::drafter::{self, Batch, DrafterParams, Frozen};
+use crate::error::{Result, TrainError};
+use crate::optim::{AdamW, Moments, clip_factor, global_norm};
+use crate::plot;
+
+/// How to run.
+#[derive(Debug, Clone)]
+pub struct TrainOptions {
+    /// Continue from the run folder's last saved state.
+    pub resume: bool,
+    /// Device to train on (its autodiff twin records the graph).
+    pub device: Device,
+    /// Stop after this many steps of this invocation (the state is saved first); `None` runs
+    /// to the end. Used to test resuming.
+    pub stop_after: Option<usize>,
+}
+
+/// One optimiser step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepRecord {
+    /// 1-based step.
+    pub step: usize,
+    /// Weighted cross-entropy.
+    pub loss: f64,
+    /// Learning rate used.
+    pub lr: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Wall seconds of the step.
+    pub secs: f64,
+}
+
+/// One held-out evaluation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EvalRecord {
+    /// Steps done when evaluated.
+    pub step: usize,
+    /// Weighted cross-entropy on the held-out anchors.
+    pub loss: f64,
+    /// Simulated mean acceptance length under greedy verification (tokens committed per
+    /// block: accepted drafts + the verifier's own token), `1..=B`.
+    pub acceptance_length: f64,
+    /// Share of blocks whose drafts `1..=k` were all accepted, per slot `k`.
+    pub per_slot_acceptance: Vec<f64>,
+    /// Anchors evaluated.
+    pub anchors: usize,
+}
+
+/// What [`train_drafter`] reports as it goes.
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// Data loaded; training starts at `start` of `steps`.
+    Started {
+        /// Steps already done (resume).
+        start: usize,
+        /// Total steps.
+        steps: usize,
+    },
+    /// A step finished.
+    Step(StepRecord),
+    /// An evaluation finished.
+    Eval(EvalRecord),
+    /// The state was saved after `0` steps.
+    Saved(usize),
+}
+
+/// Saved between invocations.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct State {
+    step: usize,
+    fingerprint: String,
+    d2t: Option<Vec<u32>>,
+    steps: Vec<StepRecord>,
+    evals: Vec<EvalRecord>,
+}
+
+/// The run's report (`report.json`).
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// The config.
+    pub config: DrafterTrainConfig,
+    /// Drafter hyper-parameters as exported.
+    pub drafter: serde_json::Value,
+    /// Trainable parameters.
+    pub parameters: usize,
+    /// Training / held-out sequences and generated positions.
+    pub data: serde_json::Value,
+    /// Share of generated tokens the draft vocabulary covers (train, held-out).
+    pub draft_vocab_coverage: (f64, f64),
+    /// Device.
+    pub device: String,
+    /// Median seconds per step of this invocation.
+    pub secs_per_step: f64,
+    /// Evaluations, the first before any training.
+    pub evals: Vec<EvalRecord>,
+    /// Per-step records.
+    pub steps: Vec<StepRecord>,
+    /// Exported drafter folder.
+    pub export: PathBuf,
+}
+
+/// Everything prepared before the first step: checked inputs, data, vocabulary, shape.
+pub struct Prepared {
+    /// Split data.
+    pub data: TrainData,
+    /// Draft vocabulary (draft id → verifier id), when reduced.
+    pub d2t: Option<Vec<u32>>,
+    /// The drafter's shape.
+    pub config: DFlashConfig,
+    fingerprint: String,
+}
+
+/// Checks the dataset against the config and the verifier and loads it. Errors here come
+/// before anything is trained or written.
+pub fn prepare(
+    cfg: &DrafterTrainConfig,
+    verifier: &Gemma3Model,
+    verifier_sha: &str,
+) -> Result<Prepared> {
+    let v = &verifier.config;
+    let m = &cfg.model;
+    let targets = m
+        .target_layers
+        .clone()
+        .unwrap_or_else(|| default_target_layers(v.num_hidden_layers, m.layers));
+    if let Some(&bad) = targets.iter().find(|&&l| l >= v.num_hidden_layers) {
+        return Err(TrainError::invalid(
+            &m.verifier,
+            format!(
+                "target layer {bad} does not exist (the verifier has {} layers)",
+                v.num_hidden_layers
+            ),
+        ));
+    }
+    if m.mask_token as usize >= v.vocab_size {
+        return Err(TrainError::invalid(
+            &m.verifier,
+            format!(
+                "mask_token {} is outside the vocabulary of {}",
+                m.mask_token, v.vocab_size
+            ),
+        ));
+    }
+    let dir = &cfg.data.dataset;
+    let ds = Dataset::open(dir)?;
+    data::check_dataset(&ds, dir, &targets, verifier_sha, v.hidden_size)?;
+    let data = data::load(&ds, &targets, cfg.data.heldout_every)?;
+    if data.train.is_empty() || data.heldout.is_empty() {
+        return Err(TrainError::invalid(
+            dir,
+            format!(
+                "{} training and {} held-out sequences with generated tokens: need at least one of each",
+                data.train.len(),
+                data.heldout.len()
+            ),
+        ));
+    }
+    let d2t = (m.draft_vocab > 0 && m.draft_vocab < v.vocab_size)
+        .then(|| data::draft_vocab(&data.train, m.draft_vocab, v.vocab_size));
+    let config = DFlashConfig {
+        hidden_size: v.hidden_size,
+        intermediate_size: m.intermediate,
+        num_hidden_layers: m.layers,
+        num_attention_heads: m.heads,
+        num_key_value_heads: m.kv_heads,
+        head_dim: m.head_dim,
+        rms_norm_eps: 1e-6,
+        rope_theta: m.rope_theta,
+        vocab_size: v.vocab_size,
+        max_position_embeddings: v.max_position_embeddings,
+        block_size: m.block_size,
+        mask_token_id: m.mask_token,
+        target_layer_ids: targets,
+        num_target_layers: v.num_hidden_layers,
+        draft_vocab_size: d2t.as_ref().map(Vec::len),
+    };
+    let shards: Vec<&str> = ds
+        .manifest()
+        .shards
+        .iter()
+        .map(|s| s.sha256.as_str())
+        .collect();
+    let fingerprint =
+        serde_json::to_string(&(&cfg.data, &cfg.model, &cfg.train, verifier_sha, &shards))
+            .expect("fingerprint serialises");
+    Ok(Prepared {
+        data,
+        d2t,
+        config,
+        fingerprint,
+    })
+}
+
+/// Trains (or resumes) a drafter as `cfg` says, exports it, and writes `report.json` and
+/// `curves.png` into the run folder.
+pub fn train_drafter(
+    cfg: &DrafterTrainConfig,
+    verifier: &Gemma3Model,
+    prep: Prepared,
+    opts: &TrainOptions,
+    on_event: &mut dyn FnMut(Event),
+) -> Result<Report> {
+    let device = opts.device.clone();
+    let Prepared {
+        data,
+        d2t,
+        config,
+        fingerprint,
+    } = prep;
+    let state_dir = cfg.output.dir.join("state");
+    let old_dir = cfg.output.dir.join("state.old");
+    let (mut params, mut moments, mut state) = if opts.resume {
+        let dir = if state_dir.is_dir() {
+            &state_dir
+        } else {
+            &old_dir
+        };
+        load_state(dir, &config, &fingerprint, &device)?
+    } else {
+        if state_dir.exists() || old_dir.exists() {
+            return Err(TrainError::invalid(
+                &cfg.output.dir,
+                "a training state exists here; pass --resume to continue it or remove the folder",
+            ));
+        }
+        let params = DrafterParams::init(config.clone(), cfg.train.seed, &device);
+        let moments = zero_moments(&params);
+        let state = State {
+            step: 0,
+            fingerprint: fingerprint.clone(),
+            d2t: d2t.clone(),
+            steps: Vec::new(),
+            evals: Vec::new(),
+        };
+        (params, moments, state)
+    };
+    if state.d2t != d2t {
+        return Err(TrainError::invalid(
+            &state_dir,
+            "the saved draft vocabulary differs from the one the data gives",
+        ));
+    }
+    let frozen = Frozen::new(verifier.embed.clone(), config.hidden_size, d2t.as_deref());
+    std::fs::create_dir_all(&cfg.output.dir).map_err(|e| TrainError::io(&cfg.output.dir, e))?;
+    on_event(Event::Started {
+        start: state.step,
+        steps: cfg.train.steps,
+    });
+    if state.step == 0 && state.evals.is_empty() {
+        let e = evaluate(&params, &frozen, &data, cfg, d2t.as_deref(), 0);
+        on_event(Event::Eval(e.clone()));
+        state.evals.push(e);
+    }
+    let mut secs = Vec::new();
+    let mut ran = 0;
+    while state.step < cfg.train.steps {
+        let t = state.step;
+        let started = Instant::now();
+        let picks = pick(&data.train, cfg, t);
+        let batch = Batch::build(data.width, config.block_size, &picks);
+        let leaves: Vec<Tensor<2>> = params
+            .tensors
+            .iter()
+            .map(|(_, _, p)| p.clone().autodiff().require_grad())
+            .collect();
+        let logits = params.forward(&leaves, &frozen, &batch);
+        let (loss, _) = drafter::weighted_ce(&logits, &batch, &frozen, cfg.train.gamma);
+        let loss_value = f64::from(loss.clone().into_scalar::<f32>());
+        let grads = loss.backward();
+        let grads: Vec<Tensor<2>> = leaves
+            .iter()
+            .zip(&params.tensors)
+            .map(|(leaf, (_, _, p))| leaf.grad(&grads).unwrap_or_else(|| p.zeros_like()))
+            .collect();
+        let norm = global_norm(&grads);
+        let factor = clip_factor(norm, cfg.train.grad_clip);
+        let lr = cfg.lr_at(t);
+        let opt = AdamW {
+            lr,
+            beta1: cfg.train.beta1,
+            beta2: cfg.train.beta2,
+            eps: cfg.train.eps,
+            weight_decay: cfg.train.weight_decay,
+        };
+        for (((_, shape, p), g), mom) in params.tensors.iter_mut().zip(grads).zip(&mut moments) {
+            let g = if factor < 1.0 {
+                g.mul_scalar(factor)
+            } else {
+                g
+            };
+            *p = opt.update(p.clone(), g, mom, t + 1, shape.len() > 1);
+        }
+        state.step += 1;
+        ran += 1;
+        let rec = StepRecord {
+            step: state.step,
+            loss: loss_value,
+            lr,
+            grad_norm: norm,
+            secs: started.elapsed().as_secs_f64(),
+        };
+        secs.push(rec.secs);
+        on_event(Event::Step(rec.clone()));
+        state.steps.push(rec);
+        let last = state.step == cfg.train.steps;
+        if state.step % cfg.output.eval_every == 0 || last {
+            let e = evaluate(&params, &frozen, &data, cfg, d2t.as_deref(), state.step);
+            on_event(Event::Eval(e.clone()));
+            state.evals.push(e);
+        }
+        let stop = opts.stop_after.is_some_and(|n| ran >= n);
+        if state.step % cfg.output.checkpoint_every == 0 || last || stop {
+            save_state(&cfg.output.dir, &params, &moments, &state)?;
+            on_event(Event::Saved(state.step));
+        }
+        if stop && !last {
+            return Err(TrainError::Interrupted(state.step));
+        }
+    }
+    let ck = params.to_checkpoint(d2t.clone());
+    replace_dir(&cfg.output.export, |dir| {
+        ck.write_dir_as(dir, cfg.output.export_dtype)
+            .map_err(TrainError::from)
+    })?;
+    secs.sort_by(f64::total_cmp);
+    let median = secs.get(secs.len() / 2).copied().unwrap_or(0.0);
+    let generated = |s: &[Sequence]| -> usize { s.iter().map(|q| q.len() - q.first_gen).sum() };
+    let report = Report {
+        config: cfg.clone(),
+        drafter: config.to_json(),
+        parameters: params.count(),
+        data: serde_json::json!({
+            "dataset": cfg.data.dataset,
+            "train_sequences": data.train.len(),
+            "heldout_sequences": data.heldout.len(),
+            "train_generated_positions": generated(&data.train),
+            "heldout_generated_positions": generated(&data.heldout),
+        }),
+        draft_vocab_coverage: match &d2t {
+            Some(m) => (
+                data::coverage(&data.train, m),
+                data::coverage(&data.heldout, m),
+            ),
+            None => (1.0, 1.0),
+        },
+        device: format!("{device:?}"),
+        secs_per_step: median,
+        evals: state.evals.clone(),
+        steps: state.steps.clone(),
+        export: cfg.output.export.clone(),
+    };
+    let json = serde_json::to_string_pretty(&report).expect("report serialises");
+    write_file_atomically(&cfg.output.dir.join("report.json"), json.as_bytes())?;
+    let png = plot::curves(&state.steps, &state.evals, config.block_size);
+    write_file_atomically(&cfg.output.dir.join("curves.png"), &png)?;
+    Ok(report)
+}
+
+/// The batch of 0-based step `t`: `sequences_per_step` distinct training sequences (drawn in
+/// proportion to their anchors) and `anchors_per_sequence` anchors in each.
+fn pick<'a>(
+    train: &'a [Sequence],
+    cfg: &DrafterTrainConfig,
+    t: usize,
+) -> Vec<(&'a Sequence, Vec<usize>)> {
+    let mut rng =
+        StdRng::seed_from_u64(cfg.train.seed ^ (t as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    let weights: Vec<usize> = train.iter().map(|s| s.anchor_range().len()).collect();
+    let total: usize = weights.iter().sum();
+    let want = cfg.train.sequences_per_step.min(train.len());
+    let mut chosen: Vec<usize> = Vec::with_capacity(want);
+    let mut tries = 0;
+    while chosen.len() < want && tries < 100 * want {
+        tries += 1;
+        let mut u = rng.random_range(0..total);
+        let mut i = 0;
+        while u >= weights[i] {
+            u -= weights[i];
+            i += 1;
+        }
+        if !chosen.contains(&i) {
+            chosen.push(i);
+        }
+    }
+    chosen
+        .into_iter()
+        .map(|i| {
+            let r = train[i].anchor_range();
+            let mut a: Vec<usize> = (0..cfg.train.anchors_per_sequence)
+                .map(|_| rng.random_range(r.clone()))
+                .collect();
+            a.sort_unstable();
+            (&train[i], a)
+        })
+        .collect()
+}
+
+/// Held-out metrics over anchors spread evenly across the held-out sequences (full blocks
+/// only), with the current weights and no autodiff.
+fn evaluate(
+    params: &DrafterParams,
+    frozen: &Frozen,
+    data: &TrainData,
+    cfg: &DrafterTrainConfig,
+    d2t: Option<&[u32]>,
+    step: usize,
+) -> EvalRecord {
+    let bsz = params.config.block_size;
+    let mut all: Vec<(usize, usize)> = Vec::new();
+    for (i, s) in data.heldout.iter().enumerate() {
+        let r = s.anchor_range();
+        let end = (s.len() + 1).saturating_sub(bsz).min(r.end);
+        all.extend((r.start..end).map(|a| (i, a)));
+    }
+    let stride = all.len().div_ceil(cfg.output.eval_anchors).max(1);
+    let chosen: Vec<(usize, usize)> = all.into_iter().step_by(stride).collect();
+    let weights: Vec<Tensor<2>> = params.tensors.iter().map(|(_, _, t)| t.clone()).collect();
+    let (mut loss_sum, mut w_sum, mut acc_sum) = (0.0, 0.0, 0usize);
+    let mut per_slot = vec![0usize; bsz - 1];
+    let mut start = 0;
+    while start < chosen.len() {
+        let seq = chosen[start].0;
+        let mut end = start;
+        while end < chosen.len() && chosen[end].0 == seq && end - start < 64 {
+            end += 1;
+        }
+        let anchors: Vec<usize> = chosen[start..end].iter().map(|&(_, a)| a).collect();
+        let batch = Batch::build(data.width, bsz, &[(&data.heldout[seq], anchors)]);
+        let logits = params.forward(&weights, frozen, &batch);
+        let (loss, w) = drafter::weighted_ce(&logits, &batch, frozen, cfg.train.gamma);
+        loss_sum += f64::from(loss.into_scalar::<f32>()) * w;
+        w_sum += w;
+        for (drafts, targets) in drafter::greedy(&logits, d2t, bsz - 1)
+            .iter()
+            .zip(&batch.targets)
+        {
+            let a = drafter::acceptance(drafts, targets);
+            acc_sum += a;
+            for c in per_slot.iter_mut().take(a - 1) {
+                *c += 1;
+            }
+        }
+        start = end;
+    }
+    let n = chosen.len().max(1) as f64;
+    EvalRecord {
+        step,
+        loss: loss_sum / w_sum.max(1e-12),
+        acceptance_length: acc_sum as f64 / n,
+        per_slot_acceptance: per_slot.iter().map(|&c| c as f64 / n).collect(),
+        anchors: chosen.len(),
+    }
+}
+
+fn zero_moments(params: &DrafterParams) -> Vec<Moments> {
+    params
+        .tensors
+        .iter()
+        .map(|(_, _, p)| Moments {
+            m: p.zeros_like(),
+            v: p.zeros_like(),
+        })
+        .collect()
+}
+
+const WEIGHTS_FILE: &str = "weights.safetensors";
+const STATE_FILE: &str = "state.json";
+
+/// Writes `dir/state` (weights, moments, step, history) as a whole: a new folder is built
+/// beside it and swapped in.
+fn save_state(
+    dir: &Path,
+    params: &DrafterParams,
+    moments: &[Moments],
+    state: &State,
+) -> Result<()> {
+    let mut tensors = BTreeMap::new();
+    for ((name, _, p), mom) in params.tensors.iter().zip(moments) {
+        for (kind, t) in [("param", p), ("m", &mom.m), ("v", &mom.v)] {
+            let [r, c] = t.dims();
+            tensors.insert(
+                format!("{kind}/{name}"),
+                HostTensor {
+                    shape: vec![r, c],
+                    data: drafter::host(t.clone()),
+                },
+            );
+        }
+    }
+    let json = serde_json::to_string_pretty(state).expect("state serialises");
+    replace_dir(&dir.join("state"), |tmp| {
+        write_safetensors_f32(&tmp.join(WEIGHTS_FILE), &tensors)?;
+        let p = tmp.join(STATE_FILE);
+        std::fs::write(&p, &json).map_err(|e| TrainError::io(&p, e))
+    })
+}
+
+fn load_state(
+    dir: &Path,
+    config: &DFlashConfig,
+    fingerprint: &str,
+    device: &Device,
+) -> Result<(DrafterParams, Vec<Moments>, State)> {
+    let sp = dir.join(STATE_FILE);
+    let text = std::fs::read_to_string(&sp).map_err(|e| TrainError::io(&sp, e))?;
+    let state: State = serde_json::from_str(&text)
+        .map_err(|e| TrainError::invalid(&sp, format!("unreadable training state: {e}")))?;
+    if state.fingerprint != fingerprint {
+        return Err(TrainError::invalid(
+            &sp,
+            "this state was trained with another config or dataset; resume with the same ones",
+        ));
+    }
+    let wp = dir.join(WEIGHTS_FILE);
+    let mut read = BTreeMap::new();
+    read_safetensors_as(&wp, &|n| Some(n.to_string()), &mut read)?;
+    let mut take = |key: String| -> Result<HostTensor> {
+        read.remove(&key)
+            .ok_or_else(|| TrainError::invalid(&wp, format!("missing tensor {key}")))
+    };
+    let mut host = Vec::new();
+    let mut moments = Vec::new();
+    for (name, shape) in config.expected_tensors() {
+        let p = take(format!("param/{name}"))?;
+        let m = take(format!("m/{name}"))?;
+        let v = take(format!("v/{name}"))?;
+        let n: usize = shape.iter().product();
+        if p.data.len() != n || m.data.len() != n || v.data.len() != n {
+            return Err(TrainError::invalid(
+                &wp,
+                format!("tensor {name} has the wrong size"),
+            ));
+        }
+        let dims = [p.shape[0], p.shape[1]];
+        let t =
+            |d: Vec<f32>| Tensor::<2>::from_data(burn::tensor::TensorData::new(d, dims), device);
+        moments.push(Moments {
+            m: t(m.data),
+            v: t(v.data),
+        });
+        host.push((name, shape, p.data));
+    }
+    Ok((
+        DrafterParams::from_host(config.clone(), host, device),
+        moments,
+        state,
+    ))
+}
+
+/// Builds `out` anew with `fill` in a temporary sibling, then swaps it in (the previous
+/// content is kept as `<out>.old` until the swap is done).
+fn replace_dir(out: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    let name = out
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "out".into());
+    let new = out.with_file_name(format!("{name}.new"));
+    let old = out.with_file_name(format!("{name}.old"));
+    if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(|e| TrainError::io(parent, e))?;
+    }
+    if new.exists() {
+        std::fs::remove_dir_all(&new).map_err(|e| TrainError::io(&new, e))?;
+    }
+    let mut err = None;
+    write_dir_atomically(&new, |dir| {
+        fill(dir).map_err(|e| {
+            let msg = e.to_string();
+            err = Some(e);
+            kakeya_weights::WeightsError::format(dir, msg)
+        })
+    })
+    .map_err(|e| err.take().unwrap_or(TrainError::Weights(e)))?;
+    if out.exists() {
+        if old.exists() {
+            std::fs::remove_dir_all(&old).map_err(|e| TrainError::io(&old, e))?;
+        }
+        std::fs::rename(out, &old).map_err(|e| TrainError::io(out, e))?;
+    }
+    std::fs::rename(&new, out).map_err(|e| TrainError::io(out, e))?;
+    if old.exists() {
+        std::fs::remove_dir_all(&old).map_err(|e| TrainError::io(&old, e))?;
+    }
+    Ok(())
+}
+
+fn write_file_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
+    std::fs::write(&tmp, bytes).map_err(|e| TrainError::io(&tmp, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| TrainError::io(path, e))
+}

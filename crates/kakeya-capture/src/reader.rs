@@ -57,7 +57,12 @@ impl Dataset {
         })
     }
 
-    /// The manifest.
+    /// The dataset folder.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The dataset's manifest.
     pub fn manifest(&self) -> &Manifest {
         &self.manifest
     }

@@ -11,6 +11,9 @@ use kakeya_weights::{Checkpoint, DraftCheckpoint, Tokenizer};
 /// Where `scripts/fetch_default_model.py` puts the default model.
 pub const DEFAULT_MODEL: &str = "models/gemma-3-270m/gemma-3-270m-q4_k_m.gguf";
 
+/// The trained DFlash drafter for the default model (`configs/train/drafter-270m.toml`).
+pub const DEFAULT_DRAFTER: &str = "checkpoints/drafter-gemma3-270m";
+
 /// Compute device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum DeviceKind {

@@ -13,7 +13,7 @@ use kakeya_runtime::{
 };
 use kakeya_weights::Tokenizer;
 
-use crate::common::{ModelArgs, check_block_size, load_drafter};
+use crate::common::{DEFAULT_DRAFTER, ModelArgs, check_block_size, load_drafter};
 
 /// Arguments of `kakeya infer`.
 #[derive(Args, Debug)]
@@ -55,8 +55,13 @@ pub struct InferArgs {
     #[arg(long, default_value_t = 512)]
     pub prefill_chunk: usize,
     /// A DFlash drafter folder (z-lab format): decode speculatively (greedy, lossless).
-    #[arg(long)]
+    /// Without it, the default model uses the trained drafter in `checkpoints/` when present
+    /// (greedy, non-interactive runs).
+    #[arg(long, conflicts_with = "no_drafter")]
     pub drafter: Option<PathBuf>,
+    /// Decode autoregressively even when a default drafter exists.
+    #[arg(long)]
+    pub no_drafter: bool,
     /// Tokens per speculative block (default: the drafter's `block_size`).
     #[arg(long)]
     pub block_size: Option<usize>,
@@ -163,7 +168,22 @@ pub fn run(a: InferArgs) -> Result<()> {
         bail!("--max-tokens must be at least 1");
     }
     let (model, tok) = a.model.load()?;
-    let drafter = match &a.drafter {
+    // The default model decodes speculatively with its trained drafter when the run allows it.
+    let default_drafter = PathBuf::from(DEFAULT_DRAFTER);
+    let drafter_dir = match &a.drafter {
+        Some(dir) => Some(dir),
+        None if !a.no_drafter
+            && a.model.model.is_none()
+            && sampling == Sampling::Greedy
+            && !a.chat
+            && default_drafter.is_dir() =>
+        {
+            tracing::info!("using the default drafter {}", default_drafter.display());
+            Some(&default_drafter)
+        }
+        None => None,
+    };
+    let drafter = match drafter_dir {
         Some(dir) => {
             if sampling != Sampling::Greedy {
                 bail!("--drafter decodes greedily (lossless); drop --temperature or the drafter");

@@ -10,6 +10,7 @@ mod capture;
 mod common;
 mod convert;
 mod infer;
+mod train;
 
 use std::process::ExitCode;
 
@@ -33,6 +34,8 @@ enum Command {
     Capture(capture::CaptureArgs),
     /// Write a GGUF model out as a Hugging Face safetensors folder.
     Convert(convert::ConvertArgs),
+    /// Train a model component (the DFlash drafter).
+    Train(train::TrainArgs),
 }
 
 fn main() -> ExitCode {
@@ -49,6 +52,7 @@ fn main() -> ExitCode {
         Command::Bench(a) => bench::run(a),
         Command::Convert(a) => convert::run(a),
         Command::Capture(a) => capture::run(a),
+        Command::Train(a) => train::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -218,3 +218,66 @@ fn loop_guard_on_real_token_streams() {
     let n = text.matches("ha!").count();
     assert!((3..=4).contains(&n), "kept {text:?}");
 }
+
+/// The trained drafter committed for the default model (`configs/train/drafter-270m.toml`).
+fn trained_drafter_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../checkpoints/drafter-gemma3-270m")
+}
+
+#[test]
+#[ignore = "needs the fetched Gemma 3 270M (scripts/fetch_default_model.py)"]
+fn trained_drafter_is_lossless_and_gets_drafts_accepted() {
+    let (v, tok) = load();
+    let ck =
+        kakeya_weights::DraftCheckpoint::load(&trained_drafter_dir()).expect("trained drafter");
+    let d = DFlashDrafter::from_checkpoint(ck, &v).unwrap();
+    let mut prompts: Vec<Vec<u32>> = SHORT
+        .iter()
+        .map(|t| {
+            let mut ids = vec![tok.bos];
+            ids.extend(tok.encode(t).unwrap());
+            ids
+        })
+        .collect();
+    let mut ids = vec![tok.bos];
+    ids.extend(tok.encode(&long_prompt(0)).unwrap());
+    prompts.push(ids);
+    let max_tokens = 40;
+    let (mut committed, mut blocks) = (0usize, 0usize);
+    for (i, p) in prompts.iter().enumerate() {
+        let want = generate(&mut Session::new(&v, 0), p, &cfg(max_tokens), &mut |_| {})
+            .unwrap()
+            .tokens;
+        for block in [4, 8] {
+            let mut ver = Verifier::new(&v, d.config.target_layer_ids.clone(), block);
+            let mut prop = DFlashProposer::new(&d);
+            let g = speculative_generate(
+                &mut ver,
+                &mut prop,
+                p,
+                &cfg(max_tokens),
+                SpecConfig { block_size: block },
+                &mut |_| {},
+            )
+            .unwrap();
+            assert!(
+                g.tokens == want,
+                "prompt {i} ({} tokens), block {block}: {}",
+                p.len(),
+                divergence(&v, p, &want, &g.tokens)
+            );
+            if block == 8 {
+                let s = g.spec.unwrap();
+                committed += s.accepted + s.blocks; // accepted drafts + the verifier's token
+                blocks += s.blocks;
+            }
+        }
+    }
+    // A trained drafter must actually draft: a random one commits 1 token per block.
+    let mean = committed as f64 / blocks as f64;
+    eprintln!(
+        "trained drafter, block 8: {mean:.2} tokens per block over {} prompts",
+        prompts.len()
+    );
+    assert!(mean > 1.5, "mean acceptance length {mean:.2}");
+}

@@ -49,7 +49,12 @@ pub struct TrainData {
     pub heldout: Vec<Sequence>,
     /// Width of one aux row (`targets · hidden`).
     pub width: usize,
+    /// Infinite aux values (f16 overflow) saturated to ±65504 (see [`load`]).
+    pub saturated: usize,
 }
+
+/// Largest finite f16.
+const F16_MAX: f32 = 65504.0;
 
 /// Checks that the dataset has the aux columns of `targets` and was captured with the verifier
 /// whose SHA-256 is `verifier_sha` (and hidden size `hidden`), before anything is trained.
@@ -108,6 +113,11 @@ pub fn check_dataset(
 
 /// Reads every finished sequence with the aux columns of `targets` (in that order) and splits
 /// off every `heldout_every`-th one.
+///
+/// Gemma's residual stream has "massive activations" (e.g. one channel at the `<bos>` position
+/// beyond 65504 from the middle layers on), which an f16 capture stores as ±inf. Those values
+/// are saturated to ±65504 and counted ([`TrainData::saturated`]): the context row goes
+/// through `fc` and an RMSNorm, where such a channel dominates either way. NaN is refused.
 pub fn load(ds: &Dataset, targets: &[usize], heldout_every: usize) -> Result<TrainData> {
     let columns: Vec<String> = targets.iter().map(|&l| aux_column(l)).collect();
     let q = Query {
@@ -118,6 +128,7 @@ pub fn load(ds: &Dataset, targets: &[usize], heldout_every: usize) -> Result<Tra
     let mut train = Vec::new();
     let mut heldout = Vec::new();
     let mut width = 0;
+    let mut saturated = 0;
     for batch in ds.read(&q)? {
         let b = batch?;
         let len = b.token.len();
@@ -128,6 +139,18 @@ pub fn load(ds: &Dataset, targets: &[usize], heldout_every: usize) -> Result<Tra
             for p in 0..len {
                 aux[p * width + j * dim..p * width + (j + 1) * dim]
                     .copy_from_slice(&data[p * dim..(p + 1) * dim]);
+            }
+        }
+        for v in &mut aux {
+            if v.is_nan() {
+                return Err(TrainError::invalid(
+                    &ds_dir(ds),
+                    format!("sequence {} has NaN aux values", b.seq),
+                ));
+            }
+            if v.is_infinite() {
+                *v = v.signum() * F16_MAX;
+                saturated += 1;
             }
         }
         let first_gen = b.in_prompt.iter().take_while(|&&x| x).count();
@@ -146,11 +169,22 @@ pub fn load(ds: &Dataset, targets: &[usize], heldout_every: usize) -> Result<Tra
             train.push(s);
         }
     }
+    if saturated > 0 {
+        tracing::warn!(
+            "{}: {saturated} infinite aux values (f16 overflow) saturated to ±{F16_MAX}",
+            ds_dir(ds).display()
+        );
+    }
     Ok(TrainData {
         train,
         heldout,
         width,
+        saturated,
     })
+}
+
+fn ds_dir(ds: &Dataset) -> std::path::PathBuf {
+    ds.dir().to_path_buf()
 }
 
 /// The `n` most frequent generated tokens of `seqs` (ties: lower id first), topped up with the

@@ -361,6 +361,7 @@ pub fn train_drafter(
             "heldout_sequences": data.heldout.len(),
             "train_generated_positions": generated(&data.train),
             "heldout_generated_positions": generated(&data.heldout),
+            "saturated_aux_values": data.saturated,
         }),
         draft_vocab_coverage: match &d2t {
             Some(m) => (

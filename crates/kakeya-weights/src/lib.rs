@@ -8,6 +8,7 @@ pub mod dequant;
 pub mod dflash;
 pub mod error;
 pub mod gguf;
+mod kernel;
 pub mod quant;
 pub mod tokenizer;
 

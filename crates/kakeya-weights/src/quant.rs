@@ -3,15 +3,18 @@
 //! A decode step reads every weight once: held as f32 the default model moves ~1.07 GB per
 //! token. [`QuantMatrix`] repacks a GGML-quantised matrix into int8 values with one f32 scale
 //! (and, for the asymmetric formats, one f32 offset) per group of 16 or 32 — ~1.15 bytes per
-//! weight — taken straight from the block fields. In the kernel each weight is rebuilt in a
-//! register as `q·s` (`+ o`) with exactly the f32 operations of [`crate::dequant`], so the
-//! weights are bit-identical to the dense model's; only the summation order differs. Rows are
-//! split across the rayon pool; on x86-64 the kernel is also compiled with AVX2 and picked at
-//! run time when the CPU has it.
+//! weight — taken straight from the block fields. Each weight is rebuilt as `q·s` (`+ o`) with
+//! exactly the f32 operations of [`crate::dequant`], so the weights are bit-identical to the
+//! dense model's; the dot products follow the canonical order of [`crate::kernel`] (8 lanes,
+//! FMA), which makes a row's result independent of how many input rows run together. One
+//! input row (decoding): weights are rebuilt in registers, four rows at a time. Several
+//! (prefill chunks, speculative verification): four weight rows are rebuilt into f32 once and
+//! multiplied against every input row in register tiles. Rows are split across the rayon pool.
 
 use rayon::prelude::*;
 
 use crate::dequant::GgmlType;
+use crate::kernel;
 
 /// Rows of output per parallel task.
 const ROWS_PER_TASK: usize = 32;
@@ -119,65 +122,8 @@ fn unpack_block(ty: GgmlType, b: &[u8], q: &mut [i8], s: &mut [f32], o: &mut [f3
     }
 }
 
-/// Pairwise sum of a power-of-two number of partial sums.
-#[inline(always)]
-fn tree_sum<const N: usize>(mut acc: [f32; N]) -> f32 {
-    let mut width = N;
-    while width > 1 {
-        width /= 2;
-        for i in 0..width {
-            acc[i] += acc[i + width];
-        }
-    }
-    acc[0]
-}
-
-/// `Σ_j w_j · x_j` over one row, `w_j = q_j·s_g (+ o_g)` rebuilt per group of `G`.
-#[inline(always)]
-fn row_dot<const G: usize>(q: &[i8], s: &[f32], o: Option<&[f32]>, x: &[f32]) -> f32 {
-    let mut acc = [0.0f32; G];
-    let (qc, _) = q.as_chunks::<G>();
-    let (xc, _) = x.as_chunks::<G>();
-    match o {
-        None => {
-            for ((qg, xg), &sg) in qc.iter().zip(xc).zip(s) {
-                for i in 0..G {
-                    acc[i] += (qg[i] as f32 * sg) * xg[i];
-                }
-            }
-        }
-        Some(o) => {
-            for (((qg, xg), &sg), &og) in qc.iter().zip(xc).zip(s).zip(o) {
-                for i in 0..G {
-                    acc[i] += (qg[i] as f32 * sg + og) * xg[i];
-                }
-            }
-        }
-    }
-    tree_sum(acc)
-}
-
-/// As [`row_dot`] for symmetric groups of 16 (Q6_K), taken in pairs so the vector loop is as
-/// wide as the 32-groups'.
-#[inline(always)]
-fn row_dot_16x2(q: &[i8], s: &[f32], x: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 32];
-    let (qc, _) = q.as_chunks::<32>();
-    let (xc, _) = x.as_chunks::<32>();
-    let (sc, _) = s.as_chunks::<2>();
-    for ((qg, xg), sg) in qc.iter().zip(xc).zip(sc) {
-        for i in 0..16 {
-            acc[i] += (qg[i] as f32 * sg[0]) * xg[i];
-        }
-        for i in 16..32 {
-            acc[i] += (qg[i] as f32 * sg[1]) * xg[i];
-        }
-    }
-    tree_sum(acc)
-}
-
-/// Rebuilds one row's weights `w_j = q_j·s_g (+ o_g)` with exactly the arithmetic of
-/// [`row_dot`] / [`row_dot_16x2`], so dot products over `w` equal theirs bit for bit.
+/// Rebuilds one row's weights `w_j = q_j·s_g (+ o_g)`, exactly the f32 operations of
+/// [`crate::dequant`] (so the values equal the dense model's bit for bit).
 #[inline(always)]
 fn dequant_row(q: &[i8], s: &[f32], o: Option<&[f32]>, group: usize, w: &mut [f32]) {
     for (g, (qg, wg)) in q
@@ -202,58 +148,49 @@ fn dequant_row(q: &[i8], s: &[f32], o: Option<&[f32]>, group: usize, w: &mut [f3
     }
 }
 
-/// Two dot products sharing the weight loads; each accumulates in 32 lanes in the order of
-/// [`row_dot`] (lane `i` sums elements `i mod 32`), then [`tree_sum`].
-#[inline(always)]
-fn dot2(w: &[f32], x0: &[f32], x1: &[f32]) -> (f32, f32) {
-    let mut a0 = [0.0f32; 32];
-    let mut a1 = [0.0f32; 32];
-    let (wc, _) = w.as_chunks::<32>();
-    let (c0, _) = x0.as_chunks::<32>();
-    let (c1, _) = x1.as_chunks::<32>();
-    for ((wg, g0), g1) in wc.iter().zip(c0).zip(c1) {
-        for i in 0..32 {
-            a0[i] += wg[i] * g0[i];
-            a1[i] += wg[i] * g1[i];
-        }
-    }
-    (tree_sum(a0), tree_sum(a1))
-}
+/// Weight rows rebuilt together, then run against all input rows by [`kernel::tile`].
+const ROWS_PER_TILE: usize = 4;
 
-/// One task: rows `r0..`, output laid out `[row][t]`. One input row: the fused kernels. More:
-/// each weight row is rebuilt once into f32 and reused for every input row (same values, same
-/// summation order, so a row's result does not depend on `t`).
+/// Weight rows decoded together against one input row (weights rebuilt in registers).
+const FUSED_ROWS: usize = 4;
+
+/// One task: rows `r0..`, output laid out `[row][t]`. Groups of four weight rows are rebuilt
+/// into f32 and handed to the kernel with every input row; the kernel's canonical order makes
+/// a row's result independent of `t` and of the grouping.
 #[inline(always)]
 fn rows_kernel(m: &QuantMatrix, r0: usize, out: &mut [f32], x: &[f32], t: usize) {
-    let gpr = m.cols / m.group;
-    let mut w = if t > 1 {
-        vec![0.0f32; m.cols]
-    } else {
-        Vec::new()
-    };
-    for (i, o) in out.chunks_mut(t).enumerate() {
-        let r = r0 + i;
-        let q = &m.q[r * m.cols..(r + 1) * m.cols];
-        let s = &m.scale[r * gpr..(r + 1) * gpr];
-        let off = m.offset.as_ref().map(|v| &v[r * gpr..(r + 1) * gpr]);
-        if t == 1 {
-            o[0] = if m.group == 16 {
-                row_dot_16x2(q, s, x)
-            } else {
-                row_dot::<32>(q, s, off, x)
+    let cols = m.cols;
+    let gpr = cols / m.group;
+    let n = out.len() / t;
+    let mut w = vec![0.0f32; ROWS_PER_TILE * cols];
+    let mut i = 0;
+    while i < n {
+        let rn = (n - i).min(ROWS_PER_TILE);
+        if t == 1 && n - i >= FUSED_ROWS {
+            let r = r0 + i;
+            let rows = kernel::QRows {
+                q: &m.q[r * cols..(r + FUSED_ROWS) * cols],
+                s: &m.scale[r * gpr..(r + FUSED_ROWS) * gpr],
+                o: m.offset
+                    .as_ref()
+                    .map(|v| &v[r * gpr..(r + FUSED_ROWS) * gpr]),
+                group: m.group,
             };
-            continue;
+            if let Some(y) = kernel::rows_one_input::<FUSED_ROWS>(&rows, x, cols) {
+                out[i..i + FUSED_ROWS].copy_from_slice(&y);
+                i += FUSED_ROWS;
+                continue;
+            }
         }
-        dequant_row(q, s, off, m.group, &mut w);
-        let xs = |tt: usize| &x[tt * m.cols..(tt + 1) * m.cols];
-        let mut tt = 0;
-        while tt + 1 < t {
-            (o[tt], o[tt + 1]) = dot2(&w, xs(tt), xs(tt + 1));
-            tt += 2;
+        for k in 0..rn {
+            let r = r0 + i + k;
+            let q = &m.q[r * cols..(r + 1) * cols];
+            let s = &m.scale[r * gpr..(r + 1) * gpr];
+            let off = m.offset.as_ref().map(|v| &v[r * gpr..(r + 1) * gpr]);
+            dequant_row(q, s, off, m.group, &mut w[k * cols..(k + 1) * cols]);
         }
-        if tt < t {
-            o[tt] = dot2(&w, xs(tt), xs(tt)).0;
-        }
+        kernel::tile(&w, rn, x, t, cols, &mut out[i * t..(i + rn) * t]);
+        i += rn;
     }
 }
 
@@ -268,7 +205,7 @@ fn rows_dispatch(m: &QuantMatrix, r0: usize, out: &mut [f32], x: &[f32], t: usiz
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU supports AVX2 (checked just above), all `rows_kernel_avx2` needs
-        // beyond the baseline.
+        // beyond the baseline (it only widens the weight rebuild).
         unsafe { rows_kernel_avx2(m, r0, out, x, t) };
         return;
     }

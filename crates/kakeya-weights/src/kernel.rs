@@ -1,0 +1,281 @@
+//! The dot-product kernel behind [`crate::QuantMatrix::matmul`]: `R` weight rows (already
+//! rebuilt in f32) against `X` input rows at a time.
+//!
+//! Every output follows one canonical order, whatever the tile: lane `l` of eight accumulates
+//! `fma(w_k, x_k, acc_l)` over `k ≡ l (mod 8)` in ascending `k`, then the lanes are summed as
+//! `((0+4)+(2+6)) + ((1+5)+(3+7))`. Tiling only decides which outputs share loads, so a row's
+//! result is bit-identical whether it is decoded alone or verified in a block — the property
+//! lossless speculative decoding rests on. On x86-64 with AVX2+FMA the tiles are explicit
+//! 8-wide FMAs in registers (4 weight rows × 3 input rows, 12 accumulators); elsewhere a
+//! scalar loop with `f32::mul_add` computes the same bits.
+
+/// Accumulator lanes of the canonical order.
+const LANES: usize = 8;
+
+/// The canonical lane reduction.
+#[inline(always)]
+fn reduce(a: [f32; LANES]) -> f32 {
+    let b = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
+    (b[0] + b[2]) + (b[1] + b[3])
+}
+
+/// One dot product in the canonical order (the scalar path, and the tests' reference).
+pub(crate) fn dot(w: &[f32], x: &[f32]) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    for (k, (&a, &b)) in w.iter().zip(x).enumerate() {
+        acc[k % LANES] = a.mul_add(b, acc[k % LANES]);
+    }
+    reduce(acc)
+}
+
+/// `out[r · t + j] = dot(w_r, x_j)` for the `rows` weight rows in `w` (`[rows, cols]`) and the
+/// `t` input rows in `x` (`[t, cols]`).
+pub(crate) fn tile(w: &[f32], rows: usize, x: &[f32], t: usize, cols: usize, out: &mut [f32]) {
+    debug_assert!(w.len() >= rows * cols && x.len() >= t * cols && out.len() >= rows * t);
+    #[cfg(target_arch = "x86_64")]
+    if cols.is_multiple_of(LANES) && simd::available() {
+        simd::tile(w, rows, x, t, cols, out);
+        return;
+    }
+    for r in 0..rows {
+        for j in 0..t {
+            out[r * t + j] = dot(&w[r * cols..(r + 1) * cols], &x[j * cols..(j + 1) * cols]);
+        }
+    }
+}
+
+/// Quantised rows as the kernel reads them: int8 values, one scale (and offset) per group.
+pub(crate) struct QRows<'a> {
+    /// `[rows, cols]` values.
+    pub q: &'a [i8],
+    /// `[rows, cols / group]` scales.
+    pub s: &'a [f32],
+    /// `[rows, cols / group]` offsets of asymmetric formats.
+    pub o: Option<&'a [f32]>,
+    /// Values per group (16 or 32).
+    pub group: usize,
+}
+
+/// `out[r] = dot(w_r, x)` for `R` quantised rows and one input row, rebuilding each weight
+/// in a register (`q·s (+ o)`, the dequantiser's f32 operations) — the decode path. `None`
+/// when no SIMD path applies (the caller then rebuilds the rows and uses [`tile`]).
+pub(crate) fn rows_one_input<const R: usize>(
+    m: &QRows<'_>,
+    x: &[f32],
+    cols: usize,
+) -> Option<[f32; R]> {
+    #[cfg(target_arch = "x86_64")]
+    if cols.is_multiple_of(m.group) && m.group.is_multiple_of(LANES) && simd::available() {
+        return Some(simd::rows_one_input::<R>(m, x, cols));
+    }
+    let _ = (m, x, cols);
+    None
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+mod simd {
+    use std::arch::x86_64::{
+        __m256, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_setzero_ps, _mm256_storeu_ps,
+    };
+    use std::sync::OnceLock;
+
+    use super::{LANES, reduce};
+
+    pub(super) fn available() -> bool {
+        static OK: OnceLock<bool> = OnceLock::new();
+        *OK.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+    }
+
+    /// [`super::tile`] with AVX2+FMA; `cols` is a multiple of 8.
+    pub(super) fn tile(w: &[f32], rows: usize, x: &[f32], t: usize, cols: usize, out: &mut [f32]) {
+        assert!(
+            w.len() >= rows * cols && x.len() >= t * cols && out.len() >= rows * t,
+            "kernel::tile: slices too short"
+        );
+        // SAFETY: the CPU has AVX2 and FMA (`available`), and the slice lengths were checked
+        // above, which is all `tile_avx2` relies on.
+        unsafe { tile_avx2(w, rows, x, t, cols, out) }
+    }
+
+    /// [`super::four_rows_one_input`] with AVX2+FMA.
+    pub(super) fn rows_one_input<const R: usize>(
+        m: &super::QRows<'_>,
+        x: &[f32],
+        cols: usize,
+    ) -> [f32; R] {
+        let gpr = cols / m.group;
+        assert!(
+            m.q.len() >= R * cols
+                && m.s.len() >= R * gpr
+                && m.o.is_none_or(|o| o.len() >= R * gpr)
+                && x.len() >= cols,
+            "kernel::four_rows_one_input: slices too short"
+        );
+        // SAFETY: AVX2 and FMA are available (checked by the caller through `available`),
+        // and the lengths were checked above.
+        unsafe { fused_avx2::<R>(m, x, cols) }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn fused_avx2<const R: usize>(m: &super::QRows<'_>, x: &[f32], cols: usize) -> [f32; R] {
+        use std::arch::x86_64::{
+            _MM_HINT_T0, _mm_loadl_epi64, _mm_prefetch, _mm256_add_ps, _mm256_cvtepi8_epi32,
+            _mm256_cvtepi32_ps, _mm256_mul_ps, _mm256_set1_ps,
+        };
+        let gpr = cols / m.group;
+        let mut acc = [_mm256_setzero_ps(); R];
+        let (qp, xp) = (m.q.as_ptr(), x.as_ptr());
+        let mut sv = [_mm256_setzero_ps(); R];
+        let mut ov = [_mm256_setzero_ps(); R];
+        for g in 0..gpr {
+            for r in 0..R {
+                sv[r] = _mm256_set1_ps(m.s[r * gpr + g]);
+                if let Some(o) = m.o {
+                    ov[r] = _mm256_set1_ps(o[r * gpr + g]);
+                }
+            }
+            let mut k = g * m.group;
+            let end = k + m.group;
+            while k < end {
+                if k.is_multiple_of(64) {
+                    // Stream the next block of rows in while this one is summed: its rows lie
+                    // right after these (a prefetch never faults, the address need not exist).
+                    for r in 0..R {
+                        let p = qp.wrapping_add((R + r) * cols + k);
+                        _mm_prefetch::<_MM_HINT_T0>(p.cast());
+                    }
+                }
+                // SAFETY: `k + 8 <= cols`.
+                let xv = unsafe { _mm256_loadu_ps(xp.add(k)) };
+                for (r, a) in acc.iter_mut().enumerate() {
+                    // SAFETY: eight int8 values of row `r` at `k..k+8 <= cols`.
+                    let q8 = unsafe { _mm_loadl_epi64(qp.add(r * cols + k).cast()) };
+                    let qf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8));
+                    let mut wv = _mm256_mul_ps(qf, sv[r]);
+                    if m.o.is_some() {
+                        wv = _mm256_add_ps(wv, ov[r]);
+                    }
+                    *a = _mm256_fmadd_ps(wv, xv, *a);
+                }
+                k += LANES;
+            }
+        }
+        let mut res = [0.0f32; R];
+        for (r, a) in acc.iter().enumerate() {
+            let mut lanes = [0.0f32; LANES];
+            // SAFETY: `lanes` holds 8 floats.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *a) };
+            res[r] = reduce(lanes);
+        }
+        res
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn tile_avx2(w: &[f32], rows: usize, x: &[f32], t: usize, cols: usize, out: &mut [f32]) {
+        let mut r = 0;
+        while r < rows {
+            let rn = (rows - r).min(4);
+            let mut j = 0;
+            while j < t {
+                let xn = (t - j).min(3);
+                let wp = w[r * cols..].as_ptr();
+                let xp = x[j * cols..].as_ptr();
+                // SAFETY (all arms): rows `r..r+rn` of `w` and `j..j+xn` of `x` hold `cols`
+                // floats each (lengths checked by the caller).
+                let res: [[f32; 3]; 4] = unsafe {
+                    match (rn, xn) {
+                        (4, 3) => micro::<4, 3>(wp, xp, cols),
+                        (4, 2) => micro::<4, 2>(wp, xp, cols),
+                        (4, 1) => micro::<4, 1>(wp, xp, cols),
+                        (3, 3) => micro::<3, 3>(wp, xp, cols),
+                        (3, 2) => micro::<3, 2>(wp, xp, cols),
+                        (3, 1) => micro::<3, 1>(wp, xp, cols),
+                        (2, 3) => micro::<2, 3>(wp, xp, cols),
+                        (2, 2) => micro::<2, 2>(wp, xp, cols),
+                        (2, 1) => micro::<2, 1>(wp, xp, cols),
+                        (1, 3) => micro::<1, 3>(wp, xp, cols),
+                        (1, 2) => micro::<1, 2>(wp, xp, cols),
+                        _ => micro::<1, 1>(wp, xp, cols),
+                    }
+                };
+                for (i, row) in res.iter().enumerate().take(rn) {
+                    for (k, &v) in row.iter().enumerate().take(xn) {
+                        out[(r + i) * t + j + k] = v;
+                    }
+                }
+                j += xn;
+            }
+            r += rn;
+        }
+    }
+
+    /// `R × X` outputs; weight row `i` at `w + i·cols`, input row `k` at `x + k·cols`.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn micro<const R: usize, const X: usize>(
+        w: *const f32,
+        x: *const f32,
+        cols: usize,
+    ) -> [[f32; 3]; 4] {
+        let mut acc = [[_mm256_setzero_ps(); X]; R];
+        let mut k = 0;
+        while k < cols {
+            let mut xv: [__m256; X] = [_mm256_setzero_ps(); X];
+            for (i, v) in xv.iter_mut().enumerate() {
+                // SAFETY: `k + 8 <= cols`, inside input row `i`.
+                *v = unsafe { _mm256_loadu_ps(x.add(i * cols + k)) };
+            }
+            for (i, a) in acc.iter_mut().enumerate() {
+                // SAFETY: `k + 8 <= cols`, inside weight row `i`.
+                let wv = unsafe { _mm256_loadu_ps(w.add(i * cols + k)) };
+                for (ai, v) in a.iter_mut().zip(&xv) {
+                    *ai = _mm256_fmadd_ps(wv, *v, *ai);
+                }
+            }
+            k += LANES;
+        }
+        let mut res = [[0.0f32; 3]; 4];
+        for (i, a) in acc.iter().enumerate() {
+            for (j, v) in a.iter().enumerate() {
+                let mut lanes = [0.0f32; LANES];
+                // SAFETY: `lanes` holds 8 floats.
+                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *v) };
+                res[i][j] = reduce(lanes);
+            }
+        }
+        res
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_tile_shape_gives_the_canonical_bits() {
+        let cols = 72;
+        let w: Vec<f32> = (0..7 * cols)
+            .map(|i| ((i * 29) % 31) as f32 * 0.013 - 0.2)
+            .collect();
+        let x: Vec<f32> = (0..5 * cols)
+            .map(|i| ((i * 17) % 19) as f32 * 0.11 - 1.0)
+            .collect();
+        for rows in 1..=7 {
+            for t in 1..=5 {
+                let mut out = vec![0.0; rows * t];
+                tile(&w, rows, &x, t, cols, &mut out);
+                for r in 0..rows {
+                    for j in 0..t {
+                        let want = dot(&w[r * cols..(r + 1) * cols], &x[j * cols..(j + 1) * cols]);
+                        assert_eq!(
+                            out[r * t + j].to_bits(),
+                            want.to_bits(),
+                            "{rows}x{t} [{r},{j}]"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

@@ -51,6 +51,9 @@ pub struct TrainData {
     pub width: usize,
     /// Infinite aux values (f16 overflow) saturated to ±65504 (see [`load`]).
     pub saturated: usize,
+    /// Per aux channel, the RMS over the training positions that every aux value was divided
+    /// by (see [`load`]); the exported `fc` is multiplied back by `1 / scale` per column.
+    pub scales: Vec<f32>,
 }
 
 /// Largest finite f16.
@@ -114,6 +117,12 @@ pub fn check_dataset(
 /// Reads every finished sequence with the aux columns of `targets` (in that order) and splits
 /// off every `heldout_every`-th one.
 ///
+/// Training reads every aux channel divided by its RMS over the training positions: Gemma's
+/// channels differ by four orders of magnitude (a few reach ~3·10⁴ at every position), which
+/// would make `fc`'s first steps see one direction only and give Adam steps of wildly
+/// different size in output space. The division is folded into the exported `fc`
+/// (`fc[:, j] / scale_j`), so the drafter the runtime loads takes the raw states.
+///
 /// Gemma's residual stream has "massive activations" (e.g. one channel at the `<bos>` position
 /// beyond 65504 from the middle layers on), which an f16 capture stores as ±inf. Those values
 /// are saturated to ±65504 and counted ([`TrainData::saturated`]): the context row goes
@@ -169,6 +178,14 @@ pub fn load(ds: &Dataset, targets: &[usize], heldout_every: usize) -> Result<Tra
             train.push(s);
         }
     }
+    let scales = channel_scales(&train, width);
+    for seq in train.iter_mut().chain(heldout.iter_mut()) {
+        for row in seq.aux.chunks_mut(width.max(1)) {
+            for (v, s) in row.iter_mut().zip(&scales) {
+                *v /= s;
+            }
+        }
+    }
     if saturated > 0 {
         tracing::warn!(
             "{}: {saturated} infinite aux values (f16 overflow) saturated to ±{F16_MAX}",
@@ -180,7 +197,25 @@ pub fn load(ds: &Dataset, targets: &[usize], heldout_every: usize) -> Result<Tra
         heldout,
         width,
         saturated,
+        scales,
     })
+}
+
+/// RMS of every aux channel over the training positions (at least 1e-6).
+fn channel_scales(train: &[Sequence], width: usize) -> Vec<f32> {
+    let mut sum = vec![0f64; width];
+    let mut n = 0usize;
+    for s in train {
+        for row in s.aux.chunks_exact(width.max(1)) {
+            for (a, &v) in sum.iter_mut().zip(row) {
+                *a += f64::from(v) * f64::from(v);
+            }
+            n += 1;
+        }
+    }
+    sum.iter()
+        .map(|&a| ((a / n.max(1) as f64).sqrt() as f32).max(1e-6))
+        .collect()
 }
 
 fn ds_dir(ds: &Dataset) -> std::path::PathBuf {

@@ -187,12 +187,25 @@ impl DrafterParams {
             .collect()
     }
 
-    /// The drafter in z-lab's checkpoint form (norm weights plain, as Qwen3 stores them).
-    pub fn to_checkpoint(&self, d2t: Option<Vec<u32>>) -> DraftCheckpoint {
+    /// The drafter in z-lab's checkpoint form (norm weights plain, as Qwen3 stores them), for
+    /// raw aux states: `input_scales` (the per-channel divisors the training inputs had, see
+    /// [`crate::data::load`]) are folded into `fc`'s columns.
+    pub fn to_checkpoint(&self, d2t: Option<Vec<u32>>, input_scales: &[f32]) -> DraftCheckpoint {
         let tensors: BTreeMap<String, HostTensor> = self
             .to_host()
             .into_iter()
-            .map(|(n, shape, data)| (n, HostTensor { shape, data }))
+            .map(|(n, shape, mut data)| {
+                if n == "fc.weight" {
+                    let cols = shape[1];
+                    assert_eq!(input_scales.len(), cols, "one input scale per fc column");
+                    for row in data.chunks_mut(cols) {
+                        for (w, s) in row.iter_mut().zip(input_scales) {
+                            *w /= s;
+                        }
+                    }
+                }
+                (n, HostTensor { shape, data })
+            })
             .collect();
         DraftCheckpoint {
             source: "(trained)".into(),

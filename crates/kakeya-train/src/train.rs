@@ -123,6 +123,8 @@ pub struct Report {
     pub steps: Vec<StepRecord>,
     /// Exported drafter folder.
     pub export: PathBuf,
+    /// Per aux channel, the divisor the training inputs had (folded into the exported `fc`).
+    pub input_scales: Vec<f32>,
 }
 
 /// Everything prepared before the first step: checked inputs, data, vocabulary, shape.
@@ -343,7 +345,7 @@ pub fn train_drafter(
             return Err(TrainError::Interrupted(state.step));
         }
     }
-    let ck = params.to_checkpoint(d2t.clone());
+    let ck = params.to_checkpoint(d2t.clone(), &data.scales);
     replace_dir(&cfg.output.export, |dir| {
         ck.write_dir_as(dir, cfg.output.export_dtype)
             .map_err(TrainError::from)
@@ -375,6 +377,7 @@ pub fn train_drafter(
         evals: state.evals.clone(),
         steps: state.steps.clone(),
         export: cfg.output.export.clone(),
+        input_scales: data.scales.clone(),
     };
     let json = serde_json::to_string_pretty(&report).expect("report serialises");
     write_file_atomically(&cfg.output.dir.join("report.json"), json.as_bytes())?;

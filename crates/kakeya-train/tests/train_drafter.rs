@@ -193,18 +193,26 @@ fn training_forward_equals_the_runtime_drafter_block_by_block() {
     let batch = Batch::build(prep.data.width, 4, &picks);
     let weights: Vec<Tensor<2>> = params.tensors.iter().map(|(_, _, t)| t.clone()).collect();
     let got = host(params.forward(&weights, &frozen, &batch).0);
-    let drafter =
-        DFlashDrafter::from_checkpoint(params.to_checkpoint(Some(d2t.clone())), &v).unwrap();
+    // The runtime drafter takes raw aux states; training saw them divided per channel.
+    let scales = prep.data.scales.clone();
+    assert!(
+        scales.iter().any(|&s| (s - 1.0).abs() > 0.1),
+        "scales are not trivial"
+    );
+    let ck = params.to_checkpoint(Some(d2t.clone()), &scales);
+    let drafter = DFlashDrafter::from_checkpoint(ck, &v).unwrap();
     let vd = d2t.len();
     let mut block_index = 0;
     let mut worst = 0f32;
     for (s, anchors) in &picks {
         for &a in anchors {
             let width = prep.data.width;
-            let ctx = Tensor::<2>::from_data(
-                TensorData::new(s.aux[..a * width].to_vec(), [a, width]),
-                &Device::flex(),
-            );
+            let raw: Vec<f32> = s.aux[..a * width]
+                .iter()
+                .enumerate()
+                .map(|(i, v)| v * scales[i % width])
+                .collect();
+            let ctx = Tensor::<2>::from_data(TensorData::new(raw, [a, width]), &Device::flex());
             let block = [s.tokens[a], 4, 4, 4];
             let mut caches = KvCache::for_specs(&[CacheSpec::Full; 1], 0);
             let out = drafter
@@ -262,8 +270,9 @@ fn drafter_learns_the_verifiers_continuations_and_only_drafter_weights_move() {
     expected.sort();
     assert_eq!(exported, expected);
     let init = DrafterParams::init(ck.config.clone(), cfg.train.seed, &Device::flex());
-    for (name, _, t0) in init.tensors {
-        let before = host(t0);
+    let init = init.to_checkpoint(None, &report_scales(&s.0.join("run/report.json")));
+    for (name, t0) in init.tensors {
+        let before = t0.data;
         let after = &ck.tensors[&name].data;
         let moved = before
             .iter()
@@ -274,6 +283,18 @@ fn drafter_learns_the_verifiers_continuations_and_only_drafter_weights_move() {
     }
     // Greedy drafts through the runtime drafter agree with the held-out metric's direction.
     assert!(s.0.join("run/report.json").is_file() && s.0.join("run/curves.png").is_file());
+}
+
+/// The input scales a run folded into its exported `fc` (from its report).
+fn report_scales(path: &Path) -> Vec<f32> {
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    r["input_scales"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap() as f32)
+        .collect()
 }
 
 #[test]

@@ -34,7 +34,7 @@ enum Command {
     Capture(capture::CaptureArgs),
     /// Write a GGUF model out as a Hugging Face safetensors folder.
     Convert(convert::ConvertArgs),
-    /// Train a model component (the DFlash drafter).
+    /// Train a model component (the DFlash drafter, f_θ).
     Train(train::TrainArgs),
 }
 

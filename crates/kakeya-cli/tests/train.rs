@@ -175,6 +175,104 @@ fn trained_drafter_exports_and_decodes_losslessly_in_infer() {
     ]);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["stats"]["identical_to_ar"], true, "{v}");
+
+    // The pipeline goes on: capture with the trained drafter's K/V, then train f_θ.
+    let drafter = run.join("drafter");
+    let fds = s.0.join("fds");
+    let cap = s.0.join("capture-f.toml");
+    std::fs::write(
+        &cap,
+        format!(
+            r#"[model]
+verifier = "{}"
+drafter = "{}"
+[output]
+dir = "{}"
+dtype = "f16"
+sequences_per_shard = 4
+[generation]
+gen_len = 8
+max_prompt_tokens = 64
+chunk = 64
+[tensors]
+verifier = ["q_raw", "k_raw", "v_raw", "attn_out"]
+verifier_layers = "all"
+drafter_kv = true
+[[sources]]
+kind = "jsonl"
+path = "{}"
+"#,
+            m.display(),
+            drafter.display(),
+            fds.display(),
+            s.0.join("prompts.jsonl").display()
+        ),
+    )
+    .unwrap();
+    run_ok(&["capture", "--config", cap.to_str().unwrap()]);
+    let frun = s.0.join("frun");
+    let fcfg = f_theta_config(&s.0, &m, &drafter, &fds, &frun);
+    run_ok(&["train", "f-theta", "--config", fcfg.to_str().unwrap()]);
+    for f in [
+        "report.json",
+        "curves.png",
+        "state/state.json",
+        "export/config.json",
+        "export/f_theta.safetensors",
+    ] {
+        assert!(frun.join(f).is_file(), "{f} missing");
+    }
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(frun.join("report.json")).unwrap()).unwrap();
+    assert_eq!(report["steps_done"], 12);
+    for t in ["sliding", "global"] {
+        let d = &report["final_diagnostics"][t];
+        for k in [
+            "mse_o_ratio",
+            "kdir",
+            "vdir",
+            "kmag",
+            "vmag",
+            "k_rel_mse",
+            "v_rel_mse",
+        ] {
+            assert!(d[k].as_f64().unwrap().is_finite(), "{t} {k}: {d}");
+        }
+    }
+}
+
+fn f_theta_config(dir: &Path, verifier: &Path, drafter: &Path, ds: &Path, run: &Path) -> PathBuf {
+    let p = dir.join("f-theta.toml");
+    std::fs::write(
+        &p,
+        format!(
+            r#"[data]
+dataset = "{}"
+heldout_every = 4
+[model]
+verifier = "{}"
+drafter = "{}"
+rank = 16
+[train]
+steps = 12
+lr = 3e-3
+warmup_steps = 2
+[output]
+dir = "{}"
+export = "{}"
+checkpoint_every = 5
+eval_every = 6
+eval_queries = 8
+"#,
+            ds.display(),
+            verifier.display(),
+            drafter.display(),
+            run.display(),
+            run.join("export").display()
+        ),
+    )
+    .unwrap();
+    p
 }
 
 #[test]
@@ -197,4 +295,13 @@ fn missing_aux_columns_or_another_verifier_fail_before_training() {
     let e = fails(&["train", "drafter", "--config", bad.to_str().unwrap()]);
     assert!(e.contains("bad.toml"), "{e}");
     assert!(!s.0.join("run").exists(), "nothing may be written");
+    // f_θ needs the drafter's K/V and the verifier's per-layer tensors: this capture has
+    // neither.
+    let fcfg = f_theta_config(&s.0, &m, &m, &ds, &s.0.join("frun"));
+    let e = fails(&["train", "f-theta", "--config", fcfg.to_str().unwrap()]);
+    assert!(
+        e.contains(&ds.display().to_string()) && e.contains("no drafter K/V"),
+        "{e}"
+    );
+    assert!(!s.0.join("frun").exists(), "nothing may be written");
 }

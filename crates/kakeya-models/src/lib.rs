@@ -5,6 +5,7 @@
 pub mod cache;
 pub mod dflash;
 pub mod error;
+pub mod ftheta;
 pub mod gemma3;
 pub mod linear;
 pub mod norm;
@@ -15,4 +16,5 @@ pub mod testing;
 pub use cache::{CacheSpec, CachedKv, LayerCache};
 pub use dflash::{DFlashDrafter, DraftOutput, DraftRequest};
 pub use error::{ModelError, Result};
+pub use ftheta::FTheta;
 pub use gemma3::{ExternalKv, ForwardOutput, ForwardRequest, Gemma3Model, Logits};

@@ -30,6 +30,20 @@ pub enum TrainError {
     /// A model rejected its input.
     #[error(transparent)]
     Model(#[from] kakeya_models::ModelError),
+    /// The loss became NaN or infinite; nothing after the last checkpoint was saved.
+    #[error(
+        "the loss is {value} at step {step}: training stopped; the last good checkpoint ({kept}) is kept in {dir}"
+    )]
+    NonFinite {
+        /// 1-based step whose loss was not finite.
+        step: usize,
+        /// The loss value.
+        value: f64,
+        /// Which checkpoint is kept.
+        kept: String,
+        /// The state folder.
+        dir: PathBuf,
+    },
     /// Training was interrupted (the state of the last checkpoint is kept).
     #[error("interrupted at step {0}")]
     Interrupted(usize),

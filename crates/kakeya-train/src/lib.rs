@@ -1,12 +1,15 @@
-//! Kakeya's trainers on Burn autodiff. Now: the DFlash drafter (`kakeya train drafter`) —
-//! see [`train::train_drafter`] and `docs/train-drafter.md`.
+//! Kakeya's trainers on Burn autodiff: the DFlash drafter (`kakeya train drafter`, see
+//! [`train::train_drafter`] and `docs/train-drafter.md`) and f_θ (`kakeya train f-theta`, see
+//! [`ftheta::train::train_f_theta`] and `docs/train-f-theta.md`).
 
 pub mod config;
 pub mod data;
 pub mod drafter;
 pub mod error;
+pub mod ftheta;
 pub mod optim;
 pub mod plot;
+pub mod state;
 pub mod train;
 
 pub use config::DrafterTrainConfig;

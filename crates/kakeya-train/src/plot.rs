@@ -1,5 +1,5 @@
-//! `curves.png`: training loss per step (left) and held-out simulated acceptance length per
-//! evaluation (right), drawn with a small built-in bitmap font so that no font file is needed.
+//! `curves.png`: training loss per step (left) and a held-out metric per evaluation (right:
+//! the drafter's simulated acceptance length, f_θ's attention-output error), drawn with a small built-in bitmap font so that no font file is needed.
 
 use crate::train::{EvalRecord, StepRecord};
 
@@ -29,10 +29,13 @@ fn glyph(c: char) -> [u8; 5] {
         'C' => [7, 4, 4, 4, 7],
         'D' => [6, 5, 5, 5, 6],
         'E' => [7, 4, 6, 4, 7],
+        'F' => [7, 4, 6, 4, 4],
         'G' => [7, 4, 5, 5, 7],
         'H' => [5, 5, 7, 5, 5],
         'I' => [7, 2, 2, 2, 7],
+        'K' => [5, 5, 6, 5, 5],
         'L' => [4, 4, 4, 4, 7],
+        'M' => [5, 7, 7, 5, 5],
         'N' => [6, 5, 5, 5, 5],
         'O' => [7, 5, 5, 5, 7],
         'P' => [7, 5, 7, 4, 4],
@@ -41,6 +44,10 @@ fn glyph(c: char) -> [u8; 5] {
         'T' => [7, 2, 2, 2, 2],
         'U' => [5, 5, 5, 5, 7],
         'V' => [5, 5, 5, 5, 2],
+        'W' => [5, 5, 7, 7, 5],
+        'X' => [5, 5, 2, 5, 5],
+        'Y' => [5, 5, 2, 2, 2],
+        '/' => [1, 1, 2, 4, 4],
         _ => [7, 7, 7, 7, 7],
     }
 }
@@ -145,28 +152,24 @@ impl Canvas {
     }
 }
 
-/// A PNG of the loss (smoothed over a window of 1/50 of the steps) and acceptance curves.
-pub fn curves(steps: &[StepRecord], evals: &[EvalRecord], block: usize) -> Vec<u8> {
-    let mut c = Canvas::new();
+/// The training loss per step, smoothed over a window of 1/50 of the steps.
+pub fn smoothed_loss(steps: &[StepRecord]) -> Vec<(f64, f64)> {
     let win = (steps.len() / 50).max(1);
-    let loss: Vec<(f64, f64)> = steps
+    steps
         .windows(win)
         .map(|w| {
             let mean = w.iter().map(|s| s.loss).sum::<f64>() / w.len() as f64;
             (w[w.len() - 1].step as f64, mean)
         })
-        .collect();
-    c.panel(0, "TRAIN LOSS", &loss, [200, 40, 40]);
-    let acc: Vec<(f64, f64)> = evals
-        .iter()
-        .map(|e| (e.step as f64, e.acceptance_length))
-        .collect();
-    c.panel(
-        PANEL_W,
-        &format!("HELD-OUT ACCEPTANCE B{block}"),
-        &acc,
-        [30, 90, 200],
-    );
+        .collect()
+}
+
+/// A PNG of two panels side by side: `(title, points)` each, red on the left, blue on the
+/// right.
+pub fn two_panels(left: (&str, &[(f64, f64)]), right: (&str, &[(f64, f64)])) -> Vec<u8> {
+    let mut c = Canvas::new();
+    c.panel(0, left.0, left.1, [200, 40, 40]);
+    c.panel(PANEL_W, right.0, right.1, [30, 90, 200]);
     let mut out = Vec::new();
     {
         let mut enc = png::Encoder::new(&mut out, W as u32, H as u32);
@@ -176,6 +179,18 @@ pub fn curves(steps: &[StepRecord], evals: &[EvalRecord], block: usize) -> Vec<u
         w.write_image_data(&c.px).expect("png data to memory");
     }
     out
+}
+
+/// A PNG of the drafter's loss and held-out acceptance curves.
+pub fn curves(steps: &[StepRecord], evals: &[EvalRecord], block: usize) -> Vec<u8> {
+    let acc: Vec<(f64, f64)> = evals
+        .iter()
+        .map(|e| (e.step as f64, e.acceptance_length))
+        .collect();
+    two_panels(
+        ("TRAIN LOSS", &smoothed_loss(steps)),
+        (&format!("HELD-OUT ACCEPTANCE B{block}"), &acc),
+    )
 }
 
 #[cfg(test)]

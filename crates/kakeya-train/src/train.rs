@@ -6,16 +6,12 @@
 //! is saved in f32 — so a run interrupted after any checkpoint and resumed reaches the same
 //! weights as an uninterrupted one.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use burn::tensor::{Device, Tensor};
 use kakeya_capture::Dataset;
 use kakeya_models::Gemma3Model;
-use kakeya_weights::checkpoint::{
-    read_safetensors_as, write_dir_atomically, write_safetensors_f32,
-};
 use kakeya_weights::dflash::default_target_layers;
 use kakeya_weights::{DFlashConfig, HostTensor};
 use rand::rngs::StdRng;
@@ -346,7 +342,7 @@ pub fn train_drafter(
         }
     }
     let ck = params.to_checkpoint(d2t.clone(), &data.scales);
-    replace_dir(&cfg.output.export, |dir| {
+    crate::state::replace_dir(&cfg.output.export, |dir| {
         ck.write_dir_as(dir, cfg.output.export_dtype)
             .map_err(TrainError::from)
     })?;
@@ -380,9 +376,9 @@ pub fn train_drafter(
         input_scales: data.scales.clone(),
     };
     let json = serde_json::to_string_pretty(&report).expect("report serialises");
-    write_file_atomically(&cfg.output.dir.join("report.json"), json.as_bytes())?;
+    crate::state::write_file_atomically(&cfg.output.dir.join("report.json"), json.as_bytes())?;
     let png = plot::curves(&state.steps, &state.evals, config.block_size);
-    write_file_atomically(&cfg.output.dir.join("curves.png"), &png)?;
+    crate::state::write_file_atomically(&cfg.output.dir.join("curves.png"), &png)?;
     Ok(report)
 }
 
@@ -493,36 +489,21 @@ fn zero_moments(params: &DrafterParams) -> Vec<Moments> {
         .collect()
 }
 
-const WEIGHTS_FILE: &str = "weights.safetensors";
-const STATE_FILE: &str = "state.json";
-
-/// Writes `dir/state` (weights, moments, step, history) as a whole: a new folder is built
-/// beside it and swapped in.
+/// Writes `dir/state` (weights, moments, step, history) as a whole.
 fn save_state(
     dir: &Path,
     params: &DrafterParams,
     moments: &[Moments],
     state: &State,
 ) -> Result<()> {
-    let mut tensors = BTreeMap::new();
-    for ((name, _, p), mom) in params.tensors.iter().zip(moments) {
-        for (kind, t) in [("param", p), ("m", &mom.m), ("v", &mom.v)] {
-            let [r, c] = t.dims();
-            tensors.insert(
-                format!("{kind}/{name}"),
-                HostTensor {
-                    shape: vec![r, c],
-                    data: drafter::host(t.clone()),
-                },
-            );
-        }
-    }
+    let entries: Vec<(&str, &Tensor<2>, &Moments)> = params
+        .tensors
+        .iter()
+        .zip(moments)
+        .map(|((name, _, p), m)| (name.as_str(), p, m))
+        .collect();
     let json = serde_json::to_string_pretty(state).expect("state serialises");
-    replace_dir(&dir.join("state"), |tmp| {
-        write_safetensors_f32(&tmp.join(WEIGHTS_FILE), &tensors)?;
-        let p = tmp.join(STATE_FILE);
-        std::fs::write(&p, &json).map_err(|e| TrainError::io(&p, e))
-    })
+    crate::state::save(dir, &entries, &json)
 }
 
 fn load_state(
@@ -531,8 +512,7 @@ fn load_state(
     fingerprint: &str,
     device: &Device,
 ) -> Result<(DrafterParams, Vec<Moments>, State)> {
-    let sp = dir.join(STATE_FILE);
-    let text = std::fs::read_to_string(&sp).map_err(|e| TrainError::io(&sp, e))?;
+    let (mut read, text, sp, wp) = crate::state::load(dir)?;
     let state: State = serde_json::from_str(&text)
         .map_err(|e| TrainError::invalid(&sp, format!("unreadable training state: {e}")))?;
     if state.fingerprint != fingerprint {
@@ -541,9 +521,6 @@ fn load_state(
             "this state was trained with another config or dataset; resume with the same ones",
         ));
     }
-    let wp = dir.join(WEIGHTS_FILE);
-    let mut read = BTreeMap::new();
-    read_safetensors_as(&wp, &|n| Some(n.to_string()), &mut read)?;
     let mut take = |key: String| -> Result<HostTensor> {
         read.remove(&key)
             .ok_or_else(|| TrainError::invalid(&wp, format!("missing tensor {key}")))
@@ -575,47 +552,4 @@ fn load_state(
         moments,
         state,
     ))
-}
-
-/// Builds `out` anew with `fill` in a temporary sibling, then swaps it in (the previous
-/// content is kept as `<out>.old` until the swap is done).
-fn replace_dir(out: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
-    let name = out
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "out".into());
-    let new = out.with_file_name(format!("{name}.new"));
-    let old = out.with_file_name(format!("{name}.old"));
-    if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
-        std::fs::create_dir_all(parent).map_err(|e| TrainError::io(parent, e))?;
-    }
-    if new.exists() {
-        std::fs::remove_dir_all(&new).map_err(|e| TrainError::io(&new, e))?;
-    }
-    let mut err = None;
-    write_dir_atomically(&new, |dir| {
-        fill(dir).map_err(|e| {
-            let msg = e.to_string();
-            err = Some(e);
-            kakeya_weights::WeightsError::format(dir, msg)
-        })
-    })
-    .map_err(|e| err.take().unwrap_or(TrainError::Weights(e)))?;
-    if out.exists() {
-        if old.exists() {
-            std::fs::remove_dir_all(&old).map_err(|e| TrainError::io(&old, e))?;
-        }
-        std::fs::rename(out, &old).map_err(|e| TrainError::io(out, e))?;
-    }
-    std::fs::rename(&new, out).map_err(|e| TrainError::io(out, e))?;
-    if old.exists() {
-        std::fs::remove_dir_all(&old).map_err(|e| TrainError::io(&old, e))?;
-    }
-    Ok(())
-}
-
-fn write_file_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
-    std::fs::write(&tmp, bytes).map_err(|e| TrainError::io(&tmp, e))?;
-    std::fs::rename(&tmp, path).map_err(|e| TrainError::io(path, e))
 }

@@ -1,5 +1,5 @@
 //! Checkpoint I/O for Kakeya: GGUF (with dequantisation), Hugging Face safetensors folders,
-//! the Gemma 3 config, DFlash drafter folders, and tokenizer loading. Formats and checkpoint names are handled here,
+//! the Gemma 3 config, DFlash drafter and f_θ folders, and tokenizer loading. Formats and checkpoint names are handled here,
 //! at the edge; `kakeya-models` sees one canonical checkpoint.
 
 pub mod checkpoint;
@@ -7,6 +7,7 @@ pub mod config;
 pub mod dequant;
 pub mod dflash;
 pub mod error;
+pub mod ftheta;
 pub mod gguf;
 mod kernel;
 pub mod quant;
@@ -16,6 +17,7 @@ pub use checkpoint::{Checkpoint, HostTensor};
 pub use config::{AttentionKind, Gemma3Config};
 pub use dflash::{DFlashConfig, DraftCheckpoint, StoreDtype};
 pub use error::{Result, WeightsError};
+pub use ftheta::{FThetaCheckpoint, FThetaConfig};
 pub use gguf::GgufFile;
 pub use quant::QuantMatrix;
 pub use tokenizer::Tokenizer;

@@ -1,0 +1,132 @@
+//! f_θ (DESIGN §7): from the drafter's per-position context K and V to the verifier's raw
+//! k_proj / v_proj outputs, one linear path each: a shared encoder, then one decoder per
+//! verifier layer. The same struct runs in the runtime (plain tensors) and in training (tensors
+//! that track gradients, built by the trainer from its parameters).
+
+use burn::tensor::{Device, Tensor, TensorData};
+use kakeya_weights::{FThetaCheckpoint, FThetaConfig};
+
+use crate::error::{ModelError, Result};
+
+/// `x · Wᵀ + b`.
+#[derive(Debug, Clone)]
+pub struct Affine {
+    /// `[out, in]`.
+    pub weight: Tensor<2>,
+    /// `[1, out]`, broadcast over rows.
+    pub bias: Option<Tensor<2>>,
+}
+
+impl Affine {
+    /// # Shapes
+    /// - `x`: `[n, in]` → `[n, out]`
+    pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        let y = x.matmul(self.weight.clone().transpose());
+        match &self.bias {
+            Some(b) => y + b.clone(),
+            None => y,
+        }
+    }
+}
+
+/// One path (K or V): shared encoder, per-layer decoders.
+#[derive(Debug, Clone)]
+pub struct FThetaPath {
+    /// `in → rank`.
+    pub enc: Affine,
+    /// Per verifier layer, `rank → verifier_kv_dim`.
+    pub dec: Vec<Affine>,
+}
+
+impl FThetaPath {
+    /// The shared code of every position.
+    ///
+    /// # Shapes
+    /// - `x`: `[n, drafter_layers · drafter_kv_dim]` → `[n, rank]`
+    pub fn encode(&self, x: Tensor<2>) -> Tensor<2> {
+        self.enc.forward(x)
+    }
+
+    /// Verifier layer `layer`'s raw vectors from codes.
+    ///
+    /// # Shapes
+    /// - `z`: `[n, rank]` → `[n, verifier_kv_dim]`
+    pub fn decode(&self, z: Tensor<2>, layer: usize) -> Tensor<2> {
+        self.dec[layer].forward(z)
+    }
+}
+
+/// f_θ: K path and V path.
+#[derive(Debug, Clone)]
+pub struct FTheta {
+    /// Shape and owners.
+    pub config: FThetaConfig,
+    /// Drafter K → verifier raw K.
+    pub k: FThetaPath,
+    /// Drafter V → verifier raw V.
+    pub v: FThetaPath,
+}
+
+impl FTheta {
+    /// Builds f_θ from tensors named as in [`FThetaConfig::expected_tensors`] (2-D weights,
+    /// biases `[1, out]`); `get` hands each name's tensor out.
+    pub fn from_named(
+        config: FThetaConfig,
+        get: &mut dyn FnMut(&str) -> Option<Tensor<2>>,
+    ) -> Result<Self> {
+        let mut take = |n: String| {
+            get(&n).ok_or_else(|| ModelError::Input(format!("f_θ tensor {n} is missing")))
+        };
+        let mut path = |p: &str| -> Result<FThetaPath> {
+            let mut affine = |stem: String| -> Result<Affine> {
+                Ok(Affine {
+                    weight: take(format!("{stem}.weight"))?,
+                    bias: if config.bias {
+                        Some(take(format!("{stem}.bias"))?)
+                    } else {
+                        None
+                    },
+                })
+            };
+            let enc = affine(format!("{p}_enc"))?;
+            let dec = (0..config.verifier_layers)
+                .map(|l| affine(format!("{p}_dec.{l}")))
+                .collect::<Result<Vec<_>>>()?;
+            Ok(FThetaPath { enc, dec })
+        };
+        let k = path("k")?;
+        let v = path("v")?;
+        Ok(Self { config, k, v })
+    }
+
+    /// Puts a checkpoint on `device`.
+    pub fn from_checkpoint(ck: &FThetaCheckpoint, device: &Device) -> Result<Self> {
+        Self::from_named(ck.config.clone(), &mut |n| {
+            ck.tensors.get(n).map(|t| {
+                let dims = match t.shape[..] {
+                    [r, c] => [r, c],
+                    [c] => [1, c],
+                    _ => [1, t.data.len()],
+                };
+                Tensor::from_data(TensorData::new(t.data.clone(), dims), device)
+            })
+        })
+    }
+
+    /// Verifier layer `layer`'s raw K and V at the positions whose drafter K/V are given.
+    ///
+    /// # Shapes
+    /// - `drafter_k`, `drafter_v`: `[n, drafter_layers · drafter_kv_dim]`
+    /// - returns `([n, verifier_kv_dim], [n, verifier_kv_dim])`
+    pub fn forward(
+        &self,
+        drafter_k: Tensor<2>,
+        drafter_v: Tensor<2>,
+        layer: usize,
+    ) -> (Tensor<2>, Tensor<2>) {
+        (
+            self.k.decode(self.k.encode(drafter_k), layer),
+            self.v.decode(self.v.encode(drafter_v), layer),
+        )
+    }
+}

@@ -1,0 +1,153 @@
+//! f_θ's trainable tensors: initialisation, warm start, the model view used by the loss, and
+//! export.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use burn::tensor::{Device, Tensor, TensorData};
+use kakeya_models::FTheta;
+use kakeya_weights::{FThetaCheckpoint, FThetaConfig, HostTensor};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::error::{Result, TrainError};
+
+/// f_θ's tensors in [`FThetaConfig::expected_tensors`] order, stored 2-D (biases `[1, n]`).
+#[derive(Debug, Clone)]
+pub struct FThetaParams {
+    /// Shape and owners.
+    pub config: FThetaConfig,
+    /// `(name, PyTorch shape, value)`.
+    pub tensors: Vec<(String, Vec<usize>, Tensor<2>)>,
+}
+
+fn dims2(shape: &[usize]) -> [usize; 2] {
+    match shape {
+        [r, c] => [*r, *c],
+        [c] => [1, *c],
+        _ => [1, shape.iter().product()],
+    }
+}
+
+impl FThetaParams {
+    /// PyTorch `nn.Linear`'s default: weights and biases uniform in `±1/√in`.
+    pub fn init(config: FThetaConfig, seed: u64, device: &Device) -> Self {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let tensors = config
+            .expected_tensors()
+            .into_iter()
+            .map(|(name, shape)| {
+                let fan_in = if name.starts_with("k_enc") || name.starts_with("v_enc") {
+                    config.in_dim()
+                } else {
+                    config.rank
+                };
+                let bound = 1.0 / (fan_in as f32).sqrt();
+                let n: usize = shape.iter().product();
+                let data: Vec<f32> = (0..n).map(|_| rng.random_range(-bound..bound)).collect();
+                let t = Tensor::from_data(TensorData::new(data, dims2(&shape)), device);
+                (name, shape, t)
+            })
+            .collect();
+        Self { config, tensors }
+    }
+
+    /// Warm start from an exported f_θ folder of the same shape (owners are taken from
+    /// `config`, the new run's).
+    pub fn from_dir(config: FThetaConfig, dir: &Path, device: &Device) -> Result<Self> {
+        let ck = FThetaCheckpoint::read_dir(dir)?;
+        let c = &ck.config;
+        if c.rank != config.rank
+            || c.in_dim() != config.in_dim()
+            || c.verifier_layers != config.verifier_layers
+            || c.verifier_kv_dim != config.verifier_kv_dim
+            || c.bias != config.bias
+        {
+            return Err(TrainError::invalid(
+                &dir.join("config.json"),
+                format!(
+                    "init_from has rank {}, input {}, {} layers × {}, bias {}; this run needs rank {}, input {}, {} layers × {}, bias {}",
+                    c.rank,
+                    c.in_dim(),
+                    c.verifier_layers,
+                    c.verifier_kv_dim,
+                    c.bias,
+                    config.rank,
+                    config.in_dim(),
+                    config.verifier_layers,
+                    config.verifier_kv_dim,
+                    config.bias
+                ),
+            ));
+        }
+        let mut host = ck.tensors;
+        Self::from_host(config, &mut host, device).map_err(|m| TrainError::invalid(dir, m))
+    }
+
+    /// Builds from host tensors by name (taken out of `host`).
+    pub fn from_host(
+        config: FThetaConfig,
+        host: &mut BTreeMap<String, HostTensor>,
+        device: &Device,
+    ) -> std::result::Result<Self, String> {
+        let mut tensors = Vec::new();
+        for (name, shape) in config.expected_tensors() {
+            let t = host
+                .remove(&name)
+                .ok_or_else(|| format!("missing tensor {name}"))?;
+            if t.data.len() != shape.iter().product::<usize>() {
+                return Err(format!("tensor {name} has the wrong size"));
+            }
+            let v = Tensor::from_data(TensorData::new(t.data, dims2(&shape)), device);
+            tensors.push((name, shape, v));
+        }
+        Ok(Self { config, tensors })
+    }
+
+    /// Number of scalars.
+    pub fn count(&self) -> usize {
+        self.tensors
+            .iter()
+            .map(|(_, s, _)| s.iter().product::<usize>())
+            .sum()
+    }
+
+    /// The model over `weights` (these tensors, or gradient-tracking leaves in the same order).
+    pub fn model(&self, weights: &[Tensor<2>]) -> FTheta {
+        let mut by_name: BTreeMap<&str, Tensor<2>> = self
+            .tensors
+            .iter()
+            .zip(weights)
+            .map(|((n, _, _), w)| (n.as_str(), w.clone()))
+            .collect();
+        FTheta::from_named(self.config.clone(), &mut |n| by_name.remove(n))
+            .expect("every expected tensor is present")
+    }
+
+    /// The current values as a checkpoint.
+    pub fn to_checkpoint(&self) -> FThetaCheckpoint {
+        let tensors = self
+            .tensors
+            .iter()
+            .map(|(n, shape, t)| {
+                let data = t
+                    .clone()
+                    .into_data()
+                    .convert::<f32>()
+                    .try_into_vec::<f32>()
+                    .expect("f32 data");
+                (
+                    n.clone(),
+                    HostTensor {
+                        shape: shape.clone(),
+                        data,
+                    },
+                )
+            })
+            .collect();
+        FThetaCheckpoint {
+            config: self.config.clone(),
+            tensors,
+        }
+    }
+}

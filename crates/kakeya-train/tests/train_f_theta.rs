@@ -1,0 +1,335 @@
+//! f_θ training on a tiny random verifier and drafter: training lowers the held-out
+//! attention-output error, the export loads and refuses another model pair, resuming is
+//! bit-for-bit, a NaN loss stops training with its step and keeps the last good checkpoint,
+//! and datasets without the needed columns are refused before training.
+
+use std::path::{Path, PathBuf};
+
+use burn::tensor::Device;
+use kakeya_capture::schema::ModelInfo;
+use kakeya_capture::{CaptureConfig, Models, RunOptions};
+use kakeya_models::testing::{
+    drafter_config, random_checkpoint, random_drafter, tiny_config, word_level_tokenizer_json,
+};
+use kakeya_models::{DFlashDrafter, Gemma3Model};
+use kakeya_train::ftheta::{FThetaTrainConfig, prepare, train_f_theta};
+use kakeya_train::{TrainError, TrainOptions};
+use kakeya_weights::{FThetaCheckpoint, Tokenizer};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+const VSHA: &str = "7e57ed7e57ed7e57ed7e57ed7e57ed7e57ed7e57ed7e57ed7e57ed7e57ed7e57";
+const DSHA: &str = "d4af7e4d4af7e4d4af7e4d4af7e4d4af7e4d4af7e4d4af7e4d4af7e4d4af7e4d";
+
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Self {
+        let p = std::env::temp_dir().join(format!("kakeya-ftheta-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).unwrap();
+        Self(p)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn verifier() -> Gemma3Model {
+    // Window 8: the sliding layers' masks cut into these 20–40-position sequences.
+    Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(8), 11), &Device::flex()).unwrap()
+}
+
+/// Captures `n` random-word prompts (10–30 words) + 8 greedy tokens with `tensors` kept for
+/// every verifier layer and, with `drafter`, a random 2-layer drafter's context K/V.
+fn capture(dir: &Path, v: &Gemma3Model, n: usize, tensors: &str, drafter: bool) -> PathBuf {
+    std::fs::write(dir.join("tokenizer.json"), word_level_tokenizer_json(97)).unwrap();
+    let tok = Tokenizer::load(&dir.join("tokenizer.json"), 97).unwrap();
+    let mut rng = StdRng::seed_from_u64(5);
+    let mut lines = String::new();
+    for _ in 0..n {
+        let len = rng.random_range(10..30);
+        let words: Vec<String> = (0..len)
+            .map(|_| format!("w{}", rng.random_range(5..97)))
+            .collect();
+        lines.push_str(&format!("{{\"text\": \"{}\"}}\n", words.join(" ")));
+    }
+    let prompts = dir.join("prompts.jsonl");
+    std::fs::write(&prompts, lines).unwrap();
+    let out = dir.join(format!("ds-{}-{drafter}", tensors.len()));
+    let cfg: CaptureConfig = toml::from_str(&format!(
+        r#"
+[model]
+verifier = "tiny"
+{}
+[output]
+dir = "{}"
+dtype = "f32"
+sequences_per_shard = 8
+[generation]
+gen_len = 8
+max_prompt_tokens = 64
+chunk = 64
+[tensors]
+verifier = [{tensors}]
+verifier_layers = "all"
+drafter_kv = {drafter}
+[[sources]]
+kind = "jsonl"
+path = "{}"
+"#,
+        if drafter {
+            "drafter = \"tiny-drafter\""
+        } else {
+            ""
+        },
+        out.display(),
+        prompts.display()
+    ))
+    .unwrap();
+    let d = DFlashDrafter::from_checkpoint(random_drafter(&drafter_config(&v.config, 2, 4), 2), v)
+        .unwrap();
+    let info = |s: &str| ModelInfo {
+        path: "tiny".into(),
+        sha256: s.into(),
+    };
+    let models = Models {
+        verifier: v,
+        tokenizer: &tok,
+        drafter: drafter.then_some(&d),
+        verifier_info: info(VSHA),
+        tokenizer_info: info(VSHA),
+        drafter_info: drafter.then(|| info(DSHA)),
+    };
+    kakeya_capture::run(
+        &cfg,
+        Path::new("capture.toml"),
+        &models,
+        RunOptions {
+            shard: (0, 1),
+            resume: false,
+        },
+        &mut |_| {},
+    )
+    .unwrap();
+    out
+}
+
+const ALL: &str = r#""q_raw", "k_raw", "v_raw", "attn_out""#;
+
+fn config(dataset: &Path, run: &Path, steps: usize, extra: &str) -> FThetaTrainConfig {
+    FThetaTrainConfig::parse(
+        Path::new("f-theta.toml"),
+        &format!(
+            r#"
+[data]
+dataset = "{}"
+heldout_every = 5
+[model]
+verifier = "tiny"
+drafter = "tiny-drafter"
+rank = 32
+[loss]
+kind = "attn_distill_hybrid"
+queries_per_sequence = 16
+normalize_attention = true
+[train]
+steps = {steps}
+sequences_per_step = 2
+lr = 1e-2
+warmup_steps = 5
+seed = 3
+{extra}
+[output]
+dir = "{}"
+export = "{}"
+checkpoint_every = 5
+eval_every = 20
+eval_queries = 16
+"#,
+            dataset.display(),
+            run.display(),
+            run.join("export").display()
+        ),
+    )
+    .unwrap()
+}
+
+fn opts() -> TrainOptions {
+    TrainOptions {
+        resume: false,
+        device: Device::flex(),
+        stop_after: None,
+    }
+}
+
+#[test]
+fn training_lowers_the_heldout_attention_error_and_exports_for_its_model_pair() {
+    let s = Scratch::new("learn");
+    let v = verifier();
+    let ds = capture(&s.0, &v, 25, ALL, true);
+    let run = s.0.join("run");
+    let cfg = config(&ds, &run, 120, "");
+    let setup = prepare(&cfg, &v, VSHA, DSHA).unwrap();
+    assert_eq!((setup.info.train.len(), setup.info.heldout.len()), (20, 5));
+    let report = train_f_theta(&cfg, &v, setup, &opts(), &mut |_| {}).unwrap();
+    let first = &report.evals[0];
+    let last = report.evals.last().unwrap();
+    let ratio = |e: &kakeya_train::ftheta::train::FEval| {
+        e.per_layer.iter().map(|d| d.mse_o_ratio).sum::<f64>() / e.per_layer.len() as f64
+    };
+    eprintln!(
+        "held-out mseO ratio {:.4} → {:.4}; kDir {:.4} → {:.4}; floor {:?}",
+        ratio(first),
+        ratio(last),
+        first.sliding.kdir,
+        last.sliding.kdir,
+        report.floor.as_ref().map(|f| f.sliding.mse_o_ratio)
+    );
+    assert!(
+        ratio(last) < 0.5 * ratio(first),
+        "held-out attention error {} → {}",
+        ratio(first),
+        ratio(last)
+    );
+    // The verifier's own K/V through the recomputation reproduce the captured outputs.
+    let floor = report.floor.as_ref().unwrap();
+    assert!(floor.sliding.mse_o_ratio < 1e-8 && floor.global.mse_o_ratio < 1e-8);
+    assert!(run.join("report.json").is_file() && run.join("curves.png").is_file());
+    let dir = run.join("export");
+    let ck = FThetaCheckpoint::read_dir(&dir).unwrap();
+    assert_eq!(ck.config.rank, 32);
+    assert_eq!(ck.config.drafter_layers, vec![0, 1]);
+    ck.check_pair(&dir, VSHA, DSHA).unwrap();
+    let e = ck.check_pair(&dir, DSHA, DSHA).unwrap_err().to_string();
+    assert!(e.contains("config.json") && e.contains("verifier"), "{e}");
+}
+
+fn export_bytes(run: &Path) -> Vec<u8> {
+    std::fs::read(run.join("export").join("f_theta.safetensors")).unwrap()
+}
+
+#[test]
+fn resuming_after_an_interruption_is_bit_for_bit() {
+    let s = Scratch::new("resume");
+    let v = verifier();
+    let ds = capture(&s.0, &v, 10, ALL, true);
+    let whole = s.0.join("whole");
+    let cfg = config(&ds, &whole, 10, "");
+    train_f_theta(
+        &cfg,
+        &v,
+        prepare(&cfg, &v, VSHA, DSHA).unwrap(),
+        &opts(),
+        &mut |_| {},
+    )
+    .unwrap();
+    let parts = s.0.join("parts");
+    let cfg = config(&ds, &parts, 10, "");
+    let mut o = opts();
+    o.stop_after = Some(7);
+    let e = train_f_theta(
+        &cfg,
+        &v,
+        prepare(&cfg, &v, VSHA, DSHA).unwrap(),
+        &o,
+        &mut |_| {},
+    )
+    .unwrap_err();
+    assert!(matches!(e, TrainError::Interrupted(7)), "{e}");
+    // Without --resume an existing state is not overwritten.
+    let e = train_f_theta(
+        &cfg,
+        &v,
+        prepare(&cfg, &v, VSHA, DSHA).unwrap(),
+        &opts(),
+        &mut |_| {},
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("--resume"), "{e}");
+    let mut o = opts();
+    o.resume = true;
+    train_f_theta(
+        &cfg,
+        &v,
+        prepare(&cfg, &v, VSHA, DSHA).unwrap(),
+        &o,
+        &mut |_| {},
+    )
+    .unwrap();
+    assert_eq!(export_bytes(&whole), export_bytes(&parts));
+}
+
+#[test]
+fn a_non_finite_loss_stops_training_with_its_step_and_keeps_the_last_good_checkpoint() {
+    let s = Scratch::new("nan");
+    let v = verifier();
+    let ds = capture(&s.0, &v, 10, ALL, true);
+    let run = s.0.join("run");
+    // A learning rate of 1e30 sends every weight to ~1e30 after one step: K̂ overflows f32.
+    let mut cfg = config(&ds, &run, 10, "");
+    cfg.train.lr = 1e30;
+    cfg.train.warmup_steps = 0;
+    cfg.output.checkpoint_every = 1;
+    let mut saved = Vec::new();
+    let e = train_f_theta(
+        &cfg,
+        &v,
+        prepare(&cfg, &v, VSHA, DSHA).unwrap(),
+        &opts(),
+        &mut |ev| {
+            if let kakeya_train::ftheta::FEvent::Saved(n) = ev {
+                saved.push(n);
+            }
+        },
+    )
+    .unwrap_err();
+    let TrainError::NonFinite { step, ref kept, .. } = e else {
+        panic!("expected a non-finite loss, got {e}");
+    };
+    assert_eq!(step, 2, "{e}");
+    assert_eq!(kept, "step 1");
+    assert_eq!(saved, vec![1]);
+    let msg = e.to_string();
+    assert!(msg.contains("step 2") && msg.contains("step 1"), "{msg}");
+    // The kept state is step 1's and nothing was exported.
+    let st = std::fs::read_to_string(run.join("state").join("state.json")).unwrap();
+    let st: serde_json::Value = serde_json::from_str(&st).unwrap();
+    assert_eq!(st["step"], 1);
+    assert!(!run.join("export").exists());
+}
+
+#[test]
+fn datasets_without_the_needed_columns_are_refused_before_training() {
+    let s = Scratch::new("bad");
+    let v = verifier();
+    let run = s.0.join("run");
+    // Raw K/V only: enough for mse, not for the attention losses.
+    let kv_only = capture(&s.0, &v, 5, r#""k_raw", "v_raw""#, true);
+    let cfg = config(&kv_only, &run, 10, "");
+    let e = prepare(&cfg, &v, VSHA, DSHA).err().unwrap().to_string();
+    assert!(
+        e.contains(&kv_only.display().to_string()) && e.contains("v00_q_raw"),
+        "{e}"
+    );
+    let mut mse = cfg.clone();
+    mse.loss.kind = kakeya_train::ftheta::LossKind::Mse;
+    prepare(&mse, &v, VSHA, DSHA).unwrap();
+    // No drafter K/V at all.
+    let no_drafter = capture(&s.0, &v, 5, ALL, false);
+    let cfg = config(&no_drafter, &run, 10, "");
+    let e = prepare(&cfg, &v, VSHA, DSHA).err().unwrap().to_string();
+    assert!(e.contains("no drafter K/V"), "{e}");
+    // Another verifier or drafter.
+    let ds = capture(&s.0, &v, 5, ALL, true);
+    let cfg = config(&ds, &run, 10, "");
+    let e = prepare(&cfg, &v, DSHA, DSHA).err().unwrap().to_string();
+    assert!(e.contains("recapture with this verifier"), "{e}");
+    let e = prepare(&cfg, &v, VSHA, VSHA).err().unwrap().to_string();
+    assert!(e.contains("recapture with this drafter"), "{e}");
+    assert!(!run.exists());
+}

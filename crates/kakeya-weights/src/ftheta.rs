@@ -1,0 +1,296 @@
+//! f_θ checkpoints: `config.json` + `f_theta.safetensors`.
+//!
+//! f_θ maps the drafter's per-position context K (and, on a separate path, V) to the
+//! verifier's raw k_proj / v_proj outputs. Each path is a shared encoder
+//! `Linear(drafter_layers · drafter_kv_dim → rank)` and one decoder
+//! `Linear(rank → verifier_kv_dim)` per verifier layer. Tensor names:
+//! `{k,v}_enc.weight [rank, in]`, `{k,v}_enc.bias [rank]`, `{k,v}_dec.{L}.weight [out, rank]`,
+//! `{k,v}_dec.{L}.bias [out]` (biases only when `bias` is set).
+//!
+//! A checkpoint belongs to one verifier and one drafter: the config records both models' content
+//! hashes (as `kakeya capture` computes them), and [`FThetaCheckpoint::check_pair`] refuses any
+//! other pair.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::checkpoint::{
+    HostTensor, read_safetensors_as, write_dir_atomically, write_safetensors_f32,
+};
+use crate::error::{Result, WeightsError};
+
+/// `format` value of an f_θ `config.json`.
+pub const FTHETA_FORMAT: &str = "kakeya-f-theta";
+/// Version of the layout.
+pub const FTHETA_VERSION: u32 = 1;
+/// Weights file inside an f_θ folder.
+pub const FTHETA_WEIGHTS: &str = "f_theta.safetensors";
+
+/// A model f_θ belongs to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelRef {
+    /// Path it was trained with (informational).
+    pub path: PathBuf,
+    /// SHA-256 of the GGUF file, or of a folder's files in name order.
+    pub sha256: String,
+}
+
+/// f_θ's shape and owners (`config.json`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FThetaConfig {
+    /// Always [`FTHETA_FORMAT`].
+    pub format: String,
+    /// Always [`FTHETA_VERSION`].
+    pub version: u32,
+    /// The verifier whose K/V it predicts.
+    pub verifier: ModelRef,
+    /// The drafter whose context K/V it reads.
+    pub drafter: ModelRef,
+    /// Drafter layers whose K (and V) are concatenated into the input, in order.
+    pub drafter_layers: Vec<usize>,
+    /// Per-layer drafter KV width (`kv_heads · head_dim`).
+    pub drafter_kv_dim: usize,
+    /// Encoder width.
+    pub rank: usize,
+    /// Verifier layers (one decoder each, in this order).
+    pub verifier_layers: usize,
+    /// Verifier KV width (`kv_heads · head_dim`) of every layer.
+    pub verifier_kv_dim: usize,
+    /// Whether the linear maps have biases.
+    pub bias: bool,
+    /// The loss it was trained with (informational).
+    #[serde(default)]
+    pub loss: String,
+}
+
+impl FThetaConfig {
+    /// Input width of each path.
+    pub fn in_dim(&self) -> usize {
+        self.drafter_layers.len() * self.drafter_kv_dim
+    }
+
+    /// Every tensor name with its PyTorch shape, K path first.
+    pub fn expected_tensors(&self) -> Vec<(String, Vec<usize>)> {
+        let mut v = Vec::new();
+        for p in ["k", "v"] {
+            v.push((format!("{p}_enc.weight"), vec![self.rank, self.in_dim()]));
+            if self.bias {
+                v.push((format!("{p}_enc.bias"), vec![self.rank]));
+            }
+            for l in 0..self.verifier_layers {
+                v.push((
+                    format!("{p}_dec.{l}.weight"),
+                    vec![self.verifier_kv_dim, self.rank],
+                ));
+                if self.bias {
+                    v.push((format!("{p}_dec.{l}.bias"), vec![self.verifier_kv_dim]));
+                }
+            }
+        }
+        v
+    }
+
+    fn validate(&self, path: &Path) -> Result<()> {
+        let bad = |m: String| Err(WeightsError::format(path, m));
+        if self.format != FTHETA_FORMAT {
+            return bad(format!(
+                "format is {:?}, not an f_θ config ({FTHETA_FORMAT:?})",
+                self.format
+            ));
+        }
+        if self.version != FTHETA_VERSION {
+            return bad(format!(
+                "f_θ layout version {} is not supported (this build reads {FTHETA_VERSION})",
+                self.version
+            ));
+        }
+        if self.rank == 0
+            || self.drafter_kv_dim == 0
+            || self.drafter_layers.is_empty()
+            || self.verifier_layers == 0
+            || self.verifier_kv_dim == 0
+        {
+            return bad("rank, drafter and verifier dims must all be positive".into());
+        }
+        Ok(())
+    }
+}
+
+/// An f_θ checkpoint in host memory.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FThetaCheckpoint {
+    /// Shape and owners.
+    pub config: FThetaConfig,
+    /// Tensors by name ([`FThetaConfig::expected_tensors`]).
+    pub tensors: BTreeMap<String, HostTensor>,
+}
+
+impl FThetaCheckpoint {
+    /// Reads `dir/config.json` and `dir/f_theta.safetensors` and checks every tensor's shape.
+    pub fn read_dir(dir: &Path) -> Result<Self> {
+        let cp = dir.join("config.json");
+        let text = std::fs::read_to_string(&cp).map_err(|e| WeightsError::io(&cp, e))?;
+        let config: FThetaConfig = serde_json::from_str(&text)
+            .map_err(|e| WeightsError::format(&cp, format!("not an f_θ config: {e}")))?;
+        config.validate(&cp)?;
+        let wp = dir.join(FTHETA_WEIGHTS);
+        let mut tensors = BTreeMap::new();
+        read_safetensors_as(&wp, &|n| Some(n.to_string()), &mut tensors)?;
+        let ck = Self { config, tensors };
+        ck.check_shapes(&wp)?;
+        Ok(ck)
+    }
+
+    /// Errors unless the tensors are exactly the config's, with their shapes.
+    pub fn check_shapes(&self, path: &Path) -> Result<()> {
+        let expected = self.config.expected_tensors();
+        for (name, shape) in &expected {
+            match self.tensors.get(name) {
+                None => {
+                    return Err(WeightsError::format(path, format!("missing tensor {name}")));
+                }
+                Some(t) if &t.shape != shape => {
+                    return Err(WeightsError::format(
+                        path,
+                        format!("tensor {name} has shape {:?}, expected {shape:?}", t.shape),
+                    ));
+                }
+                Some(_) => {}
+            }
+        }
+        if let Some(extra) = self
+            .tensors
+            .keys()
+            .find(|k| !expected.iter().any(|(n, _)| n == *k))
+        {
+            return Err(WeightsError::format(
+                path,
+                format!("unexpected tensor {extra}"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Errors (naming `dir`'s config and the model) unless this f_θ was trained for the
+    /// verifier and drafter with these content hashes.
+    pub fn check_pair(&self, dir: &Path, verifier_sha: &str, drafter_sha: &str) -> Result<()> {
+        let cp = dir.join("config.json");
+        let c = &self.config;
+        if c.verifier.sha256 != verifier_sha {
+            return Err(WeightsError::format(
+                &cp,
+                format!(
+                    "this f_θ was trained for the verifier {} (sha256 {}), not for the one given (sha256 {verifier_sha})",
+                    c.verifier.path.display(),
+                    short(&c.verifier.sha256)
+                ),
+            ));
+        }
+        if c.drafter.sha256 != drafter_sha {
+            return Err(WeightsError::format(
+                &cp,
+                format!(
+                    "this f_θ was trained for the drafter {} (sha256 {}), not for the one given (sha256 {drafter_sha})",
+                    c.drafter.path.display(),
+                    short(&c.drafter.sha256)
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Writes the folder atomically (built beside `dir`, then renamed); an existing non-empty
+    /// folder is refused.
+    pub fn write_dir(&self, dir: &Path) -> Result<()> {
+        self.check_shapes(dir)?;
+        write_dir_atomically(dir, |tmp| self.write_files(tmp))
+    }
+
+    /// Writes `config.json` and the weights (f32) into an existing folder.
+    pub fn write_files(&self, dir: &Path) -> Result<()> {
+        let cp = dir.join("config.json");
+        let json = serde_json::to_string_pretty(&self.config).expect("config serialises");
+        std::fs::write(&cp, json).map_err(|e| WeightsError::io(&cp, e))?;
+        write_safetensors_f32(&dir.join(FTHETA_WEIGHTS), &self.tensors)
+    }
+}
+
+fn short(sha: &str) -> &str {
+    &sha[..sha.len().min(12)]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny() -> FThetaCheckpoint {
+        let config = FThetaConfig {
+            format: FTHETA_FORMAT.into(),
+            version: FTHETA_VERSION,
+            verifier: ModelRef {
+                path: "v.gguf".into(),
+                sha256: "aa".repeat(32),
+            },
+            drafter: ModelRef {
+                path: "d".into(),
+                sha256: "bb".repeat(32),
+            },
+            drafter_layers: vec![0, 1],
+            drafter_kv_dim: 3,
+            rank: 4,
+            verifier_layers: 2,
+            verifier_kv_dim: 5,
+            bias: true,
+            loss: "mse".into(),
+        };
+        let tensors = config
+            .expected_tensors()
+            .into_iter()
+            .enumerate()
+            .map(|(i, (n, shape))| {
+                let len = shape.iter().product();
+                (
+                    n,
+                    HostTensor {
+                        shape,
+                        data: (0..len).map(|j| (i * 100 + j) as f32).collect(),
+                    },
+                )
+            })
+            .collect();
+        FThetaCheckpoint { config, tensors }
+    }
+
+    #[test]
+    fn round_trips_and_refuses_another_pair() {
+        let root = std::env::temp_dir().join(format!("kakeya-ftheta-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let dir = root.join("f");
+        let ck = tiny();
+        ck.write_dir(&dir).unwrap();
+        let back = FThetaCheckpoint::read_dir(&dir).unwrap();
+        assert_eq!(back, ck);
+        back.check_pair(&dir, &"aa".repeat(32), &"bb".repeat(32))
+            .unwrap();
+        let e = back
+            .check_pair(&dir, &"cc".repeat(32), &"bb".repeat(32))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("config.json") && e.contains("verifier"), "{e}");
+        let e = back
+            .check_pair(&dir, &"aa".repeat(32), &"cc".repeat(32))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("drafter"), "{e}");
+        // A wrong shape is named.
+        let mut bad = ck.clone();
+        bad.tensors.get_mut("v_dec.1.weight").unwrap().shape = vec![4, 5];
+        let e = bad.write_dir(&root.join("g")).unwrap_err().to_string();
+        assert!(e.contains("v_dec.1.weight"), "{e}");
+        assert!(!root.join("g").exists());
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+}

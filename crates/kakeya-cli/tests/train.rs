@@ -225,6 +225,17 @@ path = "{}"
     let report: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(frun.join("report.json")).unwrap()).unwrap();
     assert_eq!(report["steps_done"], 12);
+    // Both paths read [K ; V]: 1 drafter layer × 2 KV heads × 8, twice.
+    assert_eq!(report["f_theta"]["inputs"], "both");
+    assert_eq!(
+        report["f_theta"]["drafter_kv_dim"].as_u64().unwrap()
+            * report["f_theta"]["drafter_layers"]
+                .as_array()
+                .unwrap()
+                .len() as u64
+            * 2,
+        32
+    );
     for t in ["sliding", "global"] {
         let d = &report["final_diagnostics"][t];
         for k in [
@@ -253,6 +264,7 @@ heldout_every = 4
 verifier = "{}"
 drafter = "{}"
 rank = 16
+inputs = "both"
 [train]
 steps = 12
 lr = 3e-3

@@ -4,6 +4,7 @@
 //! that track gradients, built by the trainer from its parameters).
 
 use burn::tensor::{Device, Tensor, TensorData};
+use kakeya_weights::ftheta::FThetaInputs;
 use kakeya_weights::{FThetaCheckpoint, FThetaConfig};
 
 use crate::error::{ModelError, Result};
@@ -113,6 +114,18 @@ impl FTheta {
         })
     }
 
+    /// The two paths' inputs from the drafter's K and V (`[n, drafter_layers · kv]` each):
+    /// the K path reads K and the V path V, or both read `[K ; V]`.
+    pub fn inputs(&self, drafter_k: Tensor<2>, drafter_v: Tensor<2>) -> (Tensor<2>, Tensor<2>) {
+        match self.config.inputs {
+            FThetaInputs::Own => (drafter_k, drafter_v),
+            FThetaInputs::Both => {
+                let x = Tensor::cat(vec![drafter_k, drafter_v], 1);
+                (x.clone(), x)
+            }
+        }
+    }
+
     /// Verifier layer `layer`'s raw K and V at the positions whose drafter K/V are given.
     ///
     /// # Shapes
@@ -124,9 +137,10 @@ impl FTheta {
         drafter_v: Tensor<2>,
         layer: usize,
     ) -> (Tensor<2>, Tensor<2>) {
+        let (xk, xv) = self.inputs(drafter_k, drafter_v);
         (
-            self.k.decode(self.k.encode(drafter_k), layer),
-            self.v.decode(self.v.encode(drafter_v), layer),
+            self.k.decode(self.k.encode(xk), layer),
+            self.v.decode(self.v.encode(xv), layer),
         )
     }
 }

@@ -15,7 +15,7 @@ use kakeya_train::ftheta::loss::{
 };
 use kakeya_train::ftheta::params::FThetaParams;
 use kakeya_train::optim::{AdamW, Moments, clip_factor, global_norm};
-use kakeya_weights::ftheta::{FTHETA_FORMAT, FTHETA_VERSION, ModelRef};
+use kakeya_weights::ftheta::{FTHETA_FORMAT, FTHETA_VERSION, FThetaInputs, ModelRef};
 use kakeya_weights::{FThetaConfig, HostTensor};
 use serde_json::Value;
 
@@ -114,6 +114,7 @@ fn case(f: &Value, d: &Device) -> Case {
         },
         drafter_layers: (0..usize_of(&dims["drafter_layers"])).collect(),
         drafter_kv_dim: usize_of(&dims["drafter_kv"]),
+        inputs: FThetaInputs::Own,
         rank: usize_of(&dims["rank"]),
         verifier_layers: layers,
         verifier_kv_dim: usize_of(&dims["kv_heads"]) * hd,
@@ -352,6 +353,7 @@ fn gradients_reach_f_theta_only_not_the_verifiers_weights() {
         },
         drafter_layers: vec![0],
         drafter_kv_dim: 6,
+        inputs: FThetaInputs::Own,
         rank: 5,
         verifier_layers: cfg.num_hidden_layers,
         verifier_kv_dim: kv,

@@ -3,7 +3,8 @@
 //! f_θ maps the drafter's per-position context K (and, on a separate path, V) to the
 //! verifier's raw k_proj / v_proj outputs. Each path is a shared encoder
 //! `Linear(drafter_layers · drafter_kv_dim → rank)` and one decoder
-//! `Linear(rank → verifier_kv_dim)` per verifier layer. Tensor names:
+//! `Linear(rank → verifier_kv_dim)` per verifier layer (with `inputs = "both"` each path reads
+//! the drafter's K and V concatenated, twice the width). Tensor names:
 //! `{k,v}_enc.weight [rank, in]`, `{k,v}_enc.bias [rank]`, `{k,v}_dec.{L}.weight [out, rank]`,
 //! `{k,v}_dec.{L}.bias [out]` (biases only when `bias` is set).
 //!
@@ -27,6 +28,17 @@ pub const FTHETA_FORMAT: &str = "kakeya-f-theta";
 pub const FTHETA_VERSION: u32 = 1;
 /// Weights file inside an f_θ folder.
 pub const FTHETA_WEIGHTS: &str = "f_theta.safetensors";
+
+/// What each path reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum FThetaInputs {
+    /// The K path reads the drafter's K, the V path its V (DESIGN §7).
+    #[default]
+    Own,
+    /// Both paths read `[drafter K ; drafter V]` (twice the input width).
+    Both,
+}
 
 /// A model f_θ belongs to.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -53,6 +65,9 @@ pub struct FThetaConfig {
     pub drafter_layers: Vec<usize>,
     /// Per-layer drafter KV width (`kv_heads · head_dim`).
     pub drafter_kv_dim: usize,
+    /// What each path reads.
+    #[serde(default)]
+    pub inputs: FThetaInputs,
     /// Encoder width.
     pub rank: usize,
     /// Verifier layers (one decoder each, in this order).
@@ -69,7 +84,11 @@ pub struct FThetaConfig {
 impl FThetaConfig {
     /// Input width of each path.
     pub fn in_dim(&self) -> usize {
-        self.drafter_layers.len() * self.drafter_kv_dim
+        let per = self.drafter_layers.len() * self.drafter_kv_dim;
+        match self.inputs {
+            FThetaInputs::Own => per,
+            FThetaInputs::Both => 2 * per,
+        }
     }
 
     /// Every tensor name with its PyTorch shape, K path first.
@@ -240,6 +259,7 @@ mod tests {
             },
             drafter_layers: vec![0, 1],
             drafter_kv_dim: 3,
+            inputs: FThetaInputs::Own,
             rank: 4,
             verifier_layers: 2,
             verifier_kv_dim: 5,

@@ -4,6 +4,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use kakeya_weights::ftheta::FThetaInputs;
+
 use super::loss::{Lambdas, LossKind};
 use crate::error::{Result, TrainError};
 
@@ -49,6 +51,10 @@ pub struct ModelSection {
     pub drafter: PathBuf,
     /// Encoder width (default: 768 for attention losses, 256 otherwise).
     pub rank: Option<usize>,
+    /// What each path reads: `own` (K path ← drafter K, V path ← drafter V; DESIGN §7) or
+    /// `both` (each path ← `[K ; V]`).
+    #[serde(default)]
+    pub inputs: FThetaInputs,
     /// Biases on the encoder and decoders.
     #[serde(default = "yes")]
     pub bias: bool,

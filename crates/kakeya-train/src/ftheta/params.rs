@@ -62,6 +62,7 @@ impl FThetaParams {
             || c.verifier_layers != config.verifier_layers
             || c.verifier_kv_dim != config.verifier_kv_dim
             || c.bias != config.bias
+            || c.inputs != config.inputs
         {
             return Err(TrainError::invalid(
                 &dir.join("config.json"),

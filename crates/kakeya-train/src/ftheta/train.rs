@@ -158,6 +158,7 @@ pub fn prepare(
         },
         drafter_layers: info.drafter_layers.clone(),
         drafter_kv_dim: info.drafter_kv_dim,
+        inputs: cfg.model.inputs,
         rank: cfg.rank(),
         verifier_layers: layers,
         verifier_kv_dim: kv,
@@ -279,8 +280,12 @@ fn sequence_loss(
     device: &Device,
     diagnostics: bool,
 ) -> (Tensor<1>, Vec<Diagnostics>) {
-    let zk = model.k.encode(tensor(s.dk.clone(), s.len, device));
-    let zv = model.v.encode(tensor(s.dv.clone(), s.len, device));
+    let (xk, xv) = model.inputs(
+        tensor(s.dk.clone(), s.len, device),
+        tensor(s.dv.clone(), s.len, device),
+    );
+    let zk = model.k.encode(xk);
+    let zv = model.v.encode(xv);
     let mut total: Option<Tensor<1>> = None;
     let mut diags = Vec::new();
     for (l, (fr, tg)) in frozen.iter().zip(tgs).enumerate() {

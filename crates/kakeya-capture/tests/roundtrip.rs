@@ -2,35 +2,19 @@
 //! the models produce (f32 exactly, f16 within half-precision rounding); position sampling and
 //! column projection; bad configs are refused before anything is written.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use burn::tensor::{Device, Tensor};
 use kakeya_capture::config::{Dtype, LayerSet, VerifierTensor};
 use kakeya_capture::schema::ModelInfo;
 use kakeya_capture::{CaptureConfig, Dataset, Models, Query, RunOptions};
+use kakeya_models::testing::Scratch;
 use kakeya_models::testing::{
     drafter_config, random_checkpoint, random_drafter, tiny_config, word_level_tokenizer_json,
 };
 use kakeya_models::{DFlashDrafter, DraftRequest, ForwardRequest, Gemma3Model, Logits};
 use kakeya_runtime::KvCache;
 use kakeya_weights::Tokenizer;
-
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(name: &str) -> Self {
-        let p = std::env::temp_dir().join(format!("kakeya-cap-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        Self(p)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// A word-level tokenizer with `n` tokens (<pad>, <eos>, <bos>, <unk>, w4, w5, ...).
 fn write_tokenizer(path: &Path, n: usize) {
@@ -80,7 +64,7 @@ fn host(t: Tensor<2>) -> Vec<f32> {
 
 #[test]
 fn values_read_back_equal_what_the_models_produce() {
-    let s = Scratch::new("rt");
+    let s = Scratch::new("cap-rt");
     let v = Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(4), 8), &Device::flex())
         .unwrap();
     let d = DFlashDrafter::from_checkpoint(random_drafter(&drafter_config(&v.config, 2, 4), 2), &v)
@@ -205,7 +189,7 @@ fn values_read_back_equal_what_the_models_produce() {
 
 #[test]
 fn sampled_positions_and_projection() {
-    let s = Scratch::new("sample");
+    let s = Scratch::new("cap-sample");
     let v = Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(4), 8), &Device::flex())
         .unwrap();
     write_tokenizer(&s.0.join("tokenizer.json"), 97);
@@ -294,7 +278,7 @@ fn sampled_positions_and_projection() {
 
 #[test]
 fn unknown_tensor_or_layer_is_refused() {
-    let s = Scratch::new("badcfg");
+    let s = Scratch::new("cap-badcfg");
     let p = s.0.join("c.toml");
     std::fs::write(
         &p,

@@ -4,26 +4,10 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use kakeya_models::testing::Scratch;
 use kakeya_models::testing::{
     drafter_config, random_checkpoint, random_drafter, tiny_config, word_level_tokenizer_json,
 };
-
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(name: &str) -> Self {
-        let p = std::env::temp_dir().join(format!("kakeya-cli-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        Self(p)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// Runs kakeya; asserts failure without a panic; returns stderr.
 fn fails(args: &[&str]) -> String {
@@ -80,7 +64,7 @@ fn gguf_bytes(type_id: u32) -> Vec<u8> {
 
 #[test]
 fn truncated_gguf() {
-    let s = Scratch::new("trunc");
+    let s = Scratch::new("cli-trunc");
     let p = s.0.join("m.gguf");
     let mut b = gguf_bytes(0);
     b.truncate(b.len() - 5);
@@ -107,7 +91,7 @@ fn truncated_gguf() {
 
 #[test]
 fn wrong_magic() {
-    let s = Scratch::new("magic");
+    let s = Scratch::new("cli-magic");
     let p = s.0.join("m.gguf");
     let mut b = gguf_bytes(0);
     b[..4].copy_from_slice(b"GGML");
@@ -121,7 +105,7 @@ fn wrong_magic() {
 
 #[test]
 fn unknown_quant_type() {
-    let s = Scratch::new("qtype");
+    let s = Scratch::new("cli-qtype");
     let p = s.0.join("m.gguf");
     std::fs::write(&p, gguf_bytes(19)).unwrap();
     let err = fails(&["infer", "--model", p.to_str().unwrap(), "--prompt", "hi"]);
@@ -133,7 +117,7 @@ fn unknown_quant_type() {
 
 #[test]
 fn safetensors_header_past_the_end() {
-    let s = Scratch::new("st");
+    let s = Scratch::new("cli-st");
     let m = tiny_model(&s.0);
     let st = m.join("model.safetensors");
     let len = std::fs::metadata(&st).unwrap().len();
@@ -148,7 +132,7 @@ fn safetensors_header_past_the_end() {
 
 #[test]
 fn config_missing_a_field() {
-    let s = Scratch::new("cfg");
+    let s = Scratch::new("cli-cfg");
     let m = tiny_model(&s.0);
     let cfg = m.join("config.json");
     let mut v: serde_json::Value =
@@ -164,7 +148,7 @@ fn config_missing_a_field() {
 
 #[test]
 fn tokenizer_vocab_mismatch() {
-    let s = Scratch::new("tok");
+    let s = Scratch::new("cli-tok");
     let m = tiny_model(&s.0);
     let other = s.0.join("other-tokenizer.json");
     write_tokenizer(&other, 50);
@@ -187,7 +171,7 @@ fn tokenizer_vocab_mismatch() {
 
 #[test]
 fn empty_prompt() {
-    let s = Scratch::new("empty");
+    let s = Scratch::new("cli-empty");
     let m = tiny_model(&s.0);
     let err = fails(&["infer", "--model", m.to_str().unwrap(), "--prompt", "  "]);
     assert!(err.contains("prompt is empty"), "{err}");
@@ -205,7 +189,7 @@ fn empty_prompt() {
 
 #[test]
 fn prompt_longer_than_context() {
-    let s = Scratch::new("long");
+    let s = Scratch::new("cli-long");
     let m = tiny_model(&s.0);
     let prompt = vec!["w5"; 600].join(" ");
     let err = fails(&["infer", "--model", m.to_str().unwrap(), "--prompt", &prompt]);
@@ -218,7 +202,7 @@ fn prompt_longer_than_context() {
 #[test]
 fn tiny_model_generates() {
     // The good path of the same fixtures, so the failures above are failures of the input.
-    let s = Scratch::new("ok");
+    let s = Scratch::new("cli-ok");
     let m = tiny_model(&s.0);
     let out = Command::new(env!("CARGO_BIN_EXE_kakeya"))
         .args([
@@ -258,7 +242,7 @@ fn tiny_drafter(
 
 #[test]
 fn mismatched_drafter_and_bad_block_sizes() {
-    let s = Scratch::new("drafter");
+    let s = Scratch::new("cli-drafter");
     let m = tiny_model(&s.0);
     let m = m.to_str().unwrap();
     let wide = tiny_drafter(&s.0, "wide", |c| {
@@ -324,7 +308,7 @@ fn mismatched_drafter_and_bad_block_sizes() {
 
 #[test]
 fn tiny_model_decodes_speculatively_like_greedy() {
-    let s = Scratch::new("spec");
+    let s = Scratch::new("cli-spec");
     let m = tiny_model(&s.0);
     let d = tiny_drafter(&s.0, "drafter", |_| {});
     let out = Command::new(env!("CARGO_BIN_EXE_kakeya"))

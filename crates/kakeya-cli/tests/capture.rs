@@ -6,24 +6,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use kakeya_models::testing::Scratch;
 use kakeya_models::testing::{random_checkpoint, tiny_config, word_level_tokenizer_json};
-
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(name: &str) -> Self {
-        let p = std::env::temp_dir().join(format!("kakeya-capcli-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        Self(p)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn kakeya() -> Command {
     Command::new(env!("CARGO_BIN_EXE_kakeya"))
@@ -115,7 +99,7 @@ fn shard_hashes(dir: &Path) -> Vec<(String, String)> {
 
 #[test]
 fn killed_and_resumed_equals_uninterrupted_and_shards_merge() {
-    let s = Scratch::new("resume");
+    let s = Scratch::new("capcli-resume");
     let (model, prompts) = setup(&s.0, 8);
     let full_dir = s.0.join("full");
     let cfg_full = write_config(&s.0, "full.toml", &model, &prompts, &full_dir);
@@ -225,7 +209,7 @@ fn fails(args: &[&str]) -> String {
 
 #[test]
 fn bad_capture_input_is_reported_clearly() {
-    let s = Scratch::new("bad");
+    let s = Scratch::new("capcli-bad");
     let (model, prompts) = setup(&s.0, 2);
     // Unreadable prompt file.
     let out = s.0.join("o1");

@@ -5,24 +5,8 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use kakeya_models::testing::Scratch;
 use kakeya_models::testing::{random_checkpoint, tiny_config, word_level_tokenizer_json};
-
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(name: &str) -> Self {
-        let p = std::env::temp_dir().join(format!("kakeya-traincli-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        Self(p)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn kakeya() -> Command {
     Command::new(env!("CARGO_BIN_EXE_kakeya"))
@@ -143,7 +127,7 @@ eval_every = 10
 
 #[test]
 fn trained_drafter_exports_and_decodes_losslessly_in_infer() {
-    let s = Scratch::new("ok");
+    let s = Scratch::new("traincli-ok");
     let m = model(&s.0, "tiny", 3);
     let ds = capture(&s.0, &m);
     let cfg = train_config(&s.0, &m, &ds, "1, 3");
@@ -289,7 +273,7 @@ eval_queries = 8
 
 #[test]
 fn missing_aux_columns_or_another_verifier_fail_before_training() {
-    let s = Scratch::new("bad");
+    let s = Scratch::new("traincli-bad");
     let m = model(&s.0, "tiny", 3);
     let other = model(&s.0, "other", 4);
     let ds = capture(&s.0, &m);

@@ -151,3 +151,22 @@ pub fn word_level_tokenizer_json(n: usize) -> String {
         vocab.join(", ")
     )
 }
+
+/// A fresh temporary folder `kakeya-{name}-{pid}` for a test, removed when dropped.
+pub struct Scratch(pub std::path::PathBuf);
+
+impl Scratch {
+    /// Creates it (emptied if a previous run left it).
+    pub fn new(name: &str) -> Self {
+        let p = std::env::temp_dir().join(format!("kakeya-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).expect("temporary folder");
+        Self(p)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}

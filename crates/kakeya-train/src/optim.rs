@@ -82,6 +82,39 @@ impl AdamW {
     }
 }
 
+/// Back-propagates `loss` to `leaves` (gradient-tracking copies of `params`, in order), clips
+/// the global gradient norm to `clip`, and applies one AdamW update at 1-based step `t`;
+/// `decay(shape)` says whether a tensor takes weight decay. Returns the norm before clipping.
+#[allow(clippy::too_many_arguments)] // the step's inputs, each used once
+pub fn backward_and_step(
+    loss: Tensor<1>,
+    leaves: &[Tensor<2>],
+    params: &mut [(String, Vec<usize>, Tensor<2>)],
+    moments: &mut [Moments],
+    opt: &AdamW,
+    clip: f64,
+    t: usize,
+    decay: &dyn Fn(&[usize]) -> bool,
+) -> f64 {
+    let grads = loss.backward();
+    let grads: Vec<Tensor<2>> = leaves
+        .iter()
+        .zip(params.iter())
+        .map(|(leaf, (_, _, p))| leaf.grad(&grads).unwrap_or_else(|| p.zeros_like()))
+        .collect();
+    let norm = global_norm(&grads);
+    let factor = clip_factor(norm, clip);
+    for (((_, shape, p), g), mom) in params.iter_mut().zip(grads).zip(moments) {
+        let g = if factor < 1.0 {
+            g.mul_scalar(factor)
+        } else {
+            g
+        };
+        *p = opt.update(p.clone(), g, mom, t, decay(shape));
+    }
+    norm
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -22,7 +22,7 @@ use crate::config::DrafterTrainConfig;
 use crate::data::{self, Sequence, TrainData};
 use crate::drafter::{self, Batch, DrafterParams, Frozen};
 use crate::error::{Result, TrainError};
-use crate::optim::{AdamW, Moments, clip_factor, global_norm};
+use crate::optim::{AdamW, Moments, backward_and_step};
 use crate::plot;
 
 /// How to run.
@@ -290,14 +290,6 @@ pub fn train_drafter(
         let logits = params.forward(&leaves, &frozen, &batch);
         let (loss, _) = drafter::weighted_ce(&logits, &batch, &frozen, cfg.train.gamma);
         let loss_value = f64::from(loss.clone().into_scalar::<f32>());
-        let grads = loss.backward();
-        let grads: Vec<Tensor<2>> = leaves
-            .iter()
-            .zip(&params.tensors)
-            .map(|(leaf, (_, _, p))| leaf.grad(&grads).unwrap_or_else(|| p.zeros_like()))
-            .collect();
-        let norm = global_norm(&grads);
-        let factor = clip_factor(norm, cfg.train.grad_clip);
         let lr = cfg.lr_at(t);
         let opt = AdamW {
             lr,
@@ -306,14 +298,17 @@ pub fn train_drafter(
             eps: cfg.train.eps,
             weight_decay: cfg.train.weight_decay,
         };
-        for (((_, shape, p), g), mom) in params.tensors.iter_mut().zip(grads).zip(&mut moments) {
-            let g = if factor < 1.0 {
-                g.mul_scalar(factor)
-            } else {
-                g
-            };
-            *p = opt.update(p.clone(), g, mom, t + 1, shape.len() > 1);
-        }
+        // No decay on norm multipliers (1-D tensors).
+        let norm = backward_and_step(
+            loss,
+            &leaves,
+            &mut params.tensors,
+            &mut moments,
+            &opt,
+            cfg.train.grad_clip,
+            t + 1,
+            &|shape| shape.len() > 1,
+        );
         state.step += 1;
         ran += 1;
         let rec = StepRecord {

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use burn::tensor::{Device, Tensor, TensorData};
 use kakeya_capture::schema::ModelInfo;
 use kakeya_capture::{CaptureConfig, Models, RunOptions};
+use kakeya_models::testing::Scratch;
 use kakeya_models::testing::{random_checkpoint, tiny_config, word_level_tokenizer_json};
 use kakeya_models::{CacheSpec, DFlashDrafter, DraftRequest, Gemma3Model};
 use kakeya_runtime::KvCache;
@@ -19,23 +20,6 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 const SHA: &str = "5ha5ha5ha5ha5ha5ha5ha5ha5ha5ha5ha5ha5ha5ha5ha5ha5ha5ha5ha5ha5ha5";
-
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(name: &str) -> Self {
-        let p = std::env::temp_dir().join(format!("kakeya-train-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        Self(p)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn verifier() -> Gemma3Model {
     Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(64), 11), &Device::flex()).unwrap()
@@ -165,7 +149,7 @@ fn host(t: Tensor<2>) -> Vec<f32> {
 
 #[test]
 fn training_forward_equals_the_runtime_drafter_block_by_block() {
-    let s = Scratch::new("fwd");
+    let s = Scratch::new("train-fwd");
     let v = verifier();
     let ds = capture(&s.0, &v, 6, 10, "1, 3, 4");
     let cfg = train_config(&ds, &s.0.join("run"), 1, 40);
@@ -238,7 +222,7 @@ fn training_forward_equals_the_runtime_drafter_block_by_block() {
 
 #[test]
 fn drafter_learns_the_verifiers_continuations_and_only_drafter_weights_move() {
-    let s = Scratch::new("learn");
+    let s = Scratch::new("train-learn");
     let v = verifier();
     let embed_before = host(v.embed.clone());
     let ds = capture(&s.0, &v, 60, 24, "1, 3, 4");
@@ -299,7 +283,7 @@ fn report_scales(path: &Path) -> Vec<f32> {
 
 #[test]
 fn resuming_after_an_interruption_is_bit_for_bit() {
-    let s = Scratch::new("resume");
+    let s = Scratch::new("train-resume");
     let v = verifier();
     let ds = capture(&s.0, &v, 12, 12, "1, 3, 4");
     let straight = train_config(&ds, &s.0.join("a"), 10, 30);
@@ -365,7 +349,7 @@ fn resuming_after_an_interruption_is_bit_for_bit() {
 
 #[test]
 fn datasets_without_the_aux_columns_or_from_another_verifier_are_refused() {
-    let s = Scratch::new("bad");
+    let s = Scratch::new("train-bad");
     let v = verifier();
     let ds = capture(&s.0, &v, 4, 6, "1, 3");
     let cfg = train_config(&ds, &s.0.join("run"), 5, 0);
@@ -386,7 +370,7 @@ fn datasets_without_the_aux_columns_or_from_another_verifier_are_refused() {
 
 #[test]
 fn draft_vocab_is_built_from_the_training_continuations() {
-    let s = Scratch::new("vocab");
+    let s = Scratch::new("train-vocab");
     let v = verifier();
     let ds = capture(&s.0, &v, 10, 8, "1, 3, 4");
     let cfg = train_config(&ds, &s.0.join("run"), 1, 20);

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use burn::tensor::Device;
 use kakeya_capture::schema::ModelInfo;
 use kakeya_capture::{CaptureConfig, Models, RunOptions};
+use kakeya_models::testing::Scratch;
 use kakeya_models::testing::{
     drafter_config, random_checkpoint, random_drafter, tiny_config, word_level_tokenizer_json,
 };
@@ -20,23 +21,6 @@ use rand::{Rng, SeedableRng};
 
 const VSHA: &str = "7e57ed7e57ed7e57ed7e57ed7e57ed7e57ed7e57ed7e57ed7e57ed7e57ed7e57";
 const DSHA: &str = "d4af7e4d4af7e4d4af7e4d4af7e4d4af7e4d4af7e4d4af7e4d4af7e4d4af7e4d";
-
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(name: &str) -> Self {
-        let p = std::env::temp_dir().join(format!("kakeya-ftheta-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        Self(p)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn verifier() -> Gemma3Model {
     // Window 8: the sliding layers' masks cut into these 20–40-position sequences.
@@ -168,7 +152,7 @@ fn opts() -> TrainOptions {
 
 #[test]
 fn training_lowers_the_heldout_attention_error_and_exports_for_its_model_pair() {
-    let s = Scratch::new("learn");
+    let s = Scratch::new("ftheta-learn");
     let v = verifier();
     let ds = capture(&s.0, &v, 25, ALL, true);
     let run = s.0.join("run");
@@ -214,7 +198,7 @@ fn export_bytes(run: &Path) -> Vec<u8> {
 
 #[test]
 fn resuming_after_an_interruption_is_bit_for_bit() {
-    let s = Scratch::new("resume");
+    let s = Scratch::new("ftheta-resume");
     let v = verifier();
     let ds = capture(&s.0, &v, 10, ALL, true);
     let whole = s.0.join("whole");
@@ -266,7 +250,7 @@ fn resuming_after_an_interruption_is_bit_for_bit() {
 
 #[test]
 fn a_non_finite_loss_stops_training_with_its_step_and_keeps_the_last_good_checkpoint() {
-    let s = Scratch::new("nan");
+    let s = Scratch::new("ftheta-nan");
     let v = verifier();
     let ds = capture(&s.0, &v, 10, ALL, true);
     let run = s.0.join("run");
@@ -305,7 +289,7 @@ fn a_non_finite_loss_stops_training_with_its_step_and_keeps_the_last_good_checkp
 
 #[test]
 fn datasets_without_the_needed_columns_are_refused_before_training() {
-    let s = Scratch::new("bad");
+    let s = Scratch::new("ftheta-bad");
     let v = verifier();
     let run = s.0.join("run");
     // Raw K/V only: enough for mse, not for the attention losses.

@@ -26,7 +26,7 @@ use super::data::{self, DataInfo, SeqData};
 use super::loss::{Diagnostics, LayerFrozen, LayerTargets, layer_loss, layer_terms};
 use super::params::FThetaParams;
 use crate::error::{Result, TrainError};
-use crate::optim::{AdamW, Moments, clip_factor, global_norm};
+use crate::optim::{AdamW, Moments, backward_and_step};
 use crate::train::{StepRecord, TrainOptions};
 use crate::{plot, state};
 
@@ -564,14 +564,6 @@ pub fn train_f_theta(
                 dir: state_dir.clone(),
             });
         }
-        let grads = loss.backward();
-        let grads: Vec<Tensor<2>> = leaves
-            .iter()
-            .zip(&params.tensors)
-            .map(|(leaf, (_, _, p))| leaf.grad(&grads).unwrap_or_else(|| p.zeros_like()))
-            .collect();
-        let norm = global_norm(&grads);
-        let factor = clip_factor(norm, cfg.train.grad_clip);
         let lr = cfg.lr_at(t);
         let opt = AdamW {
             lr,
@@ -580,14 +572,17 @@ pub fn train_f_theta(
             eps: cfg.train.eps,
             weight_decay: cfg.train.weight_decay,
         };
-        for (((_, _, p), g), mom) in params.tensors.iter_mut().zip(grads).zip(&mut moments) {
-            let g = if factor < 1.0 {
-                g.mul_scalar(factor)
-            } else {
-                g
-            };
-            *p = opt.update(p.clone(), g, mom, t + 1, true);
-        }
+        // Decay on every tensor, as torch.optim.AdamW does by default.
+        let norm = backward_and_step(
+            loss,
+            &leaves,
+            &mut params.tensors,
+            &mut moments,
+            &opt,
+            cfg.train.grad_clip,
+            t + 1,
+            &|_| true,
+        );
         st.step += 1;
         ran += 1;
         let rec = StepRecord {

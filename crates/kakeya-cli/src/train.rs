@@ -155,6 +155,11 @@ fn f_theta(config: PathBuf, resume: bool, device: DeviceKind) -> Result<()> {
                 );
             }
             FEvent::Saved(_) => {}
+            FEvent::Fitting { done, total } => {
+                bar.set_message(format!(
+                    "| least-squares start: {done}/{total} training sequences read"
+                ));
+            }
         }
     })?;
     bar.finish_and_clear();

@@ -13,7 +13,8 @@ use kakeya_models::testing::{
     drafter_config, random_checkpoint, random_drafter, tiny_config, word_level_tokenizer_json,
 };
 use kakeya_models::{DFlashDrafter, Gemma3Model};
-use kakeya_train::ftheta::{FThetaTrainConfig, prepare, train_f_theta};
+use kakeya_train::ftheta::config::FThetaInit;
+use kakeya_train::ftheta::{FEvent, FThetaTrainConfig, prepare, train_f_theta};
 use kakeya_train::{TrainError, TrainOptions};
 use kakeya_weights::{FThetaCheckpoint, Tokenizer};
 use rand::rngs::StdRng;
@@ -156,7 +157,9 @@ fn training_lowers_the_heldout_attention_error_and_exports_for_its_model_pair() 
     let v = verifier();
     let ds = capture(&s.0, &v, 25, ALL, true);
     let run = s.0.join("run");
-    let cfg = config(&ds, &run, 120, "");
+    let mut cfg = config(&ds, &run, 120, "");
+    // From a random start, so that the learning is the optimiser's.
+    cfg.model.init = FThetaInit::Random;
     let setup = prepare(&cfg, &v, VSHA, DSHA).unwrap();
     assert_eq!((setup.info.train.len(), setup.info.heldout.len()), (20, 5));
     let report = train_f_theta(&cfg, &v, setup, &opts(), &mut |_| {}).unwrap();
@@ -190,6 +193,58 @@ fn training_lowers_the_heldout_attention_error_and_exports_for_its_model_pair() 
     ck.check_pair(&dir, VSHA, DSHA).unwrap();
     let e = ck.check_pair(&dir, DSHA, DSHA).unwrap_err().to_string();
     assert!(e.contains("config.json") && e.contains("verifier"), "{e}");
+}
+
+#[test]
+fn the_least_squares_start_predicts_raw_kv_better_than_a_random_one() {
+    let s = Scratch::new("ftheta-lstsq");
+    let v = verifier();
+    let ds = capture(&s.0, &v, 25, ALL, true);
+    // Rank 32 is below the 64-wide input (reduced rank), 64 holds the full fit.
+    let first_eval = |init: FThetaInit, rank: usize, name: &str| {
+        let mut cfg = config(&ds, &s.0.join(name), 6, "");
+        cfg.model.init = init;
+        cfg.model.rank = Some(rank);
+        let setup = prepare(&cfg, &v, VSHA, DSHA).unwrap();
+        let mut fitted = 0;
+        let r = train_f_theta(&cfg, &v, setup, &opts(), &mut |e| {
+            if let FEvent::Fitting { done, total } = e {
+                assert!(done <= total && total == 20);
+                fitted = done;
+            }
+        })
+        .unwrap();
+        assert_eq!(r.evals[0].step, 0);
+        (r.evals[0].clone(), fitted)
+    };
+    let (random, none) = first_eval(FThetaInit::Random, 32, "random");
+    let (low, read) = first_eval(FThetaInit::LeastSquares, 32, "lstsq-32");
+    let (full, _) = first_eval(FThetaInit::LeastSquares, 64, "lstsq-64");
+    assert_eq!((none, read), (0, 20));
+    for (name, e) in [("random", &random), ("rank 32", &low), ("rank 64", &full)] {
+        eprintln!(
+            "before any step, {name}: K rel-MSE {:.4}/{:.4}, V rel-MSE {:.4}/{:.4}, mseO ratio {:.4}/{:.4} (sliding/global)",
+            e.sliding.k_rel_mse,
+            e.global.k_rel_mse,
+            e.sliding.v_rel_mse,
+            e.global.v_rel_mse,
+            e.sliding.mse_o_ratio,
+            e.global.mse_o_ratio
+        );
+    }
+    for (r, l, f) in [
+        (&random.sliding, &low.sliding, &full.sliding),
+        (&random.global, &low.global, &full.global),
+    ] {
+        // Predicting each target's mean already gives a relative MSE of about 1; the fits
+        // must do better than that and than a random map. (Held out, more codes need not fit
+        // better: this drafter's K/V span fewer than 32 dimensions.)
+        for fit in [l, f] {
+            assert!(fit.k_rel_mse < 0.9 && fit.v_rel_mse < 0.9, "{fit:?}");
+            assert!(fit.k_rel_mse < r.k_rel_mse && fit.v_rel_mse < r.v_rel_mse);
+            assert!(fit.mse_o_ratio < r.mse_o_ratio);
+        }
+    }
 }
 
 fn export_bytes(run: &Path) -> Vec<u8> {

@@ -58,12 +58,35 @@ pub struct ModelSection {
     /// Biases on the encoder and decoders.
     #[serde(default = "yes")]
     pub bias: bool,
-    /// Warm start: an exported f_θ folder of the same shape.
+    /// Warm start: an exported f_θ folder of the same shape (overrides `init`).
     pub init_from: Option<PathBuf>,
+    /// How a fresh f_θ starts: `least_squares` (default: the ridge reduced-rank least-squares
+    /// fit of raw K/V on the training sequences) or `random` (PyTorch's `nn.Linear` default).
+    #[serde(default)]
+    pub init: FThetaInit,
+    /// Ridge strength of the least-squares start, relative to the mean eigenvalue of the
+    /// inputs' covariance.
+    #[serde(default = "default_ridge")]
+    pub init_ridge: f64,
+}
+
+/// How a fresh f_θ starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FThetaInit {
+    /// Closed-form ridge reduced-rank least squares on raw K/V (see `ftheta::lstsq`).
+    #[default]
+    LeastSquares,
+    /// Uniform ±1/√fan_in.
+    Random,
 }
 
 fn yes() -> bool {
     true
+}
+
+fn default_ridge() -> f64 {
+    1e-4
 }
 
 /// The loss.
@@ -214,6 +237,9 @@ impl FThetaTrainConfig {
         }
         if t.weight_decay < 0.0 || t.grad_clip < 0.0 {
             return bad("train.weight_decay and train.grad_clip must not be negative");
+        }
+        if !(self.model.init_ridge.is_finite() && self.model.init_ridge >= 0.0) {
+            return bad("model.init_ridge must be a non-negative number");
         }
         if self.data.heldout_every < 2 {
             return bad("data.heldout_every must be at least 2");

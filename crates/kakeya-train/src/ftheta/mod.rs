@@ -4,6 +4,7 @@
 pub mod config;
 pub mod data;
 pub mod loss;
+pub mod lstsq;
 pub mod params;
 pub mod train;
 

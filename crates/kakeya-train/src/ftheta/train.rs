@@ -15,15 +15,16 @@ use std::time::Instant;
 use burn::tensor::{Device, Tensor, TensorData};
 use kakeya_capture::Dataset;
 use kakeya_models::{FTheta, Gemma3Model};
-use kakeya_weights::ftheta::{FTHETA_FORMAT, FTHETA_VERSION, ModelRef};
+use kakeya_weights::ftheta::{FTHETA_FORMAT, FTHETA_VERSION, FThetaInputs, ModelRef};
 use kakeya_weights::{FThetaConfig, HostTensor};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
-use super::config::FThetaTrainConfig;
+use super::config::{FThetaInit, FThetaTrainConfig};
 use super::data::{self, DataInfo, SeqData};
 use super::loss::{Diagnostics, LayerFrozen, LayerTargets, layer_loss, layer_terms};
+use super::lstsq::{Normal, params_from_fits};
 use super::params::FThetaParams;
 use crate::error::{Result, TrainError};
 use crate::optim::{AdamW, Moments, backward_and_step};
@@ -65,6 +66,13 @@ pub enum FEvent {
     Eval(FEval),
     /// The state was saved after this many steps.
     Saved(usize),
+    /// The least-squares start has read `done` of `total` training sequences.
+    Fitting {
+        /// Sequences read.
+        done: usize,
+        /// Training sequences.
+        total: usize,
+    },
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -410,6 +418,81 @@ fn evaluate(
     }
 }
 
+/// The least-squares start (see [`super::lstsq`]): one pass over the training sequences'
+/// drafter K/V and raw verifier K/V.
+fn least_squares(
+    cfg: &FThetaTrainConfig,
+    info: &DataInfo,
+    ds: &Dataset,
+    f_theta: &FThetaConfig,
+    device: &Device,
+    on_event: &mut dyn FnMut(FEvent),
+) -> Result<FThetaParams> {
+    let raw_only = DataInfo {
+        attention: false,
+        ..info.clone()
+    };
+    let (inp, out) = (
+        f_theta.in_dim(),
+        f_theta.verifier_layers * f_theta.verifier_kv_dim,
+    );
+    let mut nk = Normal::new(inp, out, f_theta.bias);
+    let mut nv = Normal::new(inp, out, f_theta.bias);
+    let total = info.train.len();
+    for (i, &seq) in info.train.iter().enumerate() {
+        let s = raw_only.read(ds, seq)?;
+        let x = |own: &[f32]| -> Vec<f32> {
+            match f_theta.inputs {
+                FThetaInputs::Own => own.to_vec(),
+                FThetaInputs::Both => {
+                    let w = s.dk.len() / s.len.max(1);
+                    (0..s.len)
+                        .flat_map(|r| {
+                            s.dk[r * w..(r + 1) * w]
+                                .iter()
+                                .chain(&s.dv[r * w..(r + 1) * w])
+                                .copied()
+                        })
+                        .collect()
+                }
+            }
+        };
+        let y = |k: bool| -> Vec<f32> {
+            let w = f_theta.verifier_kv_dim;
+            let mut out = Vec::with_capacity(s.len * s.layers.len() * w);
+            for r in 0..s.len {
+                for l in &s.layers {
+                    let t = if k { &l.k } else { &l.v };
+                    out.extend_from_slice(&t[r * w..(r + 1) * w]);
+                }
+            }
+            out
+        };
+        nk.add(&x(&s.dk), &y(true), s.len, device);
+        nv.add(&x(&s.dv), &y(false), s.len, device);
+        on_event(FEvent::Fitting { done: i + 1, total });
+    }
+    let singular = || {
+        TrainError::invalid(
+            &info.dir,
+            "the least-squares start is singular (constant drafter K/V?); set model.init_ridge > 0 or model.init = \"random\"",
+        )
+    };
+    let rank = f_theta.rank;
+    let kf = nk
+        .solve_rank(cfg.model.init_ridge, rank)
+        .ok_or_else(singular)?;
+    let vf = nv
+        .solve_rank(cfg.model.init_ridge, rank)
+        .ok_or_else(singular)?;
+    tracing::info!(
+        positions = nk.count(),
+        ridge = cfg.model.init_ridge,
+        "f_θ least-squares start fitted"
+    );
+    Ok(params_from_fits(f_theta.clone(), &kf, &vf, device))
+}
+
 /// Trains (or resumes) f_θ as `cfg` says, exports it, and writes `report.json` and
 /// `curves.png` into the run folder.
 pub fn train_f_theta(
@@ -443,9 +526,14 @@ pub fn train_f_theta(
                 "a training state exists here; pass --resume to continue it or remove the folder",
             ));
         }
-        let params = match &cfg.model.init_from {
-            Some(p) => FThetaParams::from_dir(f_theta.clone(), p, &device)?,
-            None => FThetaParams::init(f_theta.clone(), cfg.train.seed, &device),
+        let params = match (&cfg.model.init_from, cfg.model.init) {
+            (Some(p), _) => FThetaParams::from_dir(f_theta.clone(), p, &device)?,
+            (None, FThetaInit::Random) => {
+                FThetaParams::init(f_theta.clone(), cfg.train.seed, &device)
+            }
+            (None, FThetaInit::LeastSquares) => {
+                least_squares(cfg, &info, &ds, &f_theta, &device, on_event)?
+            }
         };
         let moments = params
             .tensors

@@ -1,0 +1,777 @@
+//! Closed-form initialisation of f_θ.
+//!
+//! With no non-linearity between encoder and decoder, each f_θ path is an affine map of rank
+//! at most `rank` from the drafter's K/V to the verifier's raw K/V of every layer at once (the
+//! encoder is shared, so the rank constraint is on the concatenated `[layers · kv]` output).
+//! The best such map in the mean-squared sense is reduced-rank regression:
+//!
+//! 1. the full ridge least-squares fit `W`, `b` from the normal equations — one streamed pass
+//!    over the training sequences accumulates means and centred cross-products (merged per
+//!    sequence with Chan et al.'s pairwise update, in f64), then a Cholesky solve;
+//! 2. if `rank` is below the input width, the fitted values `Ŷ = (X − x̄)W` are projected on
+//!    their top `rank` principal directions `V_r`: encoder `W V_r`, decoder `V_rᵀ`. With
+//!    `Cxx = L Lᵀ` and `B = Lᵀ W`, `ŶᵀŶ = BᵀB`, whose leading eigenvectors come from the small
+//!    `[in, in]` matrix `B Bᵀ` (symmetric Jacobi): `V_r = Bᵀ U_r Σ_r⁻¹`.
+//!
+//! Gradient descent from a random start is far from that optimum after thousands of steps
+//! (on Gemma 3 270M the fit's held-out V direction error is less than half the trained
+//! f_θ's), so the trainer starts here and then fine-tunes for the attention loss.
+
+use burn::tensor::{Device, Tensor, TensorData};
+use kakeya_weights::FThetaConfig;
+
+use super::params::FThetaParams;
+
+/// Means and centred cross-products of `(x, y)` observations.
+#[derive(Debug, Clone)]
+pub struct Normal {
+    in_dim: usize,
+    out_dim: usize,
+    intercept: bool,
+    n: f64,
+    mx: Vec<f64>,
+    my: Vec<f64>,
+    /// `Σ (x − x̄)(x − x̄)ᵀ`, `[in, in]` row-major.
+    cxx: Vec<f64>,
+    /// `Σ (x − x̄)(y − ȳ)ᵀ`, `[in, out]` row-major.
+    cxy: Vec<f64>,
+}
+
+/// A fitted affine map `y ≈ x · w + b`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Fit {
+    /// `[in, out]` row-major.
+    pub w: Vec<f64>,
+    /// `[out]`.
+    pub b: Vec<f64>,
+}
+
+/// A fitted map through a `rank`-wide code: `y ≈ (x · enc + enc_b) · dec + dec_b`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Factored {
+    /// Code width.
+    pub rank: usize,
+    /// `[in, rank]` row-major.
+    pub enc: Vec<f64>,
+    /// `[rank]`.
+    pub enc_b: Vec<f64>,
+    /// `[rank, out]` row-major.
+    pub dec: Vec<f64>,
+    /// `[out]`.
+    pub dec_b: Vec<f64>,
+}
+
+fn host(t: Tensor<2>) -> Vec<f64> {
+    t.into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .expect("f32 data")
+        .into_iter()
+        .map(f64::from)
+        .collect()
+}
+
+impl Normal {
+    /// An empty accumulator; without `intercept` the fit goes through the origin (moments are
+    /// taken about zero).
+    pub fn new(in_dim: usize, out_dim: usize, intercept: bool) -> Self {
+        Self {
+            in_dim,
+            out_dim,
+            intercept,
+            n: 0.0,
+            mx: vec![0.0; in_dim],
+            my: vec![0.0; out_dim],
+            cxx: vec![0.0; in_dim * in_dim],
+            cxy: vec![0.0; in_dim * out_dim],
+        }
+    }
+
+    /// Observations so far.
+    pub fn count(&self) -> f64 {
+        self.n
+    }
+
+    /// Adds `rows` observations.
+    ///
+    /// # Shapes
+    /// - `x`: `[rows, in]`, `y`: `[rows, out]` (row-major)
+    pub fn add(&mut self, x: &[f32], y: &[f32], rows: usize, device: &Device) {
+        if rows == 0 {
+            return;
+        }
+        debug_assert_eq!(x.len(), rows * self.in_dim);
+        debug_assert_eq!(y.len(), rows * self.out_dim);
+        let mean = |v: &[f32], w: usize| -> Vec<f64> {
+            let mut m = vec![0.0f64; w];
+            if self.intercept {
+                for r in v.chunks_exact(w) {
+                    for (a, &b) in m.iter_mut().zip(r) {
+                        *a += f64::from(b);
+                    }
+                }
+                m.iter_mut().for_each(|a| *a /= rows as f64);
+            }
+            m
+        };
+        let (bx, by) = (mean(x, self.in_dim), mean(y, self.out_dim));
+        let centred = |v: &[f32], m: &[f64], w: usize| -> Tensor<2> {
+            let c: Vec<f32> = v
+                .chunks_exact(w)
+                .flat_map(|r| r.iter().zip(m).map(|(&a, &b)| (f64::from(a) - b) as f32))
+                .collect();
+            Tensor::from_data(TensorData::new(c, [rows, w]), device)
+        };
+        let xc = centred(x, &bx, self.in_dim);
+        let yc = centred(y, &by, self.out_dim);
+        let xt = xc.clone().transpose();
+        let bxx = host(xt.clone().matmul(xc));
+        let bxy = host(xt.matmul(yc));
+        // Chan et al.: merge (n_a, mean_a, C_a) with (n_b, mean_b, C_b).
+        let (na, nb) = (self.n, rows as f64);
+        let n = na + nb;
+        let f = na * nb / n;
+        let dx: Vec<f64> = bx.iter().zip(&self.mx).map(|(b, a)| b - a).collect();
+        let dy: Vec<f64> = by.iter().zip(&self.my).map(|(b, a)| b - a).collect();
+        for i in 0..self.in_dim {
+            let row = &mut self.cxx[i * self.in_dim..(i + 1) * self.in_dim];
+            for ((c, &b), &d) in row
+                .iter_mut()
+                .zip(&bxx[i * self.in_dim..(i + 1) * self.in_dim])
+                .zip(&dx)
+            {
+                *c += b + f * dx[i] * d;
+            }
+            let row = &mut self.cxy[i * self.out_dim..(i + 1) * self.out_dim];
+            for ((c, &b), &d) in row
+                .iter_mut()
+                .zip(&bxy[i * self.out_dim..(i + 1) * self.out_dim])
+                .zip(&dy)
+            {
+                *c += b + f * dx[i] * d;
+            }
+        }
+        for (m, d) in self.mx.iter_mut().zip(&dx) {
+            *m += d * nb / n;
+        }
+        for (m, d) in self.my.iter_mut().zip(&dy) {
+            *m += d * nb / n;
+        }
+        self.n = n;
+    }
+
+    /// Solves `(Cxx + λI) W = Cxy` with `λ = ridge · trace(Cxx) / in`, and `b = ȳ − Wᵀ x̄`.
+    /// `None` when the system is singular (no observations, or constant inputs and no ridge).
+    pub fn solve(&self, ridge: f64) -> Option<Fit> {
+        self.solve_with_factor(ridge).map(|(fit, _)| fit)
+    }
+
+    /// The fit and the Cholesky factor `L` (lower triangle, `[in, in]`) of `Cxx + λI`.
+    fn solve_with_factor(&self, ridge: f64) -> Option<(Fit, Vec<f64>)> {
+        let n = self.in_dim;
+        let mut a = self.cxx.clone();
+        let trace: f64 = (0..n).map(|i| a[i * n + i]).sum();
+        let lambda = ridge * trace / n as f64;
+        for i in 0..n {
+            a[i * n + i] += lambda;
+        }
+        // Cholesky: a = L Lᵀ, L stored in the lower triangle.
+        for j in 0..n {
+            let mut d = a[j * n + j];
+            for k in 0..j {
+                d -= a[j * n + k] * a[j * n + k];
+            }
+            if d <= 1e-12 * (trace / n as f64).max(f64::MIN_POSITIVE) || !d.is_finite() {
+                return None;
+            }
+            let d = d.sqrt();
+            a[j * n + j] = d;
+            for i in j + 1..n {
+                let mut s = a[i * n + j];
+                for k in 0..j {
+                    s -= a[i * n + k] * a[j * n + k];
+                }
+                a[i * n + j] = s / d;
+            }
+            for k in j + 1..n {
+                a[j * n + k] = 0.0;
+            }
+        }
+        let m = self.out_dim;
+        let mut w = self.cxy.clone();
+        // L Z = Cxy, then Lᵀ W = Z, a whole row of right-hand sides at a time.
+        for i in 0..n {
+            for k in 0..i {
+                let l = a[i * n + k];
+                if l != 0.0 {
+                    let (done, rest) = w.split_at_mut(i * m);
+                    for (x, &z) in rest[..m].iter_mut().zip(&done[k * m..(k + 1) * m]) {
+                        *x -= l * z;
+                    }
+                }
+            }
+            let d = a[i * n + i];
+            w[i * m..(i + 1) * m].iter_mut().for_each(|x| *x /= d);
+        }
+        for i in (0..n).rev() {
+            for k in i + 1..n {
+                let l = a[k * n + i];
+                if l != 0.0 {
+                    let (head, tail) = w.split_at_mut(k * m);
+                    for (x, &z) in head[i * m..(i + 1) * m].iter_mut().zip(&tail[..m]) {
+                        *x -= l * z;
+                    }
+                }
+            }
+            let d = a[i * n + i];
+            w[i * m..(i + 1) * m].iter_mut().for_each(|x| *x /= d);
+        }
+        let mut b = self.my.clone();
+        for i in 0..n {
+            for (bj, &wij) in b.iter_mut().zip(&w[i * m..(i + 1) * m]) {
+                *bj -= self.mx[i] * wij;
+            }
+        }
+        Some((Fit { w, b }, a))
+    }
+
+    /// The best map through a `rank`-wide code (reduced-rank ridge regression; the full fit
+    /// when `rank ≥ in`). `None` when the system is singular.
+    pub fn solve_rank(&self, ridge: f64, rank: usize) -> Option<Factored> {
+        let (n, m) = (self.in_dim, self.out_dim);
+        let (fit, l) = self.solve_with_factor(ridge)?;
+        if rank >= n {
+            // Identity encoder on the first `in` codes, the fit as decoder.
+            let mut enc = vec![0.0; n * rank];
+            (0..n).for_each(|i| enc[i * rank + i] = 1.0);
+            let mut dec = fit.w;
+            dec.resize(rank * m, 0.0);
+            return Some(Factored {
+                rank,
+                enc,
+                enc_b: vec![0.0; rank],
+                dec,
+                dec_b: fit.b,
+            });
+        }
+        // B = Lᵀ W, [in, out].
+        let mut bm = vec![0.0; n * m];
+        for i in 0..n {
+            for k in i..n {
+                let lki = l[k * n + i];
+                if lki != 0.0 {
+                    let (dst, src) = (&mut bm[i * m..(i + 1) * m], &fit.w[k * m..(k + 1) * m]);
+                    dst.iter_mut().zip(src).for_each(|(d, &s)| *d += lki * s);
+                }
+            }
+        }
+        // G = B Bᵀ, [in, in].
+        let mut g = vec![0.0; n * n];
+        for i in 0..n {
+            for j in 0..=i {
+                let d: f64 = bm[i * m..(i + 1) * m]
+                    .iter()
+                    .zip(&bm[j * m..(j + 1) * m])
+                    .map(|(a, b)| a * b)
+                    .sum();
+                g[i * n + j] = d;
+                g[j * n + i] = d;
+            }
+        }
+        let (values, vectors) = symmetric_eigen(g, n);
+        let mut order: Vec<usize> = (0..n).collect();
+        order.sort_by(|&a, &b| values[b].total_cmp(&values[a]));
+        // dec = V_rᵀ = Σ_r⁻¹ U_rᵀ B, [rank, out]; directions with no variance stay zero.
+        let top = values[order[0]].max(0.0);
+        let mut dec = vec![0.0; rank * m];
+        for (c, &e) in order.iter().take(rank).enumerate() {
+            let sigma = values[e].max(0.0).sqrt();
+            if sigma <= 1e-12 * top.sqrt() || sigma == 0.0 {
+                continue;
+            }
+            let row = &mut dec[c * m..(c + 1) * m];
+            for i in 0..n {
+                let u = vectors[i * n + e] / sigma;
+                if u != 0.0 {
+                    row.iter_mut()
+                        .zip(&bm[i * m..(i + 1) * m])
+                        .for_each(|(d, &b)| *d += u * b);
+                }
+            }
+        }
+        // enc = W V_r = W decᵀ, [in, rank]; the code is centred: enc_b = −x̄ᵀ enc.
+        let mut enc = vec![0.0; n * rank];
+        for i in 0..n {
+            let wi = &fit.w[i * m..(i + 1) * m];
+            for c in 0..rank {
+                enc[i * rank + c] = wi
+                    .iter()
+                    .zip(&dec[c * m..(c + 1) * m])
+                    .map(|(a, b)| a * b)
+                    .sum();
+            }
+        }
+        let enc_b: Vec<f64> = (0..rank)
+            .map(|c| -(0..n).map(|i| self.mx[i] * enc[i * rank + c]).sum::<f64>())
+            .collect();
+        Some(Factored {
+            rank,
+            enc,
+            enc_b,
+            dec,
+            dec_b: self.my.clone(),
+        })
+    }
+}
+
+/// Eigen-decomposition of a symmetric `[n, n]` matrix by cyclic Jacobi rotations: the
+/// eigenvalues and the eigenvectors as the columns of a row-major `[n, n]` matrix.
+fn symmetric_eigen(mut a: Vec<f64>, n: usize) -> (Vec<f64>, Vec<f64>) {
+    let mut v = vec![0.0; n * n];
+    (0..n).for_each(|i| v[i * n + i] = 1.0);
+    let scale: f64 = a.iter().map(|x| x * x).sum::<f64>().sqrt();
+    for _sweep in 0..100 {
+        let off: f64 = (0..n)
+            .flat_map(|i| (0..n).filter(move |&j| j != i).map(move |j| (i, j)))
+            .map(|(i, j)| a[i * n + j] * a[i * n + j])
+            .sum::<f64>()
+            .sqrt();
+        if off <= 1e-14 * scale || scale == 0.0 {
+            break;
+        }
+        for p in 0..n {
+            for q in p + 1..n {
+                let apq = a[p * n + q];
+                if apq.abs() <= 1e-300 {
+                    continue;
+                }
+                let (app, aqq) = (a[p * n + p], a[q * n + q]);
+                let theta = (aqq - app) / (2.0 * apq);
+                let t = theta.signum() / (theta.abs() + (theta * theta + 1.0).sqrt());
+                let t = if theta == 0.0 { 1.0 } else { t };
+                let c = 1.0 / (t * t + 1.0).sqrt();
+                let s = t * c;
+                // A ← Jᵀ A J on rows/columns p and q.
+                for k in 0..n {
+                    let (akp, akq) = (a[k * n + p], a[k * n + q]);
+                    a[k * n + p] = c * akp - s * akq;
+                    a[k * n + q] = s * akp + c * akq;
+                }
+                for k in 0..n {
+                    let (apk, aqk) = (a[p * n + k], a[q * n + k]);
+                    a[p * n + k] = c * apk - s * aqk;
+                    a[q * n + k] = s * apk + c * aqk;
+                }
+                for k in 0..n {
+                    let (vkp, vkq) = (v[k * n + p], v[k * n + q]);
+                    v[k * n + p] = c * vkp - s * vkq;
+                    v[k * n + q] = s * vkp + c * vkq;
+                }
+            }
+        }
+    }
+    ((0..n).map(|i| a[i * n + i]).collect(), v)
+}
+
+/// f_θ's parameters that compute the two factored fits exactly: the K path's and the V
+/// path's, each from `in` to `[layers · kv]` through `config.rank` codes.
+pub fn params_from_fits(
+    config: FThetaConfig,
+    k: &Factored,
+    v: &Factored,
+    device: &Device,
+) -> FThetaParams {
+    let (rank, inp, kv) = (config.rank, config.in_dim(), config.verifier_kv_dim);
+    let out = config.verifier_layers * kv;
+    debug_assert!(k.rank == rank && v.rank == rank);
+    let tensors = config
+        .expected_tensors()
+        .into_iter()
+        .map(|(name, shape)| {
+            let fit = if name.starts_with('k') { k } else { v };
+            let data: Vec<f64> = if name.ends_with("_enc.weight") {
+                // [rank, in]
+                (0..rank)
+                    .flat_map(|c| (0..inp).map(move |i| fit.enc[i * rank + c]))
+                    .collect()
+            } else if name.ends_with("_enc.bias") {
+                fit.enc_b.clone()
+            } else {
+                let layer: usize = name
+                    .split('.')
+                    .nth(1)
+                    .and_then(|s| s.parse().ok())
+                    .expect("decoder names carry their layer");
+                if name.ends_with(".weight") {
+                    // [kv, rank]
+                    (0..kv)
+                        .flat_map(|r| (0..rank).map(move |c| fit.dec[c * out + layer * kv + r]))
+                        .collect()
+                } else {
+                    fit.dec_b[layer * kv..(layer + 1) * kv].to_vec()
+                }
+            };
+            let dims = match shape[..] {
+                [r, c] => [r, c],
+                [c] => [1, c],
+                _ => unreachable!("f_θ tensors are 1-D or 2-D"),
+            };
+            let data: Vec<f32> = data.into_iter().map(|x| x as f32).collect();
+            let t = Tensor::from_data(TensorData::new(data, dims), device);
+            (name, shape, t)
+        })
+        .collect();
+    FThetaParams { config, tensors }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    fn planted(rows: usize, inp: usize, out: usize, seed: u64) -> (Vec<f32>, Vec<f32>, Fit) {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let w: Vec<f64> = (0..inp * out)
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
+        let b: Vec<f64> = (0..out).map(|_| rng.random_range(-3.0..3.0)).collect();
+        // Inputs with an offset far from zero and unequal scales.
+        let x: Vec<f32> = (0..rows * inp)
+            .map(|i| 5.0 + (1 + i % inp) as f32 * rng.random_range(-1.0f32..1.0))
+            .collect();
+        let mut y = vec![0.0f32; rows * out];
+        for r in 0..rows {
+            for j in 0..out {
+                let mut s = b[j];
+                for i in 0..inp {
+                    s += f64::from(x[r * inp + i]) * w[i * out + j];
+                }
+                y[r * out + j] = s as f32;
+            }
+        }
+        (x, y, Fit { w, b })
+    }
+
+    fn close(a: &[f64], b: &[f64], tol: f64) -> f64 {
+        let worst = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f64::max);
+        assert!(worst < tol, "largest difference {worst}");
+        worst
+    }
+
+    #[test]
+    fn recovers_a_planted_affine_map_from_chunks() {
+        let (inp, out) = (7, 5);
+        let (x, y, truth) = planted(300, inp, out, 1);
+        let dev = Device::flex();
+        let mut nrm = Normal::new(inp, out, true);
+        // Uneven chunks, as sequences of different lengths.
+        let mut r0 = 0;
+        for len in [1, 40, 97, 162] {
+            nrm.add(
+                &x[r0 * inp..(r0 + len) * inp],
+                &y[r0 * out..(r0 + len) * out],
+                len,
+                &dev,
+            );
+            r0 += len;
+        }
+        assert_eq!(nrm.count(), 300.0);
+        let fit = nrm.solve(0.0).unwrap();
+        // y is exact up to its f32 rounding.
+        close(&fit.w, &truth.w, 1e-4);
+        close(&fit.b, &truth.b, 1e-3);
+    }
+
+    #[test]
+    fn chunked_moments_equal_one_pass() {
+        let (inp, out) = (4, 3);
+        let (x, y, _) = planted(50, inp, out, 2);
+        let dev = Device::flex();
+        let mut one = Normal::new(inp, out, true);
+        one.add(&x, &y, 50, &dev);
+        let mut many = Normal::new(inp, out, true);
+        for r in 0..50 {
+            many.add(
+                &x[r * inp..(r + 1) * inp],
+                &y[r * out..(r + 1) * out],
+                1,
+                &dev,
+            );
+        }
+        // The cross-products are f32 matmuls of centred data, merged in f64.
+        let scale = one.cxx.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+        close(&one.cxx, &many.cxx, 1e-6 * scale);
+        close(&one.mx, &many.mx, 1e-9);
+        close(&one.my, &many.my, 1e-9);
+    }
+
+    #[test]
+    fn ridge_shrinks_and_the_origin_fit_has_no_intercept() {
+        let (inp, out) = (3, 2);
+        let (x, y, _) = planted(80, inp, out, 3);
+        let dev = Device::flex();
+        let mut nrm = Normal::new(inp, out, true);
+        nrm.add(&x, &y, 80, &dev);
+        let norm = |f: &Fit| f.w.iter().map(|v| v * v).sum::<f64>();
+        let plain = nrm.solve(0.0).unwrap();
+        let shrunk = nrm.solve(10.0).unwrap();
+        assert!(norm(&shrunk) < 0.5 * norm(&plain));
+
+        // Through the origin: y = x·w exactly (no offset) is recovered, b = 0.
+        let w = [0.5, -2.0, 1.5, 0.25, -1.0, 3.0];
+        let yo: Vec<f32> = x
+            .chunks_exact(inp)
+            .flat_map(|r| {
+                (0..out).map(move |j| {
+                    (0..inp)
+                        .map(|i| f64::from(r[i]) * w[i * out + j])
+                        .sum::<f64>() as f32
+                })
+            })
+            .collect();
+        let mut o = Normal::new(inp, out, false);
+        o.add(&x, &yo, 80, &dev);
+        let fit = o.solve(0.0).unwrap();
+        close(&fit.w, &w, 1e-4);
+        assert!(fit.b.iter().all(|&b| b == 0.0));
+        // Constant inputs without ridge are singular, not a panic.
+        let mut c = Normal::new(2, 1, true);
+        c.add(&[1.0, 2.0, 1.0, 2.0], &[0.0, 1.0], 2, &dev);
+        assert!(c.solve(0.0).is_none());
+    }
+
+    /// `(x · enc + enc_b) · dec + dec_b` for row-major `x: [rows, in]`.
+    fn apply(f: &Factored, x: &[f32], inp: usize) -> Vec<f64> {
+        let out = f.dec_b.len();
+        x.chunks_exact(inp)
+            .flat_map(|r| {
+                let code: Vec<f64> = (0..f.rank)
+                    .map(|c| {
+                        f.enc_b[c]
+                            + (0..inp)
+                                .map(|i| f64::from(r[i]) * f.enc[i * f.rank + c])
+                                .sum::<f64>()
+                    })
+                    .collect();
+                (0..out)
+                    .map(|j| {
+                        f.dec_b[j]
+                            + (0..f.rank)
+                                .map(|c| code[c] * f.dec[c * out + j])
+                                .sum::<f64>()
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    fn sse(f: &Factored, x: &[f32], y: &[f32], inp: usize) -> f64 {
+        apply(f, x, inp)
+            .iter()
+            .zip(y)
+            .map(|(p, &t)| (p - f64::from(t)).powi(2))
+            .sum()
+    }
+
+    #[test]
+    fn jacobi_diagonalises_a_symmetric_matrix() {
+        let n = 9;
+        let mut rng = StdRng::seed_from_u64(7);
+        let mut a = vec![0.0; n * n];
+        for i in 0..n {
+            for j in 0..=i {
+                let x: f64 = rng.random_range(-1.0..1.0);
+                a[i * n + j] = x;
+                a[j * n + i] = x;
+            }
+        }
+        let (values, v) = symmetric_eigen(a.clone(), n);
+        for i in 0..n {
+            for j in 0..n {
+                // V diag(λ) Vᵀ = A and Vᵀ V = I.
+                let rebuilt: f64 = (0..n)
+                    .map(|k| v[i * n + k] * values[k] * v[j * n + k])
+                    .sum();
+                assert!((rebuilt - a[i * n + j]).abs() < 1e-10);
+                let dot: f64 = (0..n).map(|k| v[k * n + i] * v[k * n + j]).sum();
+                assert!((dot - f64::from(u8::from(i == j))).abs() < 1e-10);
+            }
+        }
+    }
+
+    #[test]
+    fn full_rank_factoring_is_the_plain_fit() {
+        let (inp, out) = (5, 4);
+        let (x, y, truth) = planted(120, inp, out, 8);
+        let mut nrm = Normal::new(inp, out, true);
+        nrm.add(&x, &y, 120, &Device::flex());
+        for rank in [5, 8] {
+            let f = nrm.solve_rank(0.0, rank).unwrap();
+            let (tw, tb) = (&truth.w, &truth.b);
+            let want: Vec<f64> = x
+                .chunks_exact(inp)
+                .flat_map(|r| {
+                    (0..out).map(move |j| {
+                        tb[j]
+                            + (0..inp)
+                                .map(|i| f64::from(r[i]) * tw[i * out + j])
+                                .sum::<f64>()
+                    })
+                })
+                .collect();
+            close(&apply(&f, &x, inp), &want, 1e-3);
+        }
+    }
+
+    #[test]
+    fn reduced_rank_recovers_a_planted_low_rank_map() {
+        // y = b + x · P · Q with P: [6, 2], Q: [2, 8] — rank 2 through a 2-wide code.
+        let (inp, out, r, rows) = (6, 8, 2, 200);
+        let mut rng = StdRng::seed_from_u64(9);
+        let mut draw =
+            |n: usize| -> Vec<f64> { (0..n).map(|_| rng.random_range(-1.0..1.0)).collect() };
+        let (p, q, b) = (draw(inp * r), draw(r * out), draw(out));
+        let x: Vec<f32> = draw(rows * inp)
+            .into_iter()
+            .map(|v| (3.0 + 2.0 * v) as f32)
+            .collect();
+        let y: Vec<f32> = x
+            .chunks_exact(inp)
+            .flat_map(|row| {
+                let code: Vec<f64> = (0..r)
+                    .map(|c| (0..inp).map(|i| f64::from(row[i]) * p[i * r + c]).sum())
+                    .collect();
+                (0..out)
+                    .map(|j| (b[j] + (0..r).map(|c| code[c] * q[c * out + j]).sum::<f64>()) as f32)
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        let mut nrm = Normal::new(inp, out, true);
+        nrm.add(&x, &y, rows, &Device::flex());
+        let f = nrm.solve_rank(0.0, r).unwrap();
+        let ys: Vec<f64> = y.iter().map(|&v| f64::from(v)).collect();
+        close(&apply(&f, &x, inp), &ys, 1e-4);
+        // One code fewer cannot.
+        let f1 = nrm.solve_rank(0.0, 1).unwrap();
+        assert!(sse(&f1, &x, &y, inp) > 1e-2);
+    }
+
+    #[test]
+    fn reduced_rank_fit_is_a_least_squares_optimum() {
+        // Noisy full-rank data: no rank-3 map fits; nudging the fit in any direction, encoder,
+        // decoder or biases, must not lower its squared error.
+        let (inp, out, rank, rows) = (7, 6, 3, 300);
+        let (x, mut y, _) = planted(rows, inp, out, 10);
+        let mut rng = StdRng::seed_from_u64(11);
+        y.iter_mut()
+            .for_each(|v| *v += rng.random_range(-2.0f32..2.0));
+        let mut nrm = Normal::new(inp, out, true);
+        nrm.add(&x, &y, rows, &Device::flex());
+        let f = nrm.solve_rank(0.0, rank).unwrap();
+        let (best, full) = (
+            sse(&f, &x, &y, inp),
+            sse(&nrm.solve_rank(0.0, inp).unwrap(), &x, &y, inp),
+        );
+        assert!(best > full * 1.01, "rank {rank} {best} vs full {full}");
+        for trial in 0..40 {
+            let mut g = f.clone();
+            let eps = 1e-3;
+            let part = match trial % 4 {
+                0 => &mut g.enc,
+                1 => &mut g.dec,
+                2 => &mut g.enc_b,
+                _ => &mut g.dec_b,
+            };
+            part.iter_mut()
+                .for_each(|v| *v += eps * rng.random_range(-1.0..1.0));
+            let e = sse(&g, &x, &y, inp);
+            assert!(e >= best * (1.0 - 1e-9), "trial {trial}: {e} < {best}");
+        }
+    }
+
+    #[test]
+    fn f_theta_built_from_fits_computes_them() {
+        use kakeya_weights::ftheta::{FTHETA_FORMAT, FTHETA_VERSION, FThetaInputs, ModelRef};
+        let (layers, kv, dl, dkv) = (3, 4, 2, 3);
+        // Inputs are 6 (own) or 12 (both) wide: codes narrower and wider than that.
+        for (inputs, rank) in [(FThetaInputs::Own, 4), (FThetaInputs::Both, 13)] {
+            let config = FThetaConfig {
+                format: FTHETA_FORMAT.into(),
+                version: FTHETA_VERSION,
+                verifier: ModelRef {
+                    path: "v".into(),
+                    sha256: "a".into(),
+                },
+                drafter: ModelRef {
+                    path: "d".into(),
+                    sha256: "b".into(),
+                },
+                drafter_layers: (0..dl).collect(),
+                drafter_kv_dim: dkv,
+                inputs,
+                rank,
+                verifier_layers: layers,
+                verifier_kv_dim: kv,
+                bias: true,
+                loss: "mse".into(),
+            };
+            let inp = config.in_dim();
+            let out = layers * kv;
+            let mut rng = StdRng::seed_from_u64(4);
+            let mut factored = || {
+                let mut d = |n: usize| -> Vec<f64> {
+                    (0..n).map(|_| rng.random_range(-1.0..1.0)).collect()
+                };
+                Factored {
+                    rank,
+                    enc: d(inp * rank),
+                    enc_b: d(rank),
+                    dec: d(rank * out),
+                    dec_b: d(out),
+                }
+            };
+            let (kfit, vfit) = (factored(), factored());
+            let dev = Device::flex();
+            let model = params_from_fits(config.clone(), &kfit, &vfit, &dev);
+            let weights: Vec<Tensor<2>> = model.tensors.iter().map(|t| t.2.clone()).collect();
+            let f = model.model(&weights);
+            let rows = 6;
+            let mut draw = || -> Vec<f32> {
+                (0..rows * dl * dkv)
+                    .map(|_| rng.random_range(-2.0..2.0))
+                    .collect()
+            };
+            let (dk, dv) = (draw(), draw());
+            let w = dl * dkv;
+            let x: Vec<f32> = match inputs {
+                FThetaInputs::Own => dk.clone(),
+                FThetaInputs::Both => (0..rows)
+                    .flat_map(|r| {
+                        dk[r * w..(r + 1) * w]
+                            .iter()
+                            .chain(&dv[r * w..(r + 1) * w])
+                            .copied()
+                    })
+                    .collect(),
+            };
+            let xv = if inputs == FThetaInputs::Own { &dv } else { &x };
+            let t =
+                |v: &[f32]| Tensor::<2>::from_data(TensorData::new(v.to_vec(), [rows, w]), &dev);
+            let (kwant, vwant) = (apply(&kfit, &x, inp), apply(&vfit, xv, inp));
+            for l in 0..layers {
+                let (k_hat, v_hat) = f.forward(t(&dk), t(&dv), l);
+                for (got, want) in [(k_hat, &kwant), (v_hat, &vwant)] {
+                    let want: Vec<f64> = (0..rows)
+                        .flat_map(|r| want[r * out + l * kv..r * out + (l + 1) * kv].to_vec())
+                        .collect();
+                    close(&host(got), &want, 1e-4);
+                }
+            }
+        }
+    }
+}

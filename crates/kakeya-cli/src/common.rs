@@ -33,17 +33,36 @@ impl DeviceKind {
         match self {
             DeviceKind::Cpu => Ok(Device::flex()),
             #[cfg(feature = "cuda")]
-            DeviceKind::Cuda => Ok(Device::cuda(0)),
+            DeviceKind::Cuda => started(Device::cuda(0), "cuda"),
             #[cfg(feature = "wgpu")]
-            DeviceKind::Wgpu => Ok(Device::wgpu(Default::default())),
+            DeviceKind::Wgpu => started(Device::wgpu(Default::default()), "wgpu"),
             #[cfg(feature = "metal")]
-            DeviceKind::Metal => Ok(Device::metal(Default::default())),
+            DeviceKind::Metal => started(Device::metal(Default::default()), "metal"),
             #[allow(unreachable_patterns)]
             other => bail!(
                 "this kakeya was built without the `{other:?}` device; rebuild with `--features {}`",
                 format!("{other:?}").to_lowercase()
             ),
         }
+    }
+}
+
+/// Runs one tiny operation on a GPU device, so that a runtime that cannot start (no driver, the
+/// CUDA toolkit's `libcuda.so` stub ahead of the driver's, no NVRTC) ends in an error rather than
+/// a panic in the middle of a job. The runtime's own message is printed above it.
+#[cfg(any(feature = "cuda", feature = "wgpu", feature = "metal"))]
+fn started(device: Device, name: &str) -> Result<Device> {
+    let probe = device.clone();
+    let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+        burn::tensor::Tensor::<1>::zeros([1], &probe).into_data()
+    }));
+    match ran {
+        Ok(_) => Ok(device),
+        Err(_) => bail!(
+            "the `{name}` device could not be started (the runtime's message is above); for cuda: \
+             the NVIDIA driver's libcuda and the toolkit's libnvrtc must be found (LD_LIBRARY_PATH, \
+             without the toolkit's lib/stubs folder)"
+        ),
     }
 }
 

@@ -329,6 +329,10 @@ export = "out/x"
         assert_eq!(c.rank(), 768);
         assert_eq!(c.train.weight_decay, 0.01);
         assert_eq!(c.train.grad_clip, 1.0);
+        assert_eq!(
+            (c.model.init, c.model.init_ridge),
+            (FThetaInit::LeastSquares, 1e-4)
+        );
     }
 
     #[test]
@@ -342,5 +346,12 @@ export = "out/x"
         .unwrap_err()
         .to_string();
         assert!(e.contains("warmup_steps"), "{e}");
+        let e = FThetaTrainConfig::parse(
+            Path::new("f.toml"),
+            "[data]\ndataset='d'\n[model]\nverifier='v'\ndrafter='d'\ninit='least_squares'\ninit_ridge=-1\n[train]\nsteps=5\nlr=1\n[output]\ndir='a'\nexport='b'\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("init_ridge"), "{e}");
     }
 }

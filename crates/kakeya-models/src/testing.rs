@@ -3,8 +3,10 @@
 use std::collections::BTreeMap;
 
 use kakeya_weights::checkpoint::{expected_tensors, is_gemma_norm};
+use kakeya_weights::ftheta::{FTHETA_FORMAT, FTHETA_VERSION, FThetaInputs, ModelRef};
 use kakeya_weights::{
-    AttentionKind, Checkpoint, DFlashConfig, DraftCheckpoint, Gemma3Config, HostTensor,
+    AttentionKind, Checkpoint, DFlashConfig, DraftCheckpoint, FThetaConfig, Gemma3Config,
+    HostTensor,
 };
 
 /// A small Gemma 3 config: 6 layers (layer 5 global), window `window`.
@@ -168,5 +170,36 @@ impl Scratch {
 impl Drop for Scratch {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// An f_θ config for placeholder models (`v` / `d`, hashes `a` / `b`), with biases, recorded
+/// loss `mse`: drafter layers `0..drafter_layers` of width `drafter_kv_dim` → `rank` codes →
+/// `verifier_layers` rows of width `verifier_kv_dim`.
+pub fn f_theta_config(
+    drafter_layers: usize,
+    drafter_kv_dim: usize,
+    inputs: FThetaInputs,
+    rank: usize,
+    verifier_layers: usize,
+    verifier_kv_dim: usize,
+) -> FThetaConfig {
+    let model = |path: &str, sha256: &str| ModelRef {
+        path: path.into(),
+        sha256: sha256.into(),
+    };
+    FThetaConfig {
+        format: FTHETA_FORMAT.into(),
+        version: FTHETA_VERSION,
+        verifier: model("v", "a"),
+        drafter: model("d", "b"),
+        drafter_layers: (0..drafter_layers).collect(),
+        drafter_kv_dim,
+        inputs,
+        rank,
+        verifier_layers,
+        verifier_kv_dim,
+        bias: true,
+        loss: "mse".into(),
     }
 }

@@ -8,14 +8,14 @@ use std::path::PathBuf;
 
 use burn::tensor::{Device, Tensor, TensorData};
 use kakeya_models::rope::Rope;
-use kakeya_models::testing::{random_checkpoint, tiny_config};
+use kakeya_models::testing::{f_theta_config, random_checkpoint, tiny_config};
 use kakeya_models::{FTheta, Gemma3Model, norm::RmsNorm};
 use kakeya_train::ftheta::loss::{
     Lambdas, LayerFrozen, LayerTargets, LossKind, Terms, layer_loss, layer_terms,
 };
 use kakeya_train::ftheta::params::FThetaParams;
 use kakeya_train::optim::{AdamW, Moments, clip_factor, global_norm};
-use kakeya_weights::ftheta::{FTHETA_FORMAT, FTHETA_VERSION, FThetaInputs, ModelRef};
+use kakeya_weights::ftheta::FThetaInputs;
 use kakeya_weights::{FThetaConfig, HostTensor};
 use serde_json::Value;
 
@@ -102,24 +102,15 @@ fn case(f: &Value, d: &Device) -> Case {
         })
         .collect();
     let config = FThetaConfig {
-        format: FTHETA_FORMAT.into(),
-        version: FTHETA_VERSION,
-        verifier: ModelRef {
-            path: "v".into(),
-            sha256: "a".into(),
-        },
-        drafter: ModelRef {
-            path: "d".into(),
-            sha256: "b".into(),
-        },
-        drafter_layers: (0..usize_of(&dims["drafter_layers"])).collect(),
-        drafter_kv_dim: usize_of(&dims["drafter_kv"]),
-        inputs: FThetaInputs::Own,
-        rank: usize_of(&dims["rank"]),
-        verifier_layers: layers,
-        verifier_kv_dim: usize_of(&dims["kv_heads"]) * hd,
-        bias: true,
         loss: "attn_distill_hybrid".into(),
+        ..f_theta_config(
+            usize_of(&dims["drafter_layers"]),
+            usize_of(&dims["drafter_kv"]),
+            FThetaInputs::Own,
+            usize_of(&dims["rank"]),
+            layers,
+            usize_of(&dims["kv_heads"]) * hd,
+        )
     };
     let mut host: BTreeMap<String, HostTensor> = f["params"]
         .as_object()
@@ -341,24 +332,8 @@ fn gradients_reach_f_theta_only_not_the_verifiers_weights() {
     let q = cfg.num_attention_heads * cfg.head_dim;
     let n = 9;
     let config = FThetaConfig {
-        format: FTHETA_FORMAT.into(),
-        version: FTHETA_VERSION,
-        verifier: ModelRef {
-            path: "v".into(),
-            sha256: "a".into(),
-        },
-        drafter: ModelRef {
-            path: "d".into(),
-            sha256: "b".into(),
-        },
-        drafter_layers: vec![0],
-        drafter_kv_dim: 6,
-        inputs: FThetaInputs::Own,
-        rank: 5,
-        verifier_layers: cfg.num_hidden_layers,
-        verifier_kv_dim: kv,
-        bias: true,
         loss: "attn_distill_hybrid".into(),
+        ..f_theta_config(1, 6, FThetaInputs::Own, 5, cfg.num_hidden_layers, kv)
     };
     let params = FThetaParams::init(config, 1, &d);
     let leaves: Vec<Tensor<2>> = params

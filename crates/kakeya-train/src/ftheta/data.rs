@@ -67,6 +67,20 @@ pub struct LayerData {
 
 const F16_MAX: f32 = 65504.0;
 
+/// Row `r` of the result is row `r` of every part, in order.
+///
+/// # Shapes
+/// - `parts`: each `[rows, width]` → `[rows, parts · width]` (row-major)
+pub(crate) fn side_by_side<P: AsRef<[f32]>>(parts: &[P], rows: usize, width: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(rows * width * parts.len());
+    for r in 0..rows {
+        for p in parts {
+            out.extend_from_slice(&p.as_ref()[r * width..(r + 1) * width]);
+        }
+    }
+    out
+}
+
 fn short(s: &str) -> &str {
     &s[..s.len().min(12)]
 }
@@ -245,18 +259,8 @@ impl DataInfo {
         let nd = self.drafter_layers.len();
         let dks: Vec<Vec<f32>> = (0..nd).map(|_| next(&mut cols)).collect();
         let dvs: Vec<Vec<f32>> = (0..nd).map(|_| next(&mut cols)).collect();
-        let interleave = |parts: &[Vec<f32>]| -> Vec<f32> {
-            let w = self.drafter_kv_dim;
-            let mut out = Vec::with_capacity(len * w * parts.len());
-            for r in 0..len {
-                for p in parts {
-                    out.extend_from_slice(&p[r * w..(r + 1) * w]);
-                }
-            }
-            out
-        };
-        let dk = interleave(&dks);
-        let dv = interleave(&dvs);
+        let dk = side_by_side(&dks, len, self.drafter_kv_dim);
+        let dv = side_by_side(&dvs, len, self.drafter_kv_dim);
         let mut layers = Vec::with_capacity(self.layers);
         for _ in 0..self.layers {
             let k = next(&mut cols);

@@ -62,13 +62,7 @@ pub struct Factored {
 }
 
 fn host(t: Tensor<2>) -> Vec<f64> {
-    t.into_data()
-        .convert::<f32>()
-        .try_into_vec::<f32>()
-        .expect("f32 data")
-        .into_iter()
-        .map(f64::from)
-        .collect()
+    crate::drafter::host(t).into_iter().map(f64::from).collect()
 }
 
 impl Normal {
@@ -286,7 +280,7 @@ impl Normal {
         let mut dec = vec![0.0; rank * m];
         for (c, &e) in order.iter().take(rank).enumerate() {
             let sigma = values[e].max(0.0).sqrt();
-            if sigma <= 1e-12 * top.sqrt() || sigma == 0.0 {
+            if sigma <= 1e-12 * top.sqrt() {
                 continue;
             }
             let row = &mut dec[c * m..(c + 1) * m];
@@ -696,30 +690,11 @@ mod tests {
 
     #[test]
     fn f_theta_built_from_fits_computes_them() {
-        use kakeya_weights::ftheta::{FTHETA_FORMAT, FTHETA_VERSION, FThetaInputs, ModelRef};
+        use kakeya_weights::ftheta::FThetaInputs;
         let (layers, kv, dl, dkv) = (3, 4, 2, 3);
         // Inputs are 6 (own) or 12 (both) wide: codes narrower and wider than that.
         for (inputs, rank) in [(FThetaInputs::Own, 4), (FThetaInputs::Both, 13)] {
-            let config = FThetaConfig {
-                format: FTHETA_FORMAT.into(),
-                version: FTHETA_VERSION,
-                verifier: ModelRef {
-                    path: "v".into(),
-                    sha256: "a".into(),
-                },
-                drafter: ModelRef {
-                    path: "d".into(),
-                    sha256: "b".into(),
-                },
-                drafter_layers: (0..dl).collect(),
-                drafter_kv_dim: dkv,
-                inputs,
-                rank,
-                verifier_layers: layers,
-                verifier_kv_dim: kv,
-                bias: true,
-                loss: "mse".into(),
-            };
+            let config = kakeya_models::testing::f_theta_config(dl, dkv, inputs, rank, layers, kv);
             let inp = config.in_dim();
             let out = layers * kv;
             let mut rng = StdRng::seed_from_u64(4);

@@ -441,35 +441,28 @@ fn least_squares(
     let total = info.train.len();
     for (i, &seq) in info.train.iter().enumerate() {
         let s = raw_only.read(ds, seq)?;
-        let x = |own: &[f32]| -> Vec<f32> {
-            match f_theta.inputs {
-                FThetaInputs::Own => own.to_vec(),
-                FThetaInputs::Both => {
-                    let w = s.dk.len() / s.len.max(1);
-                    (0..s.len)
-                        .flat_map(|r| {
-                            s.dk[r * w..(r + 1) * w]
-                                .iter()
-                                .chain(&s.dv[r * w..(r + 1) * w])
-                                .copied()
-                        })
-                        .collect()
-                }
-            }
+        let rows_of = |k: bool| -> Vec<&[f32]> {
+            s.layers
+                .iter()
+                .map(|l| if k { &l.k[..] } else { &l.v[..] })
+                .collect()
         };
-        let y = |k: bool| -> Vec<f32> {
-            let w = f_theta.verifier_kv_dim;
-            let mut out = Vec::with_capacity(s.len * s.layers.len() * w);
-            for r in 0..s.len {
-                for l in &s.layers {
-                    let t = if k { &l.k } else { &l.v };
-                    out.extend_from_slice(&t[r * w..(r + 1) * w]);
-                }
+        let (yk, yv) = (
+            data::side_by_side(&rows_of(true), s.len, f_theta.verifier_kv_dim),
+            data::side_by_side(&rows_of(false), s.len, f_theta.verifier_kv_dim),
+        );
+        match f_theta.inputs {
+            FThetaInputs::Own => {
+                nk.add(&s.dk, &yk, s.len, device);
+                nv.add(&s.dv, &yv, s.len, device);
             }
-            out
-        };
-        nk.add(&x(&s.dk), &y(true), s.len, device);
-        nv.add(&x(&s.dv), &y(false), s.len, device);
+            FThetaInputs::Both => {
+                let w = f_theta.drafter_layers.len() * f_theta.drafter_kv_dim;
+                let x = data::side_by_side(&[&s.dk, &s.dv], s.len, w);
+                nk.add(&x, &yk, s.len, device);
+                nv.add(&x, &yv, s.len, device);
+            }
+        }
         on_event(FEvent::Fitting { done: i + 1, total });
     }
     let singular = || {

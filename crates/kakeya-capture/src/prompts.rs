@@ -130,3 +130,79 @@ pub fn needle(source: usize, k: usize, seed: u64, lines: [usize; 2]) -> Prompt {
         answer: Some(code),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn jsonl(name: &str, body: &str) -> (kakeya_models::testing::Scratch, std::path::PathBuf) {
+        let s = kakeya_models::testing::Scratch::new(name);
+        let p = s.0.join("prompts.jsonl");
+        std::fs::write(&p, body).unwrap();
+        (s, p)
+    }
+
+    fn source(path: &Path) -> Vec<SourceConfig> {
+        vec![SourceConfig::Jsonl {
+            path: path.to_path_buf(),
+            limit: None,
+        }]
+    }
+
+    #[test]
+    fn messages_lines_go_through_gemmas_chat_template() {
+        let (_s, p) = jsonl(
+            "prompts-messages",
+            concat!(
+                r#"{"text": "plain text"}"#,
+                "\n\n",
+                r#"{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Hi "}]}"#,
+                "\n",
+                r#"{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]}"#,
+                "\n"
+            ),
+        );
+        let got = load_sources(&source(&p)).unwrap();
+        let texts: Vec<&str> = got.iter().map(|p| p.text.as_str()).collect();
+        assert_eq!(
+            texts,
+            [
+                "plain text",
+                "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n",
+                "<start_of_turn>user\na<end_of_turn>\n<start_of_turn>model\nb<end_of_turn>\n\
+                 <start_of_turn>user\nc<end_of_turn>\n<start_of_turn>model\n",
+            ]
+        );
+        assert_eq!(
+            got.iter().map(|p| p.item).collect::<Vec<_>>(),
+            [0, 2, 3],
+            "items are line numbers − 1"
+        );
+    }
+
+    #[test]
+    fn bad_messages_name_the_file_and_line() {
+        for (body, why) in [
+            (
+                r#"{"messages": [{"role": "robot", "content": "x"}]}"#,
+                "robot",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "x"}, {"role": "user", "content": "y"}]}"#,
+                "alternate",
+            ),
+            (r#"{"messages": [{"role": "user"}]}"#, "content"),
+            (r#"{"messages": []}"#, "no user message"),
+        ] {
+            let (_s, p) = jsonl(
+                "prompts-bad-messages",
+                &format!("{{\"text\": \"ok\"}}\n{body}\n"),
+            );
+            let err = load_sources(&source(&p)).unwrap_err().to_string();
+            assert!(
+                err.contains("prompts.jsonl") && err.contains(":2") && err.contains(why),
+                "{body}: {err}"
+            );
+        }
+    }
+}

@@ -6,10 +6,10 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use clap::{ArgGroup, Args};
 use kakeya_models::{DFlashDrafter, Gemma3Model};
-use kakeya_runtime::chat::{self, Message};
+use kakeya_runtime::chat::{self, ChatSession, Message};
 use kakeya_runtime::{
     DFlashProposer, Generation, GenerationConfig, RunawayGuard, Sampling, Session, SpecConfig,
-    Verifier, generate, speculative_generate,
+    TextStream, Verifier, generate, speculative_generate,
 };
 use kakeya_weights::Tokenizer;
 
@@ -95,25 +95,27 @@ impl InferArgs {
     }
 }
 
-/// Prints text as tokens arrive, holding back incomplete UTF-8.
-struct Streamer<'t> {
-    tok: &'t Tokenizer,
-    ids: Vec<u32>,
-    printed: usize,
-}
+/// Prints text as tokens arrive (holding back incomplete UTF-8) to stdout.
+struct Printer<'t>(TextStream<'t>);
 
-impl Streamer<'_> {
-    fn push(&mut self, id: u32) {
-        self.ids.push(id);
-        if let Ok(text) = self.tok.decode(&self.ids)
-            && !text.ends_with('\u{fffd}')
-            && text.len() > self.printed
-            && text.is_char_boundary(self.printed)
-        {
-            print!("{}", &text[self.printed..]);
-            let _ = std::io::stdout().flush();
-            self.printed = text.len();
+impl Printer<'_> {
+    fn print(piece: Result<Option<String>, kakeya_runtime::RuntimeError>) {
+        match piece {
+            Ok(Some(text)) => {
+                print!("{text}");
+                let _ = std::io::stdout().flush();
+            }
+            Ok(None) => {}
+            Err(e) => tracing::warn!("cannot decode streamed tokens: {e}"),
         }
+    }
+
+    fn push(&mut self, id: u32) {
+        Self::print(self.0.push(id));
+    }
+
+    fn finish(&mut self) {
+        Self::print(self.0.finish());
     }
 }
 
@@ -219,10 +221,8 @@ pub fn run(a: InferArgs) -> Result<()> {
         loop_guard: (!a.no_loop_guard).then(RunawayGuard::default),
     };
     if a.chat {
-        // Slack lets a turn the loop guard trimmed roll its cut repeats out of the caches.
-        let guard = RunawayGuard::default();
-        let mut session = Session::new(&model, guard.max_unit * guard.min_repeats + 1);
-        return chat_loop(&mut session, &tok, &cfg);
+        let mut chat = ChatSession::new(&model, &RunawayGuard::default());
+        return chat_loop(&mut chat, &tok, &cfg);
     }
     let text = if let Some(p) = &a.prompt {
         p.clone()
@@ -243,16 +243,14 @@ pub fn run(a: InferArgs) -> Result<()> {
     }
     let mut ids = vec![tok.bos];
     ids.extend(tok.encode(&text)?);
-    let mut streamer = Streamer {
-        tok: &tok,
-        ids: Vec::new(),
-        printed: 0,
-    };
+    let mut printer = Printer(TextStream::new(&tok));
     let spec = drafter.as_ref().map(|d| (d, block));
     let g = if a.json {
         decode(&model, spec, &ids, &cfg, &mut |_| {})?
     } else {
-        decode(&model, spec, &ids, &cfg, &mut |t| streamer.push(t))?
+        let g = decode(&model, spec, &ids, &cfg, &mut |t| printer.push(t))?;
+        printer.finish();
+        g
     };
     let ar = if a.compare_ar {
         Some(decode(&model, None, &ids, &cfg, &mut |_| {})?)
@@ -295,9 +293,8 @@ pub fn run(a: InferArgs) -> Result<()> {
 }
 
 /// Interactive chat: each user line is a turn; the caches carry over between turns.
-fn chat_loop(session: &mut Session<'_>, tok: &Tokenizer, cfg: &GenerationConfig) -> Result<()> {
+fn chat_loop(chat: &mut ChatSession<'_>, tok: &Tokenizer, cfg: &GenerationConfig) -> Result<()> {
     let stdin = std::io::stdin();
-    let mut first = true;
     eprintln!("chat: type a message and press Enter (Ctrl-D to quit)");
     loop {
         eprint!("> ");
@@ -305,37 +302,13 @@ fn chat_loop(session: &mut Session<'_>, tok: &Tokenizer, cfg: &GenerationConfig)
         if stdin.lock().read_line(&mut line)? == 0 {
             return Ok(());
         }
-        let line = line.trim_end_matches(['\n', '\r']);
         if line.trim().is_empty() {
             continue;
         }
-        let mut ids = if first { vec![tok.bos] } else { Vec::new() };
-        first = false;
-        ids.extend(tok.encode(&format!(
-            "{}{}",
-            chat::turn("user", line),
-            chat::MODEL_PROMPT
-        ))?);
-        let mut streamer = Streamer {
-            tok,
-            ids: Vec::new(),
-            printed: 0,
-        };
-        let base = session.len() + ids.len();
-        let g = generate(session, &ids, cfg, &mut |t| streamer.push(t))?;
-        if g.stop_reason == kakeya_runtime::StopReason::Runaway {
-            // The guard trimmed repeats the session has already run: forget them too.
-            session.truncate(base + g.tokens.len() - 1)?;
-        }
+        let mut printer = Printer(TextStream::new(tok));
+        let g = chat.reply(tok, &line, cfg, &mut |t| printer.push(t))?;
+        printer.finish();
         println!();
         print_stats(&g);
-        // Close the model's turn in the context. A turn cut at max tokens has not run its
-        // last token yet; one ended by a stop token has run every emitted token.
-        let mut close = match g.stop_reason {
-            kakeya_runtime::StopReason::StopToken => Vec::new(),
-            _ => g.tokens.last().copied().into_iter().collect(),
-        };
-        close.extend(tok.encode("<end_of_turn>\n")?);
-        session.prefill(&close, 512)?;
     }
 }

@@ -4,25 +4,13 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+mod common;
+
+use common::fails;
 use kakeya_models::testing::Scratch;
 use kakeya_models::testing::{
-    drafter_config, random_checkpoint, random_drafter, tiny_config, word_level_tokenizer_json,
+    drafter_config, random_drafter, tiny_config, word_level_tokenizer_json,
 };
-
-/// Runs kakeya; asserts failure without a panic; returns stderr.
-fn fails(args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_kakeya"))
-        .args(args)
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(
-        !out.status.success(),
-        "expected failure for {args:?}; stderr: {err}"
-    );
-    assert!(!err.contains("panicked"), "panic for {args:?}: {err}");
-    err
-}
 
 /// A word-level tokenizer with `n` tokens (<pad>, <eos>, <bos>, <unk>, w4, w5, ...).
 fn write_tokenizer(path: &Path, n: usize) {
@@ -31,12 +19,7 @@ fn write_tokenizer(path: &Path, n: usize) {
 
 /// A tiny random Gemma 3 as an HF folder, with a matching tokenizer (vocab 97, context 512).
 fn tiny_model(dir: &Path) -> PathBuf {
-    let m = dir.join("tiny");
-    random_checkpoint(&tiny_config(4), 3)
-        .write_hf_dir(&m)
-        .unwrap();
-    write_tokenizer(&m.join("tokenizer.json"), 97);
-    m
+    common::tiny_model_dir(dir, "tiny", 4, 3)
 }
 
 /// A GGUF image with one F32 tensor `w` of 4 elements of type `type_id`.

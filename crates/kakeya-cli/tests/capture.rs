@@ -3,23 +3,17 @@
 //! input fails with a clear message and nothing half-written listed.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use kakeya_models::testing::Scratch;
-use kakeya_models::testing::{random_checkpoint, tiny_config, word_level_tokenizer_json};
+mod common;
 
-fn kakeya() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_kakeya"))
-}
+use common::{assert_clean_failure, fails, kakeya, run_ok};
+use kakeya_models::testing::Scratch;
 
 /// Tiny model folder + word-level tokenizer + a prompt file of `n` prompts.
 fn setup(dir: &Path, n: usize) -> (PathBuf, PathBuf) {
-    let m = dir.join("tiny");
-    random_checkpoint(&tiny_config(4), 3)
-        .write_hf_dir(&m)
-        .unwrap();
-    std::fs::write(m.join("tokenizer.json"), word_level_tokenizer_json(97)).unwrap();
+    let m = common::tiny_model_dir(dir, "tiny", 4, 3);
     let prompts = dir.join("prompts.jsonl");
     let lines: Vec<String> = (0..n)
         .map(|i| {
@@ -65,15 +59,6 @@ lines = [3, 6]
     )
     .unwrap();
     p
-}
-
-fn run_ok(args: &[&str]) {
-    let out = kakeya().args(args).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 fn manifest(dir: &Path) -> serde_json::Value {
@@ -163,8 +148,8 @@ fn killed_and_resumed_equals_uninterrupted_and_shards_merge() {
         .args(["capture", "--config", cfg_kill.to_str().unwrap()])
         .output()
         .unwrap();
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--resume"));
+    let err = assert_clean_failure(&out, "capture again without --resume");
+    assert!(err.contains("--resume"), "{err}");
 
     // Two halves on "two machines", merged.
     let (a, b) = (s.0.join("half-a"), s.0.join("half-b"));
@@ -197,14 +182,6 @@ fn killed_and_resumed_equals_uninterrupted_and_shards_merge() {
     let (mm, mf) = (manifest(&merged), manifest(&full_dir));
     assert_eq!(mm["sequences"], mf["sequences"]);
     assert_eq!(mm["columns"], mf["columns"]);
-}
-
-fn fails(args: &[&str]) -> String {
-    let out = kakeya().args(args).output().unwrap();
-    let err = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(!out.status.success(), "expected failure for {args:?}");
-    assert!(!err.contains("panicked"), "{err}");
-    err
 }
 
 #[test]

@@ -3,39 +3,15 @@
 //! aux columns, or captured with another verifier, is refused before training starts.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
+mod common;
+
+use common::{fails, run_ok};
 use kakeya_models::testing::Scratch;
-use kakeya_models::testing::{random_checkpoint, tiny_config, word_level_tokenizer_json};
-
-fn kakeya() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_kakeya"))
-}
-
-fn run_ok(args: &[&str]) -> String {
-    let out = kakeya().args(args).output().unwrap();
-    assert!(
-        out.status.success(),
-        "kakeya {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn fails(args: &[&str]) -> String {
-    let out = kakeya().args(args).output().unwrap();
-    assert!(!out.status.success(), "kakeya {args:?} should fail");
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
 
 /// A tiny model folder (random weights, `seed`) with a word-level tokenizer.
 fn model(dir: &Path, name: &str, seed: u64) -> PathBuf {
-    let m = dir.join(name);
-    random_checkpoint(&tiny_config(64), seed)
-        .write_hf_dir(&m)
-        .unwrap();
-    std::fs::write(m.join("tokenizer.json"), word_level_tokenizer_json(97)).unwrap();
-    m
+    common::tiny_model_dir(dir, name, 64, seed)
 }
 
 /// Captures tokens + aux layers 1 and 3 of 16 short prompts with `m`.

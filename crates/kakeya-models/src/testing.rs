@@ -154,6 +154,101 @@ pub fn word_level_tokenizer_json(n: usize) -> String {
     )
 }
 
+/// A `tokenizer.json` for chat tests on a tiny model: `n` tokens — `<pad>`, `<eos>`, `<bos>`,
+/// `<unk>`, `w4`, the special `<start_of_turn>` (5) and `<end_of_turn>` (6), `user` (7),
+/// `model` (8), then `w9`, `w10`, ... — split on whitespace, so Gemma's chat template
+/// `"<start_of_turn>user\nw9 w10<end_of_turn>\n"` encodes to 5, 7, 9, 10, 6.
+pub fn chat_tokenizer_json(n: usize) -> String {
+    let names: Vec<String> = (0..n)
+        .map(|i| match i {
+            0 => "<pad>".into(),
+            1 => "<eos>".into(),
+            2 => "<bos>".into(),
+            3 => "<unk>".into(),
+            5 => "<start_of_turn>".into(),
+            6 => "<end_of_turn>".into(),
+            7 => "user".into(),
+            8 => "model".into(),
+            _ => format!("w{i}"),
+        })
+        .collect();
+    let vocab: Vec<String> = names
+        .iter()
+        .enumerate()
+        .map(|(i, t)| format!("\"{t}\": {i}"))
+        .collect();
+    let added: Vec<String> = [0, 1, 2, 3, 5, 6]
+        .iter()
+        .map(|&i| added_token(i, &names[i]))
+        .collect();
+    format!(
+        r#"{{"version": "1.0", "truncation": null, "padding": null, "added_tokens": [{}],
+"normalizer": null, "pre_tokenizer": {{"type": "Whitespace"}}, "post_processor": null,
+"decoder": null, "model": {{"type": "WordLevel", "vocab": {{{}}}, "unk_token": "<unk>"}}}}"#,
+        added.join(", "),
+        vocab.join(", ")
+    )
+}
+
+/// A byte-fallback BPE `tokenizer.json` of `n` (≥ 40) tokens, like Gemma's for characters it
+/// has no token for: `<pad>`, `<eos>`, `<bos>`, `<unk>`, then the byte tokens of `€` (ids 4–6,
+/// `<0xE2> <0x82> <0xAC>`), `é` (7–8) and `😀` (9–12), the letters `a`–`z` (13–38), space
+/// (39), then more lead and continuation bytes of 2-byte characters. Decoding joins the bytes
+/// back (`ByteFallback`, `Fuse`); an incomplete or invalid sequence decodes to U+FFFD.
+pub fn byte_fallback_tokenizer_json(n: usize) -> String {
+    let mut names: Vec<String> = ["<pad>", "<eos>", "<bos>", "<unk>"]
+        .iter()
+        .map(|t| t.to_string())
+        .collect();
+    for b in "€é😀".bytes() {
+        names.push(format!("<0x{b:02X}>"));
+    }
+    names.extend(('a'..='z').map(String::from));
+    names.push(" ".into());
+    assert!(
+        n >= names.len(),
+        "a byte-fallback test tokenizer needs at least {} tokens",
+        names.len()
+    );
+    // Fillers: more byte tokens — lead bytes of 2-byte characters (0xC4..) and continuation
+    // bytes (0x81..) — so that random output often forms (and often breaks) characters.
+    let mut leads = (0xC4u8..=0xDF).map(|b| format!("<0x{b:02X}>"));
+    let mut conts = (0x81u8..=0xBF)
+        .filter(|b| !"€é😀".bytes().any(|x| x == *b))
+        .map(|b| format!("<0x{b:02X}>"));
+    for i in names.len()..n {
+        let next = if i % 3 == 0 {
+            leads.next()
+        } else {
+            conts.next()
+        };
+        names.push(next.unwrap_or_else(|| format!("w{i}")));
+    }
+    let vocab: Vec<String> = names
+        .iter()
+        .enumerate()
+        .map(|(i, t)| format!("\"{t}\": {i}"))
+        .collect();
+    let added: Vec<String> = (0..4).map(|i| added_token(i, &names[i])).collect();
+    format!(
+        r#"{{"version": "1.0", "truncation": null, "padding": null, "added_tokens": [{}],
+"normalizer": null, "pre_tokenizer": null, "post_processor": null,
+"decoder": {{"type": "Sequence", "decoders": [{{"type": "ByteFallback"}}, {{"type": "Fuse"}}]}},
+"model": {{"type": "BPE", "dropout": null, "unk_token": "<unk>", "continuing_subword_prefix": null,
+"end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": true, "ignore_merges": false,
+"vocab": {{{}}}, "merges": []}}}}"#,
+        added.join(", "),
+        vocab.join(", ")
+    )
+}
+
+/// One special entry of a `tokenizer.json`'s `added_tokens`.
+fn added_token(id: usize, content: &str) -> String {
+    format!(
+        r#"{{"id": {id}, "content": "{content}", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}}"#
+    )
+}
+
 /// A fresh temporary folder `kakeya-{name}-{pid}` for a test, removed when dropped.
 pub struct Scratch(pub std::path::PathBuf);
 

@@ -9,6 +9,9 @@ pub enum RuntimeError {
     /// From the model or a cache.
     #[error(transparent)]
     Model(#[from] kakeya_models::ModelError),
+    /// From the tokenizer.
+    #[error(transparent)]
+    Weights(#[from] kakeya_weights::WeightsError),
     /// Input that cannot be run (empty or too long prompt, ...).
     #[error("{0}")]
     Input(String),

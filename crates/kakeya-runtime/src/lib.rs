@@ -8,6 +8,7 @@ pub mod guard;
 pub mod kv;
 pub mod sampler;
 pub mod spec;
+pub mod stream;
 
 pub use error::{Result, RuntimeError};
 pub use generate::{
@@ -20,3 +21,4 @@ pub use spec::{
     DFlashProposer, Proposer, ReplayProposer, SpecConfig, SpecStats, Verifier, accept_greedy,
     speculative_generate,
 };
+pub use stream::TextStream;

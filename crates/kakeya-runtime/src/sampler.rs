@@ -144,6 +144,107 @@ mod tests {
         );
     }
 
+    /// Draws `n` tokens and returns how often each index came out.
+    fn histogram(mode: Sampling, logits: &[f32], n: usize) -> Vec<usize> {
+        let mut s = Sampler::new(mode);
+        let mut h = vec![0; logits.len()];
+        for _ in 0..n {
+            h[s.pick(logits) as usize] += 1;
+        }
+        h
+    }
+
+    /// Asserts the observed counts follow `want` (probabilities): every index with
+    /// probability 0 never comes out, and each other count is within 5 standard deviations of
+    /// its expectation (a false alarm has odds below 1e-6 per index).
+    fn assert_distribution(h: &[usize], want: &[f64], what: &str) {
+        let n: usize = h.iter().sum();
+        for (i, (&c, &p)) in h.iter().zip(want).enumerate() {
+            if p == 0.0 {
+                assert_eq!(
+                    c, 0,
+                    "{what}: index {i} is outside the kept set but came out {c}x"
+                );
+                continue;
+            }
+            let mean = n as f64 * p;
+            let sd = (n as f64 * p * (1.0 - p)).sqrt();
+            assert!(
+                (c as f64 - mean).abs() <= 5.0 * sd,
+                "{what}: index {i} came out {c}x in {n}, expected {mean:.0} ± {sd:.0} (p = {p:.4})"
+            );
+        }
+    }
+
+    fn sample(temperature: f32, top_k: usize, top_p: f32) -> Sampling {
+        Sampling::Sample {
+            temperature,
+            top_k,
+            top_p,
+            seed: 42,
+        }
+    }
+
+    /// Logits whose softmax at T = 1 is exactly [0.4, 0.3, 0.2, 0.1] (written shuffled).
+    fn four() -> Vec<f32> {
+        [0.2f32, 0.4, 0.1, 0.3].iter().map(|p| p.ln()).collect()
+    }
+
+    #[test]
+    fn temperature_one_samples_the_softmax() {
+        let h = histogram(sample(1.0, 0, 1.0), &four(), 40_000);
+        assert_distribution(&h, &[0.2, 0.4, 0.1, 0.3], "T=1");
+    }
+
+    #[test]
+    fn temperature_sharpens_and_flattens() {
+        // softmax(log p / T) ∝ p^(1/T): T = 0.5 squares the probabilities, T = 2 takes roots.
+        let p = [0.2f64, 0.4, 0.1, 0.3];
+        let norm = |e: f64| {
+            let w: Vec<f64> = p.iter().map(|x| x.powf(e)).collect();
+            let s: f64 = w.iter().sum();
+            w.into_iter().map(|x| x / s).collect::<Vec<_>>()
+        };
+        let h = histogram(sample(0.5, 0, 1.0), &four(), 40_000);
+        assert_distribution(&h, &norm(2.0), "T=0.5");
+        let h = histogram(sample(2.0, 0, 1.0), &four(), 40_000);
+        assert_distribution(&h, &norm(0.5), "T=2");
+    }
+
+    #[test]
+    fn top_k_keeps_the_k_most_likely_renormalised() {
+        // Top 2 of [0.2, 0.4, 0.1, 0.3] are indices 1 and 3: 0.4 / 0.7 and 0.3 / 0.7.
+        let h = histogram(sample(1.0, 2, 1.0), &four(), 40_000);
+        assert_distribution(&h, &[0.0, 4.0 / 7.0, 0.0, 3.0 / 7.0], "top-k 2");
+        let h = histogram(sample(1.0, 3, 1.0), &four(), 40_000);
+        assert_distribution(&h, &[2.0 / 9.0, 4.0 / 9.0, 0.0, 3.0 / 9.0], "top-k 3");
+    }
+
+    #[test]
+    fn top_p_cuts_at_the_smallest_set_reaching_the_mass() {
+        // Sorted mass 0.4, 0.7, 0.9, 1.0. top_p 0.65 keeps {0.4, 0.3} (0.4 < 0.65 ≤ 0.7);
+        // top_p 0.8 keeps three; top_p 0.35 keeps only the most likely.
+        let h = histogram(sample(1.0, 0, 0.65), &four(), 40_000);
+        assert_distribution(&h, &[0.0, 4.0 / 7.0, 0.0, 3.0 / 7.0], "top-p 0.65");
+        let h = histogram(sample(1.0, 0, 0.8), &four(), 40_000);
+        assert_distribution(&h, &[2.0 / 9.0, 4.0 / 9.0, 0.0, 3.0 / 9.0], "top-p 0.8");
+        let h = histogram(sample(1.0, 0, 0.35), &four(), 2_000);
+        assert_distribution(&h, &[0.0, 1.0, 0.0, 0.0], "top-p 0.35");
+    }
+
+    #[test]
+    fn top_p_applies_after_temperature_and_top_k() {
+        // T = 0.5: p² normalised = [4, 16, 1, 9] / 30; sorted mass 16/30, 25/30, 29/30.
+        // top_k 3 then renormalises over {16, 9, 4} / 29; top_p 0.8 then keeps {16, 9}
+        // (16/29 = 0.55 < 0.8 ≤ 25/29 = 0.86).
+        let h = histogram(sample(0.5, 3, 0.8), &four(), 40_000);
+        assert_distribution(
+            &h,
+            &[0.0, 16.0 / 25.0, 0.0, 9.0 / 25.0],
+            "T 0.5, k 3, p 0.8",
+        );
+    }
+
     #[test]
     fn top_p_keeps_the_nucleus() {
         // One token holds ~all the mass: top_p 0.5 must always return it.

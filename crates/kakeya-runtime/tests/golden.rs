@@ -5,25 +5,15 @@
 //! `#[ignore]`; the README's test command (`scripts/test.sh`) fetches it and runs them with
 //! `--include-ignored`.
 
-use std::path::PathBuf;
+mod common;
 
-use burn::tensor::Device;
-use kakeya_models::Gemma3Model;
+use common::{load, root};
 use kakeya_runtime::{GenerationConfig, Sampling, Session, generate};
-use kakeya_weights::{Checkpoint, Tokenizer};
 
 /// Max |ours − transformers| over the recorded logits. Both run f32 on the same dequantised
 /// weights; what differs is summation order (BLAS kernels), which over 18 layers and logits of
 /// magnitude ~30 stays far below this.
 const LOGIT_TOL: f32 = 1e-3;
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn model_dir() -> PathBuf {
-    root().join("models/gemma-3-270m")
-}
 
 fn fixture() -> serde_json::Value {
     let p = root().join("tests/fixtures/golden/golden.json");
@@ -44,15 +34,6 @@ fn floats(v: &serde_json::Value) -> Vec<f32> {
         .iter()
         .map(|x| x.as_f64().unwrap() as f32)
         .collect()
-}
-
-fn load() -> (Gemma3Model, Tokenizer) {
-    let ck = Checkpoint::load(model_dir().join("gemma-3-270m-q4_k_m.gguf")).expect("fetched model");
-    let tok = Tokenizer::load(&model_dir().join("tokenizer.json"), ck.config.vocab_size).unwrap();
-    (
-        Gemma3Model::from_checkpoint(ck, &Device::flex()).unwrap(),
-        tok,
-    )
 }
 
 /// Max abs difference of our logits at the fixture's ids.
@@ -103,33 +84,4 @@ fn logits_and_greedy_match_transformers() {
         }
         assert_eq!(g.tokens.len(), want.len());
     }
-}
-
-#[test]
-#[ignore = "needs the fetched default model (scripts/fetch_default_model.py)"]
-fn converted_hf_folder_gives_the_same_model() {
-    let gguf = model_dir().join("gemma-3-270m-q4_k_m.gguf");
-    let ck = Checkpoint::load(&gguf).unwrap();
-    let out = std::env::temp_dir().join(format!("kakeya-convert-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&out);
-    ck.write_hf_dir(&out).unwrap();
-    let hf = Checkpoint::load(&out).unwrap();
-    std::fs::remove_dir_all(&out).unwrap();
-    assert_eq!(
-        hf.config, ck.config,
-        "same config from GGUF metadata and config.json"
-    );
-    let prompt = [2u32, 818, 5279, 529, 7001, 563];
-    let run = |ck: Checkpoint| {
-        let m = Gemma3Model::from_checkpoint(ck, &Device::flex()).unwrap();
-        Session::new(&m, 0).prefill(&prompt, 512).unwrap()
-    };
-    let (a, b) = (run(ck), run(hf));
-    let d = a
-        .iter()
-        .zip(&b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0f32, f32::max);
-    // Norm weights round-trip through `w = g - 1`, exact for |g| in [0.5, 2], 1 ulp otherwise.
-    assert!(d <= 1e-4, "GGUF vs converted folder: max |Δlogit| {d}");
 }

@@ -1,35 +1,22 @@
 //! Speculative decoding on the real Gemma 3 270M (GGUF Q4_K_M): token-identical to plain greedy
 //! decoding with a random-weight DFlash drafter over 20 prompts and block sizes 4, 8, 16 (two
-//! prompts of ~800 tokens, past the 512-token sliding window, so the rings wrap at every step); every draft
+//! prompts longer than the 512-token sliding window, so the rings wrap at every step); every draft
 //! accepted when the drafts are the verifier's own output; the loop guard on real token
 //! streams.
 //!
 //! They need the fetched model (`python3 scripts/fetch_default_model.py`), so they are
 //! `#[ignore]`d; the README's test command runs them with `--include-ignored`.
 
-use std::path::PathBuf;
+mod common;
 
-use burn::tensor::Device;
+use common::{load, model_dir, trained_drafter};
 use kakeya_models::testing::{drafter_config, random_drafter};
 use kakeya_models::{DFlashDrafter, Gemma3Model};
 use kakeya_runtime::{
     DFlashProposer, GenerationConfig, ReplayProposer, RunawayGuard, Sampling, Session, SpecConfig,
     Verifier, generate, speculative_generate,
 };
-use kakeya_weights::{Checkpoint, Tokenizer};
-
-fn model_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/gemma-3-270m")
-}
-
-fn load() -> (Gemma3Model, Tokenizer) {
-    let ck = Checkpoint::load(model_dir().join("gemma-3-270m-q4_k_m.gguf")).expect("fetched model");
-    let tok = Tokenizer::load(&model_dir().join("tokenizer.json"), ck.config.vocab_size).unwrap();
-    (
-        Gemma3Model::from_checkpoint(ck, &Device::flex()).unwrap(),
-        tok,
-    )
-}
+use kakeya_weights::Tokenizer;
 
 const SHORT: [&str; 18] = [
     "The capital of France is",
@@ -118,7 +105,14 @@ fn speculative_equals_greedy_on_gemma3_270m() {
     for seed in 0..2 {
         let mut ids = vec![tok.bos];
         ids.extend(tok.encode(&long_prompt(seed)).unwrap());
-        assert!(ids.len() > 480, "long prompt has {} tokens", ids.len());
+        // Its point: the prompt alone fills more than the sliding window, so every sliding
+        // layer's ring has wrapped before the first draft and keeps wrapping at every block.
+        assert!(
+            ids.len() > v.config.sliding_window,
+            "long prompt has {} tokens, not more than the {}-token sliding window",
+            ids.len(),
+            v.config.sliding_window
+        );
         prompts.push(ids);
     }
     let max_tokens = 17; // = 1 + 2 · 8: the replay check below commits two whole blocks of 8
@@ -219,18 +213,11 @@ fn loop_guard_on_real_token_streams() {
     assert!((3..=4).contains(&n), "kept {text:?}");
 }
 
-/// The trained drafter committed for the default model (`configs/train/drafter-270m.toml`).
-fn trained_drafter_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../checkpoints/drafter-gemma3-270m")
-}
-
 #[test]
 #[ignore = "needs the fetched Gemma 3 270M (scripts/fetch_default_model.py)"]
 fn trained_drafter_is_lossless_and_gets_drafts_accepted() {
     let (v, tok) = load();
-    let ck =
-        kakeya_weights::DraftCheckpoint::load(&trained_drafter_dir()).expect("trained drafter");
-    let d = DFlashDrafter::from_checkpoint(ck, &v).unwrap();
+    let d = trained_drafter(&v);
     let mut prompts: Vec<Vec<u32>> = SHORT
         .iter()
         .map(|t| {
@@ -241,6 +228,7 @@ fn trained_drafter_is_lossless_and_gets_drafts_accepted() {
         .collect();
     let mut ids = vec![tok.bos];
     ids.extend(tok.encode(&long_prompt(0)).unwrap());
+    assert!(ids.len() > v.config.sliding_window, "{} tokens", ids.len());
     prompts.push(ids);
     let max_tokens = 40;
     let (mut committed, mut blocks) = (0usize, 0usize);

@@ -86,6 +86,17 @@ impl Tokenizer {
         Ok(ids)
     }
 
+    /// True for a token that decoding may merge with its neighbours or drop: a byte-fallback
+    /// token (`<0xNN>`; a run of them decodes as one byte string, and one invalid byte turns
+    /// the whole run into U+FFFD) or a special token (skipped when decoding).
+    pub fn joins_neighbours(&self, id: u32) -> bool {
+        self.inner.id_to_token(id).is_some_and(|t| {
+            let hex = t.strip_prefix("<0x").and_then(|r| r.strip_suffix('>'));
+            hex.is_some_and(|h| h.len() == 2 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+                || self.inner.get_added_vocabulary().is_special_token(&t)
+        })
+    }
+
     /// Decodes ids to text (special tokens skipped).
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         self.inner

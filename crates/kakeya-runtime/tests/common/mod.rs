@@ -1,0 +1,40 @@
+//! Paths and loaders shared by the tests that need the fetched default model
+//! (`python3 scripts/fetch_default_model.py`).
+#![allow(dead_code)] // each test binary uses its own subset
+
+use std::path::PathBuf;
+
+use burn::tensor::Device;
+use kakeya_models::{DFlashDrafter, Gemma3Model};
+use kakeya_weights::{Checkpoint, DraftCheckpoint, Tokenizer};
+
+/// The workspace root.
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// Where the fetch script puts Gemma 3 270M and its tokenizer.
+pub fn model_dir() -> PathBuf {
+    root().join("models/gemma-3-270m")
+}
+
+/// The default model (GGUF Q4_K_M) on the CPU, and its tokenizer.
+pub fn load() -> (Gemma3Model, Tokenizer) {
+    let ck = Checkpoint::load(model_dir().join("gemma-3-270m-q4_k_m.gguf")).expect("fetched model");
+    let tok = Tokenizer::load(&model_dir().join("tokenizer.json"), ck.config.vocab_size).unwrap();
+    (
+        Gemma3Model::from_checkpoint(ck, &Device::flex()).unwrap(),
+        tok,
+    )
+}
+
+/// The trained drafter committed for the default model (`configs/train/drafter-270m.toml`).
+pub fn trained_drafter_dir() -> PathBuf {
+    root().join("checkpoints/drafter-gemma3-270m")
+}
+
+/// The trained drafter, loaded for `verifier`.
+pub fn trained_drafter(verifier: &Gemma3Model) -> DFlashDrafter {
+    let ck = DraftCheckpoint::load(&trained_drafter_dir()).expect("trained drafter");
+    DFlashDrafter::from_checkpoint(ck, verifier).unwrap()
+}

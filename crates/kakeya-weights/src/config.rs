@@ -251,7 +251,12 @@ impl Gemma3Config {
             "rope_local_base_freq": self.rope_local_base_freq,
             "rope_scaling": rope_scaling,
             "sliding_window": self.sliding_window,
-            "query_pre_attn_scalar": self.query_pre_attn_scalar,
+            // transformers declares it an integer (and refuses 256.0); write it as one when it is.
+            "query_pre_attn_scalar": if self.query_pre_attn_scalar.fract() == 0.0 {
+                serde_json::json!(self.query_pre_attn_scalar as i64)
+            } else {
+                serde_json::json!(self.query_pre_attn_scalar)
+            },
             "max_position_embeddings": self.max_position_embeddings,
             "final_logit_softcapping": self.final_logit_softcapping,
             "attn_logit_softcapping": null,

@@ -1,7 +1,9 @@
-//! f_θ's losses, gradients and one AdamW step against the PyTorch reference
-//! (`tests/fixtures/f_theta/make_f_theta.py` → `f_theta.json`, tolerance 1e-4), plus the
-//! properties DESIGN §7 asks of them: identical K/V give zero loss, the hybrid loss exceeds
-//! attn_distill when directions differ, and gradients reach f_θ only.
+//! f_θ's losses and gradients (with and without `normalize_attention`) and five of the
+//! trainer's own steps (its loss, global clip, AdamW and schedule) against the PyTorch reference
+//! (`tests/fixtures/f_theta/make_f_theta.py` → `f_theta.json`; losses, terms and gradients
+//! 1e-4, weights after the steps 1e-5), plus the properties DESIGN §7 asks of them: identical
+//! K/V give zero loss, the hybrid loss exceeds attn_distill when directions differ, and the
+//! trainer's step reaches f_θ only, never the verifier's weights.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -10,11 +12,14 @@ use burn::tensor::{Device, Tensor, TensorData};
 use kakeya_models::rope::Rope;
 use kakeya_models::testing::{f_theta_config, random_checkpoint, tiny_config};
 use kakeya_models::{FTheta, Gemma3Model, norm::RmsNorm};
+use kakeya_train::ftheta::FThetaTrainConfig;
+use kakeya_train::ftheta::data::{LayerData, SeqData};
 use kakeya_train::ftheta::loss::{
     Lambdas, LayerFrozen, LayerTargets, LossKind, Terms, layer_loss, layer_terms,
 };
 use kakeya_train::ftheta::params::FThetaParams;
-use kakeya_train::optim::{AdamW, Moments, clip_factor, global_norm};
+use kakeya_train::ftheta::train::{batch_loss, frozen_layers, leaves, optimizer_step};
+use kakeya_train::optim::{Moments, global_norm};
 use kakeya_weights::ftheta::FThetaInputs;
 use kakeya_weights::{FThetaConfig, HostTensor};
 use serde_json::Value;
@@ -59,20 +64,14 @@ struct Case {
     dv: Tensor<2>,
 }
 
-fn case(f: &Value, d: &Device) -> Case {
+/// The fixture verifier's frozen attention pieces on `d`.
+fn frozen(f: &Value, d: &Device) -> Vec<LayerFrozen> {
     let dims = &f["dims"];
-    let t = usize_of(&dims["t"]);
     let layers = usize_of(&dims["layers"]);
     let hd = usize_of(&dims["head_dim"]);
     let hidden = usize_of(&dims["hidden"]);
-    let qpos: Vec<usize> = dims["qpos"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(usize_of)
-        .collect();
     let bases = floats(&dims["rope_bases"]);
-    let frozen = (0..layers)
+    (0..layers)
         .map(|l| {
             let global = dims["global_layers"][l].as_bool().unwrap();
             let norm = |k: &str| RmsNorm {
@@ -91,16 +90,13 @@ fn case(f: &Value, d: &Device) -> Case {
                 rope: Rope::new(hd, f64::from(bases[usize::from(global)]), 1.0),
             }
         })
-        .collect();
-    let targets = (0..layers)
-        .map(|l| LayerTargets {
-            q_raw: Some(t2(&f["data"]["q_raw"][l], qpos.len(), d)),
-            q_pos: qpos.clone(),
-            k: t2(&f["data"]["k_raw"][l], t, d),
-            v: t2(&f["data"]["v_raw"][l], t, d),
-            o: Some(t2(&f["data"]["o_tgt"][l], qpos.len(), d)),
-        })
-        .collect();
+        .collect()
+}
+
+/// The fixture's initial f_θ on `d`.
+fn params(f: &Value, d: &Device) -> FThetaParams {
+    let dims = &f["dims"];
+    let hd = usize_of(&dims["head_dim"]);
     let config = FThetaConfig {
         loss: "attn_distill_hybrid".into(),
         ..f_theta_config(
@@ -108,7 +104,7 @@ fn case(f: &Value, d: &Device) -> Case {
             usize_of(&dims["drafter_kv"]),
             FThetaInputs::Own,
             usize_of(&dims["rank"]),
-            layers,
+            usize_of(&dims["layers"]),
             usize_of(&dims["kv_heads"]) * hd,
         )
     };
@@ -131,11 +127,32 @@ fn case(f: &Value, d: &Device) -> Case {
             )
         })
         .collect();
-    let params = FThetaParams::from_host(config, &mut host, d).unwrap();
+    FThetaParams::from_host(config, &mut host, d).unwrap()
+}
+
+fn case(f: &Value, d: &Device) -> Case {
+    let dims = &f["dims"];
+    let t = usize_of(&dims["t"]);
+    let layers = usize_of(&dims["layers"]);
+    let qpos: Vec<usize> = dims["qpos"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(usize_of)
+        .collect();
+    let targets = (0..layers)
+        .map(|l| LayerTargets {
+            q_raw: Some(t2(&f["data"]["q_raw"][l], qpos.len(), d)),
+            q_pos: qpos.clone(),
+            k: t2(&f["data"]["k_raw"][l], t, d),
+            v: t2(&f["data"]["v_raw"][l], t, d),
+            o: Some(t2(&f["data"]["o_tgt"][l], qpos.len(), d)),
+        })
+        .collect();
     Case {
-        frozen,
+        frozen: frozen(f, d),
         targets,
-        params,
+        params: params(f, d),
         dk: t2(&f["drafter_k"], t, d),
         dv: t2(&f["drafter_v"], t, d),
     }
@@ -159,11 +176,11 @@ fn all_terms(c: &Case, model: &FTheta) -> Vec<Terms> {
         .collect()
 }
 
-fn mean_loss(kind: LossKind, terms: &[Terms]) -> Tensor<1> {
+fn mean_loss(kind: LossKind, normalize_attention: bool, terms: &[Terms]) -> Tensor<1> {
     let n = terms.len() as f64;
     terms
         .iter()
-        .map(|t| layer_loss(kind, &Lambdas::default(), false, t))
+        .map(|t| layer_loss(kind, &Lambdas::default(), normalize_attention, t))
         .reduce(|a, b| a + b)
         .unwrap()
         .div_scalar(n)
@@ -171,6 +188,10 @@ fn mean_loss(kind: LossKind, terms: &[Terms]) -> Tensor<1> {
 
 fn value(t: Tensor<1>) -> f64 {
     f64::from(t.into_scalar::<f32>())
+}
+
+fn host(t: &Tensor<2>) -> Vec<f32> {
+    t.clone().into_data().try_into_vec::<f32>().unwrap()
 }
 
 fn weights(p: &FThetaParams) -> Vec<Tensor<2>> {
@@ -188,11 +209,20 @@ fn every_loss_and_term_matches_the_pytorch_reference() {
     let c = case(&f, &d);
     let model = c.params.model(&weights(&c.params));
     let terms = all_terms(&c, &model);
-    for kind in KINDS {
-        let got = value(mean_loss(kind, &terms));
-        let want = f["losses"][kind.name()].as_f64().unwrap();
-        assert!(close(got, want, 1e-4), "{}: {got} vs {want}", kind.name());
+    let mut worst: f64 = 0.0;
+    for (normalize, want) in [(false, &f["losses"]), (true, &f["normalized"]["losses"])] {
+        for kind in KINDS {
+            let got = value(mean_loss(kind, normalize, &terms));
+            let want = want[kind.name()].as_f64().unwrap();
+            worst = worst.max((got - want).abs() / want.abs().max(1.0));
+            assert!(
+                close(got, want, 1e-4),
+                "{} (normalize_attention {normalize}): {got} vs {want}",
+                kind.name()
+            );
+        }
     }
+    eprintln!("losses: largest relative deviation from torch {worst:.2e}");
     for (l, t) in terms.iter().enumerate() {
         let r = &f["terms"][l];
         let pairs = [
@@ -211,6 +241,13 @@ fn every_loss_and_term_matches_the_pytorch_reference() {
             let (got, want) = (value(got.clone()), r[name].as_f64().unwrap());
             assert!(close(got, want, 1e-4), "layer {l} {name}: {got} vs {want}");
         }
+        // normalize_attention's divisor: the layer's mean(O_tgt²) at the query positions.
+        let want = f["normalized"]["o_sq"][l].as_f64().unwrap();
+        assert!(
+            close(t.o_sq, want, 1e-4),
+            "layer {l} o_sq: {} vs {want}",
+            t.o_sq
+        );
     }
 }
 
@@ -226,8 +263,10 @@ fn identical_kv_give_zero_for_every_loss_and_hybrid_exceeds_attn_distill_when_di
         .map(|(fr, tg)| layer_terms(fr, tg, tg.k.clone(), tg.v.clone()))
         .collect();
     for kind in KINDS {
-        let v = value(mean_loss(kind, &exact));
-        assert!(v.abs() < 1e-6, "{}: {v}", kind.name());
+        for normalize in [false, true] {
+            let v = value(mean_loss(kind, normalize, &exact));
+            assert!(v.abs() < 1e-6, "{} ({normalize}): {v}", kind.name());
+        }
     }
     // Same magnitudes, other directions: each head vector's elements reversed. The magnitude
     // terms stay ~0, the direction terms do not, so hybrid − attn_distill is their sum.
@@ -246,8 +285,8 @@ fn identical_kv_give_zero_for_every_loss_and_hybrid_exceeds_attn_distill_when_di
             layer_terms(fr, tg, flip(&tg.k), flip(&tg.v))
         })
         .collect();
-    let hybrid = value(mean_loss(LossKind::AttnDistillHybrid, &flipped));
-    let attn = value(mean_loss(LossKind::AttnDistill, &flipped));
+    let hybrid = value(mean_loss(LossKind::AttnDistillHybrid, false, &flipped));
+    let attn = value(mean_loss(LossKind::AttnDistill, false, &flipped));
     let dirs: f64 = flipped
         .iter()
         .map(|t| value(t.kdir.clone()) + value(t.cos_v.clone()))
@@ -265,114 +304,278 @@ fn identical_kv_give_zero_for_every_loss_and_hybrid_exceeds_attn_distill_when_di
 }
 
 #[test]
-fn gradients_and_one_clipped_adamw_step_match_the_reference() {
+fn hybrid_gradients_match_the_reference_with_and_without_normalize_attention() {
     let f = fixture();
     let d = Device::flex();
     let ad = d.clone().autodiff();
     let c = case(&f, &ad);
-    let leaves: Vec<Tensor<2>> = c
-        .params
+    let mut worst: f64 = 0.0;
+    for (normalize, want) in [(false, &f), (true, &f["normalized"])] {
+        let leaves: Vec<Tensor<2>> = c
+            .params
+            .tensors
+            .iter()
+            .map(|(_, _, p)| p.clone().require_grad())
+            .collect();
+        let model = c.params.model(&leaves);
+        let loss = mean_loss(
+            LossKind::AttnDistillHybrid,
+            normalize,
+            &all_terms(&c, &model),
+        );
+        let grads = loss.backward();
+        let grads: Vec<Tensor<2>> = leaves.iter().map(|l| l.grad(&grads).unwrap()).collect();
+        for ((name, _, _), g) in c.params.tensors.iter().zip(&grads) {
+            let want = floats(&want["hybrid_grads"][name]);
+            let scale = want.iter().fold(1e-3f32, |m, x| m.max(x.abs()));
+            for (a, b) in host(g).iter().zip(&want) {
+                worst = worst.max(f64::from((a - b).abs() / scale));
+                assert!(
+                    (a - b).abs() <= 1e-4 * scale,
+                    "{name} (normalize_attention {normalize}): grad {a} vs {b}"
+                );
+            }
+        }
+        let norm = global_norm(&grads);
+        let want_norm = want["grad_norm"].as_f64().unwrap();
+        assert!(
+            close(norm, want_norm, 1e-4),
+            "normalize_attention {normalize}: {norm} vs {want_norm}"
+        );
+    }
+    eprintln!("gradients: largest deviation from torch {worst:.2e} of the tensor's largest");
+}
+
+/// The fixture's step config: the trainer's schedule, AdamW and clip, the normalised hybrid
+/// loss, every position a query (`queries_per_sequence` above every length).
+fn step_config(f: &Value) -> FThetaTrainConfig {
+    let (st, adam, l) = (&f["steps"]["schedule"], &f["adam"], &f["lambdas"]);
+    FThetaTrainConfig::parse(
+        std::path::Path::new("f-theta.toml"),
+        &format!(
+            r#"
+[data]
+dataset = "unused"
+[model]
+verifier = "unused"
+drafter = "unused"
+rank = {}
+[loss]
+kind = "attn_distill_hybrid"
+lambdas = {{ kdir = {}, vdir = {}, kmag = {}, vmag = {} }}
+queries_per_sequence = 64
+normalize_attention = true
+[train]
+steps = {}
+warmup_steps = {}
+lr = {}
+sequences_per_step = 2
+beta1 = {}
+beta2 = {}
+eps = {}
+weight_decay = {}
+grad_clip = {}
+[output]
+dir = "unused"
+export = "unused"
+"#,
+            f["dims"]["rank"],
+            l["kdir"],
+            l["vdir"],
+            l["kmag"],
+            l["vmag"],
+            st["steps"],
+            st["warmup"],
+            st["peak"],
+            adam["betas"][0],
+            adam["betas"][1],
+            adam["eps"],
+            adam["weight_decay"],
+            adam["clip"],
+        ),
+    )
+    .unwrap()
+}
+
+/// The fixture's step sequences as the trainer reads them.
+fn step_batch(f: &Value) -> Vec<SeqData> {
+    f["steps"]["sequences"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .enumerate()
+        .map(|(i, s)| SeqData {
+            seq: i,
+            len: usize_of(&s["len"]),
+            dk: floats(&s["drafter_k"]),
+            dv: floats(&s["drafter_v"]),
+            layers: (0..usize_of(&f["dims"]["layers"]))
+                .map(|l| LayerData {
+                    q: floats(&s["q_raw"][l]),
+                    k: floats(&s["k_raw"][l]),
+                    v: floats(&s["v_raw"][l]),
+                    o: floats(&s["o_tgt"][l]),
+                })
+                .collect(),
+            saturated: 0,
+        })
+        .collect()
+}
+
+/// Every step of the trainer's path from the fixture's f_θ: per step the loss, the learning
+/// rate, the gradient norm before clipping and the weights after the step.
+type Step = (f64, f64, f64, Vec<Vec<f32>>);
+
+fn trainer_steps(f: &Value, cfg: &FThetaTrainConfig) -> Vec<Step> {
+    let d = Device::flex();
+    let ad = d.clone().autodiff();
+    let frozen = frozen(f, &ad);
+    let batch = step_batch(f);
+    let mut params = params(f, &d);
+    let mut moments: Vec<Moments> = params
         .tensors
         .iter()
-        .map(|(_, _, p)| p.clone().require_grad())
-        .collect();
-    let model = c.params.model(&leaves);
-    let loss = mean_loss(LossKind::AttnDistillHybrid, &all_terms(&c, &model));
-    let grads = loss.backward();
-    let grads: Vec<Tensor<2>> = leaves.iter().map(|l| l.grad(&grads).unwrap()).collect();
-    for ((name, _, _), g) in c.params.tensors.iter().zip(&grads) {
-        let want = floats(&f["hybrid_grads"][name]);
-        let got = g.clone().into_data().try_into_vec::<f32>().unwrap();
-        let scale = want.iter().fold(1e-3f32, |m, x| m.max(x.abs()));
-        for (a, b) in got.iter().zip(&want) {
-            assert!((a - b).abs() <= 1e-4 * scale, "{name}: grad {a} vs {b}");
-        }
-    }
-    let norm = global_norm(&grads);
-    let want_norm = f["grad_norm"].as_f64().unwrap();
-    assert!(close(norm, want_norm, 1e-4), "{norm} vs {want_norm}");
-    let adam = &f["adam"];
-    let opt = AdamW {
-        lr: adam["lr"].as_f64().unwrap(),
-        beta1: adam["betas"][0].as_f64().unwrap(),
-        beta2: adam["betas"][1].as_f64().unwrap(),
-        eps: adam["eps"].as_f64().unwrap(),
-        weight_decay: adam["weight_decay"].as_f64().unwrap(),
-    };
-    let factor = clip_factor(norm, adam["clip"].as_f64().unwrap());
-    assert!(factor < 1.0, "the fixture's gradient is clipped");
-    let base = case(&f, &d);
-    for ((name, _, p), g) in base.params.tensors.iter().zip(grads) {
-        let g = Tensor::<2>::from_data(g.into_data(), &d).mul_scalar(factor);
-        let mut mom = Moments {
+        .map(|(_, _, p)| Moments {
             m: p.zeros_like(),
             v: p.zeros_like(),
-        };
-        let after = opt.update(p.clone(), g, &mut mom, 1, true);
-        let got = after.into_data().try_into_vec::<f32>().unwrap();
-        let want = floats(&f["after_adamw"][name]);
+        })
+        .collect();
+    (0..cfg.train.steps)
+        .map(|t| {
+            let leaves = leaves(&params);
+            let model = params.model(&leaves);
+            let loss = batch_loss(&model, &frozen, &batch, cfg, t, &ad);
+            let loss_value = value(loss.clone());
+            let (lr, norm) = optimizer_step(cfg, t, loss, &leaves, &mut params, &mut moments);
+            let after = params.tensors.iter().map(|(_, _, p)| host(p)).collect();
+            (loss_value, lr, norm, after)
+        })
+        .collect()
+}
+
+/// Largest absolute difference between the weights and the reference's after a step.
+fn weight_deviation(f: &Value, step: usize, after: &[Vec<f32>]) -> f64 {
+    let want = &f["steps"]["record"][step]["after"];
+    let names = params(f, &Device::flex()).tensors;
+    let mut worst: f64 = 0.0;
+    for ((name, _, _), got) in names.iter().zip(after) {
+        let want = floats(&want[name]);
+        assert_eq!(got.len(), want.len(), "{name}");
         for (a, b) in got.iter().zip(&want) {
-            assert!((a - b).abs() <= 1e-5, "{name}: {a} vs {b} after one step");
+            worst = worst.max(f64::from((a - b).abs()));
         }
     }
+    worst
 }
 
 #[test]
-fn gradients_reach_f_theta_only_not_the_verifiers_weights() {
+fn five_trainer_steps_match_torch_adamw_with_a_clipped_global_norm() {
+    let f = fixture();
+    let tol = f["steps"]["tolerance"].as_f64().unwrap();
+    assert_eq!(tol, 1e-5);
+    let cfg = step_config(&f);
+    let steps = trainer_steps(&f, &cfg);
+    let record = f["steps"]["record"].as_array().unwrap();
+    assert_eq!(steps.len(), record.len());
+    let mut worst: f64 = 0.0;
+    let mut clipped = 0;
+    for (t, ((loss, lr, norm, after), r)) in steps.iter().zip(record).enumerate() {
+        let want_loss = r["loss"].as_f64().unwrap();
+        assert!(
+            close(*loss, want_loss, 1e-4),
+            "step {t}: loss {loss} vs {want_loss}"
+        );
+        let want_lr = r["lr"].as_f64().unwrap();
+        assert!(close(*lr, want_lr, 1e-12), "step {t}: lr {lr} vs {want_lr}");
+        let want_norm = r["grad_norm"].as_f64().unwrap();
+        assert!(
+            close(*norm, want_norm, 1e-4),
+            "step {t}: grad norm {norm} vs {want_norm}"
+        );
+        clipped += usize::from(*norm > cfg.train.grad_clip);
+        let dev = weight_deviation(&f, t, after);
+        worst = worst.max(dev);
+        assert!(dev <= tol, "step {t}: weights {dev:.3e} from torch's");
+    }
+    eprintln!("five steps: weights at most {worst:.3e} from torch's");
+    // The clip acts at the first steps (and not at the last), so its factor differs from step
+    // to step and Adam's moments see it: without the clip the same steps end far from torch's.
+    assert!(clipped >= 2 && clipped < steps.len(), "{clipped} clipped");
+    let mut off = cfg.clone();
+    off.train.grad_clip = 0.0;
+    let unclipped = trainer_steps(&f, &off);
+    let last = steps.len() - 1;
+    let dev = weight_deviation(&f, last, &unclipped[last].3);
+    eprintln!("without the clip: {dev:.3e} from torch's clipped steps");
+    assert!(dev > 100.0 * tol, "the clip is invisible: {dev:.3e}");
+}
+
+#[test]
+fn the_trainers_step_reaches_f_theta_only_not_the_verifiers_weights() {
     let d = Device::flex();
     let ad = d.clone().autodiff();
     let cfg = tiny_config(4);
     let v = Gemma3Model::from_checkpoint(random_checkpoint(&cfg, 3), &d).unwrap();
-    let frozen: Vec<LayerFrozen> = v
-        .layers
-        .iter()
-        .map(|l| LayerFrozen::from_attention(&l.attn, &ad))
-        .collect();
+    let frozen = frozen_layers(&v, &ad);
     let kv = cfg.num_key_value_heads * cfg.head_dim;
     let q = cfg.num_attention_heads * cfg.head_dim;
-    let n = 9;
     let config = FThetaConfig {
         loss: "attn_distill_hybrid".into(),
         ..f_theta_config(1, 6, FThetaInputs::Own, 5, cfg.num_hidden_layers, kv)
     };
-    let params = FThetaParams::init(config, 1, &d);
-    let leaves: Vec<Tensor<2>> = params
-        .tensors
-        .iter()
-        .map(|(_, _, p)| p.clone().autodiff().require_grad())
-        .collect();
-    let model = params.model(&leaves);
-    let r = |rows: usize, cols: usize, s: u64| {
-        let data: Vec<f32> = (0..rows * cols)
+    let mut params = FThetaParams::init(config, 1, &d);
+    let r = |n: usize, s: u64| -> Vec<f32> {
+        (0..n)
             .map(|i| (((i as u64 * 2654435761 + s) % 1000) as f32 / 500.0) - 1.0)
-            .collect();
-        Tensor::<2>::from_data(TensorData::new(data, [rows, cols]), &ad)
+            .collect()
     };
-    let zk = model.k.encode(r(n, 6, 1));
-    let zv = model.v.encode(r(n, 6, 2));
-    let mut loss: Option<Tensor<1>> = None;
-    for (l, fr) in frozen.iter().enumerate() {
-        let tg = LayerTargets {
-            q_raw: Some(r(3, q, 3 + l as u64)),
-            q_pos: vec![2, 5, 8],
-            k: r(n, kv, 10 + l as u64),
-            v: r(n, kv, 20 + l as u64),
-            o: Some(r(3, cfg.hidden_size, 30 + l as u64)),
-        };
-        let t = layer_terms(
-            fr,
-            &tg,
-            model.k.decode(zk.clone(), l),
-            model.v.decode(zv.clone(), l),
-        );
-        let x = layer_loss(LossKind::AttnDistillHybrid, &Lambdas::default(), true, &t);
-        loss = Some(match loss {
-            Some(a) => a + x,
-            None => x,
-        });
-    }
-    let grads = loss.unwrap().backward();
-    for ((name, _, _), leaf) in params.tensors.iter().zip(&leaves) {
+    // Two sequences of 9 and 7 positions; the trainer draws 4 query positions in each.
+    let batch: Vec<SeqData> = [9usize, 7]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| SeqData {
+            seq: i,
+            len: n,
+            dk: r(n * 6, 1 + i as u64),
+            dv: r(n * 6, 2 + i as u64),
+            layers: (0..cfg.num_hidden_layers as u64)
+                .map(|l| LayerData {
+                    q: r(n * q, 10 + l),
+                    k: r(n * kv, 20 + l),
+                    v: r(n * kv, 30 + l),
+                    o: r(n * cfg.hidden_size, 40 + l),
+                })
+                .collect(),
+            saturated: 0,
+        })
+        .collect();
+    let tc = FThetaTrainConfig::parse(
+        std::path::Path::new("f-theta.toml"),
+        r#"
+[data]
+dataset = "unused"
+[model]
+verifier = "unused"
+drafter = "unused"
+rank = 5
+[loss]
+kind = "attn_distill_hybrid"
+queries_per_sequence = 4
+normalize_attention = true
+[train]
+steps = 10
+lr = 1e-2
+[output]
+dir = "unused"
+export = "unused"
+"#,
+    )
+    .unwrap();
+    // The trainer's loss, differentiated: every f_θ tensor gets a gradient, no verifier one.
+    let leaves0 = leaves(&params);
+    let model = params.model(&leaves0);
+    let grads = batch_loss(&model, &frozen, &batch, &tc, 0, &ad).backward();
+    for ((name, _, _), leaf) in params.tensors.iter().zip(&leaves0) {
         let g = leaf
             .grad(&grads)
             .unwrap_or_else(|| panic!("{name} got no gradient"));
@@ -380,8 +583,58 @@ fn gradients_reach_f_theta_only_not_the_verifiers_weights() {
         assert!(s > 0.0, "{name}: zero gradient");
     }
     for (l, fr) in frozen.iter().enumerate() {
-        assert!(fr.o_proj.grad(&grads).is_none(), "layer {l} o_proj");
-        assert!(fr.q_norm.scale.grad(&grads).is_none(), "layer {l} q_norm");
-        assert!(fr.k_norm.scale.grad(&grads).is_none(), "layer {l} k_norm");
+        assert!(
+            fr.o_proj.grad(&grads).is_none(),
+            "layer {l} o_proj got a gradient"
+        );
+        assert!(
+            fr.q_norm.scale.grad(&grads).is_none(),
+            "layer {l} q_norm got a gradient"
+        );
+        assert!(
+            fr.k_norm.scale.grad(&grads).is_none(),
+            "layer {l} k_norm got a gradient"
+        );
+    }
+    // A real step: every f_θ tensor moves, the verifier's pieces stay its own weights.
+    let before: Vec<Vec<f32>> = params.tensors.iter().map(|(_, _, p)| host(p)).collect();
+    let mut moments: Vec<Moments> = params
+        .tensors
+        .iter()
+        .map(|(_, _, p)| Moments {
+            m: p.zeros_like(),
+            v: p.zeros_like(),
+        })
+        .collect();
+    let leaves1 = leaves(&params);
+    let model = params.model(&leaves1);
+    let loss = batch_loss(&model, &frozen, &batch, &tc, 0, &ad);
+    optimizer_step(&tc, 0, loss, &leaves1, &mut params, &mut moments);
+    for ((name, _, p), b) in params.tensors.iter().zip(&before) {
+        let moved = host(p).iter().zip(b).filter(|(x, y)| x != y).count();
+        assert_eq!(
+            moved,
+            b.len(),
+            "{name}: {moved} of {} elements moved",
+            b.len()
+        );
+    }
+    let same = |a: Vec<f32>, b: Vec<f32>| a == b;
+    let data1 = |t: &Tensor<1>| t.clone().into_data().try_into_vec::<f32>().unwrap();
+    for (l, (fr, layer)) in frozen.iter().zip(&v.layers).enumerate() {
+        assert!(!fr.o_proj.is_require_grad() && !fr.k_norm.scale.is_require_grad());
+        assert!(!fr.q_norm.scale.is_require_grad(), "layer {l}");
+        assert!(
+            same(host(&fr.o_proj), host(&layer.attn.o_proj.weight)),
+            "layer {l} o_proj"
+        );
+        assert!(
+            same(data1(&fr.q_norm.scale), data1(&layer.attn.q_norm.scale)),
+            "layer {l}"
+        );
+        assert!(
+            same(data1(&fr.k_norm.scale), data1(&layer.attn.k_norm.scale)),
+            "layer {l}"
+        );
     }
 }

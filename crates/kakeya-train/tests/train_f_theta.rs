@@ -1,19 +1,22 @@
 //! f_θ training on a tiny random verifier and drafter: training lowers the held-out
-//! attention-output error, the export loads and refuses another model pair, resuming is
-//! bit-for-bit, a NaN loss stops training with its step and keeps the last good checkpoint,
-//! and datasets without the needed columns are refused before training.
+//! attention-output error, the export loads and refuses another model pair, the reloaded export
+//! reproduces the report's held-out figures, `init_from` starts from exactly the exported
+//! weights, resuming is bit-for-bit, a NaN loss stops training with its step and keeps the last
+//! good checkpoint, and datasets without the needed columns are refused before training.
 
 use std::path::{Path, PathBuf};
 
 use burn::tensor::Device;
 use kakeya_capture::schema::ModelInfo;
-use kakeya_capture::{CaptureConfig, Models, RunOptions};
+use kakeya_capture::{CaptureConfig, Dataset, Models, RunOptions};
 use kakeya_models::testing::Scratch;
 use kakeya_models::testing::{
     drafter_config, random_checkpoint, random_drafter, tiny_config, word_level_tokenizer_json,
 };
-use kakeya_models::{DFlashDrafter, Gemma3Model};
+use kakeya_models::{DFlashDrafter, FTheta, Gemma3Model};
 use kakeya_train::ftheta::config::FThetaInit;
+use kakeya_train::ftheta::data::SeqData;
+use kakeya_train::ftheta::train::{FEval, evaluate, frozen_layers};
 use kakeya_train::ftheta::{FEvent, FThetaTrainConfig, prepare, train_f_theta};
 use kakeya_train::{TrainError, TrainOptions};
 use kakeya_weights::{FThetaCheckpoint, Tokenizer};
@@ -245,6 +248,141 @@ fn the_least_squares_start_predicts_raw_kv_better_than_a_random_one() {
             assert!(fit.mse_o_ratio < r.mse_o_ratio);
         }
     }
+}
+
+/// Every number of an evaluation, by its JSON path (the step excepted).
+fn figures(e: &FEval) -> Vec<(String, f64)> {
+    fn walk(path: String, v: &serde_json::Value, out: &mut Vec<(String, f64)>) {
+        match v {
+            serde_json::Value::Number(n) => out.push((path, n.as_f64().unwrap())),
+            serde_json::Value::Array(a) => {
+                for (i, x) in a.iter().enumerate() {
+                    walk(format!("{path}[{i}]"), x, out);
+                }
+            }
+            serde_json::Value::Object(o) => {
+                for (k, x) in o {
+                    walk(format!("{path}.{k}"), x, out);
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    walk(String::new(), &serde_json::to_value(e).unwrap(), &mut out);
+    out.retain(|(p, _)| p != ".step");
+    out
+}
+
+/// The largest relative difference between two evaluations' figures (they must have the same
+/// ones).
+fn largest_difference(a: &FEval, b: &FEval) -> f64 {
+    let (a, b) = (figures(a), figures(b));
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(&b)
+        .map(|((pa, x), (pb, y))| {
+            assert_eq!(pa, pb);
+            (x - y).abs() / x.abs().max(y.abs()).max(1e-30)
+        })
+        .fold(0.0, f64::max)
+}
+
+/// The dtype of every tensor in a safetensors file, from its header.
+fn safetensors_dtypes(path: &Path) -> Vec<String> {
+    let bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    header
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| k.as_str() != "__metadata__")
+        .map(|(_, v)| v["dtype"].as_str().unwrap().to_string())
+        .collect()
+}
+
+#[test]
+fn the_reloaded_export_reproduces_the_reports_heldout_figures() {
+    let s = Scratch::new("ftheta-export");
+    let v = verifier();
+    let ds = capture(&s.0, &v, 10, ALL, true);
+    let run = s.0.join("run");
+    let cfg = config(&ds, &run, 8, "");
+    let setup = prepare(&cfg, &v, VSHA, DSHA).unwrap();
+    let info = setup.info.clone();
+    train_f_theta(&cfg, &v, setup, &opts(), &mut |_| {}).unwrap();
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("report.json")).unwrap()).unwrap();
+    let evals: Vec<FEval> = serde_json::from_value(report["evals"].clone()).unwrap();
+    let (first, last) = (&evals[0], evals.last().unwrap());
+    assert_eq!(last.step, 8);
+    // Training moved the figures, so reproducing them needs the trained weights.
+    assert!(largest_difference(first, last) > 1e-3);
+    // The export stores f32, the trainer's own precision: the reloaded f_θ is the trained one,
+    // and the same evaluation gives the same figures (up to the report's JSON round trip).
+    let dir = run.join("export");
+    let dtypes = safetensors_dtypes(&dir.join("f_theta.safetensors"));
+    assert!(
+        !dtypes.is_empty() && dtypes.iter().all(|d| d == "F32"),
+        "{dtypes:?}"
+    );
+    let ck = FThetaCheckpoint::read_dir(&dir).unwrap();
+    let d = Device::flex();
+    let model = FTheta::from_checkpoint(&ck, &d).unwrap();
+    let frozen = frozen_layers(&v, &d);
+    let data = Dataset::open(&ds).unwrap();
+    let held: Vec<SeqData> = info
+        .heldout
+        .iter()
+        .map(|&q| info.read(&data, q).unwrap())
+        .collect();
+    let again = evaluate(&model, &frozen, &held, &cfg, last.step, false);
+    let diff = largest_difference(&again, last);
+    eprintln!("reloaded export vs report.json: largest relative difference {diff:.2e}");
+    assert!(
+        diff <= 1e-12,
+        "the reloaded f_θ's figures differ by {diff:.2e}"
+    );
+}
+
+#[test]
+fn init_from_starts_from_exactly_the_exported_weights() {
+    let s = Scratch::new("ftheta-init-from");
+    let v = verifier();
+    let ds = capture(&s.0, &v, 10, ALL, true);
+    let first = s.0.join("first");
+    let cfg = config(&ds, &first, 6, "");
+    let a = train_f_theta(
+        &cfg,
+        &v,
+        prepare(&cfg, &v, VSHA, DSHA).unwrap(),
+        &opts(),
+        &mut |_| {},
+    )
+    .unwrap();
+    let (fresh, trained) = (&a.evals[0], a.evals.last().unwrap());
+    assert_eq!(trained.step, 6);
+    // The warm start's figures before any step are the exported model's, not a fresh start's.
+    let mut warm = config(&ds, &s.0.join("warm"), 6, "");
+    warm.model.init_from = Some(first.join("export"));
+    let b = train_f_theta(
+        &warm,
+        &v,
+        prepare(&warm, &v, VSHA, DSHA).unwrap(),
+        &opts(),
+        &mut |_| {},
+    )
+    .unwrap();
+    assert_eq!(b.evals[0].step, 0);
+    let same = largest_difference(&b.evals[0], trained);
+    let apart = largest_difference(fresh, trained);
+    eprintln!("init_from step 0 vs the export's figures {same:.2e}; a fresh start {apart:.2e}");
+    assert!(
+        same <= 1e-12,
+        "init_from's step 0 is {same:.2e} from the export's figures"
+    );
+    assert!(apart > 1e-3, "a fresh start is only {apart:.2e} from them");
 }
 
 fn export_bytes(run: &Path) -> Vec<u8> {

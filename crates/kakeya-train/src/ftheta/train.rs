@@ -322,6 +322,92 @@ fn sequence_loss(
     )
 }
 
+/// The verifier's frozen attention pieces of every layer on `device` (the autodiff twin when
+/// training: they never require gradients).
+pub fn frozen_layers(verifier: &Gemma3Model, device: &Device) -> Vec<LayerFrozen> {
+    verifier
+        .layers
+        .iter()
+        .map(|l| LayerFrozen::from_attention(&l.attn, device))
+        .collect()
+}
+
+/// Gradient-tracking copies of f_θ's tensors on their device's autodiff twin, in
+/// `params.tensors` order: what a training step differentiates.
+pub fn leaves(params: &FThetaParams) -> Vec<Tensor<2>> {
+    params
+        .tensors
+        .iter()
+        .map(|(_, _, p)| p.clone().autodiff().require_grad())
+        .collect()
+}
+
+/// The training loss of 0-based step `t`: per sequence of `batch`, f_θ's K/V at every position
+/// and the configured loss at `queries_per_sequence` query positions drawn from
+/// `(seed, t, sequence)`, averaged over verifier layers and then over the sequences.
+pub fn batch_loss(
+    model: &FTheta,
+    frozen: &[LayerFrozen],
+    batch: &[SeqData],
+    cfg: &FThetaTrainConfig,
+    t: usize,
+    device: &Device,
+) -> Tensor<1> {
+    let attention = cfg.loss.kind.needs_attention();
+    let mut total: Option<Tensor<1>> = None;
+    for s in batch {
+        let q = queries(
+            cfg.train.seed,
+            t,
+            s.seq,
+            s.len,
+            cfg.loss.queries_per_sequence,
+        );
+        let tgs = targets(s, &q, attention, device);
+        let (l, _) = sequence_loss(model, frozen, s, &tgs, cfg, device, false);
+        total = Some(match total {
+            Some(x) => x + l,
+            None => l,
+        });
+    }
+    total
+        .expect("at least one sequence per step")
+        .div_scalar(batch.len() as f64)
+}
+
+/// The update of 0-based step `t`: back-propagates `loss` to `leaves` (see [`leaves`]), clips
+/// the global gradient norm to `train.grad_clip` and applies AdamW at the schedule's learning
+/// rate, with weight decay on every tensor as torch.optim.AdamW does by default. Returns the
+/// learning rate and the gradient norm before clipping.
+pub fn optimizer_step(
+    cfg: &FThetaTrainConfig,
+    t: usize,
+    loss: Tensor<1>,
+    leaves: &[Tensor<2>],
+    params: &mut FThetaParams,
+    moments: &mut [Moments],
+) -> (f64, f64) {
+    let lr = cfg.lr_at(t);
+    let opt = AdamW {
+        lr,
+        beta1: cfg.train.beta1,
+        beta2: cfg.train.beta2,
+        eps: cfg.train.eps,
+        weight_decay: cfg.train.weight_decay,
+    };
+    let norm = backward_and_step(
+        loss,
+        leaves,
+        &mut params.tensors,
+        moments,
+        &opt,
+        cfg.train.grad_clip,
+        t + 1,
+        &|_| true,
+    );
+    (lr, norm)
+}
+
 /// Averages per-layer diagnostics by layer type (global or sliding).
 fn by_type(per_layer: &[Diagnostics], frozen: &[LayerFrozen], global: bool) -> Diagnostics {
     let picked: Vec<&Diagnostics> = per_layer
@@ -345,7 +431,8 @@ fn by_type(per_layer: &[Diagnostics], frozen: &[LayerFrozen], global: bool) -> D
 
 /// Evaluates on every held-out sequence (evenly spaced queries), without autodiff. With
 /// `oracle`, the verifier's own K/V stand in for f_θ's (the floor of the recomputation).
-fn evaluate(
+/// The trainer's held-out figures come from here.
+pub fn evaluate(
     model: &FTheta,
     frozen: &[LayerFrozen],
     held: &[SeqData],
@@ -546,16 +633,8 @@ pub fn train_f_theta(
         (params, moments, st)
     };
     std::fs::create_dir_all(&cfg.output.dir).map_err(|e| TrainError::io(&cfg.output.dir, e))?;
-    let frozen: Vec<LayerFrozen> = verifier
-        .layers
-        .iter()
-        .map(|l| LayerFrozen::from_attention(&l.attn, &device))
-        .collect();
-    let frozen_ad: Vec<LayerFrozen> = verifier
-        .layers
-        .iter()
-        .map(|l| LayerFrozen::from_attention(&l.attn, &ad))
-        .collect();
+    let frozen = frozen_layers(verifier, &device);
+    let frozen_ad = frozen_layers(verifier, &ad);
     let held: Vec<SeqData> = info
         .heldout
         .iter()
@@ -610,31 +689,9 @@ pub fn train_f_theta(
         debug_assert_eq!(bt, t);
         let started = Instant::now();
         saturated += batch.iter().map(|s| s.saturated).sum::<usize>();
-        let leaves: Vec<Tensor<2>> = params
-            .tensors
-            .iter()
-            .map(|(_, _, p)| p.clone().autodiff().require_grad())
-            .collect();
+        let leaves = leaves(&params);
         let model = params.model(&leaves);
-        let mut total: Option<Tensor<1>> = None;
-        for s in &batch {
-            let q = queries(
-                cfg.train.seed,
-                t,
-                s.seq,
-                s.len,
-                cfg.loss.queries_per_sequence,
-            );
-            let tgs = targets(s, &q, attention, &ad);
-            let (l, _) = sequence_loss(&model, &frozen_ad, s, &tgs, cfg, &ad, false);
-            total = Some(match total {
-                Some(x) => x + l,
-                None => l,
-            });
-        }
-        let loss = total
-            .expect("at least one sequence per step")
-            .div_scalar(batch.len() as f64);
+        let loss = batch_loss(&model, &frozen_ad, &batch, cfg, t, &ad);
         let loss_value = f64::from(loss.clone().into_scalar::<f32>());
         if !loss_value.is_finite() {
             return Err(TrainError::NonFinite {
@@ -645,25 +702,7 @@ pub fn train_f_theta(
                 dir: state_dir.clone(),
             });
         }
-        let lr = cfg.lr_at(t);
-        let opt = AdamW {
-            lr,
-            beta1: cfg.train.beta1,
-            beta2: cfg.train.beta2,
-            eps: cfg.train.eps,
-            weight_decay: cfg.train.weight_decay,
-        };
-        // Decay on every tensor, as torch.optim.AdamW does by default.
-        let norm = backward_and_step(
-            loss,
-            &leaves,
-            &mut params.tensors,
-            &mut moments,
-            &opt,
-            cfg.train.grad_clip,
-            t + 1,
-            &|_| true,
-        );
+        let (lr, norm) = optimizer_step(cfg, t, loss, &leaves, &mut params, &mut moments);
         st.step += 1;
         ran += 1;
         let rec = StepRecord {

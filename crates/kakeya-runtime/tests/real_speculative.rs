@@ -39,7 +39,7 @@ const SHORT: [&str; 18] = [
     "Rain is falling on the",
 ];
 
-/// A ~550-token prompt: generation then runs past the 512-token sliding window.
+/// A ~900-token prompt (past the 512-token sliding window before generation starts).
 fn long_prompt(seed: usize) -> String {
     let topics = [
         "rivers",

@@ -4,7 +4,10 @@
 //! across turns (a fresh session over the transcript continues identically, also after the
 //! loop guard trimmed a reply), and text streaming of byte-fallback tokens.
 
+mod common;
+
 use burn::tensor::Device;
+use common::speculative;
 use kakeya_models::testing::{
     Scratch, byte_fallback_tokenizer_json, chat_tokenizer_json, drafter_config, random_checkpoint,
     random_drafter, tiny_config,
@@ -12,8 +15,7 @@ use kakeya_models::testing::{
 use kakeya_models::{DFlashDrafter, Gemma3Model};
 use kakeya_runtime::chat::ChatSession;
 use kakeya_runtime::{
-    DFlashProposer, Generation, GenerationConfig, RunawayGuard, Sampling, Session, SpecConfig,
-    StopReason, TextStream, Verifier, generate, speculative_generate,
+    Generation, GenerationConfig, RunawayGuard, Sampling, Session, StopReason, TextStream, generate,
 };
 use kakeya_weights::Tokenizer;
 
@@ -50,21 +52,6 @@ fn cfg(max_tokens: usize, sampling: Sampling) -> GenerationConfig {
 
 fn ar(v: &Gemma3Model, p: &[u32], c: &GenerationConfig) -> Generation {
     generate(&mut Session::new(v, 0), p, c, &mut |_| {}).unwrap()
-}
-
-fn spec(v: &Gemma3Model, d: &DFlashDrafter, p: &[u32], c: &GenerationConfig) -> Generation {
-    let block = d.block_size();
-    let mut ver = Verifier::new(v, d.config.target_layer_ids.clone(), block);
-    let mut prop = DFlashProposer::new(d);
-    speculative_generate(
-        &mut ver,
-        &mut prop,
-        p,
-        c,
-        SpecConfig { block_size: block },
-        &mut |_| {},
-    )
-    .unwrap()
 }
 
 fn sample(seed: u64, top_k: usize) -> Sampling {
@@ -120,7 +107,7 @@ fn stop_tokens_end_ar_and_speculative_decoding_at_the_same_token() {
         };
         let mut c = cfg(40, Sampling::Greedy);
         c.stop_tokens = vec![free[j2], free[j1]];
-        for g in [ar(&v, &p, &c), spec(&v, &d, &p, &c)] {
+        for g in [ar(&v, &p, &c), speculative(&v, &d, &p, &c)] {
             assert_eq!(g.stop_reason, StopReason::StopToken, "prompt {i}");
             assert_eq!(
                 g.tokens,
@@ -145,7 +132,7 @@ fn a_full_context_ends_ar_and_speculative_decoding_at_the_same_token() {
         for left in [1, 5, 9] {
             let p = prompt(left, ctx - left);
             let c = cfg(100, Sampling::Greedy);
-            let (a, s) = (ar(&v, &p, &c), spec(&v, &d, &p, &c));
+            let (a, s) = (ar(&v, &p, &c), speculative(&v, &d, &p, &c));
             // Every position is filled, and the token chosen at the last one is still emitted.
             assert_eq!(a.stop_reason, StopReason::ContextFull);
             assert_eq!(a.tokens.len(), left + 1, "{left} free positions");
@@ -166,7 +153,7 @@ fn the_loop_guard_stops_ar_and_speculative_decoding_at_the_same_token() {
         let mut c = cfg(120, Sampling::Greedy);
         let free = ar(&v, &p, &c).tokens;
         c.loop_guard = Some(RunawayGuard::default());
-        let (a, s) = (ar(&v, &p, &c), spec(&v, &d, &p, &c));
+        let (a, s) = (ar(&v, &p, &c), speculative(&v, &d, &p, &c));
         assert_eq!(a.tokens, s.tokens, "prompt {i}");
         assert_eq!(a.stop_reason, s.stop_reason, "prompt {i}");
         if a.stop_reason == StopReason::Runaway {

@@ -10,13 +10,9 @@
 
 mod common;
 
-use common::{load, model_dir, root, trained_drafter};
-use kakeya_models::{DFlashDrafter, Gemma3Model};
+use common::{load, model_dir, root, speculative, trained_drafter};
 use kakeya_runtime::chat::{ChatSession, Message, format_chat};
-use kakeya_runtime::{
-    DFlashProposer, Generation, GenerationConfig, RunawayGuard, Sampling, Session, SpecConfig,
-    StopReason, Verifier, generate, speculative_generate,
-};
+use kakeya_runtime::{GenerationConfig, RunawayGuard, Sampling, Session, StopReason, generate};
 use kakeya_weights::Tokenizer;
 
 fn fixture() -> serde_json::Value {
@@ -70,21 +66,6 @@ fn chat_cfg(tok: &Tokenizer, max_tokens: usize) -> GenerationConfig {
         prefill_chunk: 512,
         loop_guard: Some(RunawayGuard::default()),
     }
-}
-
-fn speculative(v: &Gemma3Model, d: &DFlashDrafter, p: &[u32], c: &GenerationConfig) -> Generation {
-    let block = d.block_size();
-    let mut ver = Verifier::new(v, d.config.target_layer_ids.clone(), block);
-    let mut prop = DFlashProposer::new(d);
-    speculative_generate(
-        &mut ver,
-        &mut prop,
-        p,
-        c,
-        SpecConfig { block_size: block },
-        &mut |_| {},
-    )
-    .unwrap()
 }
 
 #[test]

@@ -1,11 +1,14 @@
-//! Paths and loaders shared by the tests that need the fetched default model
-//! (`python3 scripts/fetch_default_model.py`).
+//! Shared by this crate's integration tests: paths and loaders for the fetched default model
+//! (`python3 scripts/fetch_default_model.py`), and speculative decoding with a drafter.
 #![allow(dead_code)] // each test binary uses its own subset
 
 use std::path::PathBuf;
 
 use burn::tensor::Device;
 use kakeya_models::{DFlashDrafter, Gemma3Model};
+use kakeya_runtime::{
+    DFlashProposer, Generation, GenerationConfig, SpecConfig, Verifier, speculative_generate,
+};
 use kakeya_weights::{Checkpoint, DraftCheckpoint, Tokenizer};
 
 /// The workspace root.
@@ -37,4 +40,25 @@ pub fn trained_drafter_dir() -> PathBuf {
 pub fn trained_drafter(verifier: &Gemma3Model) -> DFlashDrafter {
     let ck = DraftCheckpoint::load(&trained_drafter_dir()).expect("trained drafter");
     DFlashDrafter::from_checkpoint(ck, verifier).unwrap()
+}
+
+/// Speculative greedy decoding of `prompt` with `drafter` at its own block size.
+pub fn speculative(
+    verifier: &Gemma3Model,
+    drafter: &DFlashDrafter,
+    prompt: &[u32],
+    cfg: &GenerationConfig,
+) -> Generation {
+    let block = drafter.block_size();
+    let mut ver = Verifier::new(verifier, drafter.config.target_layer_ids.clone(), block);
+    let mut prop = DFlashProposer::new(drafter);
+    speculative_generate(
+        &mut ver,
+        &mut prop,
+        prompt,
+        cfg,
+        SpecConfig { block_size: block },
+        &mut |_| {},
+    )
+    .unwrap()
 }

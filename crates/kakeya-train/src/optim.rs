@@ -12,6 +12,16 @@ pub struct Moments {
     pub v: Tensor<2>,
 }
 
+impl Moments {
+    /// Zero moments for a parameter shaped like `p` (Adam's start).
+    pub fn zeros_like(p: &Tensor<2>) -> Self {
+        Self {
+            m: p.zeros_like(),
+            v: p.zeros_like(),
+        }
+    }
+}
+
 /// AdamW hyper-parameters of one update.
 #[derive(Debug, Clone, Copy)]
 pub struct AdamW {

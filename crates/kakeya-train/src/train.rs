@@ -477,10 +477,7 @@ fn zero_moments(params: &DrafterParams) -> Vec<Moments> {
     params
         .tensors
         .iter()
-        .map(|(_, _, p)| Moments {
-            m: p.zeros_like(),
-            v: p.zeros_like(),
-        })
+        .map(|(_, _, p)| Moments::zeros_like(p))
         .collect()
 }
 

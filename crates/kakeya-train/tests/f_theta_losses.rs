@@ -435,10 +435,7 @@ fn trainer_steps(f: &Value, cfg: &FThetaTrainConfig) -> Vec<Step> {
     let mut moments: Vec<Moments> = params
         .tensors
         .iter()
-        .map(|(_, _, p)| Moments {
-            m: p.zeros_like(),
-            v: p.zeros_like(),
-        })
+        .map(|(_, _, p)| Moments::zeros_like(p))
         .collect();
     (0..cfg.train.steps)
         .map(|t| {
@@ -601,10 +598,7 @@ export = "unused"
     let mut moments: Vec<Moments> = params
         .tensors
         .iter()
-        .map(|(_, _, p)| Moments {
-            m: p.zeros_like(),
-            v: p.zeros_like(),
-        })
+        .map(|(_, _, p)| Moments::zeros_like(p))
         .collect();
     let leaves1 = leaves(&params);
     let model = params.model(&leaves1);

@@ -618,10 +618,7 @@ pub fn train_f_theta(
         let moments = params
             .tensors
             .iter()
-            .map(|(_, _, p)| Moments {
-                m: p.zeros_like(),
-                v: p.zeros_like(),
-            })
+            .map(|(_, _, p)| Moments::zeros_like(p))
             .collect();
         let st = State {
             step: 0,

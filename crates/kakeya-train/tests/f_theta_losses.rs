@@ -18,7 +18,7 @@ use kakeya_train::ftheta::loss::{
     Lambdas, LayerFrozen, LayerTargets, LossKind, Terms, layer_loss, layer_terms,
 };
 use kakeya_train::ftheta::params::FThetaParams;
-use kakeya_train::ftheta::train::{batch_loss, frozen_layers, leaves, optimizer_step};
+use kakeya_train::ftheta::step::{batch_loss, frozen_layers, leaves, optimizer_step};
 use kakeya_train::optim::{Moments, global_norm};
 use kakeya_weights::ftheta::FThetaInputs;
 use kakeya_weights::{FThetaConfig, HostTensor};

@@ -16,7 +16,8 @@ use kakeya_models::testing::{
 use kakeya_models::{DFlashDrafter, FTheta, Gemma3Model};
 use kakeya_train::ftheta::config::FThetaInit;
 use kakeya_train::ftheta::data::SeqData;
-use kakeya_train::ftheta::train::{FEval, evaluate, frozen_layers};
+use kakeya_train::ftheta::step::{evaluate, frozen_layers};
+use kakeya_train::ftheta::train::FEval;
 use kakeya_train::ftheta::{FEvent, FThetaTrainConfig, prepare, train_f_theta};
 use kakeya_train::{TrainError, TrainOptions};
 use kakeya_weights::{FThetaCheckpoint, Tokenizer};

@@ -6,6 +6,7 @@ pub mod data;
 pub mod loss;
 pub mod lstsq;
 pub mod params;
+pub mod step;
 pub mod train;
 
 pub use config::FThetaTrainConfig;

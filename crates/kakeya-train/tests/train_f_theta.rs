@@ -18,7 +18,7 @@ use kakeya_train::ftheta::config::FThetaInit;
 use kakeya_train::ftheta::data::SeqData;
 use kakeya_train::ftheta::step::{evaluate, frozen_layers};
 use kakeya_train::ftheta::train::FEval;
-use kakeya_train::ftheta::{FEvent, FThetaTrainConfig, prepare, train_f_theta};
+use kakeya_train::ftheta::{FEvent, FThetaReport, FThetaTrainConfig, prepare, train_f_theta};
 use kakeya_train::{TrainError, TrainOptions};
 use kakeya_weights::{FThetaCheckpoint, Tokenizer};
 use rand::rngs::StdRng;
@@ -143,6 +143,18 @@ eval_queries = 16
             run.display(),
             run.join("export").display()
         ),
+    )
+    .unwrap()
+}
+
+/// Prepares and trains `cfg` on `v` with the default options, ignoring progress events.
+fn train_quietly(cfg: &FThetaTrainConfig, v: &Gemma3Model) -> FThetaReport {
+    train_f_theta(
+        cfg,
+        v,
+        prepare(cfg, v, VSHA, DSHA).unwrap(),
+        &opts(),
+        &mut |_| {},
     )
     .unwrap()
 }
@@ -354,27 +366,13 @@ fn init_from_starts_from_exactly_the_exported_weights() {
     let ds = capture(&s.0, &v, 10, ALL, true);
     let first = s.0.join("first");
     let cfg = config(&ds, &first, 6, "");
-    let a = train_f_theta(
-        &cfg,
-        &v,
-        prepare(&cfg, &v, VSHA, DSHA).unwrap(),
-        &opts(),
-        &mut |_| {},
-    )
-    .unwrap();
+    let a = train_quietly(&cfg, &v);
     let (fresh, trained) = (&a.evals[0], a.evals.last().unwrap());
     assert_eq!(trained.step, 6);
     // The warm start's figures before any step are the exported model's, not a fresh start's.
     let mut warm = config(&ds, &s.0.join("warm"), 6, "");
     warm.model.init_from = Some(first.join("export"));
-    let b = train_f_theta(
-        &warm,
-        &v,
-        prepare(&warm, &v, VSHA, DSHA).unwrap(),
-        &opts(),
-        &mut |_| {},
-    )
-    .unwrap();
+    let b = train_quietly(&warm, &v);
     assert_eq!(b.evals[0].step, 0);
     let same = largest_difference(&b.evals[0], trained);
     let apart = largest_difference(fresh, trained);
@@ -397,14 +395,7 @@ fn resuming_after_an_interruption_is_bit_for_bit() {
     let ds = capture(&s.0, &v, 10, ALL, true);
     let whole = s.0.join("whole");
     let cfg = config(&ds, &whole, 10, "");
-    train_f_theta(
-        &cfg,
-        &v,
-        prepare(&cfg, &v, VSHA, DSHA).unwrap(),
-        &opts(),
-        &mut |_| {},
-    )
-    .unwrap();
+    train_quietly(&cfg, &v);
     let parts = s.0.join("parts");
     let cfg = config(&ds, &parts, 10, "");
     let mut o = opts();

@@ -155,19 +155,16 @@ pub fn capture_sequence(
         .map(|c| c.expect("every chunk fills every column"))
         .collect();
     if let Some(d) = drafter.filter(|_| !sel.drafter_layers.is_empty()) {
-        let mut dcaches = KvCache::for_specs(&d.cache_specs(), 0);
-        let out = d.forward(
-            &kakeya_models::DraftRequest {
-                context: Tensor::cat(drafter_aux, 0),
-                block: &tokens[tokens.len() - 1..],
-                capture_context: true,
-            },
-            &mut dcaches,
-        )?;
+        // The drafter's context rows, exactly as the runtime's compact store holds them.
+        let (k, v) = d.context_rows(Tensor::cat(drafter_aux, 0))?;
+        let n = k.dims()[0];
+        let kv = d.context_width() / d.num_layers();
         for &l in &sel.drafter_layers {
-            let (k, v) = out.context_kv[l].clone();
-            columns.push(HostMatrix::from_tensor(k));
-            columns.push(HostMatrix::from_tensor(v));
+            let cols = l * kv..(l + 1) * kv;
+            columns.push(HostMatrix::from_tensor(
+                k.clone().slice([0..n, cols.clone()]),
+            ));
+            columns.push(HostMatrix::from_tensor(v.clone().slice([0..n, cols])));
         }
     }
     Ok(SequenceCapture {

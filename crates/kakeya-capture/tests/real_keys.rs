@@ -93,8 +93,8 @@ fn captured_raw_keys_become_the_runtime_keys() {
     s.prefill(&b.token, 512).unwrap();
     let device = Device::flex();
     let mut worst = 0.0f32;
-    for (l, (layer, cache)) in v.layers.iter().zip(s.caches()).enumerate() {
-        let held = cache.held().unwrap();
+    for (l, layer) in v.layers.iter().enumerate() {
+        let held = s.kv().native(l).unwrap().held().unwrap();
         let (_, dim, raw) = &b.columns[l];
         let k_raw = Tensor::<2>::from_data(TensorData::new(raw.clone(), [n, *dim]), &device);
         let keys = layer

@@ -148,20 +148,24 @@ fn values_read_back_equal_what_the_models_produce() {
                     v.forward(&r, &mut c2).unwrap().hidden.remove(0)
                 })
                 .collect();
-            let mut dc = KvCache::for_specs(&d.cache_specs(), 0);
+            let mut dc = kakeya_runtime::CompactStore::new(d.context_width(), None, v.device());
             let dout = d
                 .forward(
                     &DraftRequest {
-                        context: Tensor::cat(ctx, 1),
+                        context: Some(Tensor::cat(ctx, 1)),
                         block: &toks[toks.len() - 1..],
                         capture_context: true,
                     },
                     &mut dc,
                 )
                 .unwrap();
-            for (k, vv) in dout.context_kv {
-                want.push(host(k));
-                want.push(host(vv));
+            // The store rows hold the drafter's layers side by side; the capture one column each.
+            let (k, vv) = dout.context_kv.unwrap();
+            let n = k.dims()[0];
+            let kvw = d.context_width() / d.num_layers();
+            for l in 0..d.num_layers() {
+                want.push(host(k.clone().slice([0..n, l * kvw..(l + 1) * kvw])));
+                want.push(host(vv.clone().slice([0..n, l * kvw..(l + 1) * kvw])));
             }
             assert_eq!(want.len(), b.columns.len());
             for ((name, _, got), want) in b.columns.iter().zip(&want) {

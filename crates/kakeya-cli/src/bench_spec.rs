@@ -7,8 +7,8 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use kakeya_models::{DFlashDrafter, Gemma3Model};
 use kakeya_runtime::{
-    DFlashProposer, Generation, GenerationConfig, Proposer, ReplayProposer, Sampling, Session,
-    SpecConfig, Verifier, generate, speculative_generate,
+    DFlashProposer, Generation, GenerationConfig, KvSetup, Proposer, ReplayProposer, Sampling,
+    Session, SpecConfig, Verifier, generate, speculative_generate,
 };
 use kakeya_weights::Tokenizer;
 use serde::Serialize;
@@ -107,14 +107,17 @@ fn run_spec(
     cfg: &GenerationConfig,
     block: usize,
 ) -> Result<Generation> {
-    let (mut proposer, aux): (Box<dyn Proposer + '_>, Vec<usize>) = match drafts {
+    let (mut proposer, setup): (Box<dyn Proposer + '_>, _) = match drafts {
         Drafts::Drafter(d) => (
             Box::new(DFlashProposer::new(d)),
-            d.config.target_layer_ids.clone(),
+            KvSetup::full(0).drafter(d),
         ),
-        Drafts::Replay => (Box::new(ReplayProposer::new(ids, reference)), Vec::new()),
+        Drafts::Replay => (
+            Box::new(ReplayProposer::new(ids, reference)),
+            KvSetup::full(0),
+        ),
     };
-    let mut verifier = Verifier::new(model, aux, block);
+    let mut verifier = Verifier::new(model, setup, block)?;
     Ok(speculative_generate(
         &mut verifier,
         proposer.as_mut(),

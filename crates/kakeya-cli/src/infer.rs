@@ -8,12 +8,13 @@ use clap::{ArgGroup, Args};
 use kakeya_models::{DFlashDrafter, Gemma3Model};
 use kakeya_runtime::chat::{self, ChatSession, Message};
 use kakeya_runtime::{
-    DFlashProposer, Generation, GenerationConfig, RunawayGuard, Sampling, Session, SpecConfig,
-    TextStream, Verifier, generate, speculative_generate,
+    DFlashProposer, Generation, GenerationConfig, KvMode, KvSetup, RunawayGuard, Sampling, Session,
+    SpecConfig, TextStream, Verifier, generate, speculative_generate,
 };
 use kakeya_weights::Tokenizer;
 
 use crate::common::{DEFAULT_DRAFTER, ModelArgs, check_block_size, load_drafter};
+use crate::kv::{KvArgs, load_f_theta};
 
 /// Arguments of `kakeya infer`.
 #[derive(Args, Debug)]
@@ -72,6 +73,8 @@ pub struct InferArgs {
     /// Do not stop on runaway repetition (a 1–8 token unit repeated 12 times).
     #[arg(long)]
     pub no_loop_guard: bool,
+    #[command(flatten)]
+    pub kv: KvArgs,
 }
 
 impl InferArgs {
@@ -121,14 +124,22 @@ impl Printer<'_> {
 
 fn print_stats(g: &Generation) {
     let s = &g.stats;
+    let mib = |b: usize| b as f64 / (1 << 20) as f64;
     eprintln!(
-        "\n[prompt {} tok, prefill {:.1} tok/s | generated {} tok, decode {:.1} tok/s | KV held {:.2} MiB | stop: {:?}]",
-        s.prompt_tokens,
-        s.prefill_tok_s,
-        s.generated_tokens,
-        s.decode_tok_s,
-        s.kv_bytes as f64 / (1 << 20) as f64,
-        g.stop_reason
+        "\n[prompt {} tok, prefill {:.1} tok/s | generated {} tok, decode {:.1} tok/s | stop: {:?}]",
+        s.prompt_tokens, s.prefill_tok_s, s.generated_tokens, s.decode_tok_s, g.stop_reason
+    );
+    let kv = &s.kv;
+    eprintln!(
+        "[KV {}: {:.2} MiB held (exact {:.2}, quantised {:.2}, store {:.2}, transient peak {:.2}); full cache in 16-bit would be {:.2} MiB: {:.2}x]",
+        s.kv_mode.map_or("full", |m| m.name()),
+        mib(kv.total),
+        mib(kv.exact),
+        mib(kv.quantised),
+        mib(kv.store),
+        mib(kv.transient_peak),
+        mib(kv.full_f16),
+        kv.ratio_to_full_f16
     );
     if let Some(sp) = &g.spec {
         eprintln!(
@@ -138,9 +149,10 @@ fn print_stats(g: &Generation) {
     }
 }
 
-/// Decodes `ids` with the drafter when one is given, otherwise autoregressively.
+/// Decodes `ids` under `setup`, speculatively with the drafter when one is given.
 fn decode(
     model: &Gemma3Model,
+    setup: KvSetup<'_>,
     drafter: Option<(&DFlashDrafter, usize)>,
     ids: &[u32],
     cfg: &GenerationConfig,
@@ -148,7 +160,7 @@ fn decode(
 ) -> Result<Generation> {
     Ok(match drafter {
         Some((d, block)) => {
-            let mut verifier = Verifier::new(model, d.config.target_layer_ids.clone(), block);
+            let mut verifier = Verifier::new(model, setup.drafter(d), block)?;
             let mut proposer = DFlashProposer::new(d);
             speculative_generate(
                 &mut verifier,
@@ -159,7 +171,7 @@ fn decode(
                 on_token,
             )?
         }
-        None => generate(&mut Session::new(model, 0), ids, cfg, on_token)?,
+        None => generate(&mut Session::with_kv(model, setup)?, ids, cfg, on_token)?,
     })
 }
 
@@ -186,7 +198,7 @@ pub fn run(a: InferArgs) -> Result<()> {
         None => None,
     };
     let drafter = match drafter_dir {
-        Some(dir) => {
+        Some(dir) if !a.no_drafter => {
             if sampling != Sampling::Greedy {
                 bail!("--drafter decodes greedily (lossless); drop --temperature or the drafter");
             }
@@ -195,8 +207,46 @@ pub fn run(a: InferArgs) -> Result<()> {
             }
             Some(load_drafter(dir, &model)?)
         }
-        None => None,
+        _ => None,
     };
+    let policy = a.kv.policy()?;
+    if a.chat && policy.mode != KvMode::Full {
+        bail!(
+            "--chat keeps the full cache for now; --kv-mode works with --prompt, --prompt-file and --chat-file"
+        );
+    }
+    // The restored modes rebuild evicted K/V from the drafter's compact store: they need the
+    // drafter's weights (to fill the store) and an f_θ for the pair, with or without speculation.
+    let store_drafter_dir = a.drafter.clone().unwrap_or_else(|| default_drafter.clone());
+    let store_drafter = if policy.mode.restores() && drafter.is_none() {
+        Some(load_drafter(&store_drafter_dir, &model)?)
+    } else {
+        None
+    };
+    let restorer = if policy.mode.restores() {
+        let d = drafter
+            .as_ref()
+            .or(store_drafter.as_ref())
+            .expect("loaded above");
+        let dir =
+            a.kv.f_theta_dir(a.model.model.is_none() && a.drafter.is_none())?;
+        Some(load_f_theta(
+            &dir,
+            &a.model.model_path()?,
+            &store_drafter_dir,
+            &model,
+            d,
+        )?)
+    } else {
+        None
+    };
+    let mut setup = KvSetup::new(policy);
+    if let Some(d) = &store_drafter {
+        setup = setup.drafter(d);
+    }
+    if let Some(r) = &restorer {
+        setup = setup.restorer(r);
+    }
     let block = match &drafter {
         Some(d) => {
             let b = a.block_size.unwrap_or(d.block_size());
@@ -246,19 +296,28 @@ pub fn run(a: InferArgs) -> Result<()> {
     let mut printer = Printer(TextStream::new(&tok));
     let spec = drafter.as_ref().map(|d| (d, block));
     let g = if a.json {
-        decode(&model, spec, &ids, &cfg, &mut |_| {})?
+        decode(&model, setup, spec, &ids, &cfg, &mut |_| {})?
     } else {
-        let g = decode(&model, spec, &ids, &cfg, &mut |t| printer.push(t))?;
+        let g = decode(&model, setup, spec, &ids, &cfg, &mut |t| printer.push(t))?;
         printer.finish();
         g
     };
     let ar = if a.compare_ar {
-        Some(decode(&model, None, &ids, &cfg, &mut |_| {})?)
+        let ar_setup = match (&store_drafter, &drafter) {
+            (None, Some(d)) if policy.mode.restores() => setup.drafter(d),
+            _ => setup,
+        };
+        Some(decode(&model, ar_setup, None, &ids, &cfg, &mut |_| {})?)
     } else {
         None
     };
     if a.json {
         let mut stats = serde_json::to_value(&g.stats)?;
+        stats["kv_policy"] = serde_json::to_value(policy)?;
+        stats["weights_bytes"] = serde_json::json!({
+            "drafter": drafter.as_ref().or(store_drafter.as_ref()).map(|d| d.nbytes()),
+            "f_theta": restorer.as_ref().map(kakeya_runtime::Restorer::nbytes),
+        });
         if let Some(sp) = &g.spec {
             stats["speculative"] = serde_json::to_value(sp)?;
         }

@@ -10,6 +10,7 @@ mod capture;
 mod common;
 mod convert;
 mod infer;
+mod kv;
 mod train;
 
 use std::process::ExitCode;

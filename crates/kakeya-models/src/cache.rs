@@ -1,8 +1,12 @@
 //! The interface between a model's attention and the caller-owned KV caches.
 //!
-//! A model declares one [`CacheSpec`] per layer; the caller builds caches from it (see
-//! `kakeya-runtime`) and passes them to every forward. Keys are stored as attention uses them
-//! (after k_norm and RoPE at their absolute positions).
+//! A model declares one [`CacheSpec`] per layer: what its attention needs. The caller (the
+//! runtime) decides what it keeps — every position exactly, a sink + recent window, older
+//! positions quantised or rebuilt from a compact store — and hands attention the tiers it holds
+//! as [`KvSegment`]s, each with its keys' absolute positions and the queries that may read them.
+//! The model's math knows nothing of the policy.
+
+use std::ops::Range;
 
 use burn::tensor::Tensor;
 
@@ -20,25 +24,102 @@ pub enum CacheSpec {
     },
 }
 
-/// Keys and values attention must see for a chunk of queries, with their absolute positions.
+impl CacheSpec {
+    /// The oldest position a query at `q` can attend to.
+    pub fn oldest_needed(&self, q: usize) -> usize {
+        match *self {
+            CacheSpec::Full => 0,
+            CacheSpec::Sliding { window } => (q + 1).saturating_sub(window),
+        }
+    }
+}
+
+/// Which queries may read a segment's keys, on top of the layer's own causal / sliding rule.
+/// The age of key `k` for query `q` is `q - k`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reach {
+    /// Every query the layer's rule allows.
+    Always,
+    /// Queries for which the key is younger than `age` (the exact recent window).
+    Younger(usize),
+    /// Queries for which the key is at least `age` old (a degraded copy of an evicted key).
+    AtLeast(usize),
+}
+
+impl Reach {
+    /// May a query at `q` read a key at `k` (`k <= q`)?
+    pub fn allows(&self, q: usize, k: usize) -> bool {
+        match *self {
+            Reach::Always => true,
+            Reach::Younger(age) => q - k < age,
+            Reach::AtLeast(age) => q - k >= age,
+        }
+    }
+}
+
+/// The form a segment's K/V are in.
 #[derive(Debug, Clone)]
-pub struct CachedKv {
-    /// Keys, `[kv_heads, S, head_dim]`.
-    pub k: Tensor<3>,
-    /// Values, `[kv_heads, S, head_dim]`.
-    pub v: Tensor<3>,
-    /// Absolute position of each of the `S` keys.
+pub enum SegmentKv {
+    /// As attention uses them: keys after k_norm and RoPE at their positions, values as
+    /// projected. `k`, `v`: `[kv_heads, n, head_dim]`.
+    Ready {
+        /// Keys.
+        k: Tensor<3>,
+        /// Values.
+        v: Tensor<3>,
+    },
+    /// Raw k_proj / v_proj outputs (e.g. rebuilt by a restorer); the layer applies its own
+    /// k_norm and RoPE. `k`, `v`: `[n, kv_heads · head_dim]`.
+    Raw {
+        /// Raw keys.
+        k: Tensor<2>,
+        /// Raw values.
+        v: Tensor<2>,
+    },
+}
+
+/// One tier of keys/values attention reads.
+#[derive(Debug, Clone)]
+pub struct KvSegment {
+    /// The keys and values.
+    pub kv: SegmentKv,
+    /// Absolute position of each of the `n` keys.
     pub positions: Vec<usize>,
+    /// Which queries may read them.
+    pub reach: Reach,
+}
+
+impl KvSegment {
+    /// Ready K/V (`[kv_heads, n, head_dim]`) at `positions`.
+    pub fn ready(k: Tensor<3>, v: Tensor<3>, positions: Vec<usize>, reach: Reach) -> Self {
+        Self {
+            kv: SegmentKv::Ready { k, v },
+            positions,
+            reach,
+        }
+    }
+
+    /// Keys in the segment.
+    pub fn len(&self) -> usize {
+        self.positions.len()
+    }
+
+    /// True when the segment holds no key.
+    pub fn is_empty(&self) -> bool {
+        self.positions.is_empty()
+    }
 }
 
 /// One layer's KV store, owned by the caller.
 pub trait LayerCache {
-    /// Records the K/V of positions `start..start + T` and returns everything attention over
-    /// those queries needs: earlier cached positions followed by the new ones, in order.
+    /// Records the K/V of positions `start..start + T` (the chunk being computed) and returns
+    /// the segments attention over those queries reads: whatever tiers the cache holds for
+    /// earlier positions, and the chunk's own keys (read by every query of the chunk that the
+    /// layer's rule allows, unless the cache degrades them too).
     ///
     /// # Shapes
-    /// - `k`, `v`: `[kv_heads, T, head_dim]`
-    fn update(&mut self, k: Tensor<3>, v: Tensor<3>, start: usize) -> Result<CachedKv>;
+    /// - `k`, `v`: `[kv_heads, T, head_dim]` (keys after k_norm and RoPE)
+    fn update(&mut self, k: Tensor<3>, v: Tensor<3>, start: usize) -> Result<Vec<KvSegment>>;
 
     /// Positions recorded so far (the next position to write).
     fn len(&self) -> usize;
@@ -47,4 +128,84 @@ pub trait LayerCache {
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// Forgets every position `>= len`, exactly: afterwards the cache behaves as if it had
+    /// only ever seen positions `< len`. A cache that can no longer do that (it already
+    /// demoted a position the rollback would need exactly) refuses with an error.
+    fn truncate(&mut self, len: usize) -> Result<()>;
+
+    /// Bytes the cache holds (allocated buffers, every tier; not a formula of positions).
+    fn nbytes(&self) -> usize;
+}
+
+/// The caches of every layer of a model, as one forward sees them.
+pub trait KvLayers {
+    /// Number of layer caches.
+    fn layer_count(&self) -> usize;
+
+    /// [`LayerCache::update`] of layer `layer`.
+    fn update(
+        &mut self,
+        layer: usize,
+        k: Tensor<3>,
+        v: Tensor<3>,
+        start: usize,
+    ) -> Result<Vec<KvSegment>>;
+}
+
+impl<C: LayerCache> KvLayers for [C] {
+    fn layer_count(&self) -> usize {
+        self.len()
+    }
+
+    fn update(
+        &mut self,
+        layer: usize,
+        k: Tensor<3>,
+        v: Tensor<3>,
+        start: usize,
+    ) -> Result<Vec<KvSegment>> {
+        self[layer].update(k, v, start)
+    }
+}
+
+impl<C: LayerCache> KvLayers for Vec<C> {
+    fn layer_count(&self) -> usize {
+        self.len()
+    }
+
+    fn update(
+        &mut self,
+        layer: usize,
+        k: Tensor<3>,
+        v: Tensor<3>,
+        start: usize,
+    ) -> Result<Vec<KvSegment>> {
+        self[layer].update(k, v, start)
+    }
+}
+
+/// The drafter's per-position context store: for every drafter layer, the context keys after
+/// k_norm and before RoPE and the values, one row per position, concatenated over layers —
+/// exactly f_θ's input. The drafter applies RoPE when it reads.
+pub trait DraftContext {
+    /// Positions held.
+    fn len(&self) -> usize;
+
+    /// True when empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Appends the rows of positions `len()..len() + n`.
+    ///
+    /// # Shapes
+    /// - `k`, `v`: `[n, drafter_layers · kv_heads · head_dim]`
+    fn append(&mut self, k: Tensor<2>, v: Tensor<2>) -> Result<()>;
+
+    /// The rows of `positions` (as held: dequantised when the store is quantised).
+    ///
+    /// # Shapes
+    /// - returns `k`, `v`: `[positions.len, drafter_layers · kv_heads · head_dim]`
+    fn read(&self, positions: Range<usize>) -> Result<(Tensor<2>, Tensor<2>)>;
 }

@@ -13,8 +13,8 @@ pub mod rope;
 pub mod sdpa;
 pub mod testing;
 
-pub use cache::{CacheSpec, CachedKv, LayerCache};
+pub use cache::{CacheSpec, DraftContext, KvLayers, KvSegment, LayerCache, Reach, SegmentKv};
 pub use dflash::{DFlashDrafter, DraftOutput, DraftRequest};
 pub use error::{ModelError, Result};
 pub use ftheta::FTheta;
-pub use gemma3::{ExternalKv, ForwardOutput, ForwardRequest, Gemma3Model, Logits};
+pub use gemma3::{ForwardOutput, ForwardRequest, Gemma3Model, Logits};

@@ -298,3 +298,27 @@ pub fn f_theta_config(
         loss: "mse".into(),
     }
 }
+
+/// A random f_θ checkpoint for `config` (weights ~ U(±0.2), biases ~ U(±0.05)).
+pub fn random_f_theta(config: &FThetaConfig, seed: u64) -> kakeya_weights::FThetaCheckpoint {
+    let mut s = seed;
+    let tensors = config
+        .expected_tensors()
+        .into_iter()
+        .map(|(name, shape)| {
+            let n = shape.iter().product();
+            let scale = if name.ends_with(".bias") { 0.05 } else { 0.2 };
+            (
+                name,
+                HostTensor {
+                    shape,
+                    data: values(n, &mut s, scale),
+                },
+            )
+        })
+        .collect();
+    kakeya_weights::FThetaCheckpoint {
+        config: config.clone(),
+        tensors,
+    }
+}

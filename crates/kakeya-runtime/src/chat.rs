@@ -20,8 +20,9 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, RuntimeError};
-use crate::generate::{Generation, GenerationConfig, Session, StopReason, generate};
+use crate::generate::{Generation, GenerationConfig, StopReason, generate};
 use crate::guard::RunawayGuard;
+use crate::session::Session;
 
 /// One chat message.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

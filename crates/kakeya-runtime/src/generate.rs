@@ -2,134 +2,13 @@
 
 use std::time::Instant;
 
-use burn::tensor::Tensor;
-use kakeya_models::{ForwardOutput, ForwardRequest, Gemma3Model, Logits};
 use serde::Serialize;
 
 use crate::error::{Result, RuntimeError};
 use crate::guard::RunawayGuard;
-use crate::kv::KvCache;
+use crate::kv::{KvBytes, KvMode};
 use crate::sampler::{Sampler, Sampling};
-
-/// Copies one row of logits `[1, vocab]` to the host.
-pub fn logits_row(logits: Tensor<2>) -> Vec<f32> {
-    logits
-        .into_data()
-        .try_into_vec::<f32>()
-        .expect("logits are f32")
-}
-
-/// A model plus the caches of one sequence.
-#[derive(Debug)]
-pub struct Session<'m> {
-    model: &'m Gemma3Model,
-    caches: Vec<KvCache>,
-    len: usize,
-}
-
-impl<'m> Session<'m> {
-    /// An empty sequence; rings keep `slack` positions of exact rollback.
-    pub fn new(model: &'m Gemma3Model, slack: usize) -> Self {
-        Self {
-            model,
-            caches: KvCache::for_specs(&model.cache_specs(), slack),
-            len: 0,
-        }
-    }
-
-    /// Positions processed so far.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// True before any token.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// The model.
-    pub fn model(&self) -> &'m Gemma3Model {
-        self.model
-    }
-
-    /// Bytes of K/V held by all layers' caches.
-    pub fn kv_bytes(&self) -> usize {
-        self.caches.iter().map(KvCache::nbytes).sum()
-    }
-
-    /// Runs `tokens` in chunks of at most `chunk`; returns the last position's logits.
-    pub fn prefill(&mut self, tokens: &[u32], chunk: usize) -> Result<Vec<f32>> {
-        if tokens.is_empty() {
-            return Err(RuntimeError::Input("empty prompt: nothing to run".into()));
-        }
-        let ctx = self.model.config.max_position_embeddings;
-        if self.len + tokens.len() > ctx {
-            return Err(RuntimeError::Input(format!(
-                "prompt of {} tokens (plus {} already in context) is longer than the model's context of {ctx}",
-                tokens.len(),
-                self.len
-            )));
-        }
-        let mut last = None;
-        let n = tokens.chunks(chunk.max(1)).count();
-        for (i, part) in tokens.chunks(chunk.max(1)).enumerate() {
-            let logits = if i + 1 == n {
-                Logits::Last
-            } else {
-                Logits::None
-            };
-            let out = self.model.forward(
-                &ForwardRequest::new(part, self.len, logits),
-                &mut self.caches,
-            )?;
-            self.len += part.len();
-            last = out.logits;
-        }
-        Ok(logits_row(last.expect("last chunk returns logits")))
-    }
-
-    /// Runs `tokens` at the next positions in one forward, returning what `logits` and
-    /// `hidden_after` ask for.
-    ///
-    /// # Shapes
-    /// - returns logits `[1 or T, vocab]`, hidden states `[T, hidden]` per requested layer
-    pub fn forward(
-        &mut self,
-        tokens: &[u32],
-        logits: Logits,
-        hidden_after: &[usize],
-    ) -> Result<ForwardOutput> {
-        let mut req = ForwardRequest::new(tokens, self.len, logits);
-        req.hidden_after = hidden_after;
-        let out = self.model.forward(&req, &mut self.caches)?;
-        self.len += tokens.len();
-        Ok(out)
-    }
-
-    /// The caches, one per layer (read-only: for inspection and tests).
-    pub fn caches(&self) -> &[KvCache] {
-        &self.caches
-    }
-
-    /// Runs one token; returns its logits.
-    pub fn step(&mut self, token: u32) -> Result<Vec<f32>> {
-        let out = self.model.forward(
-            &ForwardRequest::new(&[token], self.len, Logits::Last),
-            &mut self.caches,
-        )?;
-        self.len += 1;
-        Ok(logits_row(out.logits.expect("asked for logits")))
-    }
-
-    /// Forgets positions `>= len` in every cache.
-    pub fn truncate(&mut self, len: usize) -> Result<()> {
-        for c in &mut self.caches {
-            c.truncate(len)?;
-        }
-        self.len = len;
-        Ok(())
-    }
-}
+use crate::session::Session;
 
 /// Generation settings.
 #[derive(Debug, Clone)]
@@ -177,8 +56,12 @@ pub struct GenerationStats {
     pub prefill_tok_s: f64,
     /// Decode forwards per second.
     pub decode_tok_s: f64,
-    /// K/V bytes the caches hold at the end.
+    /// K/V bytes held at the end, in total (`kv.total`).
     pub kv_bytes: usize,
+    /// The KV mode.
+    pub kv_mode: Option<KvMode>,
+    /// K/V bytes held at the end, by part.
+    pub kv: KvBytes,
 }
 
 /// Output of [`generate`].
@@ -307,7 +190,9 @@ pub fn generate(
         decode_secs,
         prefill_tok_s: rate(prompt.len(), prefill_secs),
         decode_tok_s: rate(steps, decode_secs),
-        kv_bytes: session.kv_bytes(),
+        kv_bytes: session.kv_bytes().total,
+        kv_mode: Some(session.policy().mode),
+        kv: session.kv_bytes(),
     };
     Ok(Generation {
         tokens,

@@ -7,16 +7,21 @@ pub mod generate;
 pub mod guard;
 pub mod kv;
 pub mod sampler;
+pub mod session;
 pub mod spec;
 pub mod stream;
 
 pub use error::{Result, RuntimeError};
 pub use generate::{
-    Generation, GenerationConfig, GenerationStats, Session, StopReason, TokenSink, generate,
+    Generation, GenerationConfig, GenerationStats, StopReason, TokenSink, generate,
 };
 pub use guard::RunawayGuard;
-pub use kv::{FullCache, KvCache, RingCache};
+pub use kv::{
+    CompactStore, FThetaRestorer, FullCache, KvBytes, KvCache, KvMode, KvPolicy, OracleRestorer,
+    Restorer, RingCache, SequenceKv,
+};
 pub use sampler::{Sampler, Sampling};
+pub use session::{KvSetup, Session};
 pub use spec::{
     DFlashProposer, Proposer, ReplayProposer, SpecConfig, SpecStats, Verifier, accept_greedy,
     speculative_generate,

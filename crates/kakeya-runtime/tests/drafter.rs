@@ -8,8 +8,8 @@ use std::path::PathBuf;
 
 use burn::tensor::{Device, Tensor, TensorData};
 use kakeya_models::testing::{drafter_config, random_checkpoint, random_drafter, tiny_config};
-use kakeya_models::{DFlashDrafter, DraftRequest, Gemma3Model, LayerCache, ModelError};
-use kakeya_runtime::{FullCache, KvCache};
+use kakeya_models::{DFlashDrafter, DraftContext, DraftRequest, Gemma3Model, ModelError};
+use kakeya_runtime::CompactStore;
 use kakeya_weights::{DraftCheckpoint, HostTensor};
 
 fn fixture_dir() -> PathBuf {
@@ -45,8 +45,8 @@ fn drafter_logits_match_zlab_reference() {
     let verifier = verifier_with_embedding(floats(&fx["embed"]));
     let ck = DraftCheckpoint::load(&fixture_dir().join("tiny")).unwrap();
     let drafter = DFlashDrafter::from_checkpoint(ck, &verifier).unwrap();
-    let mut caches: Vec<FullCache> = (0..2).map(|_| FullCache::default()).collect();
     let device = Device::flex();
+    let mut caches = CompactStore::new(drafter.context_width(), None, &device);
     for (i, step) in fx["steps"].as_array().unwrap().iter().enumerate() {
         let rows = step["context_rows"].as_u64().unwrap() as usize;
         let ctx = floats(&step["context"]);
@@ -60,7 +60,10 @@ fn drafter_logits_match_zlab_reference() {
         let out = drafter
             .forward(
                 &DraftRequest {
-                    context: Tensor::from_data(TensorData::new(ctx, [rows, width]), &device),
+                    context: Some(Tensor::from_data(
+                        TensorData::new(ctx, [rows, width]),
+                        &device,
+                    )),
                     block: &block,
                     capture_context: false,
                 },
@@ -83,7 +86,7 @@ fn drafter_logits_match_zlab_reference() {
         assert!(d <= tol, "step {i}: max |Δlogit| {d} > {tol}");
         eprintln!("step {i}: max |Δlogit| = {d:.2e} (tolerance {tol})");
     }
-    assert_eq!(caches[0].len(), 8, "context cache holds 5 + 3 positions");
+    assert_eq!(caches.len(), 8, "context cache holds 5 + 3 positions");
 }
 
 fn tiny_verifier() -> Gemma3Model {
@@ -141,12 +144,12 @@ fn reduced_vocabulary_drafts_map_back_to_verifier_ids() {
     assert_eq!(back.config, c);
     let drafter = DFlashDrafter::from_checkpoint(back, &v).unwrap();
     assert_eq!(drafter.draft_vocab(), 20);
-    let mut caches = KvCache::for_specs(&drafter.cache_specs(), 0);
+    let mut caches = CompactStore::new(drafter.context_width(), None, &Device::flex());
     let ctx = Tensor::<2>::ones([3, c.target_layer_ids.len() * 32], &Device::flex());
     let out = drafter
         .forward(
             &DraftRequest {
-                context: ctx,
+                context: Some(ctx),
                 block: &[10, 4, 4, 4, 4],
                 capture_context: false,
             },

@@ -13,8 +13,8 @@ use common::{load, model_dir, trained_drafter};
 use kakeya_models::testing::{drafter_config, random_drafter};
 use kakeya_models::{DFlashDrafter, Gemma3Model};
 use kakeya_runtime::{
-    DFlashProposer, GenerationConfig, ReplayProposer, RunawayGuard, Sampling, Session, SpecConfig,
-    Verifier, generate, speculative_generate,
+    DFlashProposer, GenerationConfig, KvSetup, ReplayProposer, RunawayGuard, Sampling, Session,
+    SpecConfig, Verifier, generate, speculative_generate,
 };
 use kakeya_weights::Tokenizer;
 
@@ -136,7 +136,7 @@ fn speculative_equals_greedy_on_gemma3_270m() {
         // tokens per prompt exercise every block size; the replay check below runs longer.
         let spec_tokens = 8;
         for (block, d) in &drafters {
-            let mut ver = Verifier::new(&v, d.config.target_layer_ids.clone(), *block);
+            let mut ver = Verifier::new(&v, KvSetup::full(0).drafter(d), *block).unwrap();
             let mut prop = DFlashProposer::new(d);
             let g = speculative_generate(
                 &mut ver,
@@ -156,7 +156,7 @@ fn speculative_equals_greedy_on_gemma3_270m() {
         }
         // Drafts equal to the target: every block commits `block` tokens.
         let block = 8;
-        let mut ver = Verifier::new(&v, vec![], block);
+        let mut ver = Verifier::new(&v, KvSetup::full(0), block).unwrap();
         let mut replay = ReplayProposer::new(p, &want);
         let g = speculative_generate(
             &mut ver,
@@ -237,7 +237,7 @@ fn trained_drafter_is_lossless_and_gets_drafts_accepted() {
             .unwrap()
             .tokens;
         for block in [4, 8] {
-            let mut ver = Verifier::new(&v, d.config.target_layer_ids.clone(), block);
+            let mut ver = Verifier::new(&v, KvSetup::full(0).drafter(&d), block).unwrap();
             let mut prop = DFlashProposer::new(&d);
             let g = speculative_generate(
                 &mut ver,

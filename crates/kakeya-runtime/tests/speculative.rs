@@ -5,11 +5,11 @@
 
 use burn::tensor::{Device, Tensor};
 use kakeya_models::testing::{drafter_config, random_checkpoint, random_drafter, tiny_config};
-use kakeya_models::{DFlashDrafter, DraftRequest, Gemma3Model};
-use kakeya_runtime::sampler::argmax;
+use kakeya_models::{DFlashDrafter, DraftContext, Gemma3Model};
+use kakeya_runtime::kv::HeldKv;
 use kakeya_runtime::{
-    DFlashProposer, GenerationConfig, KvCache, Proposer, Result, Sampling, Session, SpecConfig,
-    Verifier, generate, speculative_generate,
+    CompactStore, DFlashProposer, GenerationConfig, KvCache, KvSetup, Proposer, ReplayProposer,
+    Result, Sampling, Session, SpecConfig, Verifier, generate, speculative_generate,
 };
 
 /// Sliding window of the tiny verifier: short, so rings wrap many times per generation.
@@ -72,22 +72,20 @@ fn explain_divergence(v: &Gemma3Model, p: &[u32], want: &[u32], got: &[u32]) -> 
     )
 }
 
-/// Drafts the verifier's own greedy continuation (a separate session of the same model),
-/// optionally corrupting each draft with probability `noise` (seeded).
-struct Oracle<'m> {
-    session: Session<'m>,
+/// Drafts the verifier's own greedy continuation (replayed from a plain greedy run),
+/// corrupting each draft with probability `noise` (seeded).
+struct Oracle {
+    replay: ReplayProposer,
     noise: f64,
     rng: u64,
-    inner: Option<DFlashProposer<'m>>,
 }
 
-impl<'m> Oracle<'m> {
-    fn new(v: &'m Gemma3Model, noise: f64, seed: u64) -> Self {
+impl Oracle {
+    fn new(v: &Gemma3Model, p: &[u32], max_tokens: usize, noise: f64, seed: u64) -> Self {
         Self {
-            session: Session::new(v, 32),
+            replay: ReplayProposer::new(p, &greedy(v, p, max_tokens + 16)),
             noise,
             rng: seed,
-            inner: None,
         }
     }
 
@@ -99,32 +97,15 @@ impl<'m> Oracle<'m> {
     }
 }
 
-impl Proposer for Oracle<'_> {
-    fn aux_layers(&self) -> Vec<usize> {
-        self.inner.as_ref().map_or(Vec::new(), |p| p.aux_layers())
-    }
-
-    fn observe(&mut self, tokens: &[u32], aux: Option<Tensor<2>>) -> Result<()> {
-        self.session.prefill(tokens, 64)?;
-        if let Some(p) = &mut self.inner {
-            p.observe(tokens, aux)?;
-        }
-        Ok(())
-    }
-
-    fn propose(&mut self, last: u32, pos: usize, n: usize) -> Result<Vec<u32>> {
-        assert_eq!(pos, self.session.len());
-        if let Some(p) = &mut self.inner {
-            // Keep the drafter's context cache in step (its drafts are discarded).
-            p.propose(last, pos, n)?;
-        }
-        let mut out = Vec::with_capacity(n);
-        let mut t = last;
-        for _ in 0..n {
-            t = argmax(&self.session.step(t)?).unwrap() as u32;
-            out.push(t);
-        }
-        self.session.truncate(pos)?;
+impl Proposer for Oracle {
+    fn propose(
+        &mut self,
+        last: u32,
+        pos: usize,
+        n: usize,
+        store: Option<&mut CompactStore>,
+    ) -> Result<Vec<u32>> {
+        let mut out = self.replay.propose(last, pos, n, store)?;
         for d in &mut out {
             if self.coin() < self.noise {
                 *d = (*d + 1) % 97;
@@ -141,14 +122,14 @@ struct Recording<'d> {
 }
 
 impl Proposer for Recording<'_> {
-    fn aux_layers(&self) -> Vec<usize> {
-        self.inner.aux_layers()
-    }
-    fn observe(&mut self, tokens: &[u32], aux: Option<Tensor<2>>) -> Result<()> {
-        self.inner.observe(tokens, aux)
-    }
-    fn propose(&mut self, last: u32, pos: usize, n: usize) -> Result<Vec<u32>> {
-        let d = self.inner.propose(last, pos, n)?;
+    fn propose(
+        &mut self,
+        last: u32,
+        pos: usize,
+        n: usize,
+        store: Option<&mut CompactStore>,
+    ) -> Result<Vec<u32>> {
+        let d = self.inner.propose(last, pos, n, store)?;
         self.drafts.push((pos, d.clone()));
         Ok(d)
     }
@@ -219,7 +200,7 @@ fn random_drafter_is_lossless_over_prompts_and_block_sizes() {
         for i in 0..20 {
             let p = prompt(i);
             let want = greedy(&v, &p, max_tokens);
-            let mut ver = Verifier::new(&v, d.config.target_layer_ids.clone(), block);
+            let mut ver = Verifier::new(&v, KvSetup::full(0).drafter(&d), block).unwrap();
             let mut prop = Recording {
                 inner: DFlashProposer::new(&d),
                 drafts: Vec::new(),
@@ -252,8 +233,8 @@ fn drafts_equal_to_the_target_are_all_accepted() {
             // 1 token from prefill + whole blocks of `block` tokens.
             let max_tokens = 1 + 3 * block;
             let want = greedy(&v, &p, max_tokens);
-            let mut ver = Verifier::new(&v, vec![], block);
-            let mut oracle = Oracle::new(&v, 0.0, 1);
+            let mut ver = Verifier::new(&v, KvSetup::full(0), block).unwrap();
+            let mut oracle = Oracle::new(&v, &p, max_tokens, 0.0, 1);
             let g = speculative_generate(
                 &mut ver,
                 &mut oracle,
@@ -299,7 +280,7 @@ fn assert_same_cache(a: &KvCache, b: &KvCache, need_from: usize, what: &str) {
     );
     let hi = *ha.positions.last().unwrap();
     assert_eq!(hi, *hb.positions.last().unwrap(), "{what}: same length");
-    let cut = |c: &kakeya_models::CachedKv| {
+    let cut = |c: &HeldKv| {
         let off = lo - c.positions[0];
         let n = hi + 1 - lo;
         let [h, _, d] = c.k.dims();
@@ -320,9 +301,8 @@ fn random_accept_counts_leave_caches_as_if_only_committed_tokens_were_seen() {
         let d = drafter(&v, 2, block, 40);
         let p = prompt(seed as usize);
         let max_tokens = 90;
-        let mut ver = Verifier::new(&v, d.config.target_layer_ids.clone(), block);
-        let mut oracle = Oracle::new(&v, noise, seed * 7919);
-        oracle.inner = Some(DFlashProposer::new(&d));
+        let mut ver = Verifier::new(&v, KvSetup::full(0).drafter(&d), block).unwrap();
+        let mut oracle = Oracle::new(&v, &p, max_tokens, noise, seed * 7919);
         let g = speculative_generate(
             &mut ver,
             &mut oracle,
@@ -347,7 +327,9 @@ fn random_accept_counts_leave_caches_as_if_only_committed_tokens_were_seen() {
         let held = ver.len();
         let mut reference = Session::new(&v, 0);
         reference.prefill(&seq[..held], 5).unwrap();
-        for (l, (a, b)) in ver.caches().iter().zip(reference.caches()).enumerate() {
+        for l in 0..v.layers.len() {
+            let a = ver.session().kv().native(l).unwrap();
+            let b = reference.kv().native(l).unwrap();
             let need = (held + 1).saturating_sub(WINDOW);
             let need = if matches!(a, KvCache::Full(_)) {
                 0
@@ -357,9 +339,12 @@ fn random_accept_counts_leave_caches_as_if_only_committed_tokens_were_seen() {
             assert_same_cache(a, b, need, &format!("block {block}, verifier layer {l}"));
         }
 
-        // Drafter context: the same as one drafter pass over the committed positions' aux.
-        let prop = oracle.inner.as_ref().unwrap();
-        let ctx_len = prop.caches()[0].held().unwrap().positions.len();
+        // The compact store: exactly the committed positions, the same rows as one drafter
+        // projection of their aux hidden states.
+        let store = ver.store_mut().unwrap();
+        let ctx_len = store.len();
+        assert_eq!(ctx_len, held, "the store holds every committed position");
+        let (sk, sv) = store.read(0..ctx_len).unwrap();
         let mut full = Session::new(&v, 0);
         let aux = full
             .forward(
@@ -369,19 +354,10 @@ fn random_accept_counts_leave_caches_as_if_only_committed_tokens_were_seen() {
             )
             .unwrap()
             .hidden;
-        let mut fresh = KvCache::for_specs(&d.cache_specs(), 0);
-        d.forward(
-            &DraftRequest {
-                context: Tensor::cat(aux, 1),
-                block: &[seq[ctx_len]],
-                capture_context: false,
-            },
-            &mut fresh,
-        )
-        .unwrap();
-        for (l, (a, b)) in prop.caches().iter().zip(&fresh).enumerate() {
-            assert_same_cache(a, b, 0, &format!("block {block}, drafter layer {l}"));
-        }
+        let (fk, fv) = d.context_rows(Tensor::cat(aux, 1)).unwrap();
+        let as3 = |t: Tensor<2>| t.unsqueeze::<3>();
+        assert_kv_close(&as3(sk), &as3(fk), &format!("block {block}, store K"));
+        assert_kv_close(&as3(sv), &as3(fv), &format!("block {block}, store V"));
     }
 }
 
@@ -390,7 +366,7 @@ fn bad_block_sizes_are_refused() {
     let v = verifier(24);
     let d = drafter(&v, 1, 4, 1);
     for block in [0, v.config.max_position_embeddings + 1] {
-        let mut ver = Verifier::new(&v, d.config.target_layer_ids.clone(), 4);
+        let mut ver = Verifier::new(&v, KvSetup::full(0).drafter(&d), 4).unwrap();
         let mut prop = DFlashProposer::new(&d);
         let err = speculative_generate(
             &mut ver,

@@ -3,7 +3,7 @@
 
 use burn::tensor::{Device, Tensor};
 use kakeya_models::testing::{random_checkpoint, tiny_config};
-use kakeya_models::{CachedKv, ExternalKv, ForwardRequest, Gemma3Model, LayerCache, Logits};
+use kakeya_models::{ForwardRequest, Gemma3Model, KvSegment, LayerCache, Logits, Reach, SegmentKv};
 use kakeya_runtime::{FullCache, KvCache, Session};
 
 /// Tolerance of f32 comparisons between differently-chunked computations of the same values.
@@ -108,30 +108,47 @@ fn truncate_after_wrap_equals_never_having_appended() {
     assert!(s.truncate(10).is_err());
 }
 
-/// A cache that stores nothing: attention sees only the chunk (plus any external K/V).
-struct NoCache;
+/// A cache that stores nothing and hands attention given raw K/V for the positions before the
+/// chunk (as a restorer would), plus the chunk.
+struct RawPrefix {
+    k_raw: Tensor<2>,
+    v_raw: Tensor<2>,
+}
 
-impl LayerCache for NoCache {
+impl LayerCache for RawPrefix {
     fn update(
         &mut self,
         k: Tensor<3>,
         v: Tensor<3>,
         start: usize,
-    ) -> kakeya_models::Result<CachedKv> {
+    ) -> kakeya_models::Result<Vec<KvSegment>> {
         let t = k.dims()[1];
-        Ok(CachedKv {
-            k,
-            v,
-            positions: (start..start + t).collect(),
-        })
+        let n = self.k_raw.dims()[0];
+        Ok(vec![
+            KvSegment {
+                kv: SegmentKv::Raw {
+                    k: self.k_raw.clone(),
+                    v: self.v_raw.clone(),
+                },
+                positions: (0..n).collect(),
+                reach: Reach::Always,
+            },
+            KvSegment::ready(k, v, (start..start + t).collect(), Reach::Always),
+        ])
     }
     fn len(&self) -> usize {
+        0
+    }
+    fn truncate(&mut self, _len: usize) -> kakeya_models::Result<()> {
+        Ok(())
+    }
+    fn nbytes(&self) -> usize {
         0
     }
 }
 
 #[test]
-fn external_raw_kv_reproduces_the_cached_computation() {
+fn raw_kv_segments_reproduce_the_cached_computation() {
     let m = model(64); // windows wider than the sequence: every layer sees every position
     let toks = tokens(12);
     let split = 8;
@@ -143,23 +160,16 @@ fn external_raw_kv_reproduces_the_cached_computation() {
     let out = m.forward(&req, &mut caches).unwrap();
     let full = rows(out.logits.unwrap());
     let kv = m.config.num_key_value_heads * m.config.head_dim;
-    let external: Vec<ExternalKv> = out
+    let mut raw: Vec<RawPrefix> = out
         .attention
         .iter()
-        .enumerate()
-        .map(|(layer, cap)| ExternalKv {
-            layer,
-            positions: (0..split).collect(),
+        .map(|cap| RawPrefix {
             k_raw: cap.k_raw.clone().slice([0..split, 0..kv]),
             v_raw: cap.v_raw.clone().slice([0..split, 0..kv]),
         })
         .collect();
-    let mut empty: Vec<NoCache> = (0..m.layers.len()).map(|_| NoCache).collect();
-    let req = ForwardRequest {
-        external_kv: &external,
-        ..ForwardRequest::new(&toks[split..], split, Logits::All)
-    };
-    let tail = rows(m.forward(&req, &mut empty).unwrap().logits.unwrap());
+    let req = ForwardRequest::new(&toks[split..], split, Logits::All);
+    let tail = rows(m.forward(&req, &mut raw).unwrap().logits.unwrap());
     for (i, row) in tail.iter().enumerate() {
         assert_close(row, &full[split + i], &format!("position {}", split + i));
     }

@@ -14,8 +14,8 @@ use kakeya_capture::schema::ModelInfo;
 use kakeya_capture::{CaptureConfig, Models, RunOptions};
 use kakeya_models::testing::Scratch;
 use kakeya_models::testing::{random_checkpoint, tiny_config, word_level_tokenizer_json};
-use kakeya_models::{CacheSpec, DFlashDrafter, DraftRequest, Gemma3Model};
-use kakeya_runtime::KvCache;
+use kakeya_models::{DFlashDrafter, DraftRequest, Gemma3Model};
+use kakeya_runtime::CompactStore;
 use kakeya_train::data::Sequence;
 use kakeya_train::drafter::{Batch, DrafterParams, Frozen};
 use kakeya_train::train::EvalRecord;
@@ -203,11 +203,11 @@ fn training_forward_equals_the_runtime_drafter_block_by_block() {
                 .collect();
             let ctx = Tensor::<2>::from_data(TensorData::new(raw, [a, width]), &Device::flex());
             let block = [s.tokens[a], 4, 4, 4];
-            let mut caches = KvCache::for_specs(&[CacheSpec::Full; 1], 0);
+            let mut caches = CompactStore::new(drafter.context_width(), None, &Device::flex());
             let out = drafter
                 .forward(
                     &DraftRequest {
-                        context: ctx,
+                        context: Some(ctx),
                         block: &block,
                         capture_context: false,
                     },

@@ -1,16 +1,17 @@
 //! The DFlash drafter: context projection (`fc` + `hidden_norm`), Qwen3 decoder layers that
 //! attend over [context ; block] without a mask, final norm, and the verifier's LM head.
 //!
-//! Per layer the context K/V (k_proj/v_proj of the projected context, k_norm, RoPE at the
-//! context's absolute positions) is the drafter's cache: the caller owns it (one
-//! [`CacheSpec::Full`] per layer) and each forward appends only the new context rows. The
-//! block's own K/V are never cached: a block is drafted once and thrown away.
+//! Per layer the context K/V (k_proj/v_proj of the projected context, k_norm; RoPE is applied
+//! at the context's absolute positions when they are read) live in a caller-owned
+//! [`DraftContext`] store, one row per position: the form f_θ reads, so that one store serves
+//! the drafter and restoration. Each forward appends only the new context rows. The block's
+//! own K/V are never stored: a block is drafted once and thrown away.
 
 use burn::tensor::activation::silu;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use kakeya_weights::{DFlashConfig, DraftCheckpoint, HostTensor};
 
-use crate::cache::{CacheSpec, LayerCache};
+use crate::cache::DraftContext;
 use crate::error::{ModelError, Result};
 use crate::gemma3::Gemma3Model;
 use crate::linear::Linear;
@@ -22,12 +23,13 @@ use crate::sdpa::grouped_attention;
 #[derive(Debug, Clone)]
 pub struct DraftRequest<'a> {
     /// Verifier hidden states after the drafter's target layers, concatenated in
-    /// `target_layer_ids` order, for the context positions the caches do not hold yet:
-    /// `[n, targets · hidden]` at positions `caches.len()..caches.len() + n`, `n ≥ 1`.
-    pub context: Tensor<2>,
+    /// `target_layer_ids` order, for context positions the store does not hold yet:
+    /// `[n, targets · hidden]` at positions `store.len()..store.len() + n`; `None` when the
+    /// store is already up to date.
+    pub context: Option<Tensor<2>>,
     /// Block tokens: the last committed token, then `mask_token_id` for each slot to draft.
     pub block: &'a [u32],
-    /// Also return each layer's new context keys/values before RoPE (for capture).
+    /// Also return the new context rows as appended to the store (for capture).
     pub capture_context: bool,
 }
 
@@ -36,9 +38,9 @@ pub struct DraftRequest<'a> {
 pub struct DraftOutput {
     /// Final-normed hidden states of the block, `[B, hidden]`.
     pub hidden: Tensor<2>,
-    /// Per layer, the new context rows' keys after k_norm (before RoPE) and values,
-    /// each `[n, kv_heads · head_dim]`, when asked for.
-    pub context_kv: Vec<(Tensor<2>, Tensor<2>)>,
+    /// The new context rows as appended to the store, when asked for: keys after k_norm
+    /// (before RoPE) and values, each `[n, layers · kv_heads · head_dim]` (layer-major).
+    pub context_kv: Option<(Tensor<2>, Tensor<2>)>,
 }
 
 /// The LM head the drafter scores with.
@@ -217,9 +219,84 @@ impl DFlashDrafter {
         })
     }
 
-    /// One full cache per drafter layer (context K/V only ever grows or is truncated).
-    pub fn cache_specs(&self) -> Vec<CacheSpec> {
-        vec![CacheSpec::Full; self.layers.len()]
+    /// Bytes of the drafter's own weights (the verifier's embedding and full head, which it
+    /// shares, are not counted; a reduced head is).
+    pub fn nbytes(&self) -> usize {
+        let t = |x: &Tensor<2>| x.shape().num_elements() * 4;
+        let n = |x: &RmsNorm| x.scale.shape().num_elements() * 4;
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                [
+                    &l.q_proj,
+                    &l.k_proj,
+                    &l.v_proj,
+                    &l.o_proj,
+                    &l.gate_proj,
+                    &l.up_proj,
+                    &l.down_proj,
+                ]
+                .iter()
+                .map(|p| t(&p.weight))
+                .sum::<usize>()
+                    + [&l.q_norm, &l.k_norm, &l.input_norm, &l.post_attn_norm]
+                        .iter()
+                        .map(|x| n(x))
+                        .sum::<usize>()
+            })
+            .sum();
+        let head = match &self.head {
+            DraftHead::Verifier(_) => 0,
+            DraftHead::Reduced { head, d2t } => t(&head.weight) + d2t.len() * 4,
+        };
+        t(&self.fc.weight) + n(&self.hidden_norm) + n(&self.norm) + layers + head
+    }
+
+    /// Drafter layers.
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Width of one context row of the store: `layers · kv_heads · head_dim`.
+    pub fn context_width(&self) -> usize {
+        self.layers.len() * self.config.num_key_value_heads * self.config.head_dim
+    }
+
+    /// Projects context rows to what the store holds: per drafter layer, the keys after
+    /// k_norm (before RoPE) and the values, concatenated over layers.
+    ///
+    /// # Shapes
+    /// - `context`: `[n, targets · hidden]` (verifier hidden states after the target layers)
+    /// - returns `k`, `v`: `[n, layers · kv_heads · head_dim]`
+    pub fn context_rows(&self, context: Tensor<2>) -> Result<(Tensor<2>, Tensor<2>)> {
+        let c = &self.config;
+        let [n, width] = context.dims();
+        if width != c.target_layer_ids.len() * c.hidden_size {
+            return Err(ModelError::Input(format!(
+                "context rows are {width} wide, the drafter expects {} target layers × {}",
+                c.target_layer_ids.len(),
+                c.hidden_size
+            )));
+        }
+        if n == 0 {
+            return Err(ModelError::Input("no context rows to project".into()));
+        }
+        let kv = c.num_key_value_heads * c.head_dim;
+        let ctx = self.hidden_norm.forward(self.fc.forward(context));
+        let (ks, vs): (Vec<_>, Vec<_>) = self
+            .layers
+            .iter()
+            .map(|l| {
+                let k = l
+                    .k_norm
+                    .forward(self.heads_first(l.k_proj.forward(ctx.clone()), c.num_key_value_heads))
+                    .swap_dims(0, 1)
+                    .reshape([n, kv]);
+                (k, l.v_proj.forward(ctx.clone()))
+            })
+            .unzip();
+        Ok((Tensor::cat(ks, 1), Tensor::cat(vs, 1)))
     }
 
     /// Tokens per block, anchor included.
@@ -285,39 +362,22 @@ impl DFlashDrafter {
             .mul_scalar(self.embed_scale)
     }
 
-    /// Drafts one block: appends the new context rows to `caches` (one per layer, from
-    /// [`Self::cache_specs`]) and returns the block's hidden states.
+    /// Drafts one block: appends the new context rows (if any) to `store` and returns the
+    /// block's hidden states, attending over every position the store holds.
     ///
     /// # Shapes
-    /// - `req.context`: `[n, targets · hidden]`, positions `L..L+n` where `L = caches[i].len()`
+    /// - `req.context`: `[n, targets · hidden]`, positions `L..L+n` where `L = store.len()`
     /// - `req.block`: `B` ids at positions `L+n..L+n+B`
-    /// - returns `hidden` `[B, hidden]`; `context_kv` `[n, kv_heads · head_dim]` per layer
-    pub fn forward<C: LayerCache>(
+    /// - returns `hidden` `[B, hidden]`; `context_kv` `[n, layers · kv_heads · head_dim]` each
+    pub fn forward(
         &self,
         req: &DraftRequest<'_>,
-        caches: &mut [C],
+        store: &mut dyn DraftContext,
     ) -> Result<DraftOutput> {
         let c = &self.config;
-        let [n, width] = req.context.dims();
         let b = req.block.len();
-        if width != c.target_layer_ids.len() * c.hidden_size {
-            return Err(ModelError::Input(format!(
-                "context rows are {width} wide, the drafter expects {} target layers × {}",
-                c.target_layer_ids.len(),
-                c.hidden_size
-            )));
-        }
-        if n == 0 || b == 0 {
-            return Err(ModelError::Input(
-                "a draft needs context rows and a block".into(),
-            ));
-        }
-        if caches.len() != self.layers.len() {
-            return Err(ModelError::Cache(format!(
-                "{} caches for {} drafter layers",
-                caches.len(),
-                self.layers.len()
-            )));
+        if b == 0 {
+            return Err(ModelError::Input("a draft needs a block".into()));
         }
         if let Some(&bad) = req.block.iter().find(|&&t| t as usize >= c.vocab_size) {
             return Err(ModelError::Input(format!(
@@ -325,28 +385,37 @@ impl DFlashDrafter {
                 c.vocab_size
             )));
         }
-        let ctx_start = caches[0].len();
-        let ctx_pos: Vec<usize> = (ctx_start..ctx_start + n).collect();
-        let blk_pos: Vec<usize> = (ctx_start + n..ctx_start + n + b).collect();
+        let mut context_kv = None;
+        if let Some(ctx) = &req.context {
+            let (k, v) = self.context_rows(ctx.clone())?;
+            if req.capture_context {
+                context_kv = Some((k.clone(), v.clone()));
+            }
+            store.append(k, v)?;
+        }
+        let len = store.len();
+        if len == 0 {
+            return Err(ModelError::Input(
+                "a draft needs context: the store is empty and no rows were given".into(),
+            ));
+        }
+        let (ck, cv) = store.read(0..len)?;
+        let ctx_pos: Vec<usize> = (0..len).collect();
+        let blk_pos: Vec<usize> = (len..len + b).collect();
         let ctx_rope = self.rope.tables(&ctx_pos, &self.device);
         let blk_rope = self.rope.tables(&blk_pos, &self.device);
-        let ctx = self
-            .hidden_norm
-            .forward(self.fc.forward(req.context.clone()));
+        let kv = c.num_key_value_heads * c.head_dim;
         let mut x = self.embed_tokens(req.block);
-        let mut context_kv = Vec::new();
-        for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            let (y, kv) = self.layer_forward(
-                layer,
-                x,
-                &ctx,
-                ctx_start,
-                (&ctx_rope, &blk_rope),
-                cache,
-                req.capture_context,
-            )?;
-            x = y;
-            context_kv.extend(kv);
+        for (i, layer) in self.layers.iter().enumerate() {
+            let k = ck.clone().slice([0..len, i * kv..(i + 1) * kv]);
+            let v = cv.clone().slice([0..len, i * kv..(i + 1) * kv]);
+            let k = Rope::apply(
+                self.heads_first(k, c.num_key_value_heads),
+                &ctx_rope.0,
+                &ctx_rope.1,
+            );
+            let v = self.heads_first(v, c.num_key_value_heads);
+            x = self.layer_forward(layer, x, (k, v), &blk_rope);
         }
         Ok(DraftOutput {
             hidden: self.norm.forward(x),
@@ -360,21 +429,17 @@ impl DFlashDrafter {
     }
 
     /// # Shapes
-    /// - `x`: `[B, hidden]`; `ctx`: `[n, hidden]` (projected context) → `[B, hidden]`
-    #[allow(clippy::too_many_arguments)]
+    /// - `x`: `[B, hidden]`; `ctx`: context keys (after RoPE) and values,
+    ///   `[kv_heads, L, head_dim]` each → `[B, hidden]`
     fn layer_forward(
         &self,
         l: &DraftLayer,
         x: Tensor<2>,
-        ctx: &Tensor<2>,
-        ctx_start: usize,
-        rope: (&Tables, &Tables),
-        cache: &mut dyn LayerCache,
-        capture: bool,
-    ) -> Result<(Tensor<2>, Option<(Tensor<2>, Tensor<2>)>)> {
+        ctx: (Tensor<3>, Tensor<3>),
+        blk_rope: &Tables,
+    ) -> Tensor<2> {
         let c = &self.config;
         let (hq, hkv) = (c.num_attention_heads, c.num_key_value_heads);
-        let (ctx_rope, blk_rope) = rope;
         let h = l.input_norm.forward(x.clone());
         let q = l
             .q_norm
@@ -385,25 +450,13 @@ impl DFlashDrafter {
             .forward(self.heads_first(l.k_proj.forward(h.clone()), hkv));
         let k_blk = Rope::apply(k_blk, &blk_rope.0, &blk_rope.1);
         let v_blk = self.heads_first(l.v_proj.forward(h), hkv);
-        let k_ctx = l
-            .k_norm
-            .forward(self.heads_first(l.k_proj.forward(ctx.clone()), hkv));
-        let v_ctx_raw = l.v_proj.forward(ctx.clone());
-        let v_ctx = self.heads_first(v_ctx_raw.clone(), hkv);
-        let captured = capture.then(|| {
-            let n = ctx.dims()[0];
-            let k = k_ctx.clone().swap_dims(0, 1).reshape([n, hkv * c.head_dim]);
-            (k, v_ctx_raw)
-        });
-        let k_ctx = Rope::apply(k_ctx, &ctx_rope.0, &ctx_rope.1);
-        let all = cache.update(k_ctx, v_ctx, ctx_start)?;
-        let k = Tensor::cat(vec![all.k, k_blk], 1);
-        let v = Tensor::cat(vec![all.v, v_blk], 1);
+        let k = Tensor::cat(vec![ctx.0, k_blk], 1);
+        let v = Tensor::cat(vec![ctx.1, v_blk], 1);
         let scale = (c.head_dim as f64).powf(-0.5);
         let attn = l.o_proj.forward(grouped_attention(q, k, v, scale, None));
         let x = x + attn;
         let m = l.post_attn_norm.forward(x.clone());
         let m = silu(l.gate_proj.forward(m.clone())) * l.up_proj.forward(m);
-        Ok((x + l.down_proj.forward(m), captured))
+        x + l.down_proj.forward(m)
     }
 }

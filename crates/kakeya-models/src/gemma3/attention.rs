@@ -4,26 +4,12 @@
 use burn::tensor::{Device, Tensor, TensorData};
 use kakeya_weights::AttentionKind;
 
-use crate::cache::{CachedKv, LayerCache};
-use crate::error::Result;
+use crate::cache::{KvLayers, KvSegment, Reach, SegmentKv};
+use crate::error::{ModelError, Result};
 use crate::linear::Linear;
 use crate::norm::RmsNorm;
 use crate::rope::Rope;
 use crate::sdpa::grouped_attention;
-
-/// K/V supplied from outside the cache for some positions of one layer (restoration): raw
-/// projection outputs, before k_norm and RoPE, which the layer applies itself.
-#[derive(Debug, Clone)]
-pub struct ExternalKv {
-    /// Decoder layer these belong to.
-    pub layer: usize,
-    /// Absolute positions of the rows, all before the chunk being computed.
-    pub positions: Vec<usize>,
-    /// Raw keys, `[n, kv_heads · head_dim]`.
-    pub k_raw: Tensor<2>,
-    /// Raw values, `[n, kv_heads · head_dim]`.
-    pub v_raw: Tensor<2>,
-}
 
 /// What one layer's attention produced, for capture.
 #[derive(Debug, Clone)]
@@ -95,38 +81,51 @@ impl Attention {
         k <= q && (self.kind == AttentionKind::Full || q - k < self.window)
     }
 
-    /// Additive mask `[G·T, S]` (rows ordered group-major), or `None` when every key is visible.
+    /// Additive mask `[1, G·T, S]` (rows ordered group-major) over the keys of `segments` in
+    /// order, or `None` when every key is visible to every query.
     fn mask(
         &self,
         start: usize,
         t: usize,
-        keys: &[usize],
+        segments: &[KvSegment],
         groups: usize,
         device: &Device,
     ) -> Option<Tensor<3>> {
-        let all = (0..t).all(|i| keys.iter().all(|&k| self.visible(start + i, k)));
-        if all {
+        let keys: Vec<(usize, Reach)> = segments
+            .iter()
+            .flat_map(|s| s.positions.iter().map(move |&k| (k, s.reach)))
+            .collect();
+        let seen = |q: usize, (k, reach): (usize, Reach)| self.visible(q, k) && reach.allows(q, k);
+        if (0..t).all(|i| keys.iter().all(|&key| seen(start + i, key))) {
             return None;
         }
         let row: Vec<f32> = (0..t)
-            .flat_map(|i| keys.iter().map(move |&k| (i, k)))
-            .map(|(i, k)| {
-                if self.visible(start + i, k) {
-                    0.0
-                } else {
-                    f32::NEG_INFINITY
-                }
-            })
+            .flat_map(|i| keys.iter().map(move |&key| (start + i, key)))
+            .map(|(q, key)| if seen(q, key) { 0.0 } else { f32::NEG_INFINITY })
             .collect();
+        let s = keys.len();
         let data: Vec<f32> = (0..groups).flat_map(|_| row.iter().copied()).collect();
         Some(Tensor::from_data(
-            TensorData::new(data, [1, groups * t, keys.len()]),
+            TensorData::new(data, [1, groups * t, s]),
             device,
         ))
     }
 
+    /// A segment's K/V in attention form, `[kv_heads, n, head_dim]` each: raw rows get this
+    /// layer's k_norm and RoPE at their positions.
+    fn ready(&self, seg: &KvSegment, device: &Device) -> (Tensor<3>, Tensor<3>) {
+        match &seg.kv {
+            SegmentKv::Ready { k, v } => (k.clone(), v.clone()),
+            SegmentKv::Raw { k, v } => (
+                self.keys_from_raw(k.clone(), &seg.positions, device),
+                self.heads_first(v.clone(), self.kv_heads),
+            ),
+        }
+    }
+
     /// Attends a chunk of `T` positions `start..start+T`; `rope` holds this layer kind's
-    /// cos/sin tables for those positions (built once per forward by the model).
+    /// cos/sin tables for those positions (built once per forward by the model). The chunk's
+    /// K/V go to cache `layer` of `kv`, which returns the tiers attention reads.
     ///
     /// # Shapes
     /// - `x`: `[T, hidden]` (after input_layernorm) → `[T, hidden]` (after o_proj)
@@ -136,8 +135,7 @@ impl Attention {
         x: Tensor<2>,
         start: usize,
         rope: &(Tensor<2>, Tensor<2>),
-        cache: &mut dyn LayerCache,
-        external: Option<&ExternalKv>,
+        kv: (&mut dyn KvLayers, usize),
         capture: bool,
     ) -> Result<(Tensor<2>, Option<AttentionCapture>)> {
         let device = x.device();
@@ -159,20 +157,22 @@ impl Attention {
             sin,
         );
         let v = self.heads_first(v_raw.clone(), self.kv_heads);
-        let CachedKv {
-            mut k,
-            mut v,
-            mut positions,
-        } = cache.update(k, v, start)?;
-        if let Some(ext) = external {
-            let ek = self.keys_from_raw(ext.k_raw.clone(), &ext.positions, &device);
-            let ev = self.heads_first(ext.v_raw.clone(), self.kv_heads);
-            k = Tensor::cat(vec![ek, k], 1);
-            v = Tensor::cat(vec![ev, v], 1);
-            positions = ext.positions.iter().copied().chain(positions).collect();
+        let (caches, layer) = kv;
+        let segments = caches.update(layer, k, v, start)?;
+        let (ks, vs): (Vec<_>, Vec<_>) = segments
+            .iter()
+            .filter(|s| !s.is_empty())
+            .map(|s| self.ready(s, &device))
+            .unzip();
+        if ks.is_empty() {
+            return Err(ModelError::Cache(format!(
+                "layer {layer}: the cache returned no keys for positions {start}..{}",
+                start + t
+            )));
         }
+        let (k, v) = (Tensor::cat(ks, 1), Tensor::cat(vs, 1));
         let groups = self.heads / self.kv_heads;
-        let mask = self.mask(start, t, &positions, groups, &device);
+        let mask = self.mask(start, t, &segments, groups, &device);
         let attn = grouped_attention(q, k, v, self.scale, mask);
         let out = self.o_proj.forward(attn);
         let cap = capture.then(|| AttentionCapture {

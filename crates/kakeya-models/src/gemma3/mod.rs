@@ -3,5 +3,5 @@
 pub mod attention;
 pub mod model;
 
-pub use attention::{AttentionCapture, ExternalKv};
+pub use attention::AttentionCapture;
 pub use model::{ForwardOutput, ForwardRequest, Gemma3Model, Logits};

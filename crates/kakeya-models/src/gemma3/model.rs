@@ -4,8 +4,8 @@ use burn::tensor::activation::gelu_approximate;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use kakeya_weights::{AttentionKind, Checkpoint, Gemma3Config, HostTensor};
 
-use super::attention::{Attention, AttentionCapture, ExternalKv};
-use crate::cache::{CacheSpec, LayerCache};
+use super::attention::{Attention, AttentionCapture};
+use crate::cache::{CacheSpec, KvLayers};
 use crate::error::{ModelError, Result};
 use crate::linear::Linear;
 use crate::norm::RmsNorm;
@@ -35,8 +35,6 @@ pub struct ForwardRequest<'a> {
     pub hidden_after: &'a [usize],
     /// Return, per layer, raw q/k/v projections and the attention output.
     pub capture_attention: bool,
-    /// Externally supplied K/V for positions absent from the caches (at most one per layer).
-    pub external_kv: &'a [ExternalKv],
 }
 
 impl<'a> ForwardRequest<'a> {
@@ -48,7 +46,6 @@ impl<'a> ForwardRequest<'a> {
             logits,
             hidden_after: &[],
             capture_attention: false,
-            external_kv: &[],
         }
     }
 }
@@ -93,18 +90,12 @@ impl DecoderLayer {
         x: Tensor<2>,
         start: usize,
         rope: &(Tensor<2>, Tensor<2>),
-        cache: &mut dyn LayerCache,
-        external: Option<&ExternalKv>,
+        kv: (&mut dyn KvLayers, usize),
         capture: bool,
     ) -> Result<(Tensor<2>, Option<AttentionCapture>)> {
-        let (a, cap) = self.attn.forward(
-            self.input_norm.forward(x.clone()),
-            start,
-            rope,
-            cache,
-            external,
-            capture,
-        )?;
+        let (a, cap) =
+            self.attn
+                .forward(self.input_norm.forward(x.clone()), start, rope, kv, capture)?;
         let h = x + self.post_attn_norm.forward(a);
         let m = self.pre_ffn_norm.forward(h.clone());
         let m = gelu_approximate(self.gate_proj.forward(m.clone())) * self.up_proj.forward(m);
@@ -276,16 +267,16 @@ impl Gemma3Model {
         }
     }
 
-    /// Runs a chunk through the model, updating `caches` (one per layer, from
-    /// [`Self::cache_specs`]).
+    /// Runs a chunk through the model, updating `kv` (one cache per layer, built by the caller
+    /// from [`Self::cache_specs`] under its own policy).
     ///
     /// # Shapes
     /// - `req.tokens`: `T` ids at positions `start..start+T`
     /// - returns logits `[1, vocab]` (`Last`) or `[T, vocab]` (`All`); hidden states `[T, hidden]`
-    pub fn forward<C: LayerCache>(
+    pub fn forward(
         &self,
         req: &ForwardRequest<'_>,
-        caches: &mut [C],
+        kv: &mut dyn KvLayers,
     ) -> Result<ForwardOutput> {
         let c = &self.config;
         let t = req.tokens.len();
@@ -305,10 +296,10 @@ impl Gemma3Model {
                 c.max_position_embeddings
             )));
         }
-        if caches.len() != self.layers.len() {
+        if kv.layer_count() != self.layers.len() {
             return Err(ModelError::Cache(format!(
                 "{} caches for {} layers",
-                caches.len(),
+                kv.layer_count(),
                 self.layers.len()
             )));
         }
@@ -324,12 +315,12 @@ impl Gemma3Model {
         // RoPE tables depend only on the positions and the layer kind: build each once.
         let positions: Vec<usize> = (req.start..req.start + t).collect();
         let mut rope_tables: [Option<(Tensor<2>, Tensor<2>)>; 2] = [None, None];
-        for (i, (layer, cache)) in self.layers.iter().zip(caches.iter_mut()).enumerate() {
-            let ext = req.external_kv.iter().find(|e| e.layer == i);
+        for (i, layer) in self.layers.iter().enumerate() {
             let kind = usize::from(layer.attn.kind == AttentionKind::Sliding);
             let rope = rope_tables[kind]
                 .get_or_insert_with(|| layer.attn.rope.tables(&positions, &self.device));
-            let (y, cap) = layer.forward(x, req.start, rope, cache, ext, req.capture_attention)?;
+            let (y, cap) =
+                layer.forward(x, req.start, rope, (&mut *kv, i), req.capture_attention)?;
             x = y;
             attention.extend(cap);
             for (slot, _) in req

@@ -43,8 +43,6 @@ pub struct SpecStats {
     pub draft_secs: f64,
     /// Seconds spent in verifier forwards.
     pub verify_secs: f64,
-    /// Bytes of the proposer's state at the end (drafter context cache).
-    pub proposer_bytes: usize,
 }
 
 /// Generates greedily from `prompt` with speculation: the output is token-for-token what
@@ -73,10 +71,9 @@ pub fn speculative_generate(
         return Err(RuntimeError::Input("max_tokens must be at least 1".into()));
     }
     let t0 = Instant::now();
-    let (logits, aux) = verifier.prefill(prompt, cfg.prefill_chunk)?;
+    let logits = verifier.prefill(prompt, cfg.prefill_chunk)?;
     let prefill_secs = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
-    proposer.observe(prompt, aux)?;
     let mut sink = TokenSink::new(cfg, on_token);
     let mut stats = SpecStats {
         block_size: spec.block_size,
@@ -99,7 +96,7 @@ pub fn speculative_generate(
             let b = spec.block_size.min(ctx - pos).min(remaining).max(1);
             let td = Instant::now();
             let drafts = if b > 1 {
-                proposer.propose(last, pos, b - 1)?
+                proposer.propose(last, pos, b - 1, verifier.store_mut())?
             } else {
                 Vec::new()
             };
@@ -108,15 +105,10 @@ pub fn speculative_generate(
             block.push(last);
             block.extend(&drafts);
             let tv = Instant::now();
-            let (posterior, aux) = verifier.verify(&block)?;
+            let posterior = verifier.verify(&block)?;
             let a = accept_greedy(&drafts, &posterior);
             verifier.rollback(pos + a + 1)?;
             stats.verify_secs += tv.elapsed().as_secs_f64();
-            let aux = aux.map(|t| {
-                let w = t.dims()[1];
-                t.slice([0..a + 1, 0..w])
-            });
-            proposer.observe(&block[..=a], aux)?;
             stats.blocks += 1;
             stats.drafted += drafts.len();
             stats.accepted += a;
@@ -147,7 +139,6 @@ pub fn speculative_generate(
         .collect();
     stats.per_position_drafted = slot_tried;
     stats.per_position_accepted = slot_hit;
-    stats.proposer_bytes = proposer.nbytes();
     let tokens = sink.finish();
     let gen_stats = GenerationStats {
         prompt_tokens: prompt.len(),
@@ -157,7 +148,9 @@ pub fn speculative_generate(
         decode_secs,
         prefill_tok_s: rate(prompt.len(), prefill_secs),
         decode_tok_s: rate(committed_in_decode, decode_secs),
-        kv_bytes: verifier.kv_bytes(),
+        kv_bytes: verifier.kv_bytes().total,
+        kv_mode: Some(verifier.session().policy().mode),
+        kv: verifier.kv_bytes(),
     };
     Ok(Generation {
         tokens,

@@ -1,34 +1,33 @@
-//! The verifier side of speculation: the target model and its caches, checking a block of
-//! tokens in one forward and returning the hidden states the drafter conditions on.
+//! The verifier side of speculation: the target model and the sequence's KV state, checking a
+//! block of tokens in one forward and rolling back the rejected tail.
 
-use burn::tensor::Tensor;
 use kakeya_models::{Gemma3Model, Logits};
 
 use crate::error::{Result, RuntimeError};
-use crate::generate::{Session, logits_row};
-use crate::kv::KvCache;
+use crate::kv::{CompactStore, KvBytes};
 use crate::sampler::argmax;
+use crate::session::{KvSetup, Session, logits_row};
 
 /// The target model of one sequence, with rollback-capable caches.
 #[derive(Debug)]
 pub struct Verifier<'m> {
     session: Session<'m>,
-    aux_layers: Vec<usize>,
-}
-
-/// Concatenates per-layer hidden states `[T, hidden]` along features → `[T, K · hidden]`.
-fn concat_aux(hidden: Vec<Tensor<2>>) -> Option<Tensor<2>> {
-    (!hidden.is_empty()).then(|| Tensor::cat(hidden, 1))
 }
 
 impl<'m> Verifier<'m> {
-    /// A verifier returning hidden states after `aux_layers`; sliding rings keep enough slack
-    /// to roll back `block_size - 1` positions exactly.
-    pub fn new(model: &'m Gemma3Model, aux_layers: Vec<usize>, block_size: usize) -> Self {
-        Self {
-            session: Session::new(model, block_size.max(1)),
-            aux_layers,
-        }
+    /// A verifier checking blocks of up to `block_size` tokens: every cache keeps at least
+    /// `block_size` positions of exact rollback, and the policy must allow the block.
+    pub fn new(model: &'m Gemma3Model, setup: KvSetup<'m>, block_size: usize) -> Result<Self> {
+        setup
+            .policy
+            .check(model.config.max_position_embeddings, block_size)?;
+        let setup = KvSetup {
+            slack: setup.slack.max(block_size.max(1)),
+            ..setup
+        };
+        Ok(Self {
+            session: Session::with_kv(model, setup)?,
+        })
     }
 
     /// Positions in the caches.
@@ -46,71 +45,46 @@ impl<'m> Verifier<'m> {
         self.session.model()
     }
 
-    /// Bytes of K/V the verifier's caches hold.
-    pub fn kv_bytes(&self) -> usize {
+    /// Bytes of K/V held, by part.
+    pub fn kv_bytes(&self) -> KvBytes {
         self.session.kv_bytes()
     }
 
-    /// The caches (for inspection and tests).
-    pub fn caches(&self) -> &[KvCache] {
-        self.session.caches()
+    /// The session (inspection and tests).
+    pub fn session(&self) -> &Session<'m> {
+        &self.session
     }
 
-    /// Prefills the prompt in chunks; returns the last position's logits and the prompt's aux
-    /// hidden states.
-    ///
-    /// # Shapes
-    /// - returns logits `vocab`; aux `[P, K · hidden]` (`None` without aux layers)
-    pub fn prefill(
-        &mut self,
-        prompt: &[u32],
-        chunk: usize,
-    ) -> Result<(Vec<f32>, Option<Tensor<2>>)> {
-        if prompt.is_empty() {
-            return Err(RuntimeError::Input("empty prompt: nothing to run".into()));
-        }
-        let ctx = self.model().config.max_position_embeddings;
-        if self.len() + prompt.len() > ctx {
-            return Err(RuntimeError::Input(format!(
-                "prompt of {} tokens is longer than the model's context of {ctx}",
-                prompt.len()
-            )));
-        }
-        let parts: Vec<&[u32]> = prompt.chunks(chunk.max(1)).collect();
-        let mut aux = Vec::new();
-        let mut last = None;
-        for (i, part) in parts.iter().enumerate() {
-            let logits = if i + 1 == parts.len() {
-                Logits::Last
-            } else {
-                Logits::None
-            };
-            let out = self.session.forward(part, logits, &self.aux_layers)?;
-            aux.extend(concat_aux(out.hidden));
-            last = out.logits;
-        }
-        let aux = (!aux.is_empty()).then(|| Tensor::cat(aux, 0));
-        Ok((logits_row(last.expect("last chunk returns logits")), aux))
+    /// The compact store, up to date with every committed position.
+    pub fn store_mut(&mut self) -> Option<&mut CompactStore> {
+        self.session.store_mut()
     }
 
-    /// Runs a block `[last committed, drafts...]` at the next positions in one forward.
-    /// Returns the greedy choice after each row and the rows' aux hidden states. The block's
-    /// K/V stay in the caches until [`Self::rollback`].
+    /// Prefills the prompt in chunks; returns the last position's logits.
+    pub fn prefill(&mut self, prompt: &[u32], chunk: usize) -> Result<Vec<f32>> {
+        self.session.prefill(prompt, chunk)
+    }
+
+    /// Runs a block `[last committed, drafts...]` at the next positions in one forward and
+    /// returns the greedy choice after each row. The block's K/V stay in the caches until
+    /// [`Self::rollback`].
     ///
     /// # Shapes
-    /// - `block`: `B` ids → posterior `B` ids; aux `[B, K · hidden]`
-    pub fn verify(&mut self, block: &[u32]) -> Result<(Vec<u32>, Option<Tensor<2>>)> {
-        let out = self.session.forward(block, Logits::All, &self.aux_layers)?;
+    /// - `block`: `B` ids → posterior `B` ids
+    pub fn verify(&mut self, block: &[u32]) -> Result<Vec<u32>> {
+        if block.is_empty() {
+            return Err(RuntimeError::Input("empty block".into()));
+        }
+        let out = self.session.forward(block, Logits::All, &[])?;
         let logits = logits_row(out.logits.expect("asked for logits"));
         let vocab = logits.len() / block.len();
-        let posterior = logits
+        Ok(logits
             .chunks_exact(vocab)
             .map(|row| argmax(row).unwrap_or(0) as u32)
-            .collect();
-        Ok((posterior, concat_aux(out.hidden)))
+            .collect())
     }
 
-    /// Forgets positions `>= len` (the rejected tail of a block), exactly.
+    /// Keeps positions `< len` (the accepted part of a block), exactly, and commits them.
     pub fn rollback(&mut self, len: usize) -> Result<()> {
         self.session.truncate(len)
     }

@@ -7,7 +7,8 @@ use std::path::PathBuf;
 use burn::tensor::Device;
 use kakeya_models::{DFlashDrafter, Gemma3Model};
 use kakeya_runtime::{
-    DFlashProposer, Generation, GenerationConfig, SpecConfig, Verifier, speculative_generate,
+    DFlashProposer, Generation, GenerationConfig, KvSetup, SpecConfig, Verifier,
+    speculative_generate,
 };
 use kakeya_weights::{Checkpoint, DraftCheckpoint, Tokenizer};
 
@@ -50,7 +51,8 @@ pub fn speculative(
     cfg: &GenerationConfig,
 ) -> Generation {
     let block = drafter.block_size();
-    let mut ver = Verifier::new(verifier, drafter.config.target_layer_ids.clone(), block);
+    let setup = KvSetup::full(0).drafter(drafter);
+    let mut ver = Verifier::new(verifier, setup, block).unwrap();
     let mut prop = DFlashProposer::new(drafter);
     speculative_generate(
         &mut ver,

@@ -8,7 +8,7 @@ use burn::tensor::{Tensor, TensorData};
 use kakeya_capture::schema::aux_column;
 use kakeya_capture::{Dataset, Query};
 use kakeya_models::{DFlashDrafter, DraftRequest, Gemma3Model};
-use kakeya_runtime::KvCache;
+use kakeya_runtime::CompactStore;
 use kakeya_train::DrafterTrainConfig;
 use kakeya_weights::DraftCheckpoint;
 
@@ -133,11 +133,11 @@ pub fn runtime_heldout_acceptance(
             Tensor::<2>::from_data(TensorData::new(c.aux[..a * w].to_vec(), [a, w]), v.device());
         let mut block = vec![drafter.config.mask_token_id; b];
         block[0] = c.tokens[a];
-        let mut caches = KvCache::for_specs(&drafter.cache_specs(), 0);
+        let mut caches = CompactStore::new(drafter.context_width(), None, v.device());
         let out = drafter
             .forward(
                 &DraftRequest {
-                    context,
+                    context: Some(context),
                     block: &block,
                     capture_context: false,
                 },

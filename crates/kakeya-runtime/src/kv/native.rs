@@ -1,4 +1,5 @@
-//! KV caches: a growable full cache and a sliding ring, both with an exact `truncate`.
+//! The native KV caches (what `full` mode keeps): a growable full cache and a sliding ring,
+//! both with an exact `truncate`.
 //!
 //! Keys/values are stored `[kv_heads, capacity, head_dim]` on the model's device. A ring
 //! keeps `window - 1 + slack` positions: `window - 1` are what the next query needs, and the
@@ -6,12 +7,13 @@
 //! (speculative decoding rolls back at most `block - 1`).
 
 use burn::tensor::Tensor;
-use kakeya_models::{CacheSpec, CachedKv, LayerCache, ModelError};
+use kakeya_models::{CacheSpec, KvSegment, LayerCache, ModelError, Reach};
 
 /// Bytes per stored element (f32).
 const ELEM_BYTES: usize = 4;
 
-fn seq_slice(t: &Tensor<3>, from: usize, to: usize) -> Tensor<3> {
+/// Positions `from..to` of a `[kv_heads, S, head_dim]` tensor.
+pub(crate) fn seq_slice(t: &Tensor<3>, from: usize, to: usize) -> Tensor<3> {
     let [h, _, d] = t.dims();
     t.clone().slice([0..h, from..to, 0..d])
 }
@@ -21,8 +23,26 @@ fn assign(buf: Tensor<3>, at: usize, values: Tensor<3>) -> Tensor<3> {
     buf.slice_assign([0..h, at..at + n, 0..d], values)
 }
 
+/// K/V a cache holds, oldest first (inspection and tests).
+#[derive(Debug, Clone)]
+pub struct HeldKv {
+    /// Keys, `[kv_heads, n, head_dim]`.
+    pub k: Tensor<3>,
+    /// Values, `[kv_heads, n, head_dim]`.
+    pub v: Tensor<3>,
+    /// Absolute positions.
+    pub positions: Vec<usize>,
+}
+
+/// Allocated bytes of an optional K/V buffer pair (f32).
+fn pair_bytes(kv: &Option<(Tensor<3>, Tensor<3>)>) -> usize {
+    kv.as_ref().map_or(0, |(k, v)| {
+        (k.shape().num_elements() + v.shape().num_elements()) * ELEM_BYTES
+    })
+}
+
 /// Keeps every position; capacity doubles as needed.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct FullCache {
     kv: Option<(Tensor<3>, Tensor<3>)>,
     len: usize,
@@ -51,13 +71,12 @@ impl FullCache {
     }
 }
 
-impl LayerCache for FullCache {
-    fn update(
-        &mut self,
-        k: Tensor<3>,
-        v: Tensor<3>,
-        start: usize,
-    ) -> kakeya_models::Result<CachedKv> {
+impl FullCache {
+    /// Appends positions `start..start + T` (`start` must be the next position).
+    ///
+    /// # Shapes
+    /// - `k`, `v`: `[kv_heads, T, head_dim]`
+    pub fn push(&mut self, k: Tensor<3>, v: Tensor<3>, start: usize) -> kakeya_models::Result<()> {
         if start != self.len {
             return Err(ModelError::Cache(format!(
                 "write at position {start} but the cache holds {}",
@@ -69,26 +88,68 @@ impl LayerCache for FullCache {
         let (bk, bv) = self.kv.take().expect("ensured");
         let (bk, bv) = (assign(bk, start, k), assign(bv, start, v));
         self.len += t;
-        let out = CachedKv {
-            k: seq_slice(&bk, 0, self.len),
-            v: seq_slice(&bv, 0, self.len),
-            positions: (0..self.len).collect(),
-        };
         self.kv = Some((bk, bv));
-        Ok(out)
+        Ok(())
+    }
+
+    /// Every held position, oldest first.
+    pub fn held(&self) -> Option<HeldKv> {
+        self.kv
+            .as_ref()
+            .filter(|_| self.len > 0)
+            .map(|(k, v)| HeldKv {
+                k: seq_slice(k, 0, self.len),
+                v: seq_slice(v, 0, self.len),
+                positions: (0..self.len).collect(),
+            })
+    }
+}
+
+impl LayerCache for FullCache {
+    fn update(
+        &mut self,
+        k: Tensor<3>,
+        v: Tensor<3>,
+        start: usize,
+    ) -> kakeya_models::Result<Vec<KvSegment>> {
+        self.push(k, v, start)?;
+        let held = self.held().expect("just written");
+        Ok(vec![KvSegment::ready(
+            held.k,
+            held.v,
+            held.positions,
+            Reach::Always,
+        )])
     }
 
     fn len(&self) -> usize {
         self.len
     }
+
+    fn truncate(&mut self, len: usize) -> kakeya_models::Result<()> {
+        if len > self.len {
+            return Err(ModelError::Cache(format!(
+                "cannot truncate to {len}: only {} positions held",
+                self.len
+            )));
+        }
+        self.len = len;
+        Ok(())
+    }
+
+    fn nbytes(&self) -> usize {
+        pair_bytes(&self.kv)
+    }
 }
 
 /// Keeps the most recent `window - 1 + slack` positions in a ring.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct RingCache {
     window: usize,
     cap: usize,
     kv: Option<(Tensor<3>, Tensor<3>)>,
+    /// First position this ring ever holds.
+    origin: usize,
     /// Oldest position still held.
     first: usize,
     /// Next position to write.
@@ -98,12 +159,18 @@ pub struct RingCache {
 impl RingCache {
     /// A ring for a layer with attention `window`, able to roll back `slack` positions.
     pub fn new(window: usize, slack: usize) -> Self {
+        Self::starting_at(0, window, slack)
+    }
+
+    /// A ring whose first position is `origin` (positions before it are kept elsewhere).
+    pub fn starting_at(origin: usize, window: usize, slack: usize) -> Self {
         Self {
             window,
-            cap: (window - 1 + slack).max(1),
+            cap: (window.max(1) - 1 + slack).max(1),
             kv: None,
-            first: 0,
-            len: 0,
+            origin,
+            first: origin,
+            len: origin,
         }
     }
 
@@ -146,13 +213,23 @@ impl RingCache {
     }
 }
 
-impl LayerCache for RingCache {
-    fn update(
-        &mut self,
-        k: Tensor<3>,
-        v: Tensor<3>,
-        start: usize,
-    ) -> kakeya_models::Result<CachedKv> {
+impl RingCache {
+    /// Held positions, oldest first, with their K/V.
+    pub fn held(&self) -> Option<HeldKv> {
+        let (k, v) = self.kv.as_ref()?;
+        Some(HeldKv {
+            k: self.chronological(k)?,
+            v: self.chronological(v)?,
+            positions: (self.first..self.len).collect(),
+        })
+    }
+
+    /// Writes positions `start..start + T` (`start` must be the next position); only the
+    /// newest `capacity` of them stay.
+    ///
+    /// # Shapes
+    /// - `k`, `v`: `[kv_heads, T, head_dim]`
+    pub fn push(&mut self, k: Tensor<3>, v: Tensor<3>, start: usize) -> kakeya_models::Result<()> {
         if start != self.len {
             return Err(ModelError::Cache(format!(
                 "write at position {start} but the ring is at {}",
@@ -170,17 +247,6 @@ impl LayerCache for RingCache {
                 )
             }
         };
-        let positions: Vec<usize> = (self.first..start + t).collect();
-        let (ok, ov) = (self.chronological(&bk), self.chronological(&bv));
-        let all_k = match ok {
-            Some(o) => Tensor::cat(vec![o, k.clone()], 1),
-            None => k.clone(),
-        };
-        let all_v = match ov {
-            Some(o) => Tensor::cat(vec![o, v.clone()], 1),
-            None => v.clone(),
-        };
-        // Store only the newest `cap` of the chunk.
         let keep = t.min(self.cap);
         let p0 = start + t - keep;
         let bk = self.write(bk, p0, seq_slice(&k, t - keep, t));
@@ -188,20 +254,65 @@ impl LayerCache for RingCache {
         self.kv = Some((bk, bv));
         self.len = start + t;
         self.first = self.first.max(self.len.saturating_sub(self.cap));
-        Ok(CachedKv {
-            k: all_k,
-            v: all_v,
-            positions,
-        })
+        Ok(())
+    }
+
+    /// The oldest position still held.
+    pub fn first(&self) -> usize {
+        self.first
+    }
+}
+
+impl LayerCache for RingCache {
+    fn update(
+        &mut self,
+        k: Tensor<3>,
+        v: Tensor<3>,
+        start: usize,
+    ) -> kakeya_models::Result<Vec<KvSegment>> {
+        let mut out = Vec::with_capacity(2);
+        if let Some(h) = self.held() {
+            out.push(KvSegment::ready(h.k, h.v, h.positions, Reach::Always));
+        }
+        let t = k.dims()[1];
+        self.push(k.clone(), v.clone(), start)?;
+        out.push(KvSegment::ready(
+            k,
+            v,
+            (start..start + t).collect(),
+            Reach::Always,
+        ));
+        Ok(out)
     }
 
     fn len(&self) -> usize {
         self.len
     }
+
+    fn truncate(&mut self, len: usize) -> kakeya_models::Result<()> {
+        if len > self.len || len < self.origin {
+            return Err(ModelError::Cache(format!(
+                "cannot truncate the ring of positions {}..{} to {len}",
+                self.origin, self.len
+            )));
+        }
+        let need_from = (len + 1).saturating_sub(self.window).max(self.origin);
+        if self.first > need_from {
+            return Err(ModelError::Cache(format!(
+                "cannot roll back to {len}: the ring already evicted position {need_from} (slack too small)"
+            )));
+        }
+        self.len = len;
+        Ok(())
+    }
+
+    fn nbytes(&self) -> usize {
+        pair_bytes(&self.kv)
+    }
 }
 
 /// One layer's cache, as the model's [`CacheSpec`] asks.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub enum KvCache {
     /// Growable full cache.
     Full(FullCache),
@@ -222,57 +333,12 @@ impl KvCache {
             .collect()
     }
 
-    /// Forgets every position `>= len`. Exact: afterwards the cache behaves as if it had only
-    /// ever seen positions `< len`. A ring refuses to roll back further than its slack.
-    pub fn truncate(&mut self, len: usize) -> kakeya_models::Result<()> {
-        let have = self.len();
-        if len > have {
-            return Err(ModelError::Cache(format!(
-                "cannot truncate to {len}: only {have} positions held"
-            )));
-        }
-        match self {
-            KvCache::Full(c) => c.len = len,
-            KvCache::Ring(r) => {
-                let need_from = (len + 1).saturating_sub(r.window);
-                if r.first > need_from {
-                    return Err(ModelError::Cache(format!(
-                        "cannot roll back to {len}: the ring already evicted position {need_from} (slack too small)"
-                    )));
-                }
-                r.len = len;
-            }
-        }
-        Ok(())
-    }
-
     /// The positions this cache holds, oldest first, with their K/V (inspection and tests).
-    pub fn held(&self) -> Option<CachedKv> {
+    pub fn held(&self) -> Option<HeldKv> {
         match self {
-            KvCache::Full(c) => c.kv.as_ref().filter(|_| c.len > 0).map(|(k, v)| CachedKv {
-                k: seq_slice(k, 0, c.len),
-                v: seq_slice(v, 0, c.len),
-                positions: (0..c.len).collect(),
-            }),
-            KvCache::Ring(r) => r.kv.as_ref().and_then(|(k, v)| {
-                Some(CachedKv {
-                    k: r.chronological(k)?,
-                    v: r.chronological(v)?,
-                    positions: (r.first..r.len).collect(),
-                })
-            }),
+            KvCache::Full(c) => c.held(),
+            KvCache::Ring(r) => r.held(),
         }
-    }
-
-    /// Bytes of K/V storage this cache holds (allocated buffers, not a formula of positions).
-    pub fn nbytes(&self) -> usize {
-        let kv = match self {
-            KvCache::Full(c) => &c.kv,
-            KvCache::Ring(r) => &r.kv,
-        };
-        kv.as_ref().map_or(0, |(k, v)| {
-            (k.shape().num_elements() + v.shape().num_elements()) * ELEM_BYTES
-        })
     }
 }
 
@@ -282,7 +348,7 @@ impl LayerCache for KvCache {
         k: Tensor<3>,
         v: Tensor<3>,
         start: usize,
-    ) -> kakeya_models::Result<CachedKv> {
+    ) -> kakeya_models::Result<Vec<KvSegment>> {
         match self {
             KvCache::Full(c) => c.update(k, v, start),
             KvCache::Ring(r) => r.update(k, v, start),
@@ -293,6 +359,20 @@ impl LayerCache for KvCache {
         match self {
             KvCache::Full(c) => c.len,
             KvCache::Ring(r) => r.len,
+        }
+    }
+
+    fn truncate(&mut self, len: usize) -> kakeya_models::Result<()> {
+        match self {
+            KvCache::Full(c) => c.truncate(len),
+            KvCache::Ring(r) => r.truncate(len),
+        }
+    }
+
+    fn nbytes(&self) -> usize {
+        match self {
+            KvCache::Full(c) => c.nbytes(),
+            KvCache::Ring(r) => r.nbytes(),
         }
     }
 }

@@ -1,0 +1,96 @@
+//! The KV options shared by `infer`, `bench` and `eval`: the mode (flags or a TOML policy
+//! file) and f_θ for the restored modes.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use kakeya_capture::job::sha256_path;
+use kakeya_models::{DFlashDrafter, FTheta, Gemma3Model};
+use kakeya_runtime::{FThetaRestorer, KvMode, KvPolicy};
+use kakeya_weights::FThetaCheckpoint;
+
+/// f_θ of the default model and its trained drafter.
+pub const DEFAULT_F_THETA: &str = "checkpoints/f-theta-gemma3-270m";
+
+/// How the verifier keeps its K/V.
+#[derive(Args, Debug, Clone)]
+pub struct KvArgs {
+    /// KV mode: full, sink-window, exact-global, restored, restored-sliding, quant8, quant4,
+    /// quant8-all, quant4-all, restored-q8, restored-q4 (see the README).
+    #[arg(long, default_value = "full")]
+    pub kv_mode: KvMode,
+    /// First positions every bounded layer keeps exactly.
+    #[arg(long, default_value_t = 4)]
+    pub kv_sink: usize,
+    /// Most recent positions every bounded layer keeps exactly.
+    #[arg(long, default_value_t = 64)]
+    pub kv_window: usize,
+    /// A TOML policy file (`mode`, optional `sink` and `window`) instead of the three flags.
+    #[arg(long, conflicts_with_all = ["kv_mode", "kv_sink", "kv_window"])]
+    pub kv_policy: Option<PathBuf>,
+    /// An exported f_θ folder for the restored modes (default: checkpoints/f-theta-gemma3-270m
+    /// with the default model and drafter).
+    #[arg(long)]
+    pub f_theta: Option<PathBuf>,
+}
+
+impl KvArgs {
+    /// The policy the flags or the file give.
+    pub fn policy(&self) -> Result<KvPolicy> {
+        match &self.kv_policy {
+            Some(p) => Ok(KvPolicy::from_file(p)?),
+            None => Ok(KvPolicy {
+                mode: self.kv_mode,
+                sink: self.kv_sink,
+                window: self.kv_window,
+            }),
+        }
+    }
+
+    /// The f_θ folder a restored mode uses: `--f-theta`, or the default model's.
+    pub fn f_theta_dir(&self, default_pair: bool) -> Result<PathBuf> {
+        if let Some(d) = &self.f_theta {
+            return Ok(d.clone());
+        }
+        let d = PathBuf::from(DEFAULT_F_THETA);
+        if default_pair && d.is_dir() {
+            return Ok(d);
+        }
+        bail!(
+            "the restored KV modes need an f_θ: pass --f-theta DIR (one trained for this model and drafter by `kakeya train f-theta`)"
+        )
+    }
+}
+
+/// Loads an exported f_θ for the pair (`model_path`, `drafter_dir`), refusing one trained for
+/// another pair (content hashes), and folds it for restoration.
+pub fn load_f_theta(
+    dir: &Path,
+    model_path: &Path,
+    drafter_dir: &Path,
+    model: &Gemma3Model,
+    drafter: &DFlashDrafter,
+) -> Result<FThetaRestorer> {
+    let ck = FThetaCheckpoint::read_dir(dir)
+        .with_context(|| format!("loading f_θ {}", dir.display()))?;
+    let vsha = sha256_path(model_path)?;
+    let dsha = sha256_path(drafter_dir)?;
+    ck.check_pair(dir, &vsha, &dsha)?;
+    let f = FTheta::from_checkpoint(&ck, model.device())?;
+    let c = &model.config;
+    if ck.config.verifier_layers != c.num_hidden_layers
+        || ck.config.verifier_kv_dim != c.num_key_value_heads * c.head_dim
+    {
+        bail!(
+            "{}: f_θ predicts {} layers of width {}, the model has {} of width {}",
+            dir.display(),
+            ck.config.verifier_layers,
+            ck.config.verifier_kv_dim,
+            c.num_hidden_layers,
+            c.num_key_value_heads * c.head_dim
+        );
+    }
+    FThetaRestorer::new(&f, drafter.num_layers(), drafter.context_width())
+        .with_context(|| format!("{}", dir.display()))
+}

@@ -1,0 +1,247 @@
+//! The KV state of one sequence: per layer what the policy keeps (native cache, bounded tiers,
+//! or everything quantised), the compact store shared by the drafter and restoration, and the
+//! byte accounting.
+
+pub mod native;
+pub mod policy;
+pub mod restore;
+pub mod rows;
+pub mod store;
+pub mod tiered;
+
+use burn::tensor::Tensor;
+use kakeya_models::{CacheSpec, KvLayers, KvSegment, LayerCache, ModelError};
+use serde::Serialize;
+
+pub use native::{FullCache, HeldKv, KvCache, RingCache};
+pub use policy::{Evicted, KvMode, KvPolicy, LayerPlan};
+pub use restore::{FThetaRestorer, OracleRestorer, Restorer};
+pub use rows::{Bits, QuantRows, Rows};
+pub use store::CompactStore;
+pub use tiered::{QuantAllCache, Shared, TieredCache};
+
+/// One layer's cache under a policy.
+// One value per layer, held in a Vec: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Clone)]
+pub enum LayerKv {
+    /// The model's native cache.
+    Native(KvCache),
+    /// Sink + window exact, evicted tier per the policy.
+    Tiered(TieredCache),
+    /// Every position quantised.
+    QuantAll(QuantAllCache),
+}
+
+impl LayerKv {
+    fn len(&self) -> usize {
+        match self {
+            LayerKv::Native(c) => c.len(),
+            LayerKv::Tiered(c) => c.len(),
+            LayerKv::QuantAll(c) => c.len(),
+        }
+    }
+
+    fn truncate(&mut self, len: usize) -> kakeya_models::Result<()> {
+        match self {
+            LayerKv::Native(c) => c.truncate(len),
+            LayerKv::Tiered(c) => c.truncate(len),
+            LayerKv::QuantAll(c) => c.truncate(len),
+        }
+    }
+
+    /// (exact bytes, quantised bytes).
+    fn bytes(&self) -> (usize, usize) {
+        match self {
+            LayerKv::Native(c) => (c.nbytes(), 0),
+            LayerKv::Tiered(c) => (c.exact_bytes(), c.quantised_bytes()),
+            LayerKv::QuantAll(c) => (0, c.nbytes()),
+        }
+    }
+}
+
+/// Bytes one sequence's KV state holds, measured from its buffers.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct KvBytes {
+    /// Exact K/V of every layer: native caches, sinks and windows.
+    pub exact: usize,
+    /// Quantised K/V tiers.
+    pub quantised: usize,
+    /// The compact store (the drafter's per-position context K/V).
+    pub store: usize,
+    /// The most bytes of evicted K/V materialised for one layer's attention at once
+    /// (dequantised or restored, K and V, f32), or of store rows read at once by the drafter.
+    pub transient_peak: usize,
+    /// `exact + quantised + store + transient_peak`.
+    pub total: usize,
+    /// Reference: the model's native cache layout (global layers every position, sliding
+    /// layers their window) at this length in 16-bit floats, as llama.cpp and vLLM hold it.
+    pub full_f16: usize,
+    /// `full_f16 / total`.
+    pub ratio_to_full_f16: f64,
+}
+
+/// The KV state of one sequence.
+#[derive(Debug)]
+pub struct SequenceKv<'r> {
+    specs: Vec<CacheSpec>,
+    kv_width: usize,
+    layers: Vec<LayerKv>,
+    store: Option<CompactStore>,
+    restorer: Option<&'r dyn Restorer>,
+    transient_peak: usize,
+}
+
+impl<'r> SequenceKv<'r> {
+    /// Caches for layers declared `specs` (K/V rows `kv_width` wide) under `policy`; every
+    /// cache can roll back `slack` positions exactly. `store` is the compact store (needed by
+    /// a drafter or restoration), `restorer` the restorer of the restored modes.
+    pub fn new(
+        specs: &[CacheSpec],
+        kv_width: usize,
+        policy: &KvPolicy,
+        slack: usize,
+        store: Option<CompactStore>,
+        restorer: Option<&'r dyn Restorer>,
+    ) -> Self {
+        let layers = specs
+            .iter()
+            .enumerate()
+            .map(|(i, &spec)| match policy.plan(spec) {
+                LayerPlan::Native => LayerKv::Native(match spec {
+                    CacheSpec::Full => KvCache::Full(FullCache::default()),
+                    CacheSpec::Sliding { window } => KvCache::Ring(RingCache::new(window, slack)),
+                }),
+                LayerPlan::Bounded(ev) => LayerKv::Tiered(TieredCache::new(
+                    i,
+                    spec,
+                    (policy.sink, policy.window, slack),
+                    ev,
+                    kv_width,
+                )),
+                LayerPlan::QuantAll(bits) => {
+                    LayerKv::QuantAll(QuantAllCache::new(spec, bits, kv_width))
+                }
+            })
+            .collect();
+        Self {
+            specs: specs.to_vec(),
+            kv_width,
+            layers,
+            store,
+            restorer,
+            transient_peak: 0,
+        }
+    }
+
+    /// Positions held (the next position to write).
+    pub fn len(&self) -> usize {
+        self.layers.first().map_or(0, LayerKv::len)
+    }
+
+    /// True before any position.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The per-layer caches (inspection and tests).
+    pub fn layers(&self) -> &[LayerKv] {
+        &self.layers
+    }
+
+    /// Layer `layer`'s native cache, when the policy keeps it natively.
+    pub fn native(&self, layer: usize) -> Option<&KvCache> {
+        match self.layers.get(layer)? {
+            LayerKv::Native(c) => Some(c),
+            _ => None,
+        }
+    }
+
+    /// The compact store, when there is one.
+    pub fn store(&self) -> Option<&CompactStore> {
+        self.store.as_ref()
+    }
+
+    /// The compact store, mutably (the session appends committed rows).
+    pub fn store_mut(&mut self) -> Option<&mut CompactStore> {
+        self.store.as_mut()
+    }
+
+    /// Forgets positions `>= len` in every layer (the store only ever holds committed
+    /// positions and is not touched).
+    pub fn truncate(&mut self, len: usize) -> kakeya_models::Result<()> {
+        for l in &mut self.layers {
+            l.truncate(len)?;
+        }
+        Ok(())
+    }
+
+    /// Bytes held now, every part measured.
+    pub fn bytes(&self) -> KvBytes {
+        let (exact, quantised) = self
+            .layers
+            .iter()
+            .map(LayerKv::bytes)
+            .fold((0, 0), |(a, b), (x, y)| (a + x, b + y));
+        let store = self.store.as_ref().map_or(0, CompactStore::nbytes);
+        let transient_peak = self
+            .transient_peak
+            .max(self.store.as_ref().map_or(0, CompactStore::read_peak));
+        let total = exact + quantised + store + transient_peak;
+        let len = self.len();
+        let full_f16 = self
+            .specs
+            .iter()
+            .map(|s| match *s {
+                CacheSpec::Full => len,
+                CacheSpec::Sliding { window } => len.min(window),
+            })
+            .sum::<usize>()
+            * 2
+            * self.kv_width
+            * 2;
+        KvBytes {
+            exact,
+            quantised,
+            store,
+            transient_peak,
+            total,
+            full_f16,
+            ratio_to_full_f16: if total > 0 {
+                full_f16 as f64 / total as f64
+            } else {
+                0.0
+            },
+        }
+    }
+}
+
+impl KvLayers for SequenceKv<'_> {
+    fn layer_count(&self) -> usize {
+        self.layers.len()
+    }
+
+    fn update(
+        &mut self,
+        layer: usize,
+        k: Tensor<3>,
+        v: Tensor<3>,
+        start: usize,
+    ) -> kakeya_models::Result<Vec<KvSegment>> {
+        let shared = Shared {
+            store: self.store.as_ref(),
+            restorer: self.restorer,
+        };
+        let l = self
+            .layers
+            .get_mut(layer)
+            .ok_or_else(|| ModelError::Cache(format!("no cache for layer {layer}")))?;
+        let (segs, transient) = match l {
+            LayerKv::Native(c) => (c.update(k, v, start)?, 0),
+            LayerKv::Tiered(c) => c.update(k, v, start, shared)?,
+            LayerKv::QuantAll(c) => c.update_counted(k, v, start)?,
+        };
+        self.transient_peak = self.transient_peak.max(transient);
+        Ok(segs)
+    }
+}

@@ -1,0 +1,398 @@
+//! Host-side row storage for K/V tiers and the compact store: f32 rows, or rows affine-quantised
+//! in groups of 64 values (8 or 4 bits; like llama.cpp's `q8_1`/`q4_1` and mlx-lm's
+//! `--kv-bits`, one scale and one minimum per group, held as f16).
+//!
+//! Quantisation of a group `x[0..64]`: `m` = f16 of `min x` rounded down, `s` = f16 of
+//! `(max x − m) / (2^bits − 1)` rounded up, `q = clamp(round((x − m) / s), 0, 2^bits − 1)`,
+//! dequantised `q·s + m`. Because `[m, m + (2^bits − 1)·s]` covers the group, every value comes
+//! back within `s / 2` (plus f32 rounding) — the bound the tests check.
+
+use half::f16;
+
+/// Values per quantisation group.
+pub const GROUP: usize = 64;
+
+/// Bits per quantised value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum Bits {
+    /// 8-bit values.
+    B8,
+    /// 4-bit values, two per byte.
+    B4,
+}
+
+impl Bits {
+    /// Largest code.
+    fn max_code(self) -> u8 {
+        match self {
+            Bits::B8 => 255,
+            Bits::B4 => 15,
+        }
+    }
+
+    /// Bytes of codes per group of `group` values.
+    fn group_bytes(self, group: usize) -> usize {
+        match self {
+            Bits::B8 => group,
+            Bits::B4 => group / 2,
+        }
+    }
+
+    /// Number of bits.
+    pub fn count(self) -> u32 {
+        match self {
+            Bits::B8 => 8,
+            Bits::B4 => 4,
+        }
+    }
+}
+
+/// The largest f16 not above `x` (finite `x`).
+fn f16_down(x: f32) -> f16 {
+    let h = f16::from_f32(x);
+    if h.to_f32() <= x {
+        return h;
+    }
+    let b = h.to_bits();
+    f16::from_bits(if b == 0 {
+        0x8001
+    } else if b & 0x8000 == 0 {
+        b - 1
+    } else {
+        b + 1
+    })
+}
+
+/// The smallest f16 not below `x` (finite `x`).
+fn f16_up(x: f32) -> f16 {
+    -f16_down(-x)
+}
+
+/// Rows of `width` values, quantised group by group: groups of [`GROUP`] values, or of the
+/// largest even divisor of `width` below it when `width` is not a multiple (tiny test models).
+#[derive(Debug, Clone)]
+pub struct QuantRows {
+    bits: Bits,
+    width: usize,
+    group: usize,
+    codes: Vec<u8>,
+    /// Per group: scale and minimum.
+    params: Vec<[f16; 2]>,
+    rows: usize,
+}
+
+impl QuantRows {
+    /// Empty rows of `width` values.
+    pub fn new(bits: Bits, width: usize) -> Self {
+        let group = (2..=GROUP)
+            .rev()
+            .step_by(2)
+            .find(|g| width.is_multiple_of(*g))
+            .unwrap_or_else(|| panic!("row width {width} has no even group size"));
+        Self {
+            bits,
+            width,
+            group,
+            codes: Vec::new(),
+            params: Vec::new(),
+            rows: 0,
+        }
+    }
+
+    fn groups_per_row(&self) -> usize {
+        self.width / self.group
+    }
+
+    /// Values per group.
+    pub fn group(&self) -> usize {
+        self.group
+    }
+
+    /// Quantises and appends rows (`values.len()` a multiple of the width).
+    pub fn push(&mut self, values: &[f32]) {
+        let n = values.len() / self.width;
+        let gb = self.bits.group_bytes(self.group);
+        let gpr = self.groups_per_row();
+        grow(&mut self.codes, n * gpr * gb);
+        grow(&mut self.params, n * gpr);
+        let top = f32::from(self.bits.max_code());
+        for g in values.chunks_exact(self.group) {
+            let (lo, hi) = g
+                .iter()
+                .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &x| {
+                    (a.min(x), b.max(x))
+                });
+            let m = f16_down(lo);
+            let s = f16_up((hi - m.to_f32()) / top);
+            let (mf, sf) = (m.to_f32(), s.to_f32());
+            let code = |x: f32| -> u8 {
+                if sf > 0.0 {
+                    ((x - mf) / sf).round().clamp(0.0, top) as u8
+                } else {
+                    0
+                }
+            };
+            match self.bits {
+                Bits::B8 => self.codes.extend(g.iter().map(|&x| code(x))),
+                Bits::B4 => self
+                    .codes
+                    .extend(g.chunks_exact(2).map(|p| code(p[0]) | (code(p[1]) << 4))),
+            }
+            self.params.push([s, m]);
+        }
+        self.rows += n;
+    }
+
+    /// Keeps the first `rows` rows.
+    pub fn truncate(&mut self, rows: usize) {
+        let g = rows.min(self.rows) * self.groups_per_row();
+        self.codes.truncate(g * self.bits.group_bytes(self.group));
+        self.params.truncate(g);
+        self.rows = rows.min(self.rows);
+    }
+
+    /// Drops the first `rows` rows.
+    pub fn drop_front(&mut self, rows: usize) {
+        let rows = rows.min(self.rows);
+        let g = rows * self.groups_per_row();
+        self.codes.drain(..g * self.bits.group_bytes(self.group));
+        self.params.drain(..g);
+        self.rows -= rows;
+    }
+
+    /// Dequantised rows `from..to`, row-major.
+    pub fn dequantize(&self, from: usize, to: usize) -> Vec<f32> {
+        let gpr = self.groups_per_row();
+        let gb = self.bits.group_bytes(self.group);
+        let mut out = Vec::with_capacity((to - from) * self.width);
+        for g in from * gpr..to * gpr {
+            let [s, m] = self.params[g];
+            let (s, m) = (s.to_f32(), m.to_f32());
+            let codes = &self.codes[g * gb..(g + 1) * gb];
+            match self.bits {
+                Bits::B8 => out.extend(codes.iter().map(|&q| f32::from(q) * s + m)),
+                Bits::B4 => out.extend(
+                    codes
+                        .iter()
+                        .flat_map(|&b| [f32::from(b & 15) * s + m, f32::from(b >> 4) * s + m]),
+                ),
+            }
+        }
+        out
+    }
+
+    /// Scale of group `g` of row `row` (for error bounds).
+    pub fn scale(&self, row: usize, g: usize) -> f32 {
+        self.params[row * self.groups_per_row() + g][0].to_f32()
+    }
+
+    /// Rows held.
+    pub fn len(&self) -> usize {
+        self.rows
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.rows == 0
+    }
+
+    /// Bytes allocated (codes and group parameters).
+    pub fn nbytes(&self) -> usize {
+        self.codes.capacity() + self.params.capacity() * std::mem::size_of::<[f16; 2]>()
+    }
+}
+
+/// Reserves room for `more` elements, growing by an eighth at least (allocated bytes stay
+/// within ~12% of what is used, and appends stay amortised O(1)).
+fn grow<T>(v: &mut Vec<T>, more: usize) {
+    let need = v.len() + more;
+    if need > v.capacity() {
+        let target = need.max(v.len() + v.len() / 8 + 64);
+        v.reserve_exact(target - v.len());
+    }
+}
+
+/// Rows of `width` values, as f32 or quantised.
+#[derive(Debug, Clone)]
+pub enum Rows {
+    /// Exact f32 rows.
+    F32 {
+        /// Row width.
+        width: usize,
+        /// Values, row-major.
+        data: Vec<f32>,
+    },
+    /// Affine-quantised rows.
+    Quant(QuantRows),
+}
+
+impl Rows {
+    /// Empty rows of `width` values, quantised when `bits` is given.
+    pub fn new(width: usize, bits: Option<Bits>) -> Self {
+        match bits {
+            None => Rows::F32 {
+                width,
+                data: Vec::new(),
+            },
+            Some(b) => Rows::Quant(QuantRows::new(b, width)),
+        }
+    }
+
+    /// Row width.
+    pub fn width(&self) -> usize {
+        match self {
+            Rows::F32 { width, .. } => *width,
+            Rows::Quant(q) => q.width,
+        }
+    }
+
+    /// Rows held.
+    pub fn len(&self) -> usize {
+        match self {
+            Rows::F32 { width, data } => data.len() / width,
+            Rows::Quant(q) => q.rows,
+        }
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Appends rows (`values.len()` a multiple of the width).
+    pub fn push(&mut self, values: &[f32]) {
+        debug_assert_eq!(values.len() % self.width(), 0);
+        match self {
+            Rows::F32 { data, .. } => {
+                grow(data, values.len());
+                data.extend_from_slice(values);
+            }
+            Rows::Quant(q) => q.push(values),
+        }
+    }
+
+    /// Keeps the first `rows` rows.
+    pub fn truncate(&mut self, rows: usize) {
+        match self {
+            Rows::F32 { width, data } => data.truncate(rows * *width),
+            Rows::Quant(q) => q.truncate(rows),
+        }
+    }
+
+    /// Drops the first `rows` rows.
+    pub fn drop_front(&mut self, rows: usize) {
+        match self {
+            Rows::F32 { width, data } => {
+                data.drain(..(rows * *width).min(data.len()));
+            }
+            Rows::Quant(q) => q.drop_front(rows),
+        }
+    }
+
+    /// Rows `from..to` as f32 (dequantised when quantised), row-major.
+    pub fn read(&self, from: usize, to: usize) -> Vec<f32> {
+        match self {
+            Rows::F32 { width, data } => data[from * width..to * width].to_vec(),
+            Rows::Quant(q) => q.dequantize(from, to),
+        }
+    }
+
+    /// Bytes allocated.
+    pub fn nbytes(&self) -> usize {
+        match self {
+            Rows::F32 { data, .. } => data.capacity() * 4,
+            Rows::Quant(q) => q.nbytes(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+        (0..n)
+            .map(|i| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                let u = (s >> 40) as f32 / (1u64 << 24) as f32;
+                (u - 0.5) * 8.0 + if i % 97 == 0 { 40.0 } else { 0.0 }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn dequantised_values_are_within_half_a_step() {
+        for bits in [Bits::B8, Bits::B4] {
+            let width = 256;
+            let x = values(width * 7, 3);
+            let mut q = QuantRows::new(bits, width);
+            q.push(&x[..width * 3]);
+            q.push(&x[width * 3..]);
+            assert_eq!(q.len(), 7);
+            let y = q.dequantize(0, 7);
+            for (i, (a, b)) in x.iter().zip(&y).enumerate() {
+                let s = q.scale(i / width, (i % width) / GROUP);
+                assert!(
+                    (a - b).abs() <= s / 2.0 * (1.0 + 1e-3) + 1e-6,
+                    "{bits:?}: value {i}: {a} came back {b}, step {s}"
+                );
+            }
+            // The step is what the format promises: range / (2^bits − 1), rounded up to f16.
+            let g0 = &x[..GROUP];
+            let range = g0.iter().cloned().fold(f32::MIN, f32::max)
+                - g0.iter().cloned().fold(f32::MAX, f32::min);
+            let want = range / f32::from(bits.max_code());
+            assert!(q.scale(0, 0) >= want && q.scale(0, 0) <= want * 1.002 + 1e-6);
+        }
+    }
+
+    #[test]
+    fn constant_groups_and_extremes_come_back() {
+        let width = 64;
+        let mut x = vec![1.5f32; 64];
+        x.extend(vec![-3.25f32; 64]);
+        x.extend((0..64).map(|i| if i == 0 { -1e4 } else { 1e4 }));
+        for bits in [Bits::B8, Bits::B4] {
+            let mut q = QuantRows::new(bits, width);
+            q.push(&x);
+            let y = q.dequantize(0, 3);
+            assert_eq!(&y[..128], &x[..128], "{bits:?}: constant groups are exact");
+            assert_eq!(y[128], -1e4);
+            assert!((y[129] - 1e4).abs() <= q.scale(2, 0) / 2.0 + 1e-3);
+        }
+    }
+
+    #[test]
+    fn truncate_drop_front_and_bytes() {
+        let width = 128;
+        let x = values(width * 10, 9);
+        for bits in [None, Some(Bits::B8), Some(Bits::B4)] {
+            let mut r = Rows::new(width, bits);
+            r.push(&x);
+            let all = r.read(0, 10);
+            r.truncate(6);
+            assert_eq!(r.len(), 6);
+            assert_eq!(r.read(0, 6), all[..6 * width]);
+            r.drop_front(2);
+            assert_eq!(r.len(), 4);
+            assert_eq!(r.read(0, 4), all[2 * width..6 * width]);
+            // Re-appending after a truncate gives the same rows as the first time.
+            r.push(&x[6 * width..]);
+            assert_eq!(r.read(4, 8), all[6 * width..]);
+            let per_value = match bits {
+                None => 4.0,
+                Some(Bits::B8) => 1.0 + 4.0 / 64.0,
+                Some(Bits::B4) => 0.5 + 4.0 / 64.0,
+            };
+            let used = (8 * width) as f64 * per_value;
+            let held = r.nbytes() as f64;
+            assert!(
+                held >= used && held <= used * 1.5 + 1024.0,
+                "{bits:?}: {held} for {used}"
+            );
+        }
+    }
+}

@@ -1,0 +1,391 @@
+//! Bounded layer caches: sink + recent window exact, evicted positions dropped, quantised or
+//! restored ([`TieredCache`]); and every position quantised ([`QuantAllCache`]).
+//!
+//! Demotion sits behind a commit horizon: the exact ring keeps `window − 1 + slack` positions,
+//! so a rollback of up to `slack` positions finds every position it needs exactly; a position is
+//! only read from the evicted tier by queries at least `window` younger, and quantised copies
+//! are made on write (deterministic, so a position reads the same whether it was written by a
+//! prefill chunk, a plain step or a verified block).
+
+use std::ops::Range;
+
+use burn::tensor::{Device, Tensor, TensorData};
+use kakeya_models::{CacheSpec, KvSegment, LayerCache, ModelError, Reach, SegmentKv};
+
+use super::native::{RingCache, seq_slice};
+use super::policy::Evicted;
+use super::restore::Restorer;
+use super::rows::{Bits, Rows};
+use super::store::CompactStore;
+
+/// What a bounded layer reads besides its own tiers.
+#[derive(Clone, Copy)]
+pub struct Shared<'a> {
+    /// The compact store (restoration input).
+    pub store: Option<&'a CompactStore>,
+    /// The restorer, when the mode restores.
+    pub restorer: Option<&'a dyn Restorer>,
+}
+
+/// `[kv_heads, T, head_dim]` → host rows `[T, kv_heads · head_dim]`.
+fn to_rows(t: &Tensor<3>) -> kakeya_models::Result<Vec<f32>> {
+    let [h, n, d] = t.dims();
+    t.clone()
+        .swap_dims(0, 1)
+        .reshape([n, h * d])
+        .into_data()
+        .try_into_vec::<f32>()
+        .map_err(|e| ModelError::Cache(format!("K/V rows: {e:?}")))
+}
+
+/// Host rows `[n, kv_heads · head_dim]` → `[kv_heads, n, head_dim]`.
+fn from_rows(rows: Vec<f32>, heads: usize, dim: usize, device: &Device) -> Tensor<3> {
+    let n = rows.len() / (heads * dim);
+    Tensor::<3>::from_data(TensorData::new(rows, [n, heads, dim]), device).swap_dims(0, 1)
+}
+
+/// Quantised K/V rows of positions `first..first + rows`.
+#[derive(Debug, Clone)]
+struct QuantTier {
+    k: Rows,
+    v: Rows,
+    first: usize,
+}
+
+impl QuantTier {
+    fn new(bits: Bits, width: usize, first: usize) -> Self {
+        Self {
+            k: Rows::new(width, Some(bits)),
+            v: Rows::new(width, Some(bits)),
+            first,
+        }
+    }
+
+    /// Quantises and appends positions `end()..end() + T`.
+    fn push(&mut self, k: &Tensor<3>, v: &Tensor<3>) -> kakeya_models::Result<()> {
+        self.k.push(&to_rows(k)?);
+        self.v.push(&to_rows(v)?);
+        Ok(())
+    }
+
+    /// Forgets rows of positions before `pos` (never read again).
+    fn drop_before(&mut self, pos: usize) {
+        // Compact in steps of 64 rows: a drain moves the whole buffer.
+        let dead = pos.saturating_sub(self.first).min(self.k.len());
+        if dead >= 64 {
+            self.k.drop_front(dead);
+            self.v.drop_front(dead);
+            self.first += dead;
+        }
+    }
+
+    fn truncate(&mut self, len: usize) -> kakeya_models::Result<()> {
+        if len < self.first {
+            return Err(ModelError::Cache(format!(
+                "cannot roll back to {len}: quantised positions before {} were already dropped",
+                self.first
+            )));
+        }
+        self.k.truncate(len - self.first);
+        self.v.truncate(len - self.first);
+        Ok(())
+    }
+
+    /// Dequantised K/V of `positions` (inside the held range).
+    fn read(
+        &self,
+        positions: Range<usize>,
+        heads: usize,
+        dim: usize,
+        device: &Device,
+    ) -> (Tensor<3>, Tensor<3>) {
+        let (a, b) = (positions.start - self.first, positions.end - self.first);
+        (
+            from_rows(self.k.read(a, b), heads, dim, device),
+            from_rows(self.v.read(a, b), heads, dim, device),
+        )
+    }
+
+    fn nbytes(&self) -> usize {
+        self.k.nbytes() + self.v.nbytes()
+    }
+}
+
+/// Exact sink + window, evicted positions per the policy.
+#[derive(Debug, Clone)]
+pub struct TieredCache {
+    layer: usize,
+    spec: CacheSpec,
+    sink: usize,
+    window: usize,
+    evicted: Evicted,
+    /// Positions `0..sink`, exactly (a ring that never wraps: sized to hold them all).
+    sinks: RingCache,
+    ring: RingCache,
+    quant: Option<QuantTier>,
+    len: usize,
+}
+
+impl TieredCache {
+    /// Layer `layer` (declared `spec`) keeping `sink` + `window` positions exactly, with
+    /// `slack` positions of exact rollback; K/V rows are `width` wide.
+    pub fn new(
+        layer: usize,
+        spec: CacheSpec,
+        (sink, window, slack): (usize, usize, usize),
+        evicted: Evicted,
+        width: usize,
+    ) -> Self {
+        Self {
+            layer,
+            spec,
+            sink,
+            window,
+            evicted,
+            sinks: RingCache::new(sink + 1, 0),
+            ring: RingCache::starting_at(sink, window, slack),
+            quant: match evicted {
+                Evicted::Quantise(bits) => Some(QuantTier::new(bits, width, sink)),
+                _ => None,
+            },
+            len: 0,
+        }
+    }
+
+    /// Bytes of exact K/V (sinks and window).
+    pub fn exact_bytes(&self) -> usize {
+        self.sinks.nbytes() + self.ring.nbytes()
+    }
+
+    /// Bytes of quantised K/V.
+    pub fn quantised_bytes(&self) -> usize {
+        self.quant.as_ref().map_or(0, QuantTier::nbytes)
+    }
+
+    /// Positions of the evicted tier the queries `start..end` read.
+    fn evicted_range(&self, start: usize, end: usize) -> Range<usize> {
+        let lo = self.sink.max(self.spec.oldest_needed(start));
+        let hi = start.min(end.saturating_sub(self.window));
+        lo..hi.max(lo)
+    }
+
+    /// [`LayerCache::update`] with the shared store and restorer; also returns the bytes of
+    /// evicted K/V materialised for this forward.
+    ///
+    /// # Shapes
+    /// - `k`, `v`: `[kv_heads, T, head_dim]`
+    pub fn update(
+        &mut self,
+        k: Tensor<3>,
+        v: Tensor<3>,
+        start: usize,
+        shared: Shared<'_>,
+    ) -> kakeya_models::Result<(Vec<KvSegment>, usize)> {
+        if start != self.len {
+            return Err(ModelError::Cache(format!(
+                "layer {}: write at position {start} but the cache is at {}",
+                self.layer, self.len
+            )));
+        }
+        let [heads, t, dim] = k.dims();
+        let device = k.device();
+        let mut segs = Vec::with_capacity(4);
+        let mut transient = 0;
+        if let Some(h) = self.sinks.held() {
+            segs.push(KvSegment::ready(h.k, h.v, h.positions, Reach::Always));
+        }
+        let old = self.evicted_range(start, start + t);
+        if let Some(q) = &mut self.quant {
+            q.drop_before(self.spec.oldest_needed(start).max(self.sink));
+        }
+        if !old.is_empty() {
+            let n = old.len();
+            let seg = match self.evicted {
+                Evicted::Drop => None,
+                Evicted::Quantise(_) => {
+                    let q = self.quant.as_ref().expect("quantised tier");
+                    let (qk, qv) = q.read(old.clone(), heads, dim, &device);
+                    Some(SegmentKv::Ready { k: qk, v: qv })
+                }
+                Evicted::Restore => {
+                    let r = shared.restorer.ok_or_else(|| {
+                        ModelError::Cache(format!("layer {}: no restorer", self.layer))
+                    })?;
+                    let (rk, rv) = r.restore(self.layer, old.clone(), shared.store)?;
+                    Some(SegmentKv::Raw { k: rk, v: rv })
+                }
+            };
+            if let Some(kv) = seg {
+                transient = 2 * n * heads * dim * 4;
+                segs.push(KvSegment {
+                    kv,
+                    positions: old.collect(),
+                    reach: Reach::AtLeast(self.window),
+                });
+            }
+        }
+        if let Some(h) = self.ring.held() {
+            segs.push(KvSegment::ready(
+                h.k,
+                h.v,
+                h.positions,
+                Reach::Younger(self.window),
+            ));
+        }
+        segs.push(KvSegment::ready(
+            k.clone(),
+            v.clone(),
+            (start..start + t).collect(),
+            Reach::Always,
+        ));
+        // Write: positions before the sink boundary to the sinks, the rest to the ring (and,
+        // quantised, to the evicted tier).
+        let split = self.sink.saturating_sub(start).min(t);
+        if split > 0 {
+            self.sinks
+                .push(seq_slice(&k, 0, split), seq_slice(&v, 0, split), start)?;
+        }
+        if split < t {
+            let (rk, rv) = (seq_slice(&k, split, t), seq_slice(&v, split, t));
+            if let Some(q) = &mut self.quant {
+                q.push(&rk, &rv)?;
+            }
+            self.ring.push(rk, rv, start + split)?;
+        }
+        self.len = start + t;
+        Ok((segs, transient))
+    }
+}
+
+impl TieredCache {
+    /// Positions recorded.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when nothing is recorded.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Forgets positions `>= len`, refusing when a position it needs exactly was demoted.
+    pub fn truncate(&mut self, len: usize) -> kakeya_models::Result<()> {
+        if len > self.len {
+            return Err(ModelError::Cache(format!(
+                "cannot truncate to {len}: only {} positions held",
+                self.len
+            )));
+        }
+        self.ring
+            .truncate(len.max(self.sink))
+            .map_err(|e| ModelError::Cache(format!("layer {}: {e}", self.layer)))?;
+        if len < self.sink {
+            self.sinks.truncate(len)?;
+        }
+        if let Some(q) = &mut self.quant {
+            q.truncate(len.max(self.sink))?;
+        }
+        self.len = len;
+        Ok(())
+    }
+
+    /// Every byte held.
+    pub fn nbytes(&self) -> usize {
+        self.exact_bytes() + self.quantised_bytes()
+    }
+}
+
+/// Every position quantised on write; attention reads dequantised K/V, the chunk's own included
+/// (as llama.cpp does with a quantised cache type).
+#[derive(Debug, Clone)]
+pub struct QuantAllCache {
+    spec: CacheSpec,
+    tier: QuantTier,
+    len: usize,
+}
+
+impl QuantAllCache {
+    /// A layer declared `spec`, rows `width` wide.
+    pub fn new(spec: CacheSpec, bits: Bits, width: usize) -> Self {
+        Self {
+            spec,
+            tier: QuantTier::new(bits, width, 0),
+            len: 0,
+        }
+    }
+
+    /// Bytes held.
+    pub fn nbytes(&self) -> usize {
+        self.tier.nbytes()
+    }
+
+    /// The positions the queries `start..` read.
+    fn read_from(&self, start: usize) -> usize {
+        self.spec.oldest_needed(start).max(self.tier.first)
+    }
+}
+
+impl QuantAllCache {
+    /// [`LayerCache::update`], also returning the bytes of dequantised K/V materialised.
+    pub fn update_counted(
+        &mut self,
+        k: Tensor<3>,
+        v: Tensor<3>,
+        start: usize,
+    ) -> kakeya_models::Result<(Vec<KvSegment>, usize)> {
+        if start != self.len {
+            return Err(ModelError::Cache(format!(
+                "write at position {start} but the cache is at {}",
+                self.len
+            )));
+        }
+        let [heads, t, dim] = k.dims();
+        let device = k.device();
+        self.tier.drop_before(self.spec.oldest_needed(start));
+        self.tier.push(&k, &v)?;
+        self.len = start + t;
+        let from = self.read_from(start);
+        let (qk, qv) = self.tier.read(from..self.len, heads, dim, &device);
+        let n = self.len - from;
+        Ok((
+            vec![KvSegment::ready(
+                qk,
+                qv,
+                (from..self.len).collect(),
+                Reach::Always,
+            )],
+            2 * n * heads * dim * 4,
+        ))
+    }
+}
+
+impl LayerCache for QuantAllCache {
+    fn update(
+        &mut self,
+        k: Tensor<3>,
+        v: Tensor<3>,
+        start: usize,
+    ) -> kakeya_models::Result<Vec<KvSegment>> {
+        Ok(self.update_counted(k, v, start)?.0)
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn truncate(&mut self, len: usize) -> kakeya_models::Result<()> {
+        if len > self.len {
+            return Err(ModelError::Cache(format!(
+                "cannot truncate to {len}: only {} positions held",
+                self.len
+            )));
+        }
+        self.tier.truncate(len)?;
+        self.len = len;
+        Ok(())
+    }
+
+    fn nbytes(&self) -> usize {
+        self.tier.nbytes()
+    }
+}

@@ -1,0 +1,266 @@
+//! One sequence on the verifier: its KV state under a policy, the compact store, and the
+//! commit horizon.
+//!
+//! Positions in the caches are committed unless a [`Session::truncate`] removes them before the
+//! next forward. Committing appends the positions' compact-store rows (the drafter's context
+//! K/V, projected from the verifier's hidden states at the drafter's target layers), so the
+//! store only ever holds committed positions — what the proposer drafts from and what
+//! restoration rebuilds from.
+
+use burn::tensor::Tensor;
+use kakeya_models::{
+    DFlashDrafter, DraftContext, ForwardOutput, ForwardRequest, Gemma3Model, Logits,
+};
+
+use crate::error::{Result, RuntimeError};
+use crate::kv::{CompactStore, KvBytes, KvPolicy, Restorer, SequenceKv};
+
+/// Copies one row of logits `[1, vocab]` to the host.
+pub fn logits_row(logits: Tensor<2>) -> Vec<f32> {
+    logits
+        .into_data()
+        .try_into_vec::<f32>()
+        .expect("logits are f32")
+}
+
+/// How a session keeps its K/V.
+#[derive(Debug, Clone, Copy)]
+pub struct KvSetup<'m> {
+    /// The policy.
+    pub policy: KvPolicy,
+    /// Positions every cache can roll back exactly (speculation: `block − 1` or more).
+    pub slack: usize,
+    /// The drafter whose context the compact store holds (speculative decoding, or the
+    /// restorer's input).
+    pub drafter: Option<&'m DFlashDrafter>,
+    /// The restorer of the restored modes.
+    pub restorer: Option<&'m dyn Restorer>,
+}
+
+impl<'m> KvSetup<'m> {
+    /// `policy`, no extra rollback slack, no drafter, no restorer.
+    pub fn new(policy: KvPolicy) -> Self {
+        Self {
+            policy,
+            slack: 0,
+            drafter: None,
+            restorer: None,
+        }
+    }
+
+    /// Native caches, no store.
+    pub fn full(slack: usize) -> Self {
+        Self {
+            slack,
+            ..Self::new(KvPolicy::default())
+        }
+    }
+
+    /// With the compact store of `drafter`.
+    pub fn drafter(self, drafter: &'m DFlashDrafter) -> Self {
+        Self {
+            drafter: Some(drafter),
+            ..self
+        }
+    }
+
+    /// With a restorer (used by the restored modes).
+    pub fn restorer(self, restorer: &'m dyn Restorer) -> Self {
+        Self {
+            restorer: Some(restorer),
+            ..self
+        }
+    }
+}
+
+/// A model plus the KV state of one sequence.
+#[derive(Debug)]
+pub struct Session<'m> {
+    model: &'m Gemma3Model,
+    policy: KvPolicy,
+    kv: SequenceKv<'m>,
+    drafter: Option<&'m DFlashDrafter>,
+    /// Hidden states at the drafter's target layers of positions `from..`, not yet committed.
+    pending: Option<(usize, Tensor<2>)>,
+    len: usize,
+}
+
+impl<'m> Session<'m> {
+    /// An empty sequence with the model's native caches; rings keep `slack` positions of
+    /// exact rollback.
+    pub fn new(model: &'m Gemma3Model, slack: usize) -> Self {
+        Self::with_kv(model, KvSetup::full(slack)).expect("native caches need nothing")
+    }
+
+    /// An empty sequence under `setup`; refuses a policy that does not fit the model or lacks
+    /// what it needs (a restorer, a drafter for the store).
+    pub fn with_kv(model: &'m Gemma3Model, setup: KvSetup<'m>) -> Result<Self> {
+        let c = &model.config;
+        setup.policy.check(c.max_position_embeddings, 1)?;
+        let mode = setup.policy.mode;
+        if mode.restores() {
+            let r = setup.restorer.ok_or_else(|| {
+                RuntimeError::Input(format!(
+                    "KV mode {mode} rebuilds evicted K/V: it needs an f_θ (--f-theta)"
+                ))
+            })?;
+            if r.reads_store() && setup.drafter.is_none() {
+                return Err(RuntimeError::Input(format!(
+                    "KV mode {mode}: f_θ reads the drafter's compact store: it needs the drafter (--drafter)"
+                )));
+            }
+        }
+        let store = setup
+            .drafter
+            .map(|d| CompactStore::new(d.context_width(), mode.store_bits(), model.device()));
+        Ok(Self {
+            model,
+            policy: setup.policy,
+            kv: SequenceKv::new(
+                &model.cache_specs(),
+                c.num_key_value_heads * c.head_dim,
+                &setup.policy,
+                setup.slack,
+                store,
+                setup.restorer.filter(|_| mode.restores()),
+            ),
+            drafter: setup.drafter,
+            pending: None,
+            len: 0,
+        })
+    }
+
+    /// Positions processed so far.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True before any token.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The model.
+    pub fn model(&self) -> &'m Gemma3Model {
+        self.model
+    }
+
+    /// The KV policy.
+    pub fn policy(&self) -> &KvPolicy {
+        &self.policy
+    }
+
+    /// Bytes of K/V held, by part.
+    pub fn kv_bytes(&self) -> KvBytes {
+        self.kv.bytes()
+    }
+
+    /// The KV state (inspection and tests).
+    pub fn kv(&self) -> &SequenceKv<'m> {
+        &self.kv
+    }
+
+    /// The compact store (up to date with every committed position), when there is one.
+    pub fn store_mut(&mut self) -> Option<&mut CompactStore> {
+        self.kv.store_mut()
+    }
+
+    /// Commits every position in the caches: appends the pending store rows.
+    pub fn commit(&mut self) -> Result<()> {
+        let Some((from, aux)) = self.pending.take() else {
+            return Ok(());
+        };
+        let n = self.len.saturating_sub(from);
+        if n == 0 {
+            return Ok(());
+        }
+        let d = self.drafter.expect("pending rows only with a drafter");
+        let w = aux.dims()[1];
+        let (k, v) = d.context_rows(aux.slice([0..n, 0..w]))?;
+        let store = self.kv.store_mut().expect("a drafter comes with a store");
+        if store.len() != from {
+            return Err(RuntimeError::Input(format!(
+                "store holds {} positions, committing rows from {from}",
+                store.len()
+            )));
+        }
+        store.append(k, v)?;
+        Ok(())
+    }
+
+    /// Runs `tokens` in chunks of at most `chunk`; returns the last position's logits.
+    pub fn prefill(&mut self, tokens: &[u32], chunk: usize) -> Result<Vec<f32>> {
+        if tokens.is_empty() {
+            return Err(RuntimeError::Input("empty prompt: nothing to run".into()));
+        }
+        let ctx = self.model.config.max_position_embeddings;
+        if self.len + tokens.len() > ctx {
+            return Err(RuntimeError::Input(format!(
+                "prompt of {} tokens (plus {} already in context) is longer than the model's context of {ctx}",
+                tokens.len(),
+                self.len
+            )));
+        }
+        let mut last = None;
+        let n = tokens.chunks(chunk.max(1)).count();
+        for (i, part) in tokens.chunks(chunk.max(1)).enumerate() {
+            let logits = if i + 1 == n {
+                Logits::Last
+            } else {
+                Logits::None
+            };
+            last = self.forward(part, logits, &[])?.logits;
+        }
+        self.commit()?;
+        Ok(logits_row(last.expect("last chunk returns logits")))
+    }
+
+    /// Runs `tokens` at the next positions in one forward (committing what the caches held
+    /// before), returning what `logits` and `hidden_after` ask for.
+    ///
+    /// # Shapes
+    /// - returns logits `[1 or T, vocab]`, hidden states `[T, hidden]` per requested layer
+    pub fn forward(
+        &mut self,
+        tokens: &[u32],
+        logits: Logits,
+        hidden_after: &[usize],
+    ) -> Result<ForwardOutput> {
+        self.commit()?;
+        let targets: &[usize] = self
+            .drafter
+            .map_or(&[], |d| d.config.target_layer_ids.as_slice());
+        let layers: Vec<usize> = hidden_after.iter().chain(targets).copied().collect();
+        let mut req = ForwardRequest::new(tokens, self.len, logits);
+        req.hidden_after = &layers;
+        let mut out = self.model.forward(&req, &mut self.kv)?;
+        if !targets.is_empty() {
+            let aux = out.hidden.split_off(hidden_after.len());
+            self.pending = Some((self.len, Tensor::cat(aux, 1)));
+        }
+        self.len += tokens.len();
+        Ok(out)
+    }
+
+    /// Runs one token; returns its logits.
+    pub fn step(&mut self, token: u32) -> Result<Vec<f32>> {
+        let out = self.forward(&[token], Logits::Last, &[])?;
+        Ok(logits_row(out.logits.expect("asked for logits")))
+    }
+
+    /// Forgets positions `>= len` (exactly, or an error when a cache already demoted a
+    /// position it would need) and commits the rest.
+    pub fn truncate(&mut self, len: usize) -> Result<()> {
+        self.kv.truncate(len)?;
+        if let Some(store) = self.kv.store_mut()
+            && store.len() > len
+        {
+            store.truncate(len);
+        }
+        if self.pending.as_ref().is_some_and(|(from, _)| *from > len) {
+            self.pending = None;
+        }
+        self.len = len;
+        self.commit()
+    }
+}

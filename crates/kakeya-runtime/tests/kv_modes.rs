@@ -1,0 +1,374 @@
+//! The KV modes on tiny random models: a window covering the whole context equals `full`;
+//! `restored` with an oracle restorer (the verifier's own K/V) equals `full`; speculative
+//! decoding equals plain greedy decoding in the same mode, for every mode and blocks 4/8/16 with
+//! windows wrapping mid-block; rollback under random accept counts never needs a demoted
+//! position; the byte accounting adds up; bad settings are refused.
+
+use burn::tensor::Device;
+use kakeya_models::testing::{
+    drafter_config, f_theta_config, random_checkpoint, random_drafter, random_f_theta, tiny_config,
+};
+use kakeya_models::{DFlashDrafter, FTheta, ForwardRequest, Gemma3Model, Logits};
+use kakeya_runtime::kv::{FThetaRestorer, KvMode, KvPolicy, OracleRestorer, Restorer};
+use kakeya_runtime::{
+    CompactStore, DFlashProposer, Generation, GenerationConfig, KvSetup, Proposer, ReplayProposer,
+    Result, Sampling, Session, SpecConfig, Verifier, generate, speculative_generate,
+};
+use kakeya_weights::ftheta::FThetaInputs;
+
+/// Native sliding window of the tiny verifier (layer 5 is global).
+const NATIVE: usize = 24;
+
+fn verifier() -> Gemma3Model {
+    Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(NATIVE), 11), &Device::flex())
+        .unwrap()
+}
+
+fn drafter(v: &Gemma3Model, block: usize) -> DFlashDrafter {
+    let c = drafter_config(&v.config, 2, block);
+    DFlashDrafter::from_checkpoint(random_drafter(&c, 5), v).unwrap()
+}
+
+/// A random f_θ for the tiny pair, as a restorer.
+fn f_theta(v: &Gemma3Model, d: &DFlashDrafter) -> FThetaRestorer {
+    let c = &v.config;
+    let cfg = f_theta_config(
+        d.num_layers(),
+        d.context_width() / d.num_layers(),
+        FThetaInputs::Own,
+        16,
+        c.num_hidden_layers,
+        c.num_key_value_heads * c.head_dim,
+    );
+    let f = FTheta::from_checkpoint(&random_f_theta(&cfg, 3), v.device()).unwrap();
+    FThetaRestorer::new(&f, d.num_layers(), d.context_width()).unwrap()
+}
+
+fn prompt(i: usize, len: usize) -> Vec<u32> {
+    (0..len)
+        .map(|j| ((j * 13 + i * 29 + 5) % 97) as u32)
+        .collect()
+}
+
+fn cfg(max_tokens: usize) -> GenerationConfig {
+    GenerationConfig {
+        max_tokens,
+        sampling: Sampling::Greedy,
+        stop_tokens: vec![],
+        prefill_chunk: 16,
+        loop_guard: None,
+    }
+}
+
+fn policy(mode: KvMode, sink: usize, window: usize) -> KvPolicy {
+    KvPolicy { mode, sink, window }
+}
+
+fn setup<'m>(p: KvPolicy, d: &'m DFlashDrafter, r: &'m dyn Restorer) -> KvSetup<'m> {
+    KvSetup::new(p).drafter(d).restorer(r)
+}
+
+fn plain(v: &Gemma3Model, s: KvSetup<'_>, p: &[u32], n: usize) -> Generation {
+    generate(
+        &mut Session::with_kv(v, s).unwrap(),
+        p,
+        &cfg(n),
+        &mut |_| {},
+    )
+    .unwrap()
+}
+
+fn spec(
+    v: &Gemma3Model,
+    s: KvSetup<'_>,
+    prop: &mut dyn Proposer,
+    p: &[u32],
+    n: usize,
+    block: usize,
+) -> Generation {
+    let mut ver = Verifier::new(v, s, block).unwrap();
+    speculative_generate(
+        &mut ver,
+        prop,
+        p,
+        &cfg(n),
+        SpecConfig { block_size: block },
+        &mut |_| {},
+    )
+    .unwrap()
+}
+
+/// Logits of the prompt's last position and of every step feeding `tokens`.
+fn trace(v: &Gemma3Model, s: KvSetup<'_>, p: &[u32], tokens: &[u32]) -> Vec<Vec<f32>> {
+    let mut session = Session::with_kv(v, s).unwrap();
+    let mut out = vec![session.prefill(p, 16).unwrap()];
+    for &t in tokens {
+        out.push(session.step(t).unwrap());
+    }
+    out
+}
+
+fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    a.iter()
+        .zip(b)
+        .flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| (p - q).abs()))
+        .fold(0.0, f32::max)
+}
+
+/// The verifier's own raw K/V of every position of `seq`, per layer.
+fn oracle(v: &Gemma3Model, seq: &[u32]) -> OracleRestorer {
+    let mut req = ForwardRequest::new(seq, 0, Logits::None);
+    req.capture_attention = true;
+    let mut caches = kakeya_runtime::KvCache::for_specs(&v.cache_specs(), 0);
+    let out = v.forward(&req, &mut caches).unwrap();
+    OracleRestorer {
+        layers: out
+            .attention
+            .into_iter()
+            .map(|c| (c.k_raw, c.v_raw))
+            .collect(),
+    }
+}
+
+#[test]
+fn a_window_covering_the_context_equals_full() {
+    let v = verifier();
+    let d = drafter(&v, 4);
+    let r = f_theta(&v, &d);
+    let p = prompt(1, 45);
+    let full = plain(&v, KvSetup::full(0), &p, 40);
+    let reference = trace(&v, KvSetup::full(0), &p, &full.tokens);
+    for mode in KvMode::ALL.into_iter().filter(|m| m.windowed()) {
+        let s = setup(policy(mode, 4, 200), &d, &r);
+        let got = plain(&v, s, &p, 40);
+        assert_eq!(got.tokens, full.tokens, "{mode}: tokens");
+        let diff = max_diff(&trace(&v, s, &p, &full.tokens), &reference);
+        assert!(diff <= 1e-5, "{mode}: max |Δlogit| {diff} > 1e-5");
+    }
+}
+
+#[test]
+fn restored_with_an_oracle_restorer_equals_full() {
+    let v = verifier();
+    for (i, len) in [(0, 37), (1, 60)] {
+        let p = prompt(i, len);
+        let full = plain(&v, KvSetup::full(0), &p, 40);
+        let mut seq = p.clone();
+        seq.extend(&full.tokens);
+        let o = oracle(&v, &seq);
+        let reference = trace(&v, KvSetup::full(0), &p, &full.tokens);
+        for (sink, window) in [(2, 4), (0, 1), (4, 9)] {
+            let s = KvSetup::new(policy(KvMode::Restored, sink, window)).restorer(&o);
+            let got = plain(&v, s, &p, 40);
+            assert_eq!(got.tokens, full.tokens, "sink {sink}, window {window}");
+            let diff = max_diff(&trace(&v, s, &p, &full.tokens), &reference);
+            assert!(
+                diff <= 1e-5,
+                "sink {sink}, window {window}: max |Δlogit| {diff}"
+            );
+        }
+        // The same machinery with the tier dropped differs: the test can tell.
+        let dropped = trace(
+            &v,
+            KvSetup::new(policy(KvMode::SinkWindow, 2, 4)),
+            &p,
+            &full.tokens,
+        );
+        assert!(max_diff(&dropped, &reference) > 1e-2);
+    }
+}
+
+#[test]
+fn every_mode_decodes_speculatively_as_it_does_plainly() {
+    let v = verifier();
+    for block in [4, 8, 16] {
+        let d = drafter(&v, block);
+        let r = f_theta(&v, &d);
+        for mode in KvMode::ALL {
+            let s = setup(policy(mode, 2, 16), &d, &r);
+            for i in 0..2 {
+                // 30–45 prompt tokens + 40 generated: the 16-position windows wrap many times,
+                // and mid-block.
+                let p = prompt(i, 30 + 15 * i);
+                let want = plain(&v, s, &p, 40);
+                let got = spec(&v, s, &mut DFlashProposer::new(&d), &p, 40, block);
+                assert_eq!(got.tokens, want.tokens, "{mode}, block {block}, prompt {i}");
+                assert_eq!(got.stats.kv_mode, Some(mode));
+                if block == 4 && i == 0 {
+                    // The evicted tiers are in play: every mode but `full` computes other logits.
+                    let full = plain(&v, KvSetup::full(0), &p, 40);
+                    let diff = max_diff(
+                        &trace(&v, s, &p, &full.tokens),
+                        &trace(&v, KvSetup::full(0), &p, &full.tokens),
+                    );
+                    assert_eq!(diff > 0.0, mode != KvMode::Full, "{mode}: |Δlogit| {diff}");
+                }
+            }
+        }
+    }
+}
+
+/// Replays a known continuation with each draft corrupted with probability `noise`.
+struct Noisy {
+    replay: ReplayProposer,
+    noise: u64,
+    rng: u64,
+}
+
+impl Proposer for Noisy {
+    fn propose(
+        &mut self,
+        last: u32,
+        pos: usize,
+        n: usize,
+        store: Option<&mut CompactStore>,
+    ) -> Result<Vec<u32>> {
+        let mut out = self.replay.propose(last, pos, n, store)?;
+        for t in &mut out {
+            self.rng ^= self.rng << 13;
+            self.rng ^= self.rng >> 7;
+            self.rng ^= self.rng << 17;
+            if self.rng % 100 < self.noise {
+                *t = (*t + 1) % 97;
+            }
+        }
+        Ok(out)
+    }
+}
+
+#[test]
+fn rollback_under_random_accept_counts_never_needs_a_demoted_position() {
+    let v = verifier();
+    let d = drafter(&v, 16);
+    let r = f_theta(&v, &d);
+    let mut seed = 1u64;
+    for mode in KvMode::ALL.into_iter().filter(|m| *m != KvMode::Full) {
+        for (block, window) in [(4, 4), (8, 9), (16, 16)] {
+            seed += 1;
+            let s = setup(policy(mode, 2, window), &d, &r);
+            let p = prompt(seed as usize, 31);
+            let want = plain(&v, s, &p, 60);
+            let mut prop = Noisy {
+                replay: ReplayProposer::new(&p, &want.tokens),
+                noise: 25,
+                rng: seed * 7919,
+            };
+            let got = spec(&v, s, &mut prop, &p, 60, block);
+            let st = got.spec.unwrap();
+            assert!(
+                st.accepted > 0 && st.accepted < st.drafted,
+                "{mode}: accept counts vary ({} of {})",
+                st.accepted,
+                st.drafted
+            );
+            assert_eq!(
+                got.tokens, want.tokens,
+                "{mode}, block {block}, window {window}"
+            );
+        }
+    }
+}
+
+#[test]
+fn rolling_back_past_the_slack_is_refused_not_wrong() {
+    let v = verifier();
+    for mode in [KvMode::SinkWindow, KvMode::Quant4, KvMode::Quant8All] {
+        let p = prompt(3, 40);
+        let setup = KvSetup {
+            slack: 1,
+            ..KvSetup::new(policy(mode, 2, 8))
+        };
+        let mut s = Session::with_kv(&v, setup).unwrap();
+        s.prefill(&p, 16).unwrap();
+        for t in [5, 6, 7] {
+            s.step(t).unwrap();
+        }
+        // Rolling back the last forward is exact; going further than the window's slack is not
+        // possible for windowed modes and must be refused.
+        s.truncate(42).unwrap();
+        let r = s.truncate(20);
+        if mode.windowed() {
+            let e = r.unwrap_err().to_string();
+            assert!(e.contains("roll back"), "{mode}: {e}");
+        } else {
+            r.unwrap();
+        }
+    }
+}
+
+#[test]
+fn bytes_are_measured_and_bounded_modes_hold_less() {
+    let v = verifier();
+    let d = drafter(&v, 4);
+    let r = f_theta(&v, &d);
+    let p = prompt(2, 150);
+    let full = plain(&v, KvSetup::full(0), &p, 20).stats.kv;
+    assert_eq!(full.total, full.exact, "full holds only exact K/V");
+    // Full f32 holds at least the 16-bit reference twice over (capacity may add more).
+    assert!(full.exact >= 2 * full.full_f16);
+    for mode in KvMode::ALL.into_iter().filter(|m| *m != KvMode::Full) {
+        let kv = plain(&v, setup(policy(mode, 4, 16), &d, &r), &p, 20)
+            .stats
+            .kv;
+        assert_eq!(
+            kv.total,
+            kv.exact + kv.quantised + kv.store + kv.transient_peak,
+            "{mode}: parts add up"
+        );
+        assert_eq!(kv.full_f16, full.full_f16, "{mode}: same reference");
+        assert!(kv.store > 0, "{mode}: the drafter's store is counted");
+        match mode {
+            KvMode::Quant8All | KvMode::Quant4All => assert_eq!(kv.exact, 0, "{mode}"),
+            _ => assert!(
+                kv.exact > 0 && kv.exact < full.exact,
+                "{mode}: exact {}",
+                kv.exact
+            ),
+        }
+        let quantises = matches!(
+            mode,
+            KvMode::Quant8 | KvMode::Quant4 | KvMode::Quant8All | KvMode::Quant4All
+        );
+        assert_eq!(kv.quantised > 0, quantises, "{mode}: quantised tier");
+        assert!(
+            kv.transient_peak > 0 || mode == KvMode::SinkWindow || mode == KvMode::ExactGlobal,
+            "{mode}"
+        );
+    }
+    // 4-bit holds less than 8-bit; a quantised store less than an f32 one.
+    let q = |m| plain(&v, setup(policy(m, 4, 16), &d, &r), &p, 20).stats.kv;
+    assert!(q(KvMode::Quant4All).quantised < q(KvMode::Quant8All).quantised);
+    assert!(q(KvMode::RestoredQ4).store < q(KvMode::RestoredQ8).store);
+    assert!(q(KvMode::RestoredQ8).store < q(KvMode::Restored).store);
+}
+
+#[test]
+fn bad_settings_are_refused() {
+    let v = verifier();
+    let d = drafter(&v, 8);
+    let err = |s: KvSetup<'_>, block: usize| Verifier::new(&v, s, block).unwrap_err().to_string();
+    let e = err(KvSetup::new(policy(KvMode::SinkWindow, 4, 4)), 8);
+    assert!(
+        e.contains("block size 8 is larger than the exact window of 4"),
+        "{e}"
+    );
+    let e = err(KvSetup::new(policy(KvMode::Quant4, 500, 64)), 1);
+    assert!(e.contains("larger than the model's context"), "{e}");
+    let e = err(KvSetup::new(policy(KvMode::SinkWindow, 4, 0)), 1);
+    assert!(e.contains("at least 1 position"), "{e}");
+    let e = err(KvSetup::new(policy(KvMode::Restored, 4, 16)), 1);
+    assert!(e.contains("needs an f_θ"), "{e}");
+    let r = f_theta(&v, &d);
+    let e = err(
+        KvSetup::new(policy(KvMode::RestoredQ4, 4, 16)).restorer(&r),
+        1,
+    );
+    assert!(e.contains("needs the drafter"), "{e}");
+    assert!(
+        "quant3"
+            .parse::<KvMode>()
+            .unwrap_err()
+            .to_string()
+            .contains("quant4-all")
+    );
+}

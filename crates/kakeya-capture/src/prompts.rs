@@ -112,22 +112,73 @@ pub fn needle(source: usize, k: usize, seed: u64, lines: [usize; 2]) -> Prompt {
     let n = lines[0] + (next() % (lines[1] - lines[0] + 1) as u64) as usize;
     let code = format!("{:06}", next() % 1_000_000);
     let depth = (next() % (n as u64 + 1)) as usize;
+    let needle = format!("The secret code is {code}.");
+    let text = haystack(&mut next, n, &[(depth, needle)])
+        + "Question: what is the secret code?\nAnswer: The secret code is";
+    Prompt {
+        source,
+        item: k,
+        text,
+        answer: Some(code),
+    }
+}
+
+/// `n` filler lines drawn from `next`, with `inserts` (line index, text) placed before the
+/// filler line of that index (`n` = after the last), each line ending in a newline.
+fn haystack(next: &mut dyn FnMut() -> u64, n: usize, inserts: &[(usize, String)]) -> String {
     let mut text = String::new();
     for i in 0..=n {
-        if i == depth {
-            text.push_str(&format!("The secret code is {code}.\n"));
+        for (_, t) in inserts.iter().filter(|(at, _)| *at == i) {
+            text.push_str(t);
+            text.push('\n');
         }
         if i < n {
             text.push_str(FILLER[(next() % FILLER.len() as u64) as usize]);
             text.push('\n');
         }
     }
-    text.push_str("Question: what is the secret code?\nAnswer: The secret code is");
+    text
+}
+
+/// Names of the keys of [`keyed_needle`].
+const KEYS: [&str; 16] = [
+    "alpha", "bravo", "cobalt", "delta", "ember", "falcon", "garnet", "harbor", "indigo",
+    "juniper", "kestrel", "lantern", "meadow", "nickel", "orchid", "pepper",
+];
+
+/// A needle with distractors: `n` filler lines; the needle "The secret code for `key` is
+/// NNNNNN." at `depth` (a fraction of the haystack, 0 = first line, 1 = last); `distractors`
+/// other keys with their own codes at random depths; the question asks for `key`'s code.
+/// Deterministic in (`seed`, `item`).
+pub fn keyed_needle(seed: u64, item: u64, n: usize, depth: f64, distractors: usize) -> Prompt {
+    let mut state = mix(seed ^ mix(item.wrapping_add(0x6e65_6564)));
+    let mut next = || {
+        state = mix(state);
+        state
+    };
+    let mut keys: Vec<&str> = KEYS.to_vec();
+    for i in (1..keys.len()).rev() {
+        keys.swap(i, (next() % (i as u64 + 1)) as usize);
+    }
+    let code = |next: &mut dyn FnMut() -> u64| format!("{:06}", next() % 1_000_000);
+    let answer = code(&mut next);
+    let at = ((depth.clamp(0.0, 1.0) * n as f64).round() as usize).min(n);
+    let mut inserts = vec![(at, format!("The secret code for {} is {answer}.", keys[0]))];
+    for key in keys.iter().skip(1).take(distractors.min(KEYS.len() - 1)) {
+        let c = code(&mut next);
+        let d = (next() % (n as u64 + 1)) as usize;
+        inserts.push((d, format!("The secret code for {key} is {c}.")));
+    }
+    let text = haystack(&mut next, n, &inserts)
+        + &format!(
+            "Question: what is the secret code for {}?\nAnswer: The secret code for {} is",
+            keys[0], keys[0]
+        );
     Prompt {
-        source,
-        item: k,
+        source: 0,
+        item: item as usize,
         text,
-        answer: Some(code),
+        answer: Some(answer),
     }
 }
 
@@ -204,5 +255,51 @@ mod tests {
                 "{body}: {err}"
             );
         }
+    }
+
+    #[test]
+    fn needles_hold_their_answer_where_asked() {
+        let p = needle(0, 3, 2, [20, 80]);
+        let code = p.answer.clone().unwrap();
+        assert_eq!(
+            p.text
+                .matches(&format!("The secret code is {code}."))
+                .count(),
+            1
+        );
+        assert_eq!(p, needle(0, 3, 2, [20, 80]), "deterministic");
+        for (depth, want_line) in [(0.0, 0), (0.5, 20), (1.0, 40)] {
+            let k = keyed_needle(7, 1, 40, depth, 3);
+            let code = k.answer.clone().unwrap();
+            let lines: Vec<&str> = k.text.lines().collect();
+            // 40 filler lines + the needle + 3 distractors + the question's two lines.
+            assert_eq!(lines.len(), 40 + 4 + 2);
+            let key = lines.last().unwrap().split(' ').nth(5).unwrap();
+            let needle_at = lines
+                .iter()
+                .position(|l| *l == format!("The secret code for {key} is {code}."))
+                .unwrap();
+            let before = lines[..needle_at]
+                .iter()
+                .filter(|l| !l.starts_with("The secret code for"))
+                .count();
+            assert_eq!(before, want_line, "depth {depth}");
+            let others = lines
+                .iter()
+                .filter(|l| l.starts_with("The secret code for"))
+                .count();
+            assert_eq!(others, 4, "the needle and 3 distractors");
+            assert!(
+                !lines[..lines.len() - 2]
+                    .iter()
+                    .any(|l| l.contains(&format!("for {key} is"))
+                        && !l.ends_with(&format!("{code}."))),
+                "distractors use other keys"
+            );
+        }
+        assert_ne!(
+            keyed_needle(7, 1, 40, 0.5, 3),
+            keyed_needle(7, 2, 40, 0.5, 3)
+        );
     }
 }

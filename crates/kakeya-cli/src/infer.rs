@@ -58,9 +58,10 @@ pub struct InferArgs {
     /// A DFlash drafter folder (z-lab format): decode speculatively (greedy, lossless).
     /// Without it, the default model uses the trained drafter in `checkpoints/` when present
     /// (greedy, non-interactive runs).
-    #[arg(long, conflicts_with = "no_drafter")]
+    #[arg(long)]
     pub drafter: Option<PathBuf>,
-    /// Decode autoregressively even when a default drafter exists.
+    /// Decode autoregressively even when a drafter is given or the default one exists (the
+    /// restored KV modes still fill their compact store with it).
     #[arg(long)]
     pub no_drafter: bool,
     /// Tokens per speculative block (default: the drafter's `block_size`).

@@ -50,17 +50,22 @@ impl KvArgs {
 
     /// The f_θ folder a restored mode uses: `--f-theta`, or the default model's.
     pub fn f_theta_dir(&self, default_pair: bool) -> Result<PathBuf> {
-        if let Some(d) = &self.f_theta {
-            return Ok(d.clone());
-        }
-        let d = PathBuf::from(DEFAULT_F_THETA);
-        if default_pair && d.is_dir() {
-            return Ok(d);
-        }
-        bail!(
-            "the restored KV modes need an f_θ: pass --f-theta DIR (one trained for this model and drafter by `kakeya train f-theta`)"
-        )
+        f_theta_dir(self.f_theta.as_ref(), default_pair)
     }
+}
+
+/// `explicit`, or the default model's f_θ when the run uses the default model and drafter.
+pub fn f_theta_dir(explicit: Option<&PathBuf>, default_pair: bool) -> Result<PathBuf> {
+    if let Some(d) = explicit {
+        return Ok(d.clone());
+    }
+    let d = PathBuf::from(DEFAULT_F_THETA);
+    if default_pair && d.is_dir() {
+        return Ok(d);
+    }
+    bail!(
+        "the restored KV modes need an f_θ: pass --f-theta DIR (one trained for this model and drafter by `kakeya train f-theta`)"
+    )
 }
 
 /// Loads an exported f_θ for the pair (`model_path`, `drafter_dir`), refusing one trained for

@@ -9,6 +9,8 @@ mod bench_spec;
 mod capture;
 mod common;
 mod convert;
+mod eval;
+mod eval_report;
 mod infer;
 mod kv;
 mod train;
@@ -37,6 +39,8 @@ enum Command {
     Convert(convert::ConvertArgs),
     /// Train a model component (the DFlash drafter, f_θ).
     Train(train::TrainArgs),
+    /// Evaluate the KV modes (needle-in-a-haystack recall against the full cache).
+    Eval(eval::EvalArgs),
 }
 
 fn main() -> ExitCode {
@@ -54,6 +58,9 @@ fn main() -> ExitCode {
         Command::Convert(a) => convert::run(a),
         Command::Capture(a) => capture::run(a),
         Command::Train(a) => train::run(a),
+        Command::Eval(a) => match a.what {
+            eval::EvalWhat::Niah(n) => eval::run(n),
+        },
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

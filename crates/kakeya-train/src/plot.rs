@@ -1,5 +1,7 @@
-//! `curves.png`: training loss per step (left) and a held-out metric per evaluation (right:
-//! the drafter's simulated acceptance length, f_θ's attention-output error), drawn with a small built-in bitmap font so that no font file is needed.
+//! PNG charts drawn with a small built-in bitmap font (no font file needed): `curves.png` —
+//! training loss per step (left) and a held-out metric per evaluation (right: the drafter's
+//! simulated acceptance length, f_θ's attention-output error) — and [`chart`], several labelled
+//! series in one panel (e.g. recall against KV bytes per mode).
 
 use crate::train::{EvalRecord, StepRecord};
 
@@ -33,12 +35,14 @@ fn glyph(c: char) -> [u8; 5] {
         'G' => [7, 4, 5, 5, 7],
         'H' => [5, 5, 7, 5, 5],
         'I' => [7, 2, 2, 2, 7],
+        'J' => [1, 1, 1, 5, 7],
         'K' => [5, 5, 6, 5, 5],
         'L' => [4, 4, 4, 4, 7],
         'M' => [5, 7, 7, 5, 5],
         'N' => [6, 5, 5, 5, 5],
         'O' => [7, 5, 5, 5, 7],
         'P' => [7, 5, 7, 4, 4],
+        'Q' => [7, 5, 5, 7, 1],
         'R' => [7, 5, 6, 5, 5],
         'S' => [7, 4, 7, 1, 7],
         'T' => [7, 2, 2, 2, 2],
@@ -48,6 +52,11 @@ fn glyph(c: char) -> [u8; 5] {
         'X' => [5, 5, 2, 5, 5],
         'Y' => [5, 5, 2, 2, 2],
         '/' => [1, 1, 2, 4, 4],
+        'Z' => [7, 1, 2, 4, 7],
+        '(' => [1, 2, 2, 2, 1],
+        ')' => [4, 2, 2, 2, 4],
+        ',' => [0, 0, 0, 2, 4],
+        ':' => [0, 2, 0, 2, 0],
         _ => [7, 7, 7, 7, 7],
     }
 }
@@ -81,6 +90,10 @@ impl Canvas {
     }
 
     fn text(&mut self, x: usize, y: usize, s: &str, scale: usize) {
+        self.text_rgb(x, y, s, scale, [0, 0, 0]);
+    }
+
+    fn text_rgb(&mut self, x: usize, y: usize, s: &str, scale: usize, rgb: [u8; 3]) {
         for (i, c) in s.chars().enumerate() {
             let g = glyph(c.to_ascii_uppercase());
             for (r, bits) in g.iter().enumerate() {
@@ -91,7 +104,7 @@ impl Canvas {
                                 self.dot(
                                     (x + (i * 4 + col) * scale + dx) as i64,
                                     (y + r * scale + dy) as i64,
-                                    [0, 0, 0],
+                                    rgb,
                                 );
                             }
                         }
@@ -103,7 +116,30 @@ impl Canvas {
 
     /// One panel: axes, min/max labels, the series.
     fn panel(&mut self, x0: usize, title: &str, pts: &[(f64, f64)], rgb: [u8; 3]) {
-        let (left, right) = (x0 + MARGIN, x0 + PANEL_W - 16);
+        self.panel_series(
+            (x0, PANEL_W),
+            title,
+            "STEP",
+            &[Series {
+                label: String::new(),
+                rgb,
+                points: pts.to_vec(),
+            }],
+            None,
+        );
+    }
+
+    /// A panel `x0..x0 + width` with several series (labelled in a legend when named), axis
+    /// ranges from the data or `y_range`.
+    fn panel_series(
+        &mut self,
+        (x0, width): (usize, usize),
+        title: &str,
+        x_label: &str,
+        series: &[Series],
+        y_range: Option<(f64, f64)>,
+    ) {
+        let (left, right) = (x0 + MARGIN, x0 + width - 16);
         let (top, bottom) = (28, H - MARGIN);
         self.text(left, 8, title, 2);
         let black = [0, 0, 0];
@@ -117,16 +153,20 @@ impl Canvas {
             (right as f64, bottom as f64),
             black,
         );
+        let pts: Vec<(f64, f64)> = series.iter().flat_map(|s| s.points.clone()).collect();
         if pts.is_empty() {
             return;
         }
         let (mut xmin, mut xmax) = (f64::MAX, f64::MIN);
         let (mut ymin, mut ymax) = (f64::MAX, f64::MIN);
-        for &(x, y) in pts {
+        for &(x, y) in &pts {
             xmin = xmin.min(x);
             xmax = xmax.max(x);
             ymin = ymin.min(y);
             ymax = ymax.max(y);
+        }
+        if let Some((lo, hi)) = y_range {
+            (ymin, ymax) = (lo, hi);
         }
         if xmax <= xmin {
             xmax = xmin + 1.0;
@@ -136,20 +176,73 @@ impl Canvas {
         }
         let sx = |x: f64| left as f64 + (x - xmin) / (xmax - xmin) * (right - left) as f64;
         let sy = |y: f64| bottom as f64 - (y - ymin) / (ymax - ymin) * (bottom - top) as f64;
-        for w in pts.windows(2) {
-            self.line((sx(w[0].0), sy(w[0].1)), (sx(w[1].0), sy(w[1].1)), rgb);
-        }
-        if pts.len() == 1 {
-            let (x, y) = (sx(pts[0].0), sy(pts[0].1));
-            self.line((x - 2.0, y), (x + 2.0, y), rgb);
+        for (i, s) in series.iter().enumerate() {
+            for w in s.points.windows(2) {
+                self.line((sx(w[0].0), sy(w[0].1)), (sx(w[1].0), sy(w[1].1)), s.rgb);
+            }
+            for &(x, y) in &s.points {
+                let (x, y) = (sx(x), sy(y));
+                self.line((x - 2.0, y - 2.0), (x + 2.0, y - 2.0), s.rgb);
+                self.line((x - 2.0, y + 1.0), (x + 2.0, y + 1.0), s.rgb);
+            }
+            if !s.label.is_empty() {
+                self.text_rgb(right - 150, top + 4 + i * 12, &s.label, 2, s.rgb);
+            }
         }
         self.text(x0 + 2, top, &format!("{ymax:.2}"), 1);
         self.text(x0 + 2, bottom - 5, &format!("{ymin:.2}"), 1);
-        self.text(left, bottom + 6, &format!("{xmin:.0}"), 1);
-        let xl = format!("{xmax:.0}");
+        let num = |x: f64| {
+            if x.fract() == 0.0 {
+                format!("{x:.0}")
+            } else {
+                format!("{x:.2}")
+            }
+        };
+        self.text(left, bottom + 6, &num(xmin), 1);
+        let xl = num(xmax);
         self.text(right - xl.len() * 4, bottom + 6, &xl, 1);
-        self.text((left + right) / 2 - 8, bottom + 18, "STEP", 1);
+        self.text(
+            (left + right) / 2 - x_label.len() * 2,
+            bottom + 18,
+            x_label,
+            1,
+        );
     }
+
+    fn png(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        {
+            let mut enc = png::Encoder::new(&mut out, W as u32, H as u32);
+            enc.set_color(png::ColorType::Rgb);
+            enc.set_depth(png::BitDepth::Eight);
+            let mut w = enc.write_header().expect("png header to memory");
+            w.write_image_data(&self.px).expect("png data to memory");
+        }
+        out
+    }
+}
+
+/// One labelled line of a [`chart`].
+#[derive(Debug, Clone)]
+pub struct Series {
+    /// Legend text (empty: none).
+    pub label: String,
+    /// Colour.
+    pub rgb: [u8; 3],
+    /// Points, drawn joined in order.
+    pub points: Vec<(f64, f64)>,
+}
+
+/// A PNG of one panel holding every series, `y_range` fixed when given.
+pub fn chart(
+    title: &str,
+    x_label: &str,
+    series: &[Series],
+    y_range: Option<(f64, f64)>,
+) -> Vec<u8> {
+    let mut c = Canvas::new();
+    c.panel_series((0, W), title, x_label, series, y_range);
+    c.png()
 }
 
 /// The training loss per step, smoothed over a window of 1/50 of the steps.
@@ -170,15 +263,7 @@ pub fn two_panels(left: (&str, &[(f64, f64)]), right: (&str, &[(f64, f64)])) -> 
     let mut c = Canvas::new();
     c.panel(0, left.0, left.1, [200, 40, 40]);
     c.panel(PANEL_W, right.0, right.1, [30, 90, 200]);
-    let mut out = Vec::new();
-    {
-        let mut enc = png::Encoder::new(&mut out, W as u32, H as u32);
-        enc.set_color(png::ColorType::Rgb);
-        enc.set_depth(png::BitDepth::Eight);
-        let mut w = enc.write_header().expect("png header to memory");
-        w.write_image_data(&c.px).expect("png data to memory");
-    }
-    out
+    c.png()
 }
 
 /// A PNG of the drafter's loss and held-out acceptance curves.

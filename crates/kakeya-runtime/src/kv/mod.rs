@@ -11,7 +11,7 @@ pub mod tiered;
 
 use burn::tensor::Tensor;
 use kakeya_models::{CacheSpec, KvLayers, KvSegment, LayerCache, ModelError};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 pub use native::{FullCache, HeldKv, KvCache, RingCache};
 pub use policy::{Evicted, KvMode, KvPolicy, LayerPlan};
@@ -61,7 +61,7 @@ impl LayerKv {
 }
 
 /// Bytes one sequence's KV state holds, measured from its buffers.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct KvBytes {
     /// Exact K/V of every layer: native caches, sinks and windows.
     pub exact: usize,

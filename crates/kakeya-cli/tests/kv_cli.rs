@@ -1,0 +1,355 @@
+//! The KV modes through the binary on a tiny random model: `infer --kv-mode` stats, policy
+//! files, f_θ loading (refusing another pair), speculative == plain in a restored mode, and
+//! `eval niah`: the report, resume == uninterrupted, refused resumes and bad input.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::{fails, run_ok, tiny_model_dir};
+use kakeya_capture::job::sha256_path;
+use kakeya_models::testing::{
+    Scratch, drafter_config, f_theta_config, random_drafter, random_f_theta, tiny_config,
+};
+use kakeya_weights::ftheta::FThetaInputs;
+
+fn json(stdout: &str) -> serde_json::Value {
+    serde_json::from_str(stdout).unwrap()
+}
+
+/// A prompt of `n` words of the tiny tokenizer.
+fn words(n: usize, salt: usize) -> String {
+    (0..n)
+        .map(|i| format!("w{}", 4 + (i * 7 + salt * 13) % 93))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// The tiny model, a drafter for it, and an f_θ made for exactly that pair.
+fn pair(s: &Scratch) -> (PathBuf, PathBuf, PathBuf) {
+    let m = tiny_model_dir(&s.0, "model", 32, 3);
+    let c = tiny_config(32);
+    let d = s.0.join("drafter");
+    let dc = drafter_config(&c, 2, 4);
+    random_drafter(&dc, 4).write_dir(&d).unwrap();
+    let f = s.0.join("f-theta");
+    let mut fc = f_theta_config(
+        2,
+        dc.num_key_value_heads * dc.head_dim,
+        FThetaInputs::Own,
+        16,
+        c.num_hidden_layers,
+        c.num_key_value_heads * c.head_dim,
+    );
+    fc.verifier.sha256 = sha256_path(&m).unwrap();
+    fc.drafter.sha256 = sha256_path(&d).unwrap();
+    random_f_theta(&fc, 5).write_dir(&f).unwrap();
+    (m, d, f)
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[test]
+fn infer_reports_the_mode_and_its_bytes() {
+    let sc = Scratch::new("kv-cli-infer");
+    let (m, d, f) = pair(&sc);
+    let prompt = words(60, 1);
+    let base = [
+        "infer",
+        "--model",
+        s(&m),
+        "--prompt",
+        &prompt,
+        "--max-tokens",
+        "20",
+        "--json",
+    ];
+    let full = json(&run_ok(&base));
+    let mut seen = Vec::new();
+    for mode in [
+        "sink-window",
+        "quant4",
+        "quant8-all",
+        "restored",
+        "restored-q4",
+    ] {
+        let mut args = base.to_vec();
+        args.extend([
+            "--kv-mode",
+            mode,
+            "--kv-sink",
+            "2",
+            "--kv-window",
+            "4",
+            "--drafter",
+            s(&d),
+            "--f-theta",
+            s(&f),
+            "--block-size",
+            "4",
+            "--compare-ar",
+        ]);
+        let v = json(&run_ok(&args));
+        let st = &v["stats"];
+        assert_eq!(st["kv_mode"], mode);
+        assert_eq!(st["identical_to_ar"], true, "{mode}: speculative == plain");
+        let kv = &st["kv"];
+        let part = |k: &str| kv[k].as_u64().unwrap();
+        assert_eq!(
+            part("total"),
+            part("exact") + part("quantised") + part("store") + part("transient_peak"),
+            "{mode}"
+        );
+        assert_eq!(st["kv_bytes"], kv["total"]);
+        assert!(st["weights_bytes"]["drafter"].as_u64().unwrap() > 0);
+        assert_eq!(
+            st["weights_bytes"]["f_theta"].is_u64(),
+            mode.starts_with("restored"),
+            "{mode}"
+        );
+        seen.push(v["tokens"].clone());
+    }
+    // The bounded modes do change the output of this 80-position sequence (window 8).
+    assert!(seen.iter().any(|t| *t != full["tokens"]));
+
+    // A policy file gives the same run as the flags.
+    let pol = sc.0.join("policy.toml");
+    std::fs::write(&pol, "mode = \"quant4\"\nsink = 2\nwindow = 4\n").unwrap();
+    let mut args = base.to_vec();
+    args.extend(["--kv-policy", s(&pol)]);
+    let by_file = json(&run_ok(&args));
+    assert_eq!(by_file["tokens"], seen[1]);
+    assert_eq!(by_file["stats"]["kv_policy"]["window"], 4);
+}
+
+#[test]
+fn bad_kv_settings_fail_cleanly() {
+    let sc = Scratch::new("kv-cli-bad");
+    let (m, d, f) = pair(&sc);
+    let prompt = words(10, 2);
+    let run = |extra: &[&str]| {
+        let mut a = vec![
+            "infer",
+            "--model",
+            s(&m),
+            "--prompt",
+            &prompt,
+            "--max-tokens",
+            "4",
+        ];
+        a.extend(extra);
+        fails(&a)
+    };
+    let e = run(&["--kv-mode", "quant3"]);
+    assert!(e.contains("unknown KV mode \"quant3\""), "{e}");
+    let pol = sc.0.join("bad.toml");
+    std::fs::write(&pol, "mode = \"quant4\"\nwindows = 8\n").unwrap();
+    let e = run(&["--kv-policy", s(&pol)]);
+    assert!(e.contains("bad.toml") && e.contains("windows"), "{e}");
+    let e = run(&["--kv-mode", "sink-window", "--kv-window", "600"]);
+    assert!(e.contains("larger than the model's context"), "{e}");
+    let e = run(&[
+        "--kv-mode",
+        "sink-window",
+        "--kv-window",
+        "4",
+        "--drafter",
+        s(&d),
+        "--block-size",
+        "8",
+    ]);
+    assert!(
+        e.contains("block size 8 is larger than the exact window of 4"),
+        "{e}"
+    );
+    let e = run(&["--kv-mode", "restored", "--drafter", s(&d)]);
+    assert!(e.contains("need an f_θ"), "{e}");
+    // An f_θ made for another verifier.
+    let other = tiny_model_dir(&sc.0, "other", 8, 99);
+    let e = fails(&[
+        "infer",
+        "--model",
+        s(&other),
+        "--prompt",
+        &prompt,
+        "--kv-mode",
+        "restored",
+        "--drafter",
+        s(&d),
+        "--f-theta",
+        s(&f),
+        "--no-drafter",
+    ]);
+    assert!(e.contains("trained for the verifier"), "{e}");
+    // The f_θ folder broken.
+    std::fs::write(f.join("f_theta.safetensors"), b"nonsense").unwrap();
+    let e = run(&[
+        "--kv-mode",
+        "restored",
+        "--drafter",
+        s(&d),
+        "--f-theta",
+        s(&f),
+    ]);
+    assert!(e.contains("f_theta.safetensors"), "{e}");
+}
+
+fn prompts_file(dir: &Path) -> PathBuf {
+    let p = dir.join("prompts.jsonl");
+    let lines: Vec<String> = (0..5)
+        .map(|i| {
+            let text = words(30 + 10 * i, i);
+            // The "answer" is a word the model may or may not say: recall is what it is.
+            let answer = format!("w{}", 4 + i * 11);
+            serde_json::json!({"id": format!("p{i}"), "text": text, "answer": answer}).to_string()
+        })
+        .collect();
+    std::fs::write(&p, lines.join("\n")).unwrap();
+    p
+}
+
+#[test]
+fn eval_niah_reports_resumes_and_refuses_other_settings() {
+    let sc = Scratch::new("kv-cli-eval");
+    let (m, d, f) = pair(&sc);
+    let prompts = prompts_file(&sc.0);
+    let out = sc.0.join("eval");
+    let args = |out: &Path| -> Vec<String> {
+        [
+            "eval",
+            "niah",
+            "--model",
+            s(&m),
+            "--drafter",
+            s(&d),
+            "--f-theta",
+            s(&f),
+            "--prompts",
+            s(&prompts),
+            "--modes",
+            "sink-window,quant4,restored",
+            "--kv-sink",
+            "2",
+            "--kv-window",
+            "8",
+            "--max-tokens",
+            "6",
+            "--lengths",
+            "40,80",
+            "--json",
+            "--out",
+            s(out),
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let a = args(&out);
+    let a: Vec<&str> = a.iter().map(String::as_str).collect();
+    let rep = json(&run_ok(&a));
+    assert_eq!(rep["schema_version"], 1);
+    assert_eq!(rep["full_cache_dtype"], "f32");
+    let modes: Vec<&str> = rep["modes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["mode"].as_str().unwrap())
+        .collect();
+    assert_eq!(modes, ["full", "sink-window", "quant4", "restored"]);
+    let items = rep["items"].as_array().unwrap();
+    assert_eq!(items.len(), 5 * 4);
+    for it in items {
+        let output = it["output"].as_str().unwrap();
+        let answer = it["answer"].as_str().unwrap();
+        assert_eq!(it["correct"], output.contains(answer));
+        assert!(it["kv_bytes"].as_u64().unwrap() > 0);
+        if it["mode"] == "full" {
+            assert!(it["first_divergence_from_full"].is_null());
+        }
+    }
+    let full = &rep["modes"][0];
+    assert_eq!(full["delta_points"], 0.0);
+    assert_eq!(full["identical_to_full"], 5);
+    let buckets: Vec<u64> = full["by_length"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["length"].as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        buckets,
+        [40, 80],
+        "prompts of 31..71 tokens (<bos> included)"
+    );
+    assert!(out.join("recall.png").is_file());
+
+    // Kill after 7 results (the 8th line torn), resume: the same results as uninterrupted.
+    let lines = std::fs::read_to_string(out.join("items.jsonl")).unwrap();
+    let all: Vec<&str> = lines.lines().collect();
+    let torn = format!("{}\n{}", all[..7].join("\n"), &all[7][..all[7].len() / 2]);
+    let out2 = sc.0.join("eval2");
+    std::fs::create_dir_all(&out2).unwrap();
+    std::fs::copy(out.join("settings.json"), out2.join("settings.json")).unwrap();
+    std::fs::write(out2.join("items.jsonl"), torn).unwrap();
+    let mut b = args(&out2);
+    b.push("--resume".into());
+    let b: Vec<&str> = b.iter().map(String::as_str).collect();
+    let resumed = json(&run_ok(&b));
+    let key = |v: &serde_json::Value| -> Vec<(String, String, bool, String)> {
+        v["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| {
+                (
+                    i["id"].as_str().unwrap().into(),
+                    i["mode"].as_str().unwrap().into(),
+                    i["correct"].as_bool().unwrap(),
+                    i["tokens"].to_string(),
+                )
+            })
+            .collect()
+    };
+    assert_eq!(key(&resumed), key(&rep));
+
+    // Other settings are refused on resume; an existing run is not overwritten.
+    let mut c = args(&out);
+    c.extend(["--resume".into()]);
+    let i = c.iter().position(|x| x == "8").unwrap();
+    c[i] = "16".into();
+    let c: Vec<&str> = c.iter().map(String::as_str).collect();
+    let e = fails(&c);
+    assert!(e.contains("other settings"), "{e}");
+    let e = fails(&a);
+    assert!(e.contains("--resume"), "{e}");
+    // Bad prompts files.
+    let bad = sc.0.join("bad.jsonl");
+    std::fs::write(&bad, "{\"id\": \"x\", \"text\": \"w5\"}\n").unwrap();
+    let e = fails(&[
+        "eval",
+        "niah",
+        "--model",
+        s(&m),
+        "--prompts",
+        s(&bad),
+        "--modes",
+        "quant4",
+        "--out",
+        s(&sc.0.join("eval3")),
+    ]);
+    assert!(e.contains("bad.jsonl:1") && e.contains("answer"), "{e}");
+    let e = fails(&[
+        "eval",
+        "niah",
+        "--model",
+        s(&m),
+        "--prompts",
+        s(&prompts),
+        "--modes",
+        "quant5",
+        "--out",
+        s(&sc.0.join("eval4")),
+    ]);
+    assert!(e.contains("unknown KV mode"), "{e}");
+}

@@ -10,6 +10,7 @@ use kakeya_runtime::sampler::argmax;
 use serde::Serialize;
 
 use crate::common::ModelArgs;
+use crate::kv::{KvArgs, KvRun};
 
 /// Arguments of `kakeya bench`.
 #[derive(Args, Debug)]
@@ -45,6 +46,11 @@ pub struct BenchArgs {
     /// Prompts for the speculative comparison, JSON lines `{"text": ...}` (default: 20 built-in).
     #[arg(long)]
     pub prompts: Option<std::path::PathBuf>,
+    /// Tokens in the context before the decode test (llama-bench's `-d`): tg runs at this depth.
+    #[arg(long, default_value_t = 0)]
+    pub depth: usize,
+    #[command(flatten)]
+    pub kv: KvArgs,
 }
 
 #[derive(Debug, Serialize)]
@@ -55,8 +61,11 @@ struct Figure {
     median_tok_s: f64,
 }
 
-/// Median of the runs (mean of the middle two for an even count).
+/// Median of the runs (mean of the middle two for an even count; 0 for none).
 pub(crate) fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
     v.sort_by(f64::total_cmp);
     let n = v.len();
     if n % 2 == 1 {
@@ -89,7 +98,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if a.drafter.is_some() || a.replay_drafts {
         return run_spec(&a, &model, &tok);
     }
+    let kv = KvRun::prepare(&a.kv, &a.model, &model, None, None)?;
     let prompt = synthetic_prompt(a.prompt_tokens, model.config.vocab_size, tok.bos);
+    let context = synthetic_prompt(a.depth.max(1), model.config.vocab_size, tok.bos);
     let mut pp = Vec::new();
     let mut tg = Vec::new();
     let bar = indicatif::ProgressBar::new((a.warmup + a.runs) as u64);
@@ -101,14 +112,18 @@ pub fn run(a: BenchArgs) -> Result<()> {
     bar.set_prefix("bench");
     for i in 0..a.warmup + a.runs {
         // Prefill: the whole prompt into empty caches.
-        let mut s = Session::new(&model, 0);
+        let mut s = Session::with_kv(&model, kv.setup())?;
         let t = Instant::now();
         s.prefill(&prompt, a.prompt_tokens)?;
         let pp_rate = a.prompt_tokens as f64 / t.elapsed().as_secs_f64();
-        // Decode: gen_tokens single-token steps from <bos>, greedy.
-        let mut s = Session::new(&model, 0);
-        let t = Instant::now();
+        // Decode: gen_tokens single-token steps after `depth` context tokens, greedy.
+        let mut s = Session::with_kv(&model, kv.setup())?;
         let mut next = tok.bos;
+        if a.depth > 0 {
+            let logits = s.prefill(&context, 512)?;
+            next = argmax(&logits).unwrap_or(0) as u32;
+        }
+        let t = Instant::now();
         for _ in 0..a.gen_tokens {
             let logits = s.step(next)?;
             next = argmax(&logits).unwrap_or(0) as u32;
@@ -134,7 +149,11 @@ pub fn run(a: BenchArgs) -> Result<()> {
             runs_tok_s: pp,
         },
         Figure {
-            test: format!("tg{}", a.gen_tokens),
+            test: if a.depth > 0 {
+                format!("tg{} @ d{}", a.gen_tokens, a.depth)
+            } else {
+                format!("tg{}", a.gen_tokens)
+            },
             tokens: a.gen_tokens,
             median_tok_s: median(tg.clone()),
             runs_tok_s: tg,
@@ -143,9 +162,11 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if a.json {
         println!(
             "{}",
-            serde_json::to_string_pretty(
-                &serde_json::json!({"device": format!("{:?}", a.model.device), "results": figures})
-            )?
+            serde_json::to_string_pretty(&serde_json::json!({
+                "device": format!("{:?}", a.model.device),
+                "kv_policy": kv.policy,
+                "results": figures
+            }))?
         );
     } else {
         println!("| test | tok/s (median of {}) | runs |", a.runs);
@@ -173,6 +194,13 @@ fn run_spec(
         Some(dir) => Some(crate::common::load_drafter(dir, model)?),
         None => None,
     };
+    let kv = KvRun::prepare(
+        &a.kv,
+        &a.model,
+        model,
+        a.drafter.as_deref(),
+        drafter.as_ref(),
+    )?;
     let block = a
         .block_size
         .unwrap_or(drafter.as_ref().map_or(8, |d| d.block_size()));
@@ -193,7 +221,7 @@ fn run_spec(
         tok,
         drafts,
         &prompts,
-        block,
+        (block, kv.setup()),
         a.gen_tokens,
         a.runs,
         a.warmup,

@@ -105,17 +105,11 @@ fn run_spec(
     ids: &[u32],
     reference: &[u32],
     cfg: &GenerationConfig,
-    block: usize,
+    (block, base): (usize, KvSetup<'_>),
 ) -> Result<Generation> {
     let (mut proposer, setup): (Box<dyn Proposer + '_>, _) = match drafts {
-        Drafts::Drafter(d) => (
-            Box::new(DFlashProposer::new(d)),
-            KvSetup::full(0).drafter(d),
-        ),
-        Drafts::Replay => (
-            Box::new(ReplayProposer::new(ids, reference)),
-            KvSetup::full(0),
-        ),
+        Drafts::Drafter(d) => (Box::new(DFlashProposer::new(d)), base.drafter(d)),
+        Drafts::Replay => (Box::new(ReplayProposer::new(ids, reference)), base),
     };
     let mut verifier = Verifier::new(model, setup, block)?;
     Ok(speculative_generate(
@@ -136,11 +130,18 @@ pub fn run(
     tok: &Tokenizer,
     drafts: Drafts<'_>,
     prompts: &[String],
-    block: usize,
+    (block, base): (usize, KvSetup<'_>),
     gen_tokens: usize,
     runs: usize,
     warmup: usize,
 ) -> Result<SpecBench> {
+    // Plain decoding in a restored mode still fills the drafter's store.
+    let ar_setup = match &drafts {
+        Drafts::Drafter(d) if base.policy.mode.restores() && base.drafter.is_none() => {
+            base.drafter(d)
+        }
+        _ => base,
+    };
     let cfg = GenerationConfig {
         max_tokens: gen_tokens,
         sampling: Sampling::Greedy,
@@ -168,9 +169,14 @@ pub fn run(
         let mut last = None;
         for r in 0..rounds {
             let t = Instant::now();
-            let ar = generate(&mut Session::new(model, 0), &ids, &cfg, &mut |_| {})?;
+            let ar = generate(
+                &mut Session::with_kv(model, ar_setup)?,
+                &ids,
+                &cfg,
+                &mut |_| {},
+            )?;
             let ar_wall = t.elapsed().as_secs_f64();
-            let sp = run_spec(model, &drafts, &ids, &ar.tokens, &cfg, block)?;
+            let sp = run_spec(model, &drafts, &ids, &ar.tokens, &cfg, (block, base))?;
             tracing::debug!(prompt = pi, run = r, ar_wall, "bench round");
             let measured = pi > 0 || r >= warmup;
             if measured {

@@ -8,6 +8,7 @@ use kakeya_runtime::{KvBytes, KvMode};
 use kakeya_train::plot::{Series, chart};
 use serde::{Deserialize, Serialize};
 
+use crate::bench::median;
 use crate::eval::Settings;
 
 /// Version of the report layout.
@@ -105,19 +106,6 @@ pub struct Report {
     pub modes: Vec<ModeSummary>,
     /// Per item and mode.
     pub items: Vec<ItemResult>,
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
 }
 
 fn recall(rs: &[&ItemResult]) -> f64 {

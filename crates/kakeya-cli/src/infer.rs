@@ -14,7 +14,7 @@ use kakeya_runtime::{
 use kakeya_weights::Tokenizer;
 
 use crate::common::{DEFAULT_DRAFTER, ModelArgs, check_block_size, load_drafter};
-use crate::kv::{KvArgs, load_f_theta};
+use crate::kv::{KvArgs, KvRun};
 
 /// Arguments of `kakeya infer`.
 #[derive(Args, Debug)]
@@ -210,44 +210,20 @@ pub fn run(a: InferArgs) -> Result<()> {
         }
         _ => None,
     };
-    let policy = a.kv.policy()?;
+    let kv = KvRun::prepare(
+        &a.kv,
+        &a.model,
+        &model,
+        a.drafter.as_deref(),
+        drafter.as_ref(),
+    )?;
+    let policy = kv.policy;
     if a.chat && policy.mode != KvMode::Full {
         bail!(
             "--chat keeps the full cache for now; --kv-mode works with --prompt, --prompt-file and --chat-file"
         );
     }
-    // The restored modes rebuild evicted K/V from the drafter's compact store: they need the
-    // drafter's weights (to fill the store) and an f_θ for the pair, with or without speculation.
-    let store_drafter_dir = a.drafter.clone().unwrap_or_else(|| default_drafter.clone());
-    let store_drafter = if policy.mode.restores() && drafter.is_none() {
-        Some(load_drafter(&store_drafter_dir, &model)?)
-    } else {
-        None
-    };
-    let restorer = if policy.mode.restores() {
-        let d = drafter
-            .as_ref()
-            .or(store_drafter.as_ref())
-            .expect("loaded above");
-        let dir =
-            a.kv.f_theta_dir(a.model.model.is_none() && a.drafter.is_none())?;
-        Some(load_f_theta(
-            &dir,
-            &a.model.model_path()?,
-            &store_drafter_dir,
-            &model,
-            d,
-        )?)
-    } else {
-        None
-    };
-    let mut setup = KvSetup::new(policy);
-    if let Some(d) = &store_drafter {
-        setup = setup.drafter(d);
-    }
-    if let Some(r) = &restorer {
-        setup = setup.restorer(r);
-    }
+    let setup = kv.setup();
     let block = match &drafter {
         Some(d) => {
             let b = a.block_size.unwrap_or(d.block_size());
@@ -304,7 +280,7 @@ pub fn run(a: InferArgs) -> Result<()> {
         g
     };
     let ar = if a.compare_ar {
-        let ar_setup = match (&store_drafter, &drafter) {
+        let ar_setup = match (&kv.store_drafter, &drafter) {
             (None, Some(d)) if policy.mode.restores() => setup.drafter(d),
             _ => setup,
         };
@@ -316,8 +292,8 @@ pub fn run(a: InferArgs) -> Result<()> {
         let mut stats = serde_json::to_value(&g.stats)?;
         stats["kv_policy"] = serde_json::to_value(policy)?;
         stats["weights_bytes"] = serde_json::json!({
-            "drafter": drafter.as_ref().or(store_drafter.as_ref()).map(|d| d.nbytes()),
-            "f_theta": restorer.as_ref().map(kakeya_runtime::Restorer::nbytes),
+            "drafter": drafter.as_ref().or(kv.store_drafter.as_ref()).map(|d| d.nbytes()),
+            "f_theta": kv.restorer.as_ref().map(kakeya_runtime::Restorer::nbytes),
         });
         if let Some(sp) = &g.spec {
             stats["speculative"] = serde_json::to_value(sp)?;

@@ -99,3 +99,67 @@ pub fn load_f_theta(
     FThetaRestorer::new(&f, drafter.num_layers(), drafter.context_width())
         .with_context(|| format!("{}", dir.display()))
 }
+
+/// What a run under a KV policy holds besides the model: the drafter filling the compact store
+/// (when the mode restores and no speculative drafter does it) and the restorer.
+pub struct KvRun {
+    /// The policy.
+    pub policy: KvPolicy,
+    /// A drafter loaded only for the store.
+    pub store_drafter: Option<DFlashDrafter>,
+    /// f_θ, for the restored modes.
+    pub restorer: Option<FThetaRestorer>,
+}
+
+impl KvRun {
+    /// Resolves `kv` for `model` (from `model_args`): a restored mode loads the drafter of
+    /// `drafter_dir` (or the default one) unless `spec_drafter` is already loaded from there,
+    /// and the f_θ of the pair (refusing one made for another pair).
+    pub fn prepare(
+        kv: &KvArgs,
+        model_args: &crate::common::ModelArgs,
+        model: &Gemma3Model,
+        drafter_dir: Option<&Path>,
+        spec_drafter: Option<&DFlashDrafter>,
+    ) -> Result<Self> {
+        let policy = kv.policy()?;
+        let mut run = Self {
+            policy,
+            store_drafter: None,
+            restorer: None,
+        };
+        if !policy.mode.restores() {
+            return Ok(run);
+        }
+        let default_dir = PathBuf::from(crate::common::DEFAULT_DRAFTER);
+        let dir = drafter_dir.unwrap_or(&default_dir);
+        if spec_drafter.is_none() {
+            run.store_drafter = Some(crate::common::load_drafter(dir, model)?);
+        }
+        let d = spec_drafter
+            .or(run.store_drafter.as_ref())
+            .expect("loaded above");
+        let f_dir = kv.f_theta_dir(model_args.model.is_none() && drafter_dir.is_none())?;
+        run.restorer = Some(load_f_theta(
+            &f_dir,
+            &model_args.model_path()?,
+            dir,
+            model,
+            d,
+        )?);
+        Ok(run)
+    }
+
+    /// The session setup: the policy, the store drafter and the restorer (a speculative
+    /// drafter is added by the caller).
+    pub fn setup(&self) -> kakeya_runtime::KvSetup<'_> {
+        let mut s = kakeya_runtime::KvSetup::new(self.policy);
+        if let Some(d) = &self.store_drafter {
+            s = s.drafter(d);
+        }
+        if let Some(r) = &self.restorer {
+            s = s.restorer(r);
+        }
+        s
+    }
+}

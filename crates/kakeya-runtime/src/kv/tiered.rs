@@ -157,6 +157,17 @@ impl TieredCache {
         self.sinks.nbytes() + self.ring.nbytes()
     }
 
+    /// The quantised tier (inspection and tests): the position of its first row, K and V rows
+    /// (`kv_heads · head_dim` wide, keys after RoPE).
+    pub fn quantised(&self) -> Option<(usize, &Rows, &Rows)> {
+        self.quant.as_ref().map(|q| (q.first, &q.k, &q.v))
+    }
+
+    /// The exact recent window (inspection and tests).
+    pub fn window(&self) -> Option<super::native::HeldKv> {
+        self.ring.held()
+    }
+
     /// Bytes of quantised K/V.
     pub fn quantised_bytes(&self) -> usize {
         self.quant.as_ref().map_or(0, QuantTier::nbytes)

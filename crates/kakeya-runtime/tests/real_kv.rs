@@ -1,0 +1,150 @@
+//! The bounded KV modes on the real default model (fetched by `scripts/fetch_default_model.py`),
+//! with the committed drafter and the committed f_θ: speculative == plain greedy decoding in the
+//! `restored` and `quant4` modes on four prompts longer than 600 tokens, and the quantised
+//! modes' dequantised K/V within the format's bound (against the exact copies the same
+//! session still holds in its window). Marked #[ignore] (minutes on 2 cores); CI
+//! runs them with --include-ignored.
+
+mod common;
+
+use common::{load, root, trained_drafter};
+use kakeya_models::FTheta;
+use kakeya_runtime::kv::{FThetaRestorer, KvMode, KvPolicy, LayerKv, Rows};
+use kakeya_runtime::{
+    DFlashProposer, GenerationConfig, KvSetup, Sampling, Session, SpecConfig, Verifier, generate,
+    speculative_generate,
+};
+use kakeya_weights::FThetaCheckpoint;
+
+/// Four prompts of 600+ tokens: runs of the built-in corpus, each starting elsewhere.
+fn long_prompts(tok: &kakeya_weights::Tokenizer) -> Vec<Vec<u32>> {
+    let body = std::fs::read_to_string(root().join("data/corpus/general.jsonl")).unwrap();
+    let texts: Vec<String> = body
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter_map(|v| v["text"].as_str().map(String::from))
+        .collect();
+    (0..4)
+        .map(|p| {
+            let mut ids = vec![tok.bos];
+            let mut i = p * 17;
+            while ids.len() < 640 {
+                ids.extend(tok.encode(&texts[i % texts.len()]).unwrap());
+                ids.extend(tok.encode("\n\n").unwrap());
+                i += 1;
+            }
+            ids
+        })
+        .collect()
+}
+
+fn cfg(max_tokens: usize) -> GenerationConfig {
+    GenerationConfig {
+        max_tokens,
+        sampling: Sampling::Greedy,
+        stop_tokens: vec![],
+        prefill_chunk: 256,
+        loop_guard: None,
+    }
+}
+
+#[test]
+#[ignore = "real model: run with --include-ignored"]
+fn speculative_equals_plain_in_restored_and_quant4_on_long_prompts() {
+    let (v, tok) = load();
+    let d = trained_drafter(&v);
+    let dir = root().join("checkpoints/f-theta-gemma3-270m");
+    let ck = FThetaCheckpoint::read_dir(&dir).expect("committed f_θ");
+    let f = FTheta::from_checkpoint(&ck, v.device()).unwrap();
+    let r = FThetaRestorer::new(&f, d.num_layers(), d.context_width()).unwrap();
+    let prompts = long_prompts(&tok);
+    for mode in [KvMode::Restored, KvMode::Quant4] {
+        let setup = KvSetup::new(KvPolicy::new(mode)).drafter(&d).restorer(&r);
+        for (i, p) in prompts.iter().enumerate() {
+            assert!(p.len() > 600);
+            let plain = generate(
+                &mut Session::with_kv(&v, setup).unwrap(),
+                p,
+                &cfg(40),
+                &mut |_| {},
+            )
+            .unwrap();
+            let mut ver = Verifier::new(&v, setup, 8).unwrap();
+            let spec = speculative_generate(
+                &mut ver,
+                &mut DFlashProposer::new(&d),
+                p,
+                &cfg(40),
+                SpecConfig { block_size: 8 },
+                &mut |_| {},
+            )
+            .unwrap();
+            assert_eq!(
+                spec.tokens,
+                plain.tokens,
+                "{mode}, prompt {i} ({} tokens)",
+                p.len()
+            );
+            let st = spec.spec.unwrap();
+            eprintln!(
+                "{mode} prompt {i}: {} tokens, identical; acceptance {:.2}; KV {} bytes ({:.2}x less than full in 16-bit)",
+                p.len(),
+                st.mean_acceptance_length,
+                spec.stats.kv.total,
+                spec.stats.kv.ratio_to_full_f16
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "real model: run with --include-ignored"]
+fn quantised_kv_of_the_real_model_is_within_half_a_step() {
+    let (v, tok) = load();
+    let p = &long_prompts(&tok)[0];
+    let kvw = v.config.num_key_value_heads * v.config.head_dim;
+    for mode in [KvMode::Quant8, KvMode::Quant4] {
+        let mut s = Session::with_kv(&v, KvSetup::new(KvPolicy::new(mode))).unwrap();
+        s.prefill(p, 256).unwrap();
+        let mut worst = 0.0f32;
+        for l in 0..v.layers.len() {
+            let LayerKv::Tiered(t) = &s.kv().layers()[l] else {
+                panic!("{mode}: layer {l} is bounded")
+            };
+            let (first, qk, qv) = t.quantised().unwrap();
+            // The same session's exact copies: the positions still in its window.
+            let held = t.window().unwrap();
+            let rows = |x: burn::tensor::Tensor<3>| {
+                let [h, n, d] = x.dims();
+                x.swap_dims(0, 1)
+                    .reshape([n, h * d])
+                    .into_data()
+                    .try_into_vec::<f32>()
+                    .unwrap()
+            };
+            let (ek, ev) = (rows(held.k), rows(held.v));
+            for (exact, q) in [(&ek, qk), (&ev, qv)] {
+                let Rows::Quant(q) = q else {
+                    panic!("quantised rows")
+                };
+                let deq = q.dequantize(0, q.len());
+                for (r, pos) in (first..first + q.len()).enumerate() {
+                    let Some(e) = held.positions.iter().position(|&x| x == pos) else {
+                        continue;
+                    };
+                    for j in 0..kvw {
+                        let (x, y) = (exact[e * kvw + j], deq[r * kvw + j]);
+                        let step = q.scale(r, j / q.group());
+                        let err = (x - y).abs();
+                        assert!(
+                            err <= step / 2.0 * 1.001 + 1e-6,
+                            "{mode} layer {l} position {pos} value {j}: {x} came back {y} (step {step})"
+                        );
+                        worst = worst.max(err / step.max(1e-30));
+                    }
+                }
+            }
+        }
+        eprintln!("{mode}: every dequantised K/V value within {worst:.3} of a step (bound 0.5)");
+    }
+}

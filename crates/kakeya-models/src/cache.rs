@@ -171,17 +171,17 @@ impl<C: LayerCache> KvLayers for [C] {
 
 impl<C: LayerCache> KvLayers for Vec<C> {
     fn layer_count(&self) -> usize {
-        self.len()
+        self.as_slice().layer_count()
     }
 
     fn update(
         &mut self,
-        layer: usize,
+        l: usize,
         k: Tensor<3>,
         v: Tensor<3>,
-        start: usize,
+        at: usize,
     ) -> Result<Vec<KvSegment>> {
-        self[layer].update(k, v, start)
+        self.as_mut_slice().update(l, k, v, at)
     }
 }
 

@@ -4,7 +4,10 @@
 //! windows wrapping mid-block; rollback under random accept counts never needs a demoted
 //! position; the byte accounting adds up; bad settings are refused.
 
+mod common;
+
 use burn::tensor::Device;
+use common::{greedy_cfg, tiny_prompt};
 use kakeya_models::testing::{
     drafter_config, f_theta_config, random_checkpoint, random_drafter, random_f_theta, tiny_config,
 };
@@ -12,7 +15,7 @@ use kakeya_models::{DFlashDrafter, FTheta, ForwardRequest, Gemma3Model, Logits};
 use kakeya_runtime::kv::{FThetaRestorer, KvMode, KvPolicy, OracleRestorer, Restorer};
 use kakeya_runtime::{
     CompactStore, DFlashProposer, Generation, GenerationConfig, KvSetup, Proposer, ReplayProposer,
-    Result, Sampling, Session, SpecConfig, Verifier, generate, speculative_generate,
+    Result, Session, SpecConfig, Verifier, generate, speculative_generate,
 };
 use kakeya_weights::ftheta::FThetaInputs;
 
@@ -45,19 +48,11 @@ fn f_theta(v: &Gemma3Model, d: &DFlashDrafter) -> FThetaRestorer {
 }
 
 fn prompt(i: usize, len: usize) -> Vec<u32> {
-    (0..len)
-        .map(|j| ((j * 13 + i * 29 + 5) % 97) as u32)
-        .collect()
+    tiny_prompt(i, len)
 }
 
 fn cfg(max_tokens: usize) -> GenerationConfig {
-    GenerationConfig {
-        max_tokens,
-        sampling: Sampling::Greedy,
-        stop_tokens: vec![],
-        prefill_chunk: 16,
-        loop_guard: None,
-    }
+    greedy_cfg(max_tokens, 16)
 }
 
 fn policy(mode: KvMode, sink: usize, window: usize) -> KvPolicy {

@@ -7,11 +7,11 @@
 
 mod common;
 
-use common::{load, root, trained_drafter};
+use common::{greedy_cfg, load, root, trained_drafter};
 use kakeya_models::FTheta;
 use kakeya_runtime::kv::{FThetaRestorer, KvMode, KvPolicy, LayerKv, Rows};
 use kakeya_runtime::{
-    DFlashProposer, GenerationConfig, KvSetup, Sampling, Session, SpecConfig, Verifier, generate,
+    DFlashProposer, GenerationConfig, KvSetup, Session, SpecConfig, Verifier, generate,
     speculative_generate,
 };
 use kakeya_weights::FThetaCheckpoint;
@@ -39,13 +39,7 @@ fn long_prompts(tok: &kakeya_weights::Tokenizer) -> Vec<Vec<u32>> {
 }
 
 fn cfg(max_tokens: usize) -> GenerationConfig {
-    GenerationConfig {
-        max_tokens,
-        sampling: Sampling::Greedy,
-        stop_tokens: vec![],
-        prefill_chunk: 256,
-        loop_guard: None,
-    }
+    greedy_cfg(max_tokens, 256)
 }
 
 #[test]

@@ -3,13 +3,16 @@
 //! verifier's own choices, exact rollback of verifier and drafter caches under random accept
 //! counts, and bad settings refused.
 
+mod common;
+
 use burn::tensor::{Device, Tensor};
+use common::{greedy_cfg, tiny_prompt};
 use kakeya_models::testing::{drafter_config, random_checkpoint, random_drafter, tiny_config};
 use kakeya_models::{DFlashDrafter, DraftContext, Gemma3Model};
 use kakeya_runtime::kv::HeldKv;
 use kakeya_runtime::{
     CompactStore, DFlashProposer, GenerationConfig, KvCache, KvSetup, Proposer, ReplayProposer,
-    Result, Sampling, Session, SpecConfig, Verifier, generate, speculative_generate,
+    Result, Session, SpecConfig, Verifier, generate, speculative_generate,
 };
 
 /// Sliding window of the tiny verifier: short, so rings wrap many times per generation.
@@ -31,20 +34,11 @@ fn drafter(v: &Gemma3Model, layers: usize, block: usize, seed: u64) -> DFlashDra
 }
 
 fn prompt(i: usize) -> Vec<u32> {
-    let len = 2 + (i * 7) % 37;
-    (0..len)
-        .map(|j| ((j * 13 + i * 29 + 5) % 97) as u32)
-        .collect()
+    tiny_prompt(i, 2 + (i * 7) % 37)
 }
 
 fn cfg(max_tokens: usize) -> GenerationConfig {
-    GenerationConfig {
-        max_tokens,
-        sampling: Sampling::Greedy,
-        stop_tokens: vec![],
-        prefill_chunk: 16,
-        loop_guard: None,
-    }
+    greedy_cfg(max_tokens, 16)
 }
 
 /// Plain greedy decoding: the reference.

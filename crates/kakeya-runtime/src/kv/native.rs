@@ -34,6 +34,16 @@ pub struct HeldKv {
     pub positions: Vec<usize>,
 }
 
+/// Refuses a truncation to more positions than are held.
+pub(crate) fn check_truncate(len: usize, held: usize) -> kakeya_models::Result<()> {
+    if len > held {
+        return Err(ModelError::Cache(format!(
+            "cannot truncate to {len}: only {held} positions held"
+        )));
+    }
+    Ok(())
+}
+
 /// Allocated bytes of an optional K/V buffer pair (f32).
 fn pair_bytes(kv: &Option<(Tensor<3>, Tensor<3>)>) -> usize {
     kv.as_ref().map_or(0, |(k, v)| {
@@ -127,12 +137,7 @@ impl LayerCache for FullCache {
     }
 
     fn truncate(&mut self, len: usize) -> kakeya_models::Result<()> {
-        if len > self.len {
-            return Err(ModelError::Cache(format!(
-                "cannot truncate to {len}: only {} positions held",
-                self.len
-            )));
-        }
+        check_truncate(len, self.len)?;
         self.len = len;
         Ok(())
     }

@@ -12,7 +12,7 @@ use std::ops::Range;
 use burn::tensor::{Device, Tensor, TensorData};
 use kakeya_models::{CacheSpec, KvSegment, LayerCache, ModelError, Reach, SegmentKv};
 
-use super::native::{RingCache, seq_slice};
+use super::native::{RingCache, check_truncate, seq_slice};
 use super::policy::Evicted;
 use super::restore::Restorer;
 use super::rows::{Bits, Rows};
@@ -281,12 +281,7 @@ impl TieredCache {
 
     /// Forgets positions `>= len`, refusing when a position it needs exactly was demoted.
     pub fn truncate(&mut self, len: usize) -> kakeya_models::Result<()> {
-        if len > self.len {
-            return Err(ModelError::Cache(format!(
-                "cannot truncate to {len}: only {} positions held",
-                self.len
-            )));
-        }
+        check_truncate(len, self.len)?;
         self.ring
             .truncate(len.max(self.sink))
             .map_err(|e| ModelError::Cache(format!("layer {}: {e}", self.layer)))?;
@@ -385,12 +380,7 @@ impl LayerCache for QuantAllCache {
     }
 
     fn truncate(&mut self, len: usize) -> kakeya_models::Result<()> {
-        if len > self.len {
-            return Err(ModelError::Cache(format!(
-                "cannot truncate to {len}: only {} positions held",
-                self.len
-            )));
-        }
+        check_truncate(len, self.len)?;
         self.tier.truncate(len)?;
         self.len = len;
         Ok(())

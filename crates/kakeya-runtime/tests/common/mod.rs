@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use burn::tensor::Device;
 use kakeya_models::{DFlashDrafter, Gemma3Model};
 use kakeya_runtime::{
-    DFlashProposer, Generation, GenerationConfig, KvSetup, SpecConfig, Verifier,
+    DFlashProposer, Generation, GenerationConfig, KvSetup, Sampling, SpecConfig, Verifier,
     speculative_generate,
 };
 use kakeya_weights::{Checkpoint, DraftCheckpoint, Tokenizer};
@@ -63,4 +63,22 @@ pub fn speculative(
         &mut |_| {},
     )
     .unwrap()
+}
+
+/// Greedy decoding of `max_tokens` tokens: no stop tokens, no loop guard.
+pub fn greedy_cfg(max_tokens: usize, prefill_chunk: usize) -> GenerationConfig {
+    GenerationConfig {
+        max_tokens,
+        sampling: Sampling::Greedy,
+        stop_tokens: vec![],
+        prefill_chunk,
+        loop_guard: None,
+    }
+}
+
+/// Prompt `i` of the tiny models: `len` ids below 97.
+pub fn tiny_prompt(i: usize, len: usize) -> Vec<u32> {
+    (0..len)
+        .map(|j| ((j * 13 + i * 29 + 5) % 97) as u32)
+        .collect()
 }

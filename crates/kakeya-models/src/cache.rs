@@ -76,6 +76,28 @@ pub enum SegmentKv {
         /// Raw values.
         v: Tensor<2>,
     },
+    /// Produced on demand, a tile of positions and one of K or V at a time, by
+    /// [`KvLayers::deferred`] (dequantised or restored K/V): attention never holds more than one
+    /// tile of them.
+    Deferred,
+}
+
+/// Keys or values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvPart {
+    /// Keys.
+    K,
+    /// Values.
+    V,
+}
+
+/// One tile of a deferred segment.
+#[derive(Debug, Clone)]
+pub enum DeferredKv {
+    /// As attention uses it, `[kv_heads, n, head_dim]` (keys after k_norm and RoPE).
+    Ready(Tensor<3>),
+    /// Raw k_proj / v_proj rows, `[n, kv_heads · head_dim]`: the layer applies k_norm and RoPE.
+    Raw(Tensor<2>),
 }
 
 /// One tier of keys/values attention reads.
@@ -136,6 +158,15 @@ pub trait LayerCache {
 
     /// Bytes the cache holds (allocated buffers, every tier; not a formula of positions).
     fn nbytes(&self) -> usize;
+
+    /// A tile of the [`SegmentKv::Deferred`] segment the last [`LayerCache::update`] returned:
+    /// `part` of absolute `positions` (inside that segment).
+    fn deferred(&mut self, positions: Range<usize>, part: KvPart) -> Result<DeferredKv> {
+        let _ = part;
+        Err(crate::error::ModelError::Cache(format!(
+            "this cache has no deferred K/V (asked for positions {positions:?})"
+        )))
+    }
 }
 
 /// The caches of every layer of a model, as one forward sees them.
@@ -151,6 +182,14 @@ pub trait KvLayers {
         v: Tensor<3>,
         start: usize,
     ) -> Result<Vec<KvSegment>>;
+
+    /// [`LayerCache::deferred`] of layer `layer`.
+    fn deferred(
+        &mut self,
+        layer: usize,
+        positions: Range<usize>,
+        part: KvPart,
+    ) -> Result<DeferredKv>;
 }
 
 impl<C: LayerCache> KvLayers for [C] {
@@ -167,6 +206,10 @@ impl<C: LayerCache> KvLayers for [C] {
     ) -> Result<Vec<KvSegment>> {
         self[layer].update(k, v, start)
     }
+
+    fn deferred(&mut self, layer: usize, at: Range<usize>, part: KvPart) -> Result<DeferredKv> {
+        self[layer].deferred(at, part)
+    }
 }
 
 impl<C: LayerCache> KvLayers for Vec<C> {
@@ -182,6 +225,10 @@ impl<C: LayerCache> KvLayers for Vec<C> {
         at: usize,
     ) -> Result<Vec<KvSegment>> {
         self.as_mut_slice().update(l, k, v, at)
+    }
+
+    fn deferred(&mut self, layer: usize, at: Range<usize>, part: KvPart) -> Result<DeferredKv> {
+        self.as_mut_slice().deferred(layer, at, part)
     }
 }
 

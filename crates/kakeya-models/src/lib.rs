@@ -13,7 +13,9 @@ pub mod rope;
 pub mod sdpa;
 pub mod testing;
 
-pub use cache::{CacheSpec, DraftContext, KvLayers, KvSegment, LayerCache, Reach, SegmentKv};
+pub use cache::{
+    CacheSpec, DeferredKv, DraftContext, KvLayers, KvPart, KvSegment, LayerCache, Reach, SegmentKv,
+};
 pub use dflash::{DFlashDrafter, DraftOutput, DraftRequest};
 pub use error::{ModelError, Result};
 pub use ftheta::FTheta;

@@ -18,18 +18,41 @@ pub fn grouped_attention(
     scale: f64,
     mask: Option<Tensor<3>>,
 ) -> Tensor<2> {
-    let [heads, t, head_dim] = q.dims();
+    let heads = q.dims()[0];
     let kv_heads = k.dims()[0];
-    let groups = heads / kv_heads;
     // Heads sharing a KV head are stacked along the query axis: one batched matmul per KV head.
-    let q = q.reshape([kv_heads, groups * t, head_dim]);
-    let mut scores = q.matmul(k.swap_dims(1, 2)).mul_scalar(scale);
+    let mut s = scores(group_queries(q, kv_heads), k, scale);
     if let Some(mask) = mask {
-        scores = scores + mask;
+        s = s + mask;
     }
-    softmax(scores, 2)
-        .matmul(v)
-        .reshape([heads, t, head_dim])
+    merge_heads(softmax(s, 2).matmul(v), heads)
+}
+
+/// Queries of heads sharing a KV head stacked along the query axis.
+///
+/// # Shapes
+/// - `q`: `[heads, T, head_dim]` → `[kv_heads, G·T, head_dim]`
+pub fn group_queries(q: Tensor<3>, kv_heads: usize) -> Tensor<3> {
+    let [heads, t, head_dim] = q.dims();
+    q.reshape([kv_heads, heads / kv_heads * t, head_dim])
+}
+
+/// Scaled scores of grouped queries against keys.
+///
+/// # Shapes
+/// - `qg`: `[kv_heads, G·T, head_dim]`; `k`: `[kv_heads, S, head_dim]` → `[kv_heads, G·T, S]`
+pub fn scores(qg: Tensor<3>, k: Tensor<3>, scale: f64) -> Tensor<3> {
+    qg.matmul(k.swap_dims(1, 2)).mul_scalar(scale)
+}
+
+/// Back from grouped rows to one row per position.
+///
+/// # Shapes
+/// - `o`: `[kv_heads, G·T, head_dim]` → `[T, heads · head_dim]`
+pub fn merge_heads(o: Tensor<3>, heads: usize) -> Tensor<2> {
+    let [_, gt, head_dim] = o.dims();
+    let t = gt * o.dims()[0] / heads;
+    o.reshape([heads, t, head_dim])
         .swap_dims(0, 1)
         .reshape([t, heads * head_dim])
 }

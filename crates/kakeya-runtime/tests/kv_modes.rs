@@ -145,7 +145,8 @@ fn a_window_covering_the_context_equals_full() {
 #[test]
 fn restored_with_an_oracle_restorer_equals_full() {
     let v = verifier();
-    for (i, len) in [(0, 37), (1, 60)] {
+    // 420 + 40 positions: the global layer reads its evicted tier in two tiles of 256.
+    for (i, len) in [(0, 37), (1, 60), (2, 420)] {
         let p = prompt(i, len);
         let full = plain(&v, KvSetup::full(0), &p, 40);
         let mut seq = p.clone();
@@ -181,10 +182,10 @@ fn every_mode_decodes_speculatively_as_it_does_plainly() {
         let r = f_theta(&v, &d);
         for mode in KvMode::ALL {
             let s = setup(policy(mode, 2, 16), &d, &r);
-            for i in 0..2 {
+            for i in 0..2 + usize::from(block == 8) {
                 // 30–45 prompt tokens + 40 generated: the 16-position windows wrap many times,
-                // and mid-block.
-                let p = prompt(i, 30 + 15 * i);
+                // and mid-block; with block 8 also 300 (the evicted tier read in two tiles).
+                let p = prompt(i, [30, 45, 300][i]);
                 let want = plain(&v, s, &p, 40);
                 let got = spec(&v, s, &mut DFlashProposer::new(&d), &p, 40, block);
                 assert_eq!(got.tokens, want.tokens, "{mode}, block {block}, prompt {i}");

@@ -4,12 +4,16 @@
 use burn::tensor::{Device, Tensor, TensorData};
 use kakeya_weights::AttentionKind;
 
-use crate::cache::{KvLayers, KvSegment, Reach, SegmentKv};
+use crate::cache::{DeferredKv, KvLayers, KvPart, KvSegment, Reach, SegmentKv};
 use crate::error::{ModelError, Result};
 use crate::linear::Linear;
 use crate::norm::RmsNorm;
 use crate::rope::Rope;
-use crate::sdpa::grouped_attention;
+use crate::sdpa::{group_queries, grouped_attention, merge_heads, scores};
+
+/// Positions per tile of a deferred segment: the most dequantised or restored K (or V) of one
+/// layer held at once.
+pub const DEFERRED_TILE: usize = 256;
 
 /// What one layer's attention produced, for capture.
 #[derive(Debug, Clone)]
@@ -120,7 +124,98 @@ impl Attention {
                 self.keys_from_raw(k.clone(), &seg.positions, device),
                 self.heads_first(v.clone(), self.kv_heads),
             ),
+            SegmentKv::Deferred => unreachable!("deferred segments are read tile by tile"),
         }
+    }
+
+    /// A deferred tile in attention form, `[kv_heads, n, head_dim]`.
+    fn ready_tile(
+        &self,
+        tile: DeferredKv,
+        positions: &[usize],
+        part: KvPart,
+        device: &Device,
+    ) -> Tensor<3> {
+        match (tile, part) {
+            (DeferredKv::Ready(x), _) => x,
+            (DeferredKv::Raw(k), KvPart::K) => self.keys_from_raw(k, positions, device),
+            (DeferredKv::Raw(v), KvPart::V) => self.heads_first(v, self.kv_heads),
+        }
+    }
+
+    /// Attention over ready segments and deferred ones read tile by tile: the scores of every
+    /// key (one softmax over the whole row, as [`grouped_attention`]), then the values of each
+    /// tile. Only one tile of deferred K or V is held at a time.
+    ///
+    /// # Shapes
+    /// - `q`: `[heads, T, head_dim]` → `[T, heads · head_dim]`
+    #[allow(clippy::too_many_arguments)]
+    fn tiled_attention(
+        &self,
+        q: Tensor<3>,
+        start: usize,
+        ready: &[KvSegment],
+        deferred: &[KvSegment],
+        kv: (&mut dyn KvLayers, usize),
+        device: &Device,
+    ) -> Result<Tensor<2>> {
+        let (caches, layer) = kv;
+        let t = q.dims()[1];
+        let groups = self.heads / self.kv_heads;
+        let order: Vec<KvSegment> = ready.iter().chain(deferred).cloned().collect();
+        let mask = self.mask(start, t, &order, groups, device);
+        let qg = group_queries(q, self.kv_heads);
+        let mut parts = Vec::new();
+        let mut v_ready = None;
+        if !ready.is_empty() {
+            let (ks, vs): (Vec<_>, Vec<_>) = ready.iter().map(|s| self.ready(s, device)).unzip();
+            parts.push(scores(qg.clone(), Tensor::cat(ks, 1), self.scale));
+            v_ready = Some(Tensor::cat(vs, 1));
+        }
+        let tiles: Vec<(usize, usize, &KvSegment)> = deferred
+            .iter()
+            .flat_map(|s| {
+                (0..s.len())
+                    .step_by(DEFERRED_TILE)
+                    .map(move |a| (a, (a + DEFERRED_TILE).min(s.len()), s))
+            })
+            .collect();
+        let range =
+            |(a, b, s): (usize, usize, &KvSegment)| s.positions[a]..s.positions[a] + (b - a);
+        for &tile in &tiles {
+            let (a, b, s) = tile;
+            let k = caches.deferred(layer, range(tile), KvPart::K)?;
+            let k = self.ready_tile(k, &s.positions[a..b], KvPart::K, device);
+            parts.push(scores(qg.clone(), k, self.scale));
+        }
+        let mut sc = Tensor::cat(parts, 2);
+        if let Some(m) = mask {
+            sc = sc + m;
+        }
+        let p = burn::tensor::activation::softmax(sc, 2);
+        let [kvh, gt, total] = p.dims();
+        let mut col = 0;
+        let mut out = None;
+        let mut add = |w: Tensor<3>, v: Tensor<3>, col: &mut usize| {
+            let n = v.dims()[1];
+            let o = w.slice([0..kvh, 0..gt, *col..*col + n]).matmul(v);
+            *col += n;
+            out = Some(match out.take() {
+                Some(acc) => acc + o,
+                None => o,
+            });
+        };
+        if let Some(v) = v_ready {
+            add(p.clone(), v, &mut col);
+        }
+        for &tile in &tiles {
+            let (a, b, s) = tile;
+            let v = caches.deferred(layer, range(tile), KvPart::V)?;
+            let v = self.ready_tile(v, &s.positions[a..b], KvPart::V, device);
+            add(p.clone(), v, &mut col);
+        }
+        debug_assert_eq!(col, total);
+        Ok(merge_heads(out.expect("at least one key"), self.heads))
     }
 
     /// Attends a chunk of `T` positions `start..start+T`; `rope` holds this layer kind's
@@ -159,6 +254,23 @@ impl Attention {
         let v = self.heads_first(v_raw.clone(), self.kv_heads);
         let (caches, layer) = kv;
         let segments = caches.update(layer, k, v, start)?;
+        let (deferred, ready): (Vec<KvSegment>, Vec<KvSegment>) = segments
+            .into_iter()
+            .filter(|s| !s.is_empty())
+            .partition(|s| matches!(s.kv, SegmentKv::Deferred));
+        if !deferred.is_empty() {
+            let attn =
+                self.tiled_attention(q, start, &ready, &deferred, (caches, layer), &device)?;
+            let out = self.o_proj.forward(attn);
+            let cap = capture.then(|| AttentionCapture {
+                q_raw,
+                k_raw,
+                v_raw,
+                out: out.clone(),
+            });
+            return Ok((out, cap));
+        }
+        let segments = ready;
         let (ks, vs): (Vec<_>, Vec<_>) = segments
             .iter()
             .filter(|s| !s.is_empty())

@@ -9,8 +9,10 @@ pub mod rows;
 pub mod store;
 pub mod tiered;
 
-use burn::tensor::Tensor;
-use kakeya_models::{CacheSpec, KvLayers, KvSegment, LayerCache, ModelError};
+use std::ops::Range;
+
+use burn::tensor::{Device, Tensor};
+use kakeya_models::{CacheSpec, DeferredKv, KvLayers, KvPart, KvSegment, LayerCache, ModelError};
 use serde::{Deserialize, Serialize};
 
 pub use native::{FullCache, HeldKv, KvCache, RingCache};
@@ -69,8 +71,9 @@ pub struct KvBytes {
     pub quantised: usize,
     /// The compact store (the drafter's per-position context K/V).
     pub store: usize,
-    /// The most bytes of evicted K/V materialised for one layer's attention at once
-    /// (dequantised or restored, K and V, f32), or of store rows read at once by the drafter.
+    /// The most bytes of evicted K/V materialised at once: one tile (up to 256 positions) of a
+    /// layer's dequantised K or V, or of its restored K or V with its attention form (f32); or
+    /// the most store rows read at once (restoration reads a tile; the drafter reads them all).
     pub transient_peak: usize,
     /// `exact + quantised + store + transient_peak`.
     pub total: usize,
@@ -90,6 +93,7 @@ pub struct SequenceKv<'r> {
     store: Option<CompactStore>,
     restorer: Option<&'r dyn Restorer>,
     transient_peak: usize,
+    device: Option<Device>,
 }
 
 impl<'r> SequenceKv<'r> {
@@ -131,7 +135,14 @@ impl<'r> SequenceKv<'r> {
             store,
             restorer,
             transient_peak: 0,
+            device: None,
         }
+    }
+
+    fn layer_mut(&mut self, layer: usize) -> kakeya_models::Result<&mut LayerKv> {
+        self.layers
+            .get_mut(layer)
+            .ok_or_else(|| ModelError::Cache(format!("no cache for layer {layer}")))
     }
 
     /// Positions held (the next position to write).
@@ -228,20 +239,35 @@ impl KvLayers for SequenceKv<'_> {
         v: Tensor<3>,
         start: usize,
     ) -> kakeya_models::Result<Vec<KvSegment>> {
+        self.device = Some(k.device());
+        match self.layer_mut(layer)? {
+            LayerKv::Native(c) => c.update(k, v, start),
+            LayerKv::Tiered(c) => c.update(k, v, start),
+            LayerKv::QuantAll(c) => c.update(k, v, start),
+        }
+    }
+
+    fn deferred(
+        &mut self,
+        layer: usize,
+        positions: Range<usize>,
+        part: KvPart,
+    ) -> kakeya_models::Result<DeferredKv> {
         let shared = Shared {
             store: self.store.as_ref(),
             restorer: self.restorer,
         };
-        let l = self
-            .layers
-            .get_mut(layer)
-            .ok_or_else(|| ModelError::Cache(format!("no cache for layer {layer}")))?;
-        let (segs, transient) = match l {
-            LayerKv::Native(c) => (c.update(k, v, start)?, 0),
-            LayerKv::Tiered(c) => c.update(k, v, start, shared)?,
-            LayerKv::QuantAll(c) => c.update_counted(k, v, start)?,
+        let device = self.device.clone().unwrap_or_else(Device::flex);
+        let (tile, bytes) = match self.layers.get(layer) {
+            Some(LayerKv::Tiered(c)) => c.deferred(positions, part, shared, &device)?,
+            Some(LayerKv::QuantAll(c)) => c.deferred_counted(positions, part, &device)?,
+            _ => {
+                return Err(ModelError::Cache(format!(
+                    "layer {layer} has no deferred K/V"
+                )));
+            }
         };
-        self.transient_peak = self.transient_peak.max(transient);
-        Ok(segs)
+        self.transient_peak = self.transient_peak.max(bytes);
+        Ok(tile)
     }
 }

@@ -6,7 +6,7 @@
 use std::ops::Range;
 
 use burn::tensor::Tensor;
-use kakeya_models::{DraftContext, FTheta, ModelError};
+use kakeya_models::{DraftContext, FTheta, KvPart, ModelError};
 use kakeya_weights::ftheta::FThetaInputs;
 
 use super::store::CompactStore;
@@ -14,17 +14,18 @@ use crate::error::{Result, RuntimeError};
 
 /// Rebuilds evicted K/V of a verifier layer.
 pub trait Restorer: std::fmt::Debug {
-    /// Raw K and V of verifier layer `layer` at `positions`, from the store's rows for those
-    /// positions when the restorer reads the store.
+    /// Raw K or V (`part`) of verifier layer `layer` at `positions`, from the store's rows for
+    /// those positions when the restorer reads the store.
     ///
     /// # Shapes
-    /// - returns `k`, `v`: `[positions.len, kv_heads · head_dim]`
+    /// - returns `[positions.len, kv_heads · head_dim]`
     fn restore(
         &self,
         layer: usize,
         positions: Range<usize>,
+        part: KvPart,
         store: Option<&CompactStore>,
-    ) -> kakeya_models::Result<(Tensor<2>, Tensor<2>)>;
+    ) -> kakeya_models::Result<Tensor<2>>;
 
     /// Whether [`Restorer::restore`] reads the compact store.
     fn reads_store(&self) -> bool;
@@ -130,8 +131,9 @@ impl Restorer for FThetaRestorer {
         &self,
         layer: usize,
         positions: Range<usize>,
+        part: KvPart,
         store: Option<&CompactStore>,
-    ) -> kakeya_models::Result<(Tensor<2>, Tensor<2>)> {
+    ) -> kakeya_models::Result<Tensor<2>> {
         let store = store.ok_or_else(|| {
             ModelError::Input("f_θ restoration needs the compact store (a drafter)".into())
         })?;
@@ -141,16 +143,18 @@ impl Restorer for FThetaRestorer {
                 self.k.len()
             )));
         }
-        let (dk, dv) = store.read(positions)?;
-        let (dk, dv) = (self.select(dk), self.select(dv));
-        let (xk, xv) = match self.inputs {
-            FThetaInputs::Own => (dk, dv),
-            FThetaInputs::Both => {
-                let x = Tensor::cat(vec![dk, dv], 1);
-                (x.clone(), x)
+        let x = match (self.inputs, part) {
+            (FThetaInputs::Own, KvPart::K) => self.select(store.read_part(positions, KvPart::K)?),
+            (FThetaInputs::Own, KvPart::V) => self.select(store.read_part(positions, KvPart::V)?),
+            (FThetaInputs::Both, _) => {
+                let (dk, dv) = store.read(positions)?;
+                Tensor::cat(vec![self.select(dk), self.select(dv)], 1)
             }
         };
-        Ok((self.k[layer].forward(xk), self.v[layer].forward(xv)))
+        Ok(match part {
+            KvPart::K => self.k[layer].forward(x),
+            KvPart::V => self.v[layer].forward(x),
+        })
     }
 
     fn reads_store(&self) -> bool {
@@ -175,8 +179,9 @@ impl Restorer for OracleRestorer {
         &self,
         layer: usize,
         positions: Range<usize>,
+        part: KvPart,
         _store: Option<&CompactStore>,
-    ) -> kakeya_models::Result<(Tensor<2>, Tensor<2>)> {
+    ) -> kakeya_models::Result<Tensor<2>> {
         let (k, v) = self
             .layers
             .get(layer)
@@ -187,10 +192,11 @@ impl Restorer for OracleRestorer {
                 "oracle holds {n} positions, asked for {positions:?}"
             )));
         }
-        Ok((
-            k.clone().slice([positions.clone(), 0..w]),
-            v.clone().slice([positions, 0..w]),
-        ))
+        let x = match part {
+            KvPart::K => k,
+            KvPart::V => v,
+        };
+        Ok(x.clone().slice([positions, 0..w]))
     }
 
     fn reads_store(&self) -> bool {

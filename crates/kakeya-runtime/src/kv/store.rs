@@ -6,7 +6,7 @@ use std::cell::Cell;
 use std::ops::Range;
 
 use burn::tensor::{Device, Tensor, TensorData};
-use kakeya_models::{DraftContext, ModelError};
+use kakeya_models::{DraftContext, KvPart, ModelError};
 
 use super::rows::{Bits, Rows};
 
@@ -52,6 +52,38 @@ impl CompactStore {
     pub fn read_peak(&self) -> usize {
         self.read_peak.get()
     }
+
+    /// The K or V rows of `positions` (dequantised when quantised).
+    ///
+    /// # Shapes
+    /// - returns `[positions.len, width]`
+    pub fn read_part(
+        &self,
+        positions: Range<usize>,
+        part: KvPart,
+    ) -> kakeya_models::Result<Tensor<2>> {
+        self.check(&positions)?;
+        let (n, w) = (positions.len(), self.width());
+        let rows = match part {
+            KvPart::K => &self.k,
+            KvPart::V => &self.v,
+        };
+        self.read_peak.set(self.read_peak.get().max(n * w * 4));
+        Ok(Tensor::from_data(
+            TensorData::new(rows.read(positions.start, positions.end), [n, w]),
+            &self.device,
+        ))
+    }
+
+    fn check(&self, positions: &Range<usize>) -> kakeya_models::Result<()> {
+        if positions.end > self.len() || positions.start > positions.end {
+            return Err(ModelError::Cache(format!(
+                "store read of positions {positions:?}, but it holds {}",
+                self.len()
+            )));
+        }
+        Ok(())
+    }
 }
 
 fn host_rows(t: Tensor<2>) -> Result<Vec<f32>, ModelError> {
@@ -81,12 +113,7 @@ impl DraftContext for CompactStore {
     }
 
     fn read(&self, positions: Range<usize>) -> kakeya_models::Result<(Tensor<2>, Tensor<2>)> {
-        if positions.end > self.len() || positions.start > positions.end {
-            return Err(ModelError::Cache(format!(
-                "store read of positions {positions:?}, but it holds {}",
-                self.len()
-            )));
-        }
+        self.check(&positions)?;
         let n = positions.len();
         let w = self.width();
         let make = |rows: &Rows| {

@@ -10,7 +10,9 @@
 use std::ops::Range;
 
 use burn::tensor::{Device, Tensor, TensorData};
-use kakeya_models::{CacheSpec, KvSegment, LayerCache, ModelError, Reach, SegmentKv};
+use kakeya_models::{
+    CacheSpec, DeferredKv, KvPart, KvSegment, LayerCache, ModelError, Reach, SegmentKv,
+};
 
 use super::native::{RingCache, check_truncate, seq_slice};
 use super::policy::Evicted;
@@ -91,19 +93,31 @@ impl QuantTier {
         Ok(())
     }
 
-    /// Dequantised K/V of `positions` (inside the held range).
+    /// Dequantised K or V of `positions`, `[kv_heads, n, head_dim]`, and its bytes.
     fn read(
         &self,
         positions: Range<usize>,
-        heads: usize,
-        dim: usize,
+        part: KvPart,
+        (heads, dim): (usize, usize),
         device: &Device,
-    ) -> (Tensor<3>, Tensor<3>) {
+    ) -> kakeya_models::Result<(DeferredKv, usize)> {
+        if positions.start < self.first || positions.end > self.first + self.k.len() {
+            return Err(ModelError::Cache(format!(
+                "quantised tier holds positions {}..{}, asked for {positions:?}",
+                self.first,
+                self.first + self.k.len()
+            )));
+        }
         let (a, b) = (positions.start - self.first, positions.end - self.first);
-        (
-            from_rows(self.k.read(a, b), heads, dim, device),
-            from_rows(self.v.read(a, b), heads, dim, device),
-        )
+        let rows = match part {
+            KvPart::K => self.k.read(a, b),
+            KvPart::V => self.v.read(a, b),
+        };
+        let bytes = rows.len() * 4;
+        Ok((
+            DeferredKv::Ready(from_rows(rows, heads, dim, device)),
+            bytes,
+        ))
     }
 
     fn nbytes(&self) -> usize {
@@ -123,6 +137,8 @@ pub struct TieredCache {
     sinks: RingCache,
     ring: RingCache,
     quant: Option<QuantTier>,
+    /// `(kv_heads, head_dim)`, known from the first write.
+    shape: (usize, usize),
     len: usize,
 }
 
@@ -148,6 +164,7 @@ impl TieredCache {
                 Evicted::Quantise(bits) => Some(QuantTier::new(bits, width, sink)),
                 _ => None,
             },
+            shape: (0, 0),
             len: 0,
         }
     }
@@ -180,8 +197,8 @@ impl TieredCache {
         lo..hi.max(lo)
     }
 
-    /// [`LayerCache::update`] with the shared store and restorer; also returns the bytes of
-    /// evicted K/V materialised for this forward.
+    /// [`LayerCache::update`]: the sinks, the evicted tier as a deferred segment (read tile by
+    /// tile through [`Self::deferred`]), the window and the chunk.
     ///
     /// # Shapes
     /// - `k`, `v`: `[kv_heads, T, head_dim]`
@@ -190,8 +207,7 @@ impl TieredCache {
         k: Tensor<3>,
         v: Tensor<3>,
         start: usize,
-        shared: Shared<'_>,
-    ) -> kakeya_models::Result<(Vec<KvSegment>, usize)> {
+    ) -> kakeya_models::Result<Vec<KvSegment>> {
         if start != self.len {
             return Err(ModelError::Cache(format!(
                 "layer {}: write at position {start} but the cache is at {}",
@@ -199,9 +215,8 @@ impl TieredCache {
             )));
         }
         let [heads, t, dim] = k.dims();
-        let device = k.device();
+        self.shape = (heads, dim);
         let mut segs = Vec::with_capacity(4);
-        let mut transient = 0;
         if let Some(h) = self.sinks.held() {
             segs.push(KvSegment::ready(h.k, h.v, h.positions, Reach::Always));
         }
@@ -209,31 +224,12 @@ impl TieredCache {
         if let Some(q) = &mut self.quant {
             q.drop_before(self.spec.oldest_needed(start).max(self.sink));
         }
-        if !old.is_empty() {
-            let n = old.len();
-            let seg = match self.evicted {
-                Evicted::Drop => None,
-                Evicted::Quantise(_) => {
-                    let q = self.quant.as_ref().expect("quantised tier");
-                    let (qk, qv) = q.read(old.clone(), heads, dim, &device);
-                    Some(SegmentKv::Ready { k: qk, v: qv })
-                }
-                Evicted::Restore => {
-                    let r = shared.restorer.ok_or_else(|| {
-                        ModelError::Cache(format!("layer {}: no restorer", self.layer))
-                    })?;
-                    let (rk, rv) = r.restore(self.layer, old.clone(), shared.store)?;
-                    Some(SegmentKv::Raw { k: rk, v: rv })
-                }
-            };
-            if let Some(kv) = seg {
-                transient = 2 * n * heads * dim * 4;
-                segs.push(KvSegment {
-                    kv,
-                    positions: old.collect(),
-                    reach: Reach::AtLeast(self.window),
-                });
-            }
+        if !old.is_empty() && self.evicted != Evicted::Drop {
+            segs.push(KvSegment {
+                kv: SegmentKv::Deferred,
+                positions: old.collect(),
+                reach: Reach::AtLeast(self.window),
+            });
         }
         if let Some(h) = self.ring.held() {
             segs.push(KvSegment::ready(
@@ -264,7 +260,38 @@ impl TieredCache {
             self.ring.push(rk, rv, start + split)?;
         }
         self.len = start + t;
-        Ok((segs, transient))
+        Ok(segs)
+    }
+
+    /// A tile of the evicted tier (the deferred segment of the last update): dequantised or
+    /// restored, with the bytes materialised.
+    pub fn deferred(
+        &self,
+        positions: Range<usize>,
+        part: KvPart,
+        shared: Shared<'_>,
+        device: &Device,
+    ) -> kakeya_models::Result<(DeferredKv, usize)> {
+        match self.evicted {
+            Evicted::Drop => Err(ModelError::Cache(format!(
+                "layer {}: evicted positions are dropped",
+                self.layer
+            ))),
+            Evicted::Quantise(_) => self
+                .quant
+                .as_ref()
+                .expect("quantised tier")
+                .read(positions, part, self.shape, device),
+            Evicted::Restore => {
+                let r = shared.restorer.ok_or_else(|| {
+                    ModelError::Cache(format!("layer {}: no restorer", self.layer))
+                })?;
+                let raw = r.restore(self.layer, positions, part, shared.store)?;
+                // The raw rows and their attention form (k_norm, RoPE) exist together.
+                let bytes = 2 * raw.shape().num_elements() * 4;
+                Ok((DeferredKv::Raw(raw), bytes))
+            }
+        }
     }
 }
 
@@ -307,6 +334,8 @@ impl TieredCache {
 pub struct QuantAllCache {
     spec: CacheSpec,
     tier: QuantTier,
+    shape: (usize, usize),
+    device: Option<Device>,
     len: usize,
 }
 
@@ -316,6 +345,8 @@ impl QuantAllCache {
         Self {
             spec,
             tier: QuantTier::new(bits, width, 0),
+            shape: (0, 0),
+            device: None,
             len: 0,
         }
     }
@@ -332,36 +363,14 @@ impl QuantAllCache {
 }
 
 impl QuantAllCache {
-    /// [`LayerCache::update`], also returning the bytes of dequantised K/V materialised.
-    pub fn update_counted(
-        &mut self,
-        k: Tensor<3>,
-        v: Tensor<3>,
-        start: usize,
-    ) -> kakeya_models::Result<(Vec<KvSegment>, usize)> {
-        if start != self.len {
-            return Err(ModelError::Cache(format!(
-                "write at position {start} but the cache is at {}",
-                self.len
-            )));
-        }
-        let [heads, t, dim] = k.dims();
-        let device = k.device();
-        self.tier.drop_before(self.spec.oldest_needed(start));
-        self.tier.push(&k, &v)?;
-        self.len = start + t;
-        let from = self.read_from(start);
-        let (qk, qv) = self.tier.read(from..self.len, heads, dim, &device);
-        let n = self.len - from;
-        Ok((
-            vec![KvSegment::ready(
-                qk,
-                qv,
-                (from..self.len).collect(),
-                Reach::Always,
-            )],
-            2 * n * heads * dim * 4,
-        ))
+    /// A tile of the cache's positions, dequantised, with its bytes.
+    pub fn deferred_counted(
+        &self,
+        positions: Range<usize>,
+        part: KvPart,
+        device: &Device,
+    ) -> kakeya_models::Result<(DeferredKv, usize)> {
+        self.tier.read(positions, part, self.shape, device)
     }
 }
 
@@ -372,7 +381,33 @@ impl LayerCache for QuantAllCache {
         v: Tensor<3>,
         start: usize,
     ) -> kakeya_models::Result<Vec<KvSegment>> {
-        Ok(self.update_counted(k, v, start)?.0)
+        if start != self.len {
+            return Err(ModelError::Cache(format!(
+                "write at position {start} but the cache is at {}",
+                self.len
+            )));
+        }
+        let [heads, t, dim] = k.dims();
+        self.shape = (heads, dim);
+        self.device = Some(k.device());
+        self.tier.drop_before(self.spec.oldest_needed(start));
+        self.tier.push(&k, &v)?;
+        self.len = start + t;
+        let from = self.read_from(start);
+        Ok(vec![KvSegment {
+            kv: SegmentKv::Deferred,
+            positions: (from..self.len).collect(),
+            reach: Reach::Always,
+        }])
+    }
+
+    fn deferred(
+        &mut self,
+        positions: Range<usize>,
+        part: KvPart,
+    ) -> kakeya_models::Result<DeferredKv> {
+        let device = self.device.clone().unwrap_or_else(Device::flex);
+        Ok(self.deferred_counted(positions, part, &device)?.0)
     }
 
     fn len(&self) -> usize {

@@ -158,6 +158,8 @@ impl QuantRows {
         self.codes.drain(..g * self.bits.group_bytes(self.group));
         self.params.drain(..g);
         self.rows -= rows;
+        shrink(&mut self.codes);
+        shrink(&mut self.params);
     }
 
     /// Dequantised rows `from..to`, row-major.
@@ -209,6 +211,14 @@ fn grow<T>(v: &mut Vec<T>, more: usize) {
     if need > v.capacity() {
         let target = need.max(v.len() + v.len() / 8 + 64);
         v.reserve_exact(target - v.len());
+    }
+}
+
+/// Gives back capacity beyond an eighth over what is used (after dropping old rows, so that a
+/// sliding tier does not keep the allocation of its largest moment).
+fn shrink<T>(v: &mut Vec<T>) {
+    if v.capacity() > v.len() + v.len() / 4 + 64 {
+        v.shrink_to(v.len() + v.len() / 8 + 64);
     }
 }
 
@@ -284,6 +294,7 @@ impl Rows {
         match self {
             Rows::F32 { width, data } => {
                 data.drain(..(rows * *width).min(data.len()));
+                shrink(data);
             }
             Rows::Quant(q) => q.drop_front(rows),
         }

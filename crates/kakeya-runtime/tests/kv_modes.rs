@@ -7,15 +7,15 @@
 mod common;
 
 use burn::tensor::Device;
-use common::{greedy_cfg, tiny_prompt};
+use common::{NoisyReplay, greedy_cfg, tiny_prompt};
 use kakeya_models::testing::{
     drafter_config, f_theta_config, random_checkpoint, random_drafter, random_f_theta, tiny_config,
 };
 use kakeya_models::{DFlashDrafter, FTheta, ForwardRequest, Gemma3Model, Logits};
 use kakeya_runtime::kv::{FThetaRestorer, KvMode, KvPolicy, OracleRestorer, Restorer};
 use kakeya_runtime::{
-    CompactStore, DFlashProposer, Generation, GenerationConfig, KvSetup, Proposer, ReplayProposer,
-    Result, Session, SpecConfig, Verifier, generate, speculative_generate,
+    DFlashProposer, Generation, GenerationConfig, KvSetup, Proposer, Session, SpecConfig, Verifier,
+    generate, speculative_generate,
 };
 use kakeya_weights::ftheta::FThetaInputs;
 
@@ -204,34 +204,6 @@ fn every_mode_decodes_speculatively_as_it_does_plainly() {
     }
 }
 
-/// Replays a known continuation with each draft corrupted with probability `noise`.
-struct Noisy {
-    replay: ReplayProposer,
-    noise: u64,
-    rng: u64,
-}
-
-impl Proposer for Noisy {
-    fn propose(
-        &mut self,
-        last: u32,
-        pos: usize,
-        n: usize,
-        store: Option<&mut CompactStore>,
-    ) -> Result<Vec<u32>> {
-        let mut out = self.replay.propose(last, pos, n, store)?;
-        for t in &mut out {
-            self.rng ^= self.rng << 13;
-            self.rng ^= self.rng >> 7;
-            self.rng ^= self.rng << 17;
-            if self.rng % 100 < self.noise {
-                *t = (*t + 1) % 97;
-            }
-        }
-        Ok(out)
-    }
-}
-
 #[test]
 fn rollback_under_random_accept_counts_never_needs_a_demoted_position() {
     let v = verifier();
@@ -244,11 +216,7 @@ fn rollback_under_random_accept_counts_never_needs_a_demoted_position() {
             let s = setup(policy(mode, 2, window), &d, &r);
             let p = prompt(seed as usize, 31);
             let want = plain(&v, s, &p, 60);
-            let mut prop = Noisy {
-                replay: ReplayProposer::new(&p, &want.tokens),
-                noise: 25,
-                rng: seed * 7919,
-            };
+            let mut prop = NoisyReplay::new(&p, &want.tokens, 0.25, seed * 7919);
             let got = spec(&v, s, &mut prop, &p, 60, block);
             let st = got.spec.unwrap();
             assert!(

@@ -6,13 +6,13 @@
 mod common;
 
 use burn::tensor::{Device, Tensor};
-use common::{greedy_cfg, tiny_prompt};
+use common::{NoisyReplay, greedy_cfg, tiny_prompt};
 use kakeya_models::testing::{drafter_config, random_checkpoint, random_drafter, tiny_config};
 use kakeya_models::{DFlashDrafter, DraftContext, Gemma3Model};
 use kakeya_runtime::kv::HeldKv;
 use kakeya_runtime::{
-    CompactStore, DFlashProposer, GenerationConfig, KvCache, KvSetup, Proposer, ReplayProposer,
-    Result, Session, SpecConfig, Verifier, generate, speculative_generate,
+    CompactStore, DFlashProposer, GenerationConfig, KvCache, KvSetup, Proposer, Result, Session,
+    SpecConfig, Verifier, generate, speculative_generate,
 };
 
 /// Sliding window of the tiny verifier: short, so rings wrap many times per generation.
@@ -68,45 +68,8 @@ fn explain_divergence(v: &Gemma3Model, p: &[u32], want: &[u32], got: &[u32]) -> 
 
 /// Drafts the verifier's own greedy continuation (replayed from a plain greedy run),
 /// corrupting each draft with probability `noise` (seeded).
-struct Oracle {
-    replay: ReplayProposer,
-    noise: f64,
-    rng: u64,
-}
-
-impl Oracle {
-    fn new(v: &Gemma3Model, p: &[u32], max_tokens: usize, noise: f64, seed: u64) -> Self {
-        Self {
-            replay: ReplayProposer::new(p, &greedy(v, p, max_tokens + 16)),
-            noise,
-            rng: seed,
-        }
-    }
-
-    fn coin(&mut self) -> f64 {
-        self.rng ^= self.rng << 13;
-        self.rng ^= self.rng >> 7;
-        self.rng ^= self.rng << 17;
-        (self.rng % 10_000) as f64 / 10_000.0
-    }
-}
-
-impl Proposer for Oracle {
-    fn propose(
-        &mut self,
-        last: u32,
-        pos: usize,
-        n: usize,
-        store: Option<&mut CompactStore>,
-    ) -> Result<Vec<u32>> {
-        let mut out = self.replay.propose(last, pos, n, store)?;
-        for d in &mut out {
-            if self.coin() < self.noise {
-                *d = (*d + 1) % 97;
-            }
-        }
-        Ok(out)
-    }
+fn oracle(v: &Gemma3Model, p: &[u32], max_tokens: usize, noise: f64, seed: u64) -> NoisyReplay {
+    NoisyReplay::new(p, &greedy(v, p, max_tokens + 16), noise, seed)
 }
 
 /// A proposer that records every draft it hands out (with the position it drafts for).
@@ -228,7 +191,7 @@ fn drafts_equal_to_the_target_are_all_accepted() {
             let max_tokens = 1 + 3 * block;
             let want = greedy(&v, &p, max_tokens);
             let mut ver = Verifier::new(&v, KvSetup::full(0), block).unwrap();
-            let mut oracle = Oracle::new(&v, &p, max_tokens, 0.0, 1);
+            let mut oracle = oracle(&v, &p, max_tokens, 0.0, 1);
             let g = speculative_generate(
                 &mut ver,
                 &mut oracle,
@@ -296,7 +259,7 @@ fn random_accept_counts_leave_caches_as_if_only_committed_tokens_were_seen() {
         let p = prompt(seed as usize);
         let max_tokens = 90;
         let mut ver = Verifier::new(&v, KvSetup::full(0).drafter(&d), block).unwrap();
-        let mut oracle = Oracle::new(&v, &p, max_tokens, noise, seed * 7919);
+        let mut oracle = oracle(&v, &p, max_tokens, noise, seed * 7919);
         let g = speculative_generate(
             &mut ver,
             &mut oracle,

@@ -7,8 +7,8 @@ use std::path::PathBuf;
 use burn::tensor::Device;
 use kakeya_models::{DFlashDrafter, Gemma3Model};
 use kakeya_runtime::{
-    DFlashProposer, Generation, GenerationConfig, KvSetup, Sampling, SpecConfig, Verifier,
-    speculative_generate,
+    CompactStore, DFlashProposer, Generation, GenerationConfig, KvSetup, Proposer, ReplayProposer,
+    Result, Sampling, SpecConfig, Verifier, speculative_generate,
 };
 use kakeya_weights::{Checkpoint, DraftCheckpoint, Tokenizer};
 
@@ -81,4 +81,48 @@ pub fn tiny_prompt(i: usize, len: usize) -> Vec<u32> {
     (0..len)
         .map(|j| ((j * 13 + i * 29 + 5) % 97) as u32)
         .collect()
+}
+
+/// Replays a known continuation as drafts, corrupting each draft with probability `noise`
+/// (seeded xorshift): speculation with random accept counts.
+pub struct NoisyReplay {
+    replay: ReplayProposer,
+    noise: f64,
+    rng: u64,
+}
+
+impl NoisyReplay {
+    /// Drafts `continuation` after `prompt`.
+    pub fn new(prompt: &[u32], continuation: &[u32], noise: f64, seed: u64) -> Self {
+        Self {
+            replay: ReplayProposer::new(prompt, continuation),
+            noise,
+            rng: seed,
+        }
+    }
+
+    fn coin(&mut self) -> f64 {
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        (self.rng % 10_000) as f64 / 10_000.0
+    }
+}
+
+impl Proposer for NoisyReplay {
+    fn propose(
+        &mut self,
+        last: u32,
+        pos: usize,
+        n: usize,
+        store: Option<&mut CompactStore>,
+    ) -> Result<Vec<u32>> {
+        let mut out = self.replay.propose(last, pos, n, store)?;
+        for d in &mut out {
+            if self.coin() < self.noise {
+                *d = (*d + 1) % 97;
+            }
+        }
+        Ok(out)
+    }
 }

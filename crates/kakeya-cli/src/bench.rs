@@ -40,7 +40,12 @@ pub struct BenchArgs {
     /// accepted): the engine's ceiling and overhead.
     #[arg(long, conflicts_with = "drafter")]
     pub replay_drafts: bool,
-    /// Tokens per speculative block (default: the drafter's, or 8 with --replay-drafts).
+    /// What drafts in the speculative comparison: `dflash`, `ngram` (needs no drafter) or
+    /// `combined` (default with --drafter).
+    #[arg(long, value_enum, conflicts_with = "replay_drafts")]
+    pub draft: Option<crate::draft::DraftKind>,
+    /// Tokens per speculative block, fixed (default: blocks adapt up to the drafter's
+    /// `block_size`, or 8).
     #[arg(long)]
     pub block_size: Option<usize>,
     /// Prompts for the speculative comparison, JSON lines `{"text": ...}` (default: 20 built-in).
@@ -95,7 +100,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         "--runs, --prompt-tokens and --gen-tokens must be positive"
     );
     let (model, tok) = a.model.load()?;
-    if a.drafter.is_some() || a.replay_drafts {
+    if a.drafter.is_some() || a.replay_drafts || a.draft.is_some() {
         return run_spec(&a, &model, &tok);
     }
     let kv = KvRun::prepare(&a.kv, &a.model, &model, None, None)?;
@@ -190,9 +195,10 @@ fn run_spec(
     model: &kakeya_models::Gemma3Model,
     tok: &kakeya_weights::Tokenizer,
 ) -> Result<()> {
+    let kind = a.draft.unwrap_or(crate::draft::DraftKind::Combined);
     let drafter = match &a.drafter {
-        Some(dir) => Some(crate::common::load_drafter(dir, model)?),
-        None => None,
+        Some(dir) if kind.needs_drafter() => Some(crate::common::load_drafter(dir, model)?),
+        _ => None,
     };
     let kv = KvRun::prepare(
         &a.kv,
@@ -201,10 +207,11 @@ fn run_spec(
         a.drafter.as_deref(),
         drafter.as_ref(),
     )?;
-    let block = a
-        .block_size
-        .unwrap_or(drafter.as_ref().map_or(8, |d| d.block_size()));
-    crate::common::check_block_size(block, model.config.max_position_embeddings)?;
+    let longest = drafter
+        .as_ref()
+        .map_or(crate::draft::NGRAM_BLOCK, |d| d.block_size());
+    let spec = crate::draft::schedule(a.block_size, longest);
+    crate::common::check_block_size(spec.block_size, model.config.max_position_embeddings)?;
     let prompts = match &a.prompts {
         Some(p) => crate::bench_spec::read_prompts(p)?,
         None => crate::bench_spec::DEFAULT_PROMPTS
@@ -212,16 +219,18 @@ fn run_spec(
             .map(|s| s.to_string())
             .collect(),
     };
-    let drafts = match &drafter {
-        Some(d) => crate::bench_spec::Drafts::Drafter(d),
-        None => crate::bench_spec::Drafts::Replay,
+    let drafts = if a.replay_drafts {
+        crate::bench_spec::Drafts::Replay
+    } else {
+        crate::draft::proposer(kind, drafter.as_ref())?; // a kind without its drafter: refused now
+        crate::bench_spec::Drafts::Kind(kind, drafter.as_ref())
     };
     let b = crate::bench_spec::run(
         model,
         tok,
         drafts,
         &prompts,
-        (block, kv.setup()),
+        (spec, kv.setup()),
         a.gen_tokens,
         a.runs,
         a.warmup,

@@ -7,13 +7,14 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use kakeya_models::{DFlashDrafter, Gemma3Model};
 use kakeya_runtime::{
-    DFlashProposer, Generation, GenerationConfig, KvSetup, Proposer, ReplayProposer, Sampling,
-    Session, SpecConfig, Verifier, generate, speculative_generate,
+    Generation, GenerationConfig, KvSetup, Proposer, ReplayProposer, Sampling, Schedule, Session,
+    SpecConfig, Verifier, generate, speculative_generate,
 };
 use kakeya_weights::Tokenizer;
 use serde::Serialize;
 
 use crate::bench::median;
+use crate::draft::DraftKind;
 
 /// Prompts used when `--prompts` is not given (general text, code, lists; not training data).
 pub const DEFAULT_PROMPTS: [&str; 20] = [
@@ -63,10 +64,19 @@ pub fn read_prompts(path: &Path) -> Result<Vec<String>> {
 
 /// What drafts the tokens.
 pub enum Drafts<'a> {
-    /// A DFlash drafter.
-    Drafter(&'a DFlashDrafter),
+    /// A proposer kind, with the drafter it uses.
+    Kind(DraftKind, Option<&'a DFlashDrafter>),
     /// The AR output itself (every draft right): the engine's ceiling and overhead.
     Replay,
+}
+
+impl Drafts<'_> {
+    fn drafter(&self) -> Option<&DFlashDrafter> {
+        match self {
+            Drafts::Kind(_, d) => *d,
+            Drafts::Replay => None,
+        }
+    }
 }
 
 /// One prompt's figures (medians over the measured runs).
@@ -86,6 +96,10 @@ pub struct PromptFigure {
 pub struct SpecBench {
     drafts: String,
     block_size: usize,
+    schedule: Schedule,
+    /// Verify forwards by block length over all measured prompts (length 1: plain steps).
+    blocks_by_length: Vec<usize>,
+    probes: usize,
     gen_tokens: usize,
     runs: usize,
     warmup: usize,
@@ -105,19 +119,23 @@ fn run_spec(
     ids: &[u32],
     reference: &[u32],
     cfg: &GenerationConfig,
-    (block, base): (usize, KvSetup<'_>),
+    (spec, base): (SpecConfig, KvSetup<'_>),
 ) -> Result<Generation> {
-    let (mut proposer, setup): (Box<dyn Proposer + '_>, _) = match drafts {
-        Drafts::Drafter(d) => (Box::new(DFlashProposer::new(d)), base.drafter(d)),
-        Drafts::Replay => (Box::new(ReplayProposer::new(ids, reference)), base),
+    let mut proposer: Box<dyn Proposer + '_> = match drafts {
+        Drafts::Kind(kind, d) => crate::draft::proposer(*kind, *d)?,
+        Drafts::Replay => Box::new(ReplayProposer::new(ids, reference)),
     };
-    let mut verifier = Verifier::new(model, setup, block)?;
+    let setup = match drafts.drafter() {
+        Some(d) => base.drafter(d),
+        None => base,
+    };
+    let mut verifier = Verifier::new(model, setup, spec.block_size)?;
     Ok(speculative_generate(
         &mut verifier,
         proposer.as_mut(),
         ids,
         cfg,
-        SpecConfig { block_size: block },
+        spec,
         &mut |_| {},
     )?)
 }
@@ -130,16 +148,15 @@ pub fn run(
     tok: &Tokenizer,
     drafts: Drafts<'_>,
     prompts: &[String],
-    (block, base): (usize, KvSetup<'_>),
+    (spec, base): (SpecConfig, KvSetup<'_>),
     gen_tokens: usize,
     runs: usize,
     warmup: usize,
 ) -> Result<SpecBench> {
+    let block = spec.block_size;
     // Plain decoding in a restored mode still fills the drafter's store.
-    let ar_setup = match &drafts {
-        Drafts::Drafter(d) if base.policy.mode.restores() && base.drafter.is_none() => {
-            base.drafter(d)
-        }
+    let ar_setup = match drafts.drafter() {
+        Some(d) if base.policy.mode.restores() && base.drafter.is_none() => base.drafter(d),
         _ => base,
     };
     let cfg = GenerationConfig {
@@ -158,7 +175,8 @@ pub fn run(
     bar.set_prefix("AR vs speculative");
     let mut figures = Vec::new();
     let (mut ar_tok, mut ar_secs, mut sp_tok, mut sp_secs) = (0usize, 0.0, 0usize, 0.0);
-    let (mut blocks, mut committed) = (0usize, 0usize);
+    let (mut blocks, mut committed, mut probes) = (0usize, 0usize, 0usize);
+    let mut by_length = vec![0usize; block];
     let mut slot_tried = vec![0usize; block.saturating_sub(1)];
     let mut slot_hit = vec![0usize; block.saturating_sub(1)];
     for (pi, text) in prompts.iter().enumerate() {
@@ -176,7 +194,7 @@ pub fn run(
                 &mut |_| {},
             )?;
             let ar_wall = t.elapsed().as_secs_f64();
-            let sp = run_spec(model, &drafts, &ids, &ar.tokens, &cfg, (block, base))?;
+            let sp = run_spec(model, &drafts, &ids, &ar.tokens, &cfg, (spec, base))?;
             tracing::debug!(prompt = pi, run = r, ar_wall, "bench round");
             let measured = pi > 0 || r >= warmup;
             if measured {
@@ -200,6 +218,13 @@ pub fn run(
         sp_secs += decoded as f64 / sp_rate.max(1e-9);
         blocks += st.blocks;
         committed += st.blocks + st.accepted;
+        probes += st.schedule_stats.probes;
+        for (n, &c) in by_length
+            .iter_mut()
+            .zip(&st.schedule_stats.blocks_by_length)
+        {
+            *n += c;
+        }
         for (k, (&t, &h)) in st
             .per_position_drafted
             .iter()
@@ -224,10 +249,13 @@ pub fn run(
     let sp_rate = sp_tok as f64 / sp_secs.max(1e-9);
     Ok(SpecBench {
         drafts: match drafts {
-            Drafts::Drafter(_) => "dflash".into(),
+            Drafts::Kind(k, _) => k.name().into(),
             Drafts::Replay => "replay (AR output; every draft right)".into(),
         },
         block_size: block,
+        schedule: spec.schedule,
+        blocks_by_length: by_length,
+        probes,
         gen_tokens,
         runs,
         warmup,
@@ -248,8 +276,12 @@ pub fn run(
 /// Prints the comparison as a Markdown table.
 pub fn print(b: &SpecBench) {
     println!(
-        "AR vs speculative ({}), block {}, {} new tokens, median of {} runs after {} warm-up",
-        b.drafts, b.block_size, b.gen_tokens, b.runs, b.warmup
+        "AR vs speculative ({}), {:?} blocks up to {}, {} new tokens, median of {} runs after {} warm-up",
+        b.drafts, b.schedule, b.block_size, b.gen_tokens, b.runs, b.warmup
+    );
+    println!(
+        "blocks by length (1 = plain step): {:?}; probes: {}",
+        b.blocks_by_length, b.probes
     );
     println!(
         "| prompt | prompt tok | AR tok/s | spec tok/s | speed-up | acceptance length | identical |"

@@ -278,7 +278,7 @@ impl Engine<'_> {
                     &mut DFlashProposer::new(d),
                     ids,
                     &self.cfg,
-                    SpecConfig { block_size: block },
+                    SpecConfig::fixed(block),
                     &mut |_| {},
                 )?
             }

@@ -8,12 +8,13 @@ use clap::{ArgGroup, Args};
 use kakeya_models::{DFlashDrafter, Gemma3Model};
 use kakeya_runtime::chat::{self, ChatSession, Message};
 use kakeya_runtime::{
-    DFlashProposer, Generation, GenerationConfig, KvMode, KvSetup, RunawayGuard, Sampling, Session,
-    SpecConfig, TextStream, Verifier, generate, speculative_generate,
+    Generation, GenerationConfig, KvMode, KvSetup, RunawayGuard, Sampling, Session, SpecConfig,
+    TextStream, Verifier, generate, speculative_generate,
 };
 use kakeya_weights::Tokenizer;
 
 use crate::common::{DEFAULT_DRAFTER, ModelArgs, check_block_size, load_drafter};
+use crate::draft::{DraftKind, NGRAM_BLOCK};
 use crate::kv::{KvArgs, KvRun};
 
 /// Arguments of `kakeya infer`.
@@ -64,7 +65,13 @@ pub struct InferArgs {
     /// restored KV modes still fill their compact store with it).
     #[arg(long)]
     pub no_drafter: bool,
-    /// Tokens per speculative block (default: the drafter's `block_size`).
+    /// What drafts: `dflash` (the drafter), `ngram` (prompt lookup, no drafter needed) or
+    /// `combined` (lookup when the context backs it, the drafter otherwise). Default: `combined`
+    /// when a drafter is given or the default one is used, otherwise plain decoding.
+    #[arg(long, value_enum)]
+    pub draft: Option<DraftKind>,
+    /// Tokens per speculative block, fixed. Without it blocks adapt, up to the drafter's
+    /// `block_size` (8 for `ngram`), down to plain decoding when speculation loses.
     #[arg(long)]
     pub block_size: Option<usize>,
     /// Also decode the same prompt autoregressively and report its tok/s (and whether the
@@ -144,31 +151,51 @@ fn print_stats(g: &Generation) {
     );
     if let Some(sp) = &g.spec {
         eprintln!(
-            "[speculative: block {}, {} blocks, mean acceptance length {:.2}]",
-            sp.block_size, sp.blocks, sp.mean_acceptance_length
+            "[speculative ({:?} blocks up to {}): {} blocks ({} plain steps), mean acceptance length {:.2}]",
+            sp.schedule.unwrap_or(kakeya_runtime::Schedule::Fixed),
+            sp.block_size,
+            sp.blocks,
+            sp.schedule_stats
+                .blocks_by_length
+                .first()
+                .copied()
+                .unwrap_or(0),
+            sp.mean_acceptance_length
         );
     }
 }
 
-/// Decodes `ids` under `setup`, speculatively with the drafter when one is given.
+/// How a run drafts: the proposer kind, its drafter (when it uses one) and the schedule.
+#[derive(Clone, Copy)]
+struct Spec<'d> {
+    kind: DraftKind,
+    drafter: Option<&'d DFlashDrafter>,
+    config: SpecConfig,
+}
+
+/// Decodes `ids` under `setup`, speculatively when `spec` is given.
 fn decode(
     model: &Gemma3Model,
     setup: KvSetup<'_>,
-    drafter: Option<(&DFlashDrafter, usize)>,
+    spec: Option<Spec<'_>>,
     ids: &[u32],
     cfg: &GenerationConfig,
     on_token: &mut dyn FnMut(u32),
 ) -> Result<Generation> {
-    Ok(match drafter {
-        Some((d, block)) => {
-            let mut verifier = Verifier::new(model, setup.drafter(d), block)?;
-            let mut proposer = DFlashProposer::new(d);
+    Ok(match spec {
+        Some(s) => {
+            let setup = match s.drafter {
+                Some(d) => setup.drafter(d),
+                None => setup,
+            };
+            let mut verifier = Verifier::new(model, setup, s.config.block_size)?;
+            let mut proposer = crate::draft::proposer(s.kind, s.drafter)?;
             speculative_generate(
                 &mut verifier,
-                &mut proposer,
+                proposer.as_mut(),
                 ids,
                 cfg,
-                SpecConfig { block_size: block },
+                s.config,
                 on_token,
             )?
         }
@@ -183,11 +210,16 @@ pub fn run(a: InferArgs) -> Result<()> {
         bail!("--max-tokens must be at least 1");
     }
     let (model, tok) = a.model.load()?;
+    if a.no_drafter && a.draft.is_some() {
+        bail!("--no-drafter decodes plainly; drop --draft");
+    }
+    let wants_drafter = a.draft.is_none_or(DraftKind::needs_drafter);
     // The default model decodes speculatively with its trained drafter when the run allows it.
     let default_drafter = PathBuf::from(DEFAULT_DRAFTER);
     let drafter_dir = match &a.drafter {
         Some(dir) => Some(dir),
         None if !a.no_drafter
+            && wants_drafter
             && a.model.model.is_none()
             && sampling == Sampling::Greedy
             && !a.chat
@@ -198,16 +230,17 @@ pub fn run(a: InferArgs) -> Result<()> {
         }
         None => None,
     };
-    let drafter = match drafter_dir {
-        Some(dir) if !a.no_drafter => {
-            if sampling != Sampling::Greedy {
-                bail!("--drafter decodes greedily (lossless); drop --temperature or the drafter");
-            }
-            if a.chat {
-                bail!("--chat with --drafter is not supported yet; use --chat-file for one turn");
-            }
-            Some(load_drafter(dir, &model)?)
+    let speculative = !a.no_drafter && (drafter_dir.is_some() || a.draft.is_some());
+    if speculative {
+        if sampling != Sampling::Greedy {
+            bail!("speculative decoding is greedy (lossless); drop --temperature or the drafter");
         }
+        if a.chat {
+            bail!("--chat with --drafter is not supported yet; use --chat-file for one turn");
+        }
+    }
+    let drafter = match drafter_dir {
+        Some(dir) if speculative && wants_drafter => Some(load_drafter(dir, &model)?),
         _ => None,
     };
     let kv = KvRun::prepare(
@@ -224,18 +257,22 @@ pub fn run(a: InferArgs) -> Result<()> {
         );
     }
     let setup = kv.setup();
-    let block = match &drafter {
-        Some(d) => {
-            let b = a.block_size.unwrap_or(d.block_size());
+    let spec = if speculative {
+        let kind = a.draft.unwrap_or(DraftKind::Combined);
+        let longest = drafter.as_ref().map_or(NGRAM_BLOCK, |d| d.block_size());
+        if let Some(b) = a.block_size {
             check_block_size(b, model.config.max_position_embeddings)?;
-            b
         }
-        None => {
-            if a.block_size.is_some() {
-                bail!("--block-size needs --drafter");
-            }
-            0
+        Some(Spec {
+            kind,
+            drafter: drafter.as_ref(),
+            config: crate::draft::schedule(a.block_size, longest),
+        })
+    } else {
+        if a.block_size.is_some() {
+            bail!("--block-size needs speculative decoding (--drafter or --draft)");
         }
+        None
     };
     let cfg = GenerationConfig {
         max_tokens: a.max_tokens,
@@ -271,7 +308,6 @@ pub fn run(a: InferArgs) -> Result<()> {
     let mut ids = vec![tok.bos];
     ids.extend(tok.encode(&text)?);
     let mut printer = Printer(TextStream::new(&tok));
-    let spec = drafter.as_ref().map(|d| (d, block));
     let g = if a.json {
         decode(&model, setup, spec, &ids, &cfg, &mut |_| {})?
     } else {
@@ -297,6 +333,7 @@ pub fn run(a: InferArgs) -> Result<()> {
         });
         if let Some(sp) = &g.spec {
             stats["speculative"] = serde_json::to_value(sp)?;
+            stats["speculative"]["draft"] = spec.map(|s| s.kind.name()).into();
         }
         if let Some(ar) = &ar {
             stats["ar_decode_tok_s"] = ar.stats.decode_tok_s.into();

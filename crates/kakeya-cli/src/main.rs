@@ -9,6 +9,7 @@ mod bench_spec;
 mod capture;
 mod common;
 mod convert;
+mod draft;
 mod eval;
 mod eval_report;
 mod infer;

@@ -328,3 +328,74 @@ fn tiny_model_decodes_speculatively_like_greedy() {
     assert_eq!(sp["per_position_acceptance"].as_array().unwrap().len(), 3);
     assert!(st["ar_decode_tok_s"].as_f64().unwrap() > 0.0);
 }
+
+#[test]
+fn every_draft_kind_and_schedule_decodes_like_greedy() {
+    let s = Scratch::new("cli-draft-kinds");
+    let m = tiny_model(&s.0);
+    let d = tiny_drafter(&s.0, "drafter", |_| {});
+    for kind in ["dflash", "ngram", "combined"] {
+        for block in [Some("4"), None] {
+            let mut args = vec![
+                "infer",
+                "--model",
+                m.to_str().unwrap(),
+                "--prompt",
+                "w4 w5 w6 w4 w5",
+                "--max-tokens",
+                "24",
+                "--drafter",
+                d.to_str().unwrap(),
+                "--draft",
+                kind,
+                "--compare-ar",
+                "--json",
+                "--no-loop-guard",
+            ];
+            if let Some(b) = block {
+                args.extend(["--block-size", b]);
+            }
+            let out = Command::new(env!("CARGO_BIN_EXE_kakeya"))
+                .args(&args)
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{kind} {block:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            let st = &v["stats"];
+            assert_eq!(st["identical_to_ar"], true, "{kind} {block:?}: {v}");
+            let sp = &st["speculative"];
+            assert_eq!(sp["draft"], kind);
+            let want = if block.is_some() { "fixed" } else { "adaptive" };
+            assert_eq!(sp["schedule"], want, "{v}");
+            let by_len = sp["schedule_stats"]["blocks_by_length"].as_array().unwrap();
+            let total: u64 = by_len.iter().map(|n| n.as_u64().unwrap()).sum();
+            assert_eq!(total, sp["blocks"].as_u64().unwrap(), "{v}");
+        }
+    }
+    // A drafter kind without a drafter, and drafting options with --no-drafter, are refused.
+    let err = fails(&[
+        "infer",
+        "--model",
+        m.to_str().unwrap(),
+        "--prompt",
+        "w4",
+        "--draft",
+        "dflash",
+    ]);
+    assert!(err.contains("--drafter"), "{err}");
+    let err = fails(&[
+        "infer",
+        "--model",
+        m.to_str().unwrap(),
+        "--prompt",
+        "w4",
+        "--draft",
+        "ngram",
+        "--no-drafter",
+    ]);
+    assert!(err.contains("--no-drafter"), "{err}");
+}

@@ -87,7 +87,7 @@ fn spec(
         prop,
         p,
         &cfg(n),
-        SpecConfig { block_size: block },
+        SpecConfig::fixed(block),
         &mut |_| {},
     )
     .unwrap()

@@ -69,7 +69,7 @@ fn speculative_equals_plain_in_restored_and_quant4_on_long_prompts() {
                 &mut DFlashProposer::new(&d),
                 p,
                 &cfg(40),
-                SpecConfig { block_size: 8 },
+                SpecConfig::fixed(8),
                 &mut |_| {},
             )
             .unwrap();

@@ -13,8 +13,9 @@ use common::{load, model_dir, trained_drafter};
 use kakeya_models::testing::{drafter_config, random_drafter};
 use kakeya_models::{DFlashDrafter, Gemma3Model};
 use kakeya_runtime::{
-    DFlashProposer, GenerationConfig, KvSetup, ReplayProposer, RunawayGuard, Sampling, Session,
-    SpecConfig, Verifier, generate, speculative_generate,
+    CombinedProposer, DFlashProposer, GenerationConfig, KvSetup, NgramProposer, Proposer,
+    ReplayProposer, RunawayGuard, Sampling, Session, SpecConfig, Verifier, generate,
+    speculative_generate,
 };
 use kakeya_weights::Tokenizer;
 
@@ -143,7 +144,7 @@ fn speculative_equals_greedy_on_gemma3_270m() {
                 &mut prop,
                 p,
                 &cfg(spec_tokens),
-                SpecConfig { block_size: *block },
+                SpecConfig::fixed(*block),
                 &mut |_| {},
             )
             .unwrap();
@@ -163,7 +164,7 @@ fn speculative_equals_greedy_on_gemma3_270m() {
             &mut replay,
             p,
             &cfg(1 + 2 * block),
-            SpecConfig { block_size: block },
+            SpecConfig::fixed(block),
             &mut |_| {},
         )
         .unwrap();
@@ -244,7 +245,7 @@ fn trained_drafter_is_lossless_and_gets_drafts_accepted() {
                 &mut prop,
                 p,
                 &cfg(max_tokens),
-                SpecConfig { block_size: block },
+                SpecConfig::fixed(block),
                 &mut |_| {},
             )
             .unwrap();
@@ -259,6 +260,36 @@ fn trained_drafter_is_lossless_and_gets_drafts_accepted() {
                 committed += s.accepted + s.blocks; // accepted drafts + the verifier's token
                 blocks += s.blocks;
             }
+        }
+        // The default engine settings: lookup-or-drafter, adaptive blocks; and lookup alone.
+        let runs: [(Box<dyn Proposer>, KvSetup<'_>, SpecConfig); 2] = [
+            (
+                Box::new(CombinedProposer::new(Box::new(DFlashProposer::new(&d)))),
+                KvSetup::full(0).drafter(&d),
+                SpecConfig::adaptive(8),
+            ),
+            (
+                Box::new(NgramProposer::default()),
+                KvSetup::full(0),
+                SpecConfig::fixed(8),
+            ),
+        ];
+        for (mut prop, setup, sc) in runs {
+            let mut ver = Verifier::new(&v, setup, sc.block_size).unwrap();
+            let g = speculative_generate(
+                &mut ver,
+                prop.as_mut(),
+                p,
+                &cfg(max_tokens),
+                sc,
+                &mut |_| {},
+            )
+            .unwrap();
+            assert!(
+                g.tokens == want,
+                "prompt {i}, {sc:?}: {}",
+                divergence(&v, p, &want, &g.tokens)
+            );
         }
     }
     // A trained drafter must actually draft: a random one commits 1.00 token per block; the

@@ -81,13 +81,12 @@ struct Recording<'d> {
 impl Proposer for Recording<'_> {
     fn propose(
         &mut self,
-        last: u32,
-        pos: usize,
+        tokens: &[u32],
         n: usize,
         store: Option<&mut CompactStore>,
     ) -> Result<Vec<u32>> {
-        let d = self.inner.propose(last, pos, n, store)?;
-        self.drafts.push((pos, d.clone()));
+        let d = self.inner.propose(tokens, n, store)?;
+        self.drafts.push((tokens.len() - 1, d.clone()));
         Ok(d)
     }
 }
@@ -167,7 +166,7 @@ fn random_drafter_is_lossless_over_prompts_and_block_sizes() {
                 &mut prop,
                 &p,
                 &cfg(max_tokens),
-                SpecConfig { block_size: block },
+                SpecConfig::fixed(block),
                 &mut |_| {},
             )
             .unwrap();
@@ -197,7 +196,7 @@ fn drafts_equal_to_the_target_are_all_accepted() {
                 &mut oracle,
                 &p,
                 &cfg(max_tokens),
-                SpecConfig { block_size: block },
+                SpecConfig::fixed(block),
                 &mut |_| {},
             )
             .unwrap();
@@ -265,7 +264,7 @@ fn random_accept_counts_leave_caches_as_if_only_committed_tokens_were_seen() {
             &mut oracle,
             &p,
             &cfg(max_tokens),
-            SpecConfig { block_size: block },
+            SpecConfig::fixed(block),
             &mut |_| {},
         )
         .unwrap();
@@ -330,7 +329,7 @@ fn bad_block_sizes_are_refused() {
             &mut prop,
             &prompt(1),
             &cfg(8),
-            SpecConfig { block_size: block },
+            SpecConfig::fixed(block),
             &mut |_| {},
         )
         .unwrap_err()

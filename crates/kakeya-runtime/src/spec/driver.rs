@@ -6,6 +6,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use super::accept_greedy;
+use super::adaptive::{BlockSchedule, Schedule, ScheduleStats};
 use super::proposer::Proposer;
 use super::verifier::Verifier;
 use crate::error::{Result, RuntimeError};
@@ -15,16 +16,41 @@ use crate::sampler::{Sampling, argmax};
 /// Speculation settings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SpecConfig {
-    /// Tokens per verified block: the last committed token plus `block_size - 1` drafts.
+    /// Tokens per verified block (the longest, when adaptive): the last committed token plus
+    /// `block_size - 1` drafts.
     pub block_size: usize,
+    /// Fixed blocks, or lengths adapted to what speculation earns.
+    pub schedule: Schedule,
+}
+
+impl SpecConfig {
+    /// Every block `block_size` long.
+    pub fn fixed(block_size: usize) -> Self {
+        Self {
+            block_size,
+            schedule: Schedule::Fixed,
+        }
+    }
+
+    /// Blocks of up to `block_size`, down to plain decoding when speculation loses.
+    pub fn adaptive(block_size: usize) -> Self {
+        Self {
+            block_size,
+            schedule: Schedule::Adaptive,
+        }
+    }
 }
 
 /// Figures of one speculative generation.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct SpecStats {
-    /// Block size used.
+    /// Block size used (the longest, when adaptive).
     pub block_size: usize,
-    /// Verifier forwards over a block.
+    /// How block lengths were chosen.
+    pub schedule: Option<Schedule>,
+    /// What the schedule did: blocks by length, probes, measured costs.
+    pub schedule_stats: ScheduleStats,
+    /// Verifier forwards over a block (plain steps of an adaptive schedule included).
     pub blocks: usize,
     /// Draft tokens proposed.
     pub drafted: usize,
@@ -77,14 +103,19 @@ pub fn speculative_generate(
     let mut sink = TokenSink::new(cfg, on_token);
     let mut stats = SpecStats {
         block_size: spec.block_size,
+        schedule: Some(spec.schedule),
         ..SpecStats::default()
     };
+    let mut schedule = BlockSchedule::new(spec.schedule, spec.block_size);
+    let mut tokens = Vec::with_capacity(prompt.len() + cfg.max_tokens);
+    tokens.extend_from_slice(prompt);
     let mut slot_tried = vec![0usize; spec.block_size.saturating_sub(1)];
     let mut slot_hit = vec![0usize; spec.block_size.saturating_sub(1)];
     let mut last = argmax(&logits).unwrap_or(0) as u32;
     let mut pos = prompt.len();
     let mut committed_in_decode = 0;
     let stop_reason = 'outer: {
+        tokens.push(last);
         if let Some(r) = sink.push(last) {
             break 'outer r;
         }
@@ -93,14 +124,15 @@ pub fn speculative_generate(
                 break 'outer StopReason::ContextFull;
             }
             let remaining = cfg.max_tokens - sink.tokens().len();
-            let b = spec.block_size.min(ctx - pos).min(remaining).max(1);
+            let b = schedule.next_len().min(ctx - pos).min(remaining).max(1);
             let td = Instant::now();
-            let drafts = if b > 1 {
-                proposer.propose(last, pos, b - 1, verifier.store_mut())?
+            let mut drafts = if b > 1 {
+                proposer.propose(&tokens, b - 1, verifier.store_mut())?
             } else {
                 Vec::new()
             };
-            stats.draft_secs += td.elapsed().as_secs_f64();
+            drafts.truncate(b - 1);
+            let draft_secs = td.elapsed().as_secs_f64();
             let mut block = Vec::with_capacity(b);
             block.push(last);
             block.extend(&drafts);
@@ -108,7 +140,10 @@ pub fn speculative_generate(
             let posterior = verifier.verify(&block)?;
             let a = accept_greedy(&drafts, &posterior);
             verifier.rollback(pos + a + 1)?;
-            stats.verify_secs += tv.elapsed().as_secs_f64();
+            let verify_secs = tv.elapsed().as_secs_f64();
+            schedule.record(drafts.len(), a, draft_secs, verify_secs);
+            stats.draft_secs += draft_secs;
+            stats.verify_secs += verify_secs;
             stats.blocks += 1;
             stats.drafted += drafts.len();
             stats.accepted += a;
@@ -119,6 +154,7 @@ pub fn speculative_generate(
             pos += a + 1;
             for &tok in &posterior[..=a] {
                 committed_in_decode += 1;
+                tokens.push(tok);
                 if let Some(r) = sink.push(tok) {
                     break 'outer r;
                 }
@@ -138,6 +174,7 @@ pub fn speculative_generate(
         .map(|(&t, &h)| if t > 0 { h as f64 / t as f64 } else { 0.0 })
         .collect();
     stats.per_position_drafted = slot_tried;
+    stats.schedule_stats = schedule.stats();
     stats.per_position_accepted = slot_hit;
     let tokens = sink.finish();
     let gen_stats = GenerationStats {

@@ -3,11 +3,15 @@
 //! [`driver`] runs the loop. The acceptance rule is the pure function [`accept_greedy`].
 //! [Leviathan et al., arXiv:2211.17192; DFlash, arXiv:2602.06036]
 
+pub mod adaptive;
 pub mod driver;
+pub mod ngram;
 pub mod proposer;
 pub mod verifier;
 
+pub use adaptive::{BlockSchedule, Schedule, ScheduleStats};
 pub use driver::{SpecConfig, SpecStats, speculative_generate};
+pub use ngram::{CombinedProposer, NgramMatch, NgramProposer};
 pub use proposer::{DFlashProposer, Proposer, ReplayProposer};
 pub use verifier::Verifier;
 

@@ -7,13 +7,14 @@ use crate::kv::CompactStore;
 
 /// Drafts continuations of the committed sequence.
 pub trait Proposer {
-    /// Drafts `n` tokens to follow `last`, the newest committed token, which sits at position
-    /// `pos`. `store` is the sequence's compact store (the drafter's context of every committed
-    /// position before `pos`), when the session keeps one.
+    /// Drafts up to `n` tokens to follow `tokens`, the committed sequence (prompt included; its
+    /// last token, at position `tokens.len() - 1`, is not yet in the caches). `store` is the
+    /// sequence's compact store (the drafter's context of every committed position before the
+    /// last), when the session keeps one. Fewer than `n` drafts (none included) is allowed:
+    /// the block is then shorter.
     fn propose(
         &mut self,
-        last: u32,
-        pos: usize,
+        tokens: &[u32],
         n: usize,
         store: Option<&mut CompactStore>,
     ) -> Result<Vec<u32>>;
@@ -21,6 +22,16 @@ pub trait Proposer {
     /// The drafter whose context the session's compact store must hold, if any.
     fn drafter(&self) -> Option<&DFlashDrafter> {
         None
+    }
+}
+
+/// The position and id of the newest committed token.
+pub(crate) fn last_token(tokens: &[u32]) -> Result<(usize, u32)> {
+    match tokens.last() {
+        Some(&t) => Ok((tokens.len() - 1, t)),
+        None => Err(RuntimeError::Input(
+            "nothing to draft from: the sequence is empty".into(),
+        )),
     }
 }
 
@@ -41,11 +52,11 @@ impl<'d> DFlashProposer<'d> {
 impl Proposer for DFlashProposer<'_> {
     fn propose(
         &mut self,
-        last: u32,
-        pos: usize,
+        tokens: &[u32],
         n: usize,
         store: Option<&mut CompactStore>,
     ) -> Result<Vec<u32>> {
+        let (pos, last) = last_token(tokens)?;
         let store = store.ok_or_else(|| {
             RuntimeError::Input(
                 "the DFlash proposer drafts from the compact store: the session keeps none".into(),
@@ -98,11 +109,11 @@ impl ReplayProposer {
 impl Proposer for ReplayProposer {
     fn propose(
         &mut self,
-        _last: u32,
-        pos: usize,
+        tokens: &[u32],
         n: usize,
         _store: Option<&mut CompactStore>,
     ) -> Result<Vec<u32>> {
+        let (pos, _) = last_token(tokens)?;
         let from = (pos + 1).min(self.sequence.len());
         let to = (pos + 1 + n).min(self.sequence.len());
         let mut out = self.sequence[from..to].to_vec();

@@ -59,7 +59,7 @@ pub fn speculative(
         &mut prop,
         prompt,
         cfg,
-        SpecConfig { block_size: block },
+        SpecConfig::fixed(block),
         &mut |_| {},
     )
     .unwrap()
@@ -112,12 +112,11 @@ impl NoisyReplay {
 impl Proposer for NoisyReplay {
     fn propose(
         &mut self,
-        last: u32,
-        pos: usize,
+        tokens: &[u32],
         n: usize,
         store: Option<&mut CompactStore>,
     ) -> Result<Vec<u32>> {
-        let mut out = self.replay.propose(last, pos, n, store)?;
+        let mut out = self.replay.propose(tokens, n, store)?;
         for d in &mut out {
             if self.coin() < self.noise {
                 *d = (*d + 1) % 97;

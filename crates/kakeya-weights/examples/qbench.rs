@@ -1,0 +1,43 @@
+#![allow(clippy::print_stdout)]
+//! Times `QuantMatrix::matmul` (1, 8 and 16 input rows) on every quantised tensor kind of a GGUF.
+//! Usage: cargo run --release -p kakeya-weights --example qbench -- model.gguf
+use std::time::Instant;
+
+use kakeya_weights::checkpoint::gguf_to_hf;
+use kakeya_weights::{GgufFile, QuantMatrix};
+
+fn main() {
+    let path = std::env::args().nth(1).expect("usage: qbench model.gguf");
+    let f = GgufFile::open(&path).unwrap();
+    let mut seen = std::collections::BTreeSet::new();
+    for t in &f.tensors {
+        let shape = t.torch_shape();
+        if shape.len() != 2
+            || gguf_to_hf(&t.name).is_none()
+            || !seen.insert(format!("{:?}{:?}", t.ty, shape))
+        {
+            continue;
+        }
+        let Some(q) = QuantMatrix::new(t.ty, shape[0], shape[1], f.raw(t).unwrap()) else {
+            continue;
+        };
+        for t_rows in [1usize, 8, 16] {
+            let x = vec![0.5f32; shape[1] * t_rows];
+            let _ = q.matmul(&x, t_rows);
+            let n = 10;
+            let t0 = Instant::now();
+            for _ in 0..n {
+                std::hint::black_box(q.matmul(&x, t_rows));
+            }
+            let s = t0.elapsed().as_secs_f64() / n as f64;
+            println!(
+                "{:>24} {:?} {:?} t={t_rows:>2}: {:.3} ms, {:.2} GMAC/s",
+                t.name,
+                t.ty,
+                shape,
+                s * 1e3,
+                (shape[0] * shape[1] * t_rows) as f64 / s / 1e9
+            );
+        }
+    }
+}

@@ -56,9 +56,9 @@ pub struct InferArgs {
     /// Prefill chunk length.
     #[arg(long, default_value_t = 512)]
     pub prefill_chunk: usize,
-    /// A DFlash drafter folder (z-lab format): decode speculatively (greedy, lossless).
-    /// Without it, the default model uses the trained drafter in `checkpoints/` when present
-    /// (greedy, non-interactive runs).
+    /// A DFlash drafter folder (z-lab format): decode speculatively (lossless: greedy output is
+    /// token-identical, sampled output has the same distribution). Without it, the default
+    /// model uses the trained drafter in `checkpoints/` when present (non-interactive runs).
     #[arg(long)]
     pub drafter: Option<PathBuf>,
     /// Decode autoregressively even when a drafter is given or the default one exists (the
@@ -221,7 +221,6 @@ pub fn run(a: InferArgs) -> Result<()> {
         None if !a.no_drafter
             && wants_drafter
             && a.model.model.is_none()
-            && sampling == Sampling::Greedy
             && !a.chat
             && default_drafter.is_dir() =>
         {
@@ -231,13 +230,8 @@ pub fn run(a: InferArgs) -> Result<()> {
         None => None,
     };
     let speculative = !a.no_drafter && (drafter_dir.is_some() || a.draft.is_some());
-    if speculative {
-        if sampling != Sampling::Greedy {
-            bail!("speculative decoding is greedy (lossless); drop --temperature or the drafter");
-        }
-        if a.chat {
-            bail!("--chat with --drafter is not supported yet; use --chat-file for one turn");
-        }
+    if speculative && a.chat {
+        bail!("--chat with --drafter is not supported yet; use --chat-file for one turn");
     }
     let drafter = match drafter_dir {
         Some(dir) if speculative && wants_drafter => Some(load_drafter(dir, &model)?),

@@ -376,6 +376,43 @@ fn every_draft_kind_and_schedule_decodes_like_greedy() {
             assert_eq!(total, sp["blocks"].as_u64().unwrap(), "{v}");
         }
     }
+    // Sampling with a drafter: speculative sampling, seeded.
+    let sampled = |seed: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_kakeya"))
+            .args([
+                "infer",
+                "--model",
+                m.to_str().unwrap(),
+                "--prompt",
+                "w4 w5 w6",
+                "--max-tokens",
+                "16",
+                "--drafter",
+                d.to_str().unwrap(),
+                "--temperature",
+                "0.8",
+                "--top-k",
+                "5",
+                "--seed",
+                seed,
+                "--json",
+                "--no-loop-guard",
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert!(
+            v["stats"]["speculative"]["blocks"].as_u64().unwrap() >= 1,
+            "{v}"
+        );
+        v["tokens"].clone()
+    };
+    assert_eq!(sampled("3"), sampled("3"), "same seed, same tokens");
     // A drafter kind without a drafter, and drafting options with --no-drafter, are refused.
     let err = fails(&[
         "infer",

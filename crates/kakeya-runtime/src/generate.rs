@@ -161,7 +161,7 @@ pub fn generate(
     if cfg.max_tokens == 0 {
         return Err(RuntimeError::Input("max_tokens must be at least 1".into()));
     }
-    let mut sampler = Sampler::new(cfg.sampling.clone());
+    let sampler = Sampler::new(cfg.sampling.clone());
     let ctx = session.model().config.max_position_embeddings;
     let t0 = Instant::now();
     let mut logits = session.prefill(prompt, cfg.prefill_chunk)?;
@@ -170,7 +170,7 @@ pub fn generate(
     let t1 = Instant::now();
     let mut steps = 0;
     let stop_reason = loop {
-        let tok = sampler.pick(&logits);
+        let tok = sampler.pick(&logits, session.len());
         if let Some(reason) = sink.push(tok) {
             break reason;
         }

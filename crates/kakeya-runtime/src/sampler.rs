@@ -1,7 +1,5 @@
 //! Token selection from logits: greedy, or seeded sampling with temperature, top-k, top-p.
 
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
 /// How the next token is chosen. Closed: every mode is listed here.
@@ -24,11 +22,20 @@ pub enum Sampling {
     },
 }
 
-/// A [`Sampling`] with its RNG state.
-#[derive(Debug)]
+/// A [`Sampling`] and its randomness: the token at position `pos` is drawn by inverse CDF
+/// with a uniform that depends only on the seed and `pos`. So a sequence's tokens do not
+/// depend on how the positions were computed — one at a time, or in speculative blocks of
+/// any length — and speculative sampling commits exactly plain sampling's tokens.
+#[derive(Debug, Clone)]
 pub struct Sampler {
     mode: Sampling,
-    rng: StdRng,
+}
+
+/// SplitMix64's finaliser: a bijective mix of 64 bits.
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 /// Index of the largest value (first on ties); `None` for an empty slice.
@@ -45,14 +52,7 @@ pub fn argmax(logits: &[f32]) -> Option<usize> {
 impl Sampler {
     /// A sampler for `mode`.
     pub fn new(mode: Sampling) -> Self {
-        let seed = match mode {
-            Sampling::Sample { seed, .. } => seed,
-            Sampling::Greedy => 0,
-        };
-        Self {
-            mode,
-            rng: StdRng::seed_from_u64(seed),
-        }
+        Self { mode }
     }
 
     /// The mode.
@@ -60,50 +60,99 @@ impl Sampler {
         &self.mode
     }
 
-    /// Picks a token from one row of logits.
-    pub fn pick(&mut self, logits: &[f32]) -> u32 {
+    /// Picks the token at position `pos` from the logits that predict it.
+    pub fn pick(&self, logits: &[f32], pos: usize) -> u32 {
         match self.mode {
             Sampling::Greedy => argmax(logits).unwrap_or(0) as u32,
-            Sampling::Sample {
-                temperature,
-                top_k,
-                top_p,
-                ..
-            } => {
-                let mut idx: Vec<usize> = (0..logits.len()).collect();
-                idx.sort_unstable_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-                if top_k > 0 {
-                    idx.truncate(top_k);
-                }
-                let max = logits[idx[0]];
-                let mut probs: Vec<f64> = idx
-                    .iter()
-                    .map(|&i| (((logits[i] - max) / temperature) as f64).exp())
-                    .collect();
-                let total: f64 = probs.iter().sum();
-                probs.iter_mut().for_each(|p| *p /= total);
-                if top_p < 1.0 {
-                    let mut acc = 0.0;
-                    let keep = probs.iter().position(|p| {
-                        acc += p;
-                        acc >= top_p as f64
-                    });
-                    let keep = keep.map_or(probs.len(), |k| k + 1);
-                    idx.truncate(keep);
-                    probs.truncate(keep);
-                }
-                let total: f64 = probs.iter().sum();
-                let mut r = self.rng.random::<f64>() * total;
-                for (i, p) in idx.iter().zip(&probs) {
-                    r -= p;
-                    if r <= 0.0 {
-                        return *i as u32;
-                    }
-                }
-                *idx.last().expect("non-empty") as u32
+            Sampling::Sample { .. } => {
+                let dist = self.distribution(logits);
+                draw(&dist, self.uniform(pos))
             }
         }
     }
+
+    /// The uniform in `[0, 1)` of position `pos` (53 random bits of the seed and `pos`).
+    pub fn uniform(&self, pos: usize) -> f64 {
+        let seed = match self.mode {
+            Sampling::Sample { seed, .. } => seed,
+            Sampling::Greedy => 0,
+        };
+        let bits = mix(seed ^ mix(pos as u64 ^ 0x9e37_79b9_7f4a_7c15));
+        (bits >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// The distribution [`Self::pick`] draws from: the kept token ids with their
+    /// probabilities (summing to 1) — most likely first when top-k or top-p cut it, in id
+    /// order otherwise. Greedy: the arg-max with probability 1.
+    pub fn distribution(&self, logits: &[f32]) -> Vec<(u32, f64)> {
+        let Sampling::Sample {
+            temperature,
+            top_k,
+            top_p,
+            ..
+        } = self.mode
+        else {
+            return argmax(logits).map_or_else(Vec::new, |i| vec![(i as u32, 1.0)]);
+        };
+        if logits.is_empty() {
+            return Vec::new();
+        }
+        // Most likely first (lower id on ties); only the kept part is sorted.
+        let order = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
+        let mut idx: Vec<usize> = (0..logits.len()).collect();
+        if top_k > 0 && top_k < idx.len() {
+            idx.select_nth_unstable_by(top_k - 1, order);
+            idx.truncate(top_k);
+        }
+        if top_k > 0 || top_p < 1.0 {
+            idx.sort_unstable_by(order);
+        }
+        let max = idx
+            .iter()
+            .map(|&i| logits[i])
+            .fold(f32::NEG_INFINITY, f32::max);
+        let mut probs: Vec<f64> = idx
+            .iter()
+            .map(|&i| (((logits[i] - max) / temperature) as f64).exp())
+            .collect();
+        let total: f64 = probs.iter().sum();
+        probs.iter_mut().for_each(|p| *p /= total);
+        if top_p < 1.0 {
+            let mut acc = 0.0;
+            let keep = probs.iter().position(|p| {
+                acc += p;
+                acc >= top_p as f64
+            });
+            let keep = keep.map_or(probs.len(), |k| k + 1);
+            idx.truncate(keep);
+            probs.truncate(keep);
+            let total: f64 = probs.iter().sum();
+            probs.iter_mut().for_each(|p| *p /= total);
+        }
+        idx.into_iter().map(|i| i as u32).zip(probs).collect()
+    }
+}
+
+/// The token of `dist` ((id, probability) pairs, in their order) where the cumulative
+/// probability first reaches `u` times the total: inverse-CDF sampling.
+///
+/// # Panics
+/// If `dist` is empty.
+pub fn draw(dist: &[(u32, f64)], u: f64) -> u32 {
+    let total: f64 = dist.iter().map(|(_, p)| p).sum();
+    let mut r = u * total;
+    for &(i, p) in dist {
+        r -= p;
+        if r < 0.0 && p > 0.0 {
+            return i;
+        }
+    }
+    dist.iter()
+        .rev()
+        .find(|(_, p)| *p > 0.0)
+        .or(dist.last())
+        .expect("a non-empty distribution")
+        .0
 }
 
 #[cfg(test)]
@@ -113,7 +162,7 @@ mod tests {
     #[test]
     fn greedy_takes_first_max() {
         assert_eq!(
-            Sampler::new(Sampling::Greedy).pick(&[0.0, 3.0, 3.0, 1.0]),
+            Sampler::new(Sampling::Greedy).pick(&[0.0, 3.0, 3.0, 1.0], 0),
             1
         );
     }
@@ -127,15 +176,15 @@ mod tests {
             top_p: 1.0,
             seed,
         };
-        let mut s = Sampler::new(mode(1, 7));
-        assert_eq!(s.pick(&logits), argmax(&logits).unwrap() as u32);
+        let s = Sampler::new(mode(1, 7));
+        assert_eq!(s.pick(&logits, 4), argmax(&logits).unwrap() as u32);
         let a: Vec<u32> = {
-            let mut s = Sampler::new(mode(0, 3));
-            (0..20).map(|_| s.pick(&logits)).collect()
+            let s = Sampler::new(mode(0, 3));
+            (0..20).map(|pos| s.pick(&logits, pos)).collect()
         };
         let b: Vec<u32> = {
-            let mut s = Sampler::new(mode(0, 3));
-            (0..20).map(|_| s.pick(&logits)).collect()
+            let s = Sampler::new(mode(0, 3));
+            (0..20).map(|pos| s.pick(&logits, pos)).collect()
         };
         assert_eq!(a, b);
         assert!(
@@ -146,10 +195,10 @@ mod tests {
 
     /// Draws `n` tokens and returns how often each index came out.
     fn histogram(mode: Sampling, logits: &[f32], n: usize) -> Vec<usize> {
-        let mut s = Sampler::new(mode);
+        let s = Sampler::new(mode);
         let mut h = vec![0; logits.len()];
-        for _ in 0..n {
-            h[s.pick(logits) as usize] += 1;
+        for pos in 0..n {
+            h[s.pick(logits, pos) as usize] += 1;
         }
         h
     }

@@ -26,6 +26,8 @@ pub enum Schedule {
 
 /// Blocks at full length before the schedule starts choosing.
 const WARMUP_BLOCKS: usize = 1;
+/// How much faster than plain decoding a block length must be expected to be to run.
+const MARGIN: f64 = 1.02;
 /// Pseudo-tries a slot's estimate takes from the previous slot's rate (slot 1: from ½).
 const PRIOR_WEIGHT: f64 = 0.5;
 /// Weight of an old observation after each new one.
@@ -111,9 +113,17 @@ impl BlockSchedule {
         (w > 0.0).then(|| s / w)
     }
 
-    /// Estimated verify seconds of a block of `b`: measured, or scaled from the nearest
-    /// measured length by the prior per-row cost.
+    /// Estimated verify seconds of a block of `b`: the largest estimate of any length up to
+    /// `b` (a longer block never costs less; timings are noisy).
     fn verify_secs(&self, b: usize) -> Option<f64> {
+        (1..=b)
+            .filter_map(|m| self.verify_estimate(m))
+            .reduce(f64::max)
+    }
+
+    /// Measured verify seconds of a block of `b`, or scaled from the nearest measured length
+    /// by the prior per-row cost.
+    fn verify_estimate(&self, b: usize) -> Option<f64> {
         if let Some(t) = Self::mean(&self.verify, b) {
             return Some(t);
         }
@@ -136,17 +146,22 @@ impl BlockSchedule {
             .unwrap_or(0.0)
     }
 
-    /// Committed tokens per second of the best length, and that length.
-    fn best(&self) -> Option<(usize, f64)> {
-        let mut best = None;
-        for b in 1..=self.max {
+    /// The length with the most committed tokens per second; speculation must beat plain
+    /// decoding by [`MARGIN`] (so that noise alone does not keep it on).
+    fn best(&self) -> Option<usize> {
+        let rate = |b: usize| -> Option<f64> {
             let cost = self.verify_secs(b)? + self.draft_secs(b);
-            let rate = self.expected_tokens(b) / cost.max(1e-12);
-            if best.is_none_or(|(_, r)| rate > r) {
-                best = Some((b, rate));
+            Some(self.expected_tokens(b) / cost.max(1e-12))
+        };
+        let plain = rate(1)?;
+        let mut best = (1, plain * MARGIN);
+        for b in 2..=self.max {
+            let r = rate(b)?;
+            if r > best.1 {
+                best = (b, r);
             }
         }
-        best
+        Some(best.0)
     }
 
     /// The length of the next block (before the remaining budget caps it).
@@ -155,7 +170,7 @@ impl BlockSchedule {
         if self.schedule == Schedule::Fixed || self.blocks < WARMUP_BLOCKS {
             return self.max;
         }
-        let b = self.best().map_or(self.max, |(b, _)| b);
+        let b = self.best().unwrap_or(self.max);
         if b > 1 {
             self.plain_since_probe = 0;
             return b;

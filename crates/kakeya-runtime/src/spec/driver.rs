@@ -8,10 +8,11 @@ use serde::Serialize;
 use super::accept_greedy;
 use super::adaptive::{BlockSchedule, Schedule, ScheduleStats};
 use super::proposer::Proposer;
+use super::sampled::sampled_posterior;
 use super::verifier::Verifier;
 use crate::error::{Result, RuntimeError};
 use crate::generate::{Generation, GenerationConfig, GenerationStats, StopReason, TokenSink, rate};
-use crate::sampler::{Sampling, argmax};
+use crate::sampler::{Sampler, Sampling};
 
 /// Speculation settings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,8 +72,9 @@ pub struct SpecStats {
     pub verify_secs: f64,
 }
 
-/// Generates greedily from `prompt` with speculation: the output is token-for-token what
-/// [`crate::generate`] produces for the same verifier and `cfg`.
+/// Generates from `prompt` with speculation: the output is token-for-token what
+/// [`crate::generate`] produces for the same verifier and `cfg`, greedy or sampled (the
+/// sampled rule is [`sampled_posterior`]: speculative sampling with position-keyed draws).
 pub fn speculative_generate(
     verifier: &mut Verifier<'_>,
     proposer: &mut dyn Proposer,
@@ -87,11 +89,6 @@ pub fn speculative_generate(
             "block size {} must be between 1 and the context length {ctx}",
             spec.block_size
         )));
-    }
-    if cfg.sampling != Sampling::Greedy {
-        return Err(RuntimeError::Input(
-            "speculative decoding is lossless for greedy decoding only; drop the sampling options or the drafter".into(),
-        ));
     }
     if cfg.max_tokens == 0 {
         return Err(RuntimeError::Input("max_tokens must be at least 1".into()));
@@ -111,7 +108,10 @@ pub fn speculative_generate(
     tokens.extend_from_slice(prompt);
     let mut slot_tried = vec![0usize; spec.block_size.saturating_sub(1)];
     let mut slot_hit = vec![0usize; spec.block_size.saturating_sub(1)];
-    let mut last = argmax(&logits).unwrap_or(0) as u32;
+    let greedy = cfg.sampling == Sampling::Greedy;
+    let sampler = Sampler::new(cfg.sampling.clone());
+    let vocab = verifier.model().config.vocab_size;
+    let mut last = sampler.pick(&logits, prompt.len());
     let mut pos = prompt.len();
     let mut committed_in_decode = 0;
     let stop_reason = 'outer: {
@@ -137,8 +137,14 @@ pub fn speculative_generate(
             block.push(last);
             block.extend(&drafts);
             let tv = Instant::now();
-            let posterior = verifier.verify(&block)?;
+            let posterior = if greedy {
+                verifier.verify(&block)?
+            } else {
+                let rows = verifier.verify_logits(&block)?;
+                sampled_posterior(&rows, vocab, pos + 1, &sampler)
+            };
             let a = accept_greedy(&drafts, &posterior);
+            let next = posterior[a];
             verifier.rollback(pos + a + 1)?;
             let verify_secs = tv.elapsed().as_secs_f64();
             schedule.record(drafts.len(), a, draft_secs, verify_secs);
@@ -152,14 +158,14 @@ pub fn speculative_generate(
                 slot_hit[k] += usize::from(k < a);
             }
             pos += a + 1;
-            for &tok in &posterior[..=a] {
+            for &tok in drafts[..a].iter().chain([&next]) {
                 committed_in_decode += 1;
                 tokens.push(tok);
                 if let Some(r) = sink.push(tok) {
                     break 'outer r;
                 }
             }
-            last = posterior[a];
+            last = next;
         }
     };
     let decode_secs = t1.elapsed().as_secs_f64();

@@ -1,18 +1,22 @@
-//! Lossless greedy speculative decoding, split by role: a [`Proposer`] drafts tokens, the
+//! Lossless speculative decoding (greedy or sampled: token-identical to plain decoding),
+//! split by role: a [`Proposer`] drafts tokens, the
 //! [`Verifier`] checks a whole block in one forward and rolls back the rejected tail, and the
-//! [`driver`] runs the loop. The acceptance rule is the pure function [`accept_greedy`].
+//! [`driver`] runs the loop. The acceptance rule is the pure function [`accept_greedy`] over the
+//! verifier's tokens (arg-max, or [`sampled_posterior`]'s position-keyed draws).
 //! [Leviathan et al., arXiv:2211.17192; DFlash, arXiv:2602.06036]
 
 pub mod adaptive;
 pub mod driver;
 pub mod ngram;
 pub mod proposer;
+pub mod sampled;
 pub mod verifier;
 
 pub use adaptive::{BlockSchedule, Schedule, ScheduleStats};
 pub use driver::{SpecConfig, SpecStats, speculative_generate};
 pub use ngram::{CombinedProposer, NgramMatch, NgramProposer};
 pub use proposer::{DFlashProposer, Proposer, ReplayProposer};
+pub use sampled::sampled_posterior;
 pub use verifier::Verifier;
 
 /// Greedy acceptance: the number of drafts accepted, i.e. the longest prefix with

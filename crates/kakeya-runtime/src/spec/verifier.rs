@@ -84,6 +84,16 @@ impl<'m> Verifier<'m> {
             .collect())
     }
 
+    /// Runs a block like [`Self::verify`] and returns every row's logits, `B × vocab`
+    /// row-major (for sampling).
+    pub fn verify_logits(&mut self, block: &[u32]) -> Result<Vec<f32>> {
+        if block.is_empty() {
+            return Err(RuntimeError::Input("empty block".into()));
+        }
+        let out = self.session.forward(block, Logits::All, &[])?;
+        Ok(logits_row(out.logits.expect("asked for logits")))
+    }
+
     /// Keeps positions `< len` (the accepted part of a block), exactly, and commits them.
     pub fn rollback(&mut self, len: usize) -> Result<()> {
         self.session.truncate(len)

@@ -1,10 +1,11 @@
 #![allow(clippy::print_stdout)]
-//! Times `QuantMatrix::matmul` (1, 8 and 16 input rows) on every quantised tensor kind of a GGUF.
+//! Times `QuantMatrix::matmul` (1, 8 and 16 input rows) on every quantised tensor kind of a GGUF,
+//! with the exact and the int16 kernel side by side (best of 10, interleaved).
 //! Usage: cargo run --release -p kakeya-weights --example qbench -- model.gguf
 use std::time::Instant;
 
 use kakeya_weights::checkpoint::gguf_to_hf;
-use kakeya_weights::{GgufFile, QuantMatrix};
+use kakeya_weights::{GgufFile, Kernel, QuantMatrix, set_kernel};
 
 fn main() {
     let path = std::env::args().nth(1).expect("usage: qbench model.gguf");
@@ -22,21 +23,30 @@ fn main() {
             continue;
         };
         for t_rows in [1usize, 8, 16] {
-            let x = vec![0.5f32; shape[1] * t_rows];
-            let _ = q.matmul(&x, t_rows);
-            let n = 10;
-            let t0 = Instant::now();
-            for _ in 0..n {
-                std::hint::black_box(q.matmul(&x, t_rows));
+            let x: Vec<f32> = (0..shape[1] * t_rows)
+                .map(|i| ((i * 37) % 23) as f32 * 0.07 - 0.7)
+                .collect();
+            // Both kernels, interleaved (ratios survive a machine that drifts).
+            let mut best = [f64::MAX; 2];
+            for _ in 0..10 {
+                for (k, kern) in [Kernel::Exact, Kernel::Int16].into_iter().enumerate() {
+                    set_kernel(kern);
+                    let t0 = Instant::now();
+                    std::hint::black_box(q.matmul(&x, t_rows));
+                    best[k] = best[k].min(t0.elapsed().as_secs_f64());
+                }
             }
-            let s = t0.elapsed().as_secs_f64() / n as f64;
+            let macs = (shape[0] * shape[1] * t_rows) as f64;
             println!(
-                "{:>24} {:?} {:?} t={t_rows:>2}: {:.3} ms, {:.2} GMAC/s",
+                "{:>24} {:?} {:?} t={t_rows:>2}: exact {:.3} ms ({:.1} GMAC/s), int16 {:.3} ms ({:.1} GMAC/s): {:.2}x",
                 t.name,
                 t.ty,
                 shape,
-                s * 1e3,
-                (shape[0] * shape[1] * t_rows) as f64 / s / 1e9
+                best[0] * 1e3,
+                macs / best[0] / 1e9,
+                best[1] * 1e3,
+                macs / best[1] / 1e9,
+                best[0] / best[1]
             );
         }
     }

@@ -14,7 +14,7 @@ const LANES: usize = 8;
 
 /// The canonical lane reduction.
 #[inline(always)]
-fn reduce(a: [f32; LANES]) -> f32 {
+pub(crate) fn reduce(a: [f32; LANES]) -> f32 {
     let b = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
     (b[0] + b[2]) + (b[1] + b[3])
 }

@@ -10,6 +10,7 @@ pub mod error;
 pub mod ftheta;
 pub mod gguf;
 mod kernel;
+mod kernel_i16;
 pub mod quant;
 pub mod tokenizer;
 
@@ -19,5 +20,5 @@ pub use dflash::{DFlashConfig, DraftCheckpoint, StoreDtype};
 pub use error::{Result, WeightsError};
 pub use ftheta::{FThetaCheckpoint, FThetaConfig};
 pub use gguf::GgufFile;
-pub use quant::QuantMatrix;
+pub use quant::{Kernel, QuantMatrix, current_kernel, set_kernel};
 pub use tokenizer::Tokenizer;

@@ -11,10 +11,40 @@
 //! (prefill chunks, speculative verification): four weight rows are rebuilt into f32 once and
 //! multiplied against every input row in register tiles. Rows are split across the rayon pool.
 
+use std::sync::atomic::{AtomicU8, Ordering};
+
 use rayon::prelude::*;
 
 use crate::dequant::GgmlType;
 use crate::kernel;
+use crate::kernel_i16;
+
+/// Which dot-product kernel [`QuantMatrix::matmul`] uses (process-wide).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernel {
+    /// f32 weights rebuilt exactly as the dequantiser does, f32 products: the model's own
+    /// numbers (the default), [`crate::kernel`].
+    Exact,
+    /// Activations rounded to int16 per weight group, integer products: fewer instructions
+    /// per decode step, logits within ~1e-3 of `Exact`'s, [`crate::kernel_i16`].
+    Int16,
+}
+
+static KERNEL: AtomicU8 = AtomicU8::new(0);
+
+/// Chooses the kernel for every later product.
+pub fn set_kernel(k: Kernel) {
+    KERNEL.store(u8::from(k == Kernel::Int16), Ordering::Relaxed);
+}
+
+/// The kernel in use.
+pub fn current_kernel() -> Kernel {
+    if KERNEL.load(Ordering::Relaxed) == 0 {
+        Kernel::Exact
+    } else {
+        Kernel::Int16
+    }
+}
 
 /// Rows of output per parallel task.
 const ROWS_PER_TASK: usize = 32;
@@ -290,10 +320,27 @@ impl QuantMatrix {
             "QuantMatrix::matmul: input has the wrong length"
         );
         let mut by_row = vec![0.0f32; self.rows * t];
-        by_row
-            .par_chunks_mut(ROWS_PER_TASK * t)
-            .enumerate()
-            .for_each(|(task, out)| rows_dispatch(self, task * ROWS_PER_TASK, out, x, t));
+        match current_kernel() {
+            Kernel::Exact => by_row
+                .par_chunks_mut(ROWS_PER_TASK * t)
+                .enumerate()
+                .for_each(|(task, out)| rows_dispatch(self, task * ROWS_PER_TASK, out, x, t)),
+            Kernel::Int16 => {
+                let xq = kernel_i16::QuantInput::new(x, t, self.cols, self.group);
+                let w = kernel_i16::WRows {
+                    q: &self.q,
+                    s: &self.scale,
+                    o: self.offset.as_deref(),
+                };
+                by_row
+                    .par_chunks_mut(ROWS_PER_TASK * t)
+                    .enumerate()
+                    .for_each(|(task, out)| {
+                        let r0 = task * ROWS_PER_TASK;
+                        kernel_i16::rows(&w, r0, out.len() / t, &xq, out);
+                    });
+            }
+        }
         if t == 1 {
             return by_row;
         }
@@ -384,17 +431,24 @@ mod tests {
             let x: Vec<f32> = (0..t * cols)
                 .map(|i| ((i * 31) % 17) as f32 * 0.1 - 0.8)
                 .collect();
-            let y = q.matmul(&x, t);
-            for tt in 0..t {
-                for r in 0..rows {
-                    let want: f64 = (0..cols)
-                        .map(|c| dense[r * cols + c] as f64 * x[tt * cols + c] as f64)
-                        .sum();
-                    let got = y[tt * rows + r] as f64;
-                    assert!(
-                        (got - want).abs() <= 1e-4 * want.abs().max(1.0),
-                        "{ty:?} [{tt},{r}]: {got} vs {want}"
-                    );
+            // Exact kernel: f32 rounding only. Int16: plus the activations' rounding, at most
+            // 2⁻¹⁶ of each group's largest |x| per value — bounded against Σ|w·x|.
+            for (kern, tol) in [(Kernel::Exact, 1e-6), (Kernel::Int16, 2e-5)] {
+                let y = with_kernel(kern, || q.matmul(&x, t));
+                for tt in 0..t {
+                    for r in 0..rows {
+                        let (mut want, mut scale) = (0.0f64, 0.0f64);
+                        for c in 0..cols {
+                            let p = dense[r * cols + c] as f64 * x[tt * cols + c] as f64;
+                            want += p;
+                            scale += p.abs();
+                        }
+                        let got = y[tt * rows + r] as f64;
+                        assert!(
+                            (got - want).abs() <= tol * scale,
+                            "{ty:?} {kern:?} [{tt},{r}]: {got} vs {want} (Σ|w·x| {scale})"
+                        );
+                    }
                 }
             }
         }
@@ -410,16 +464,31 @@ mod tests {
             let x: Vec<f32> = (0..5 * cols)
                 .map(|i| ((i * 37) % 23) as f32 * 0.07 - 0.7)
                 .collect();
-            let all = q.matmul(&x, 5);
-            for tt in 0..5 {
-                let one = q.matmul(&x[tt * cols..(tt + 1) * cols], 1);
-                assert_eq!(
-                    &all[tt * rows..(tt + 1) * rows],
-                    &one[..],
-                    "{ty:?} row {tt}"
-                );
+            for kern in [Kernel::Exact, Kernel::Int16] {
+                let all = with_kernel(kern, || q.matmul(&x, 5));
+                for tt in 0..5 {
+                    let one = with_kernel(kern, || q.matmul(&x[tt * cols..(tt + 1) * cols], 1));
+                    assert_eq!(
+                        &all[tt * rows..(tt + 1) * rows],
+                        &one[..],
+                        "{ty:?} {kern:?} row {tt}"
+                    );
+                }
             }
         }
+    }
+
+    /// Runs `f` under `kernel` (the choice is process-wide: tests that switch it hold a lock).
+    fn with_kernel<T>(kernel: Kernel, f: impl FnOnce() -> T) -> T {
+        static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _guard = LOCK
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let before = current_kernel();
+        set_kernel(kernel);
+        let out = f();
+        set_kernel(before);
+        out
     }
 
     #[test]

@@ -225,15 +225,8 @@ pub fn resolve(
 }
 
 fn write_json_atomic(path: &Path, v: &impl serde::Serialize) -> Result<()> {
-    let tmp = path.with_extension(format!("json.tmp-{}", std::process::id()));
     let body = serde_json::to_string_pretty(v).expect("serialisable");
-    let res = std::fs::write(&tmp, body)
-        .and_then(|()| std::fs::rename(&tmp, path))
-        .map_err(|e| CaptureError::io(path, e));
-    if res.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    res
+    kakeya_weights::fsio::write_file(path, body.as_bytes()).map_err(|e| CaptureError::io(path, e))
 }
 
 /// Reads `dir/manifest.json`.
@@ -326,9 +319,8 @@ fn write_shard(
 ) -> Result<ShardInfo> {
     let file = Manifest::shard_file(index);
     let path = dir.join(&file);
-    let tmp = dir.join(format!(".{file}.tmp-{}", std::process::id()));
-    let result = (|| -> Result<usize> {
-        let f = File::create(&tmp).map_err(|e| CaptureError::io(&tmp, e))?;
+    let tmp = kakeya_weights::fsio::temp_sibling(&path);
+    let fill = |f: &mut File| -> Result<usize> {
         let props = WriterProperties::builder()
             .set_compression(Compression::ZSTD(
                 ZstdLevel::try_new(cfg.output.zstd_level)
@@ -368,20 +360,12 @@ fn write_shard(
             });
         }
         let inner = w.into_inner().map_err(|e| CaptureError::parquet(&tmp, e))?;
-        let f = inner
+        inner
             .into_inner()
             .map_err(|e| CaptureError::io(&tmp, e.into_error()))?;
-        f.sync_all().map_err(|e| CaptureError::io(&tmp, e))?;
         Ok(rows)
-    })();
-    let rows = match result {
-        Ok(r) => r,
-        Err(e) => {
-            let _ = std::fs::remove_file(&tmp);
-            return Err(e);
-        }
     };
-    std::fs::rename(&tmp, &path).map_err(|e| CaptureError::io(&path, e))?;
+    let rows = kakeya_weights::fsio::write_file_with(&path, fill, |p, e| CaptureError::io(p, e))?;
     let bytes = std::fs::metadata(&path)
         .map_err(|e| CaptureError::io(&path, e))?
         .len();
@@ -550,10 +534,7 @@ pub fn merge(out: &Path, inputs: &[PathBuf]) -> Result<Manifest> {
         }
         for s in &m.shards {
             let (from, to) = (dir.join(&s.file), out.join(&s.file));
-            let tmp = out.join(format!(".{}.tmp-{}", s.file, std::process::id()));
-            std::fs::copy(&from, &tmp)
-                .and_then(|_| std::fs::rename(&tmp, &to))
-                .map_err(|e| CaptureError::io(&to, e))?;
+            kakeya_weights::fsio::copy_file(&from, &to).map_err(|e| CaptureError::io(&to, e))?;
         }
         let acc = merged.get_or_insert_with(|| Manifest {
             shards: Vec::new(),

@@ -2,10 +2,11 @@
 //! commit horizon.
 //!
 //! Positions in the caches are committed unless a [`Session::truncate`] removes them before the
-//! next forward. Committing appends the positions' compact-store rows (the drafter's context
-//! K/V, projected from the verifier's hidden states at the drafter's target layers), so the
-//! store only ever holds committed positions — what the proposer drafts from and what
-//! restoration rebuilds from.
+//! next forward. Committed positions get their compact-store rows (the drafter's context K/V,
+//! projected from the verifier's hidden states at the drafter's target layers) — in one batch
+//! when the store is next read, or at once in the restored modes — so the store only ever
+//! holds committed positions: what the proposer drafts from and what restoration rebuilds
+//! from.
 
 use burn::tensor::Tensor;
 use kakeya_models::{
@@ -82,8 +83,16 @@ pub struct Session<'m> {
     drafter: Option<&'m DFlashDrafter>,
     /// Hidden states at the drafter's target layers of positions `from..`, not yet committed.
     pending: Option<(usize, Tensor<2>)>,
+    /// Committed positions whose store rows are not computed yet, as (first position, hidden
+    /// states) chunks in order: the rows are computed in one batch when the store is read
+    /// (a draft), when [`BACKLOG_MAX`] positions wait, or at once in the restored modes, so
+    /// plain decode steps between drafts pay no drafter projections.
+    backlog: Vec<(usize, Tensor<2>)>,
     len: usize,
 }
+
+/// Most committed positions that wait for their store rows.
+const BACKLOG_MAX: usize = 64;
 
 impl<'m> Session<'m> {
     /// An empty sequence with the model's native caches; rings keep `slack` positions of
@@ -126,6 +135,7 @@ impl<'m> Session<'m> {
             ),
             drafter: setup.drafter,
             pending: None,
+            backlog: Vec::new(),
             len: 0,
         })
     }
@@ -150,9 +160,18 @@ impl<'m> Session<'m> {
         &self.policy
     }
 
-    /// Bytes of K/V held, by part.
+    /// Bytes of K/V held, by part (hidden states waiting for their store rows count as store).
     pub fn kv_bytes(&self) -> KvBytes {
-        self.kv.bytes()
+        let mut b = self.kv.bytes();
+        let waiting: usize = self
+            .backlog
+            .iter()
+            .map(|(_, h)| h.dims().iter().product::<usize>() * 4)
+            .sum();
+        b.store += waiting;
+        b.total += waiting;
+        b.ratio_to_full_f16 = b.full_f16 as f64 / b.total.max(1) as f64;
+        b
     }
 
     /// The KV state (inspection and tests).
@@ -160,12 +179,14 @@ impl<'m> Session<'m> {
         &self.kv
     }
 
-    /// The compact store (up to date with every committed position), when there is one.
-    pub fn store_mut(&mut self) -> Option<&mut CompactStore> {
-        self.kv.store_mut()
+    /// The compact store, brought up to date with every committed position, when there is one.
+    pub fn store_mut(&mut self) -> Result<Option<&mut CompactStore>> {
+        self.flush_backlog()?;
+        Ok(self.kv.store_mut())
     }
 
-    /// Commits every position in the caches: appends the pending store rows.
+    /// Commits every position in the caches: their hidden states join the backlog of store
+    /// rows (computed at once in the restored modes, whose forwards read the store).
     pub fn commit(&mut self) -> Result<()> {
         let Some((from, aux)) = self.pending.take() else {
             return Ok(());
@@ -174,9 +195,24 @@ impl<'m> Session<'m> {
         if n == 0 {
             return Ok(());
         }
-        let d = self.drafter.expect("pending rows only with a drafter");
         let w = aux.dims()[1];
-        let (k, v) = d.context_rows(aux.slice([0..n, 0..w]))?;
+        self.backlog.push((from, aux.slice([0..n, 0..w])));
+        let waiting = self.len - self.backlog[0].0;
+        if self.policy.mode.restores() || waiting >= BACKLOG_MAX {
+            self.flush_backlog()?;
+        }
+        Ok(())
+    }
+
+    /// Computes the store rows of the backlog in one batch and appends them.
+    fn flush_backlog(&mut self) -> Result<()> {
+        if self.backlog.is_empty() {
+            return Ok(());
+        }
+        let from = self.backlog[0].0;
+        let aux = Tensor::cat(self.backlog.drain(..).map(|(_, h)| h).collect(), 0);
+        let d = self.drafter.expect("store rows only with a drafter");
+        let (k, v) = d.context_rows(aux)?;
         let store = self.kv.store_mut().expect("a drafter comes with a store");
         if store.len() != from {
             return Err(RuntimeError::Input(format!(
@@ -256,6 +292,14 @@ impl<'m> Session<'m> {
             && store.len() > len
         {
             store.truncate(len);
+        }
+        // Waiting rows past `len` go too.
+        self.backlog.retain(|(from, _)| *from < len);
+        if let Some((from, h)) = self.backlog.last_mut()
+            && *from + h.dims()[0] > len
+        {
+            let w = h.dims()[1];
+            *h = h.clone().slice([0..len - *from, 0..w]);
         }
         if self.pending.as_ref().is_some_and(|(from, _)| *from > len) {
             self.pending = None;

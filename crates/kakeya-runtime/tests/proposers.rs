@@ -117,8 +117,14 @@ fn adaptive_schedule_is_lossless_and_follows_draft_quality() {
             out.push(g.spec.unwrap());
         }
         let by_len = |k: usize| out[k].schedule_stats.blocks_by_length.clone();
-        // Always-right drafts: full blocks throughout (the last one cut to the budget).
-        assert!(by_len(0)[7] + 1 >= out[0].blocks, "{:?}", by_len(0));
+        // Always-right drafts: mostly long blocks (the first has one draft and lengths grow
+        // slot by slot; a tiny model's timings are noisy, so the exact lengths vary — the
+        // schedule's choices under exact costs are unit-tested in `spec::adaptive`).
+        assert!(
+            out[0].mean_acceptance_length >= 4.0 && by_len(0)[7] >= 6,
+            "{:?}",
+            by_len(0)
+        );
         // Always-wrong drafts: mostly plain steps (the measured costs of a tiny model are
         // noisy, so an odd block may still be tried), and rare probes.
         assert!(by_len(2)[0] > 90, "{:?}", by_len(2));

@@ -297,7 +297,7 @@ fn random_accept_counts_leave_caches_as_if_only_committed_tokens_were_seen() {
 
         // The compact store: exactly the committed positions, the same rows as one drafter
         // projection of their aux hidden states.
-        let store = ver.store_mut().unwrap();
+        let store = ver.store_mut().unwrap().unwrap();
         let ctx_len = store.len();
         assert_eq!(ctx_len, held, "the store holds every committed position");
         let (sk, sv) = store.read(0..ctx_len).unwrap();

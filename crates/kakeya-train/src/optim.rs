@@ -3,6 +3,18 @@
 
 use burn::tensor::Tensor;
 
+/// The learning-rate schedule of both trainers, at 0-based step `t` of `steps`: linear warm-up
+/// from `peak / warmup` to `peak` over the first `warmup` steps, then a half cosine from `peak`
+/// down to `floor`, reached at the last step.
+pub fn warmup_cosine(t: usize, steps: usize, warmup: usize, peak: f64, floor: f64) -> f64 {
+    if t < warmup {
+        return peak * (t + 1) as f64 / warmup as f64;
+    }
+    let span = steps.saturating_sub(warmup).max(1) as f64;
+    let progress = ((t + 1 - warmup) as f64 / span).min(1.0);
+    floor + 0.5 * (peak - floor) * (1.0 + (std::f64::consts::PI * progress).cos())
+}
+
 /// Moments of one parameter.
 #[derive(Debug, Clone)]
 pub struct Moments {

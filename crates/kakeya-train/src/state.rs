@@ -93,9 +93,7 @@ pub fn replace_dir(out: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Result
     Ok(())
 }
 
-/// Writes `path` through a temporary sibling and a rename.
+/// Writes `path` atomically ([`kakeya_weights::fsio::write_file`]).
 pub fn write_file_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
-    std::fs::write(&tmp, bytes).map_err(|e| TrainError::io(&tmp, e))?;
-    std::fs::rename(&tmp, path).map_err(|e| TrainError::io(path, e))
+    kakeya_weights::fsio::write_file(path, bytes).map_err(|e| TrainError::io(path, e))
 }

@@ -7,6 +7,7 @@ pub mod config;
 pub mod dequant;
 pub mod dflash;
 pub mod error;
+pub mod fsio;
 pub mod ftheta;
 pub mod gguf;
 mod kernel;

@@ -2,15 +2,16 @@
 //! request so that it is never much slower than plain decoding.
 //!
 //! The adaptive schedule keeps, per draft slot `k`, the decayed rate at which a slot that was
-//! reached (every earlier draft accepted) is accepted, `p_k`, and the measured seconds of a
-//! draft and of a verify forward per block length `b`. A block of `b` then commits
+//! reached (every earlier draft accepted) is accepted, `p_k`, the measured seconds of a draft
+//! per block length, and a line fitted to the measured seconds of verify forwards against the
+//! block length `b`. A block of `b` then commits
 //! `E(b) = 1 + Σ_{k<b} Π_{j≤k} p_j` tokens in expectation for `T_d(b) + T_v(b)` seconds
 //! (`b = 1` is a plain decode step: no draft). Each block uses the `b` with the most
 //! committed tokens per second. A slot with little evidence leans on the previous slot's rate,
 //! so lengths grow one slot at a time while drafts keep being accepted. While plain decoding
 //! wins, a cheap probe (one draft) runs now and then — the interval doubles after each probe
 //! that loses, up to [`MAX_PROBE_INTERVAL`] steps — so that the schedule notices when drafts
-//! get good again; a probe that wins forgets the later slots' old failures.
+//! get good again; a probe that wins forgets the old per-slot evidence.
 
 use serde::Serialize;
 
@@ -24,7 +25,8 @@ pub enum Schedule {
     Adaptive,
 }
 
-/// Blocks at full length before the schedule starts choosing.
+/// Probe-length blocks (one draft) before the schedule starts choosing: a request starts
+/// cheaply, and lengths grow slot by slot while drafts are accepted.
 const WARMUP_BLOCKS: usize = 1;
 /// How much faster than plain decoding a block length must be expected to be to run.
 const MARGIN: f64 = 1.02;
@@ -62,6 +64,8 @@ pub struct BlockSchedule {
     slots: Vec<(f64, f64)>,
     /// Decayed (sum, weight) of seconds per block length, verify and draft.
     verify: Vec<(f64, f64)>,
+    /// Decayed sums of the verify cost fit: weight, x, x², y, x·y (x = length − 1, y = secs).
+    fit: [f64; 5],
     draft: Vec<(f64, f64)>,
     blocks: usize,
     plain_since_probe: usize,
@@ -79,6 +83,7 @@ impl BlockSchedule {
             max,
             slots: vec![(0.0, 0.0); max - 1],
             verify: vec![(0.0, 0.0); max],
+            fit: [0.0; 5],
             draft: vec![(0.0, 0.0); max],
             blocks: 0,
             plain_since_probe: 0,
@@ -113,25 +118,27 @@ impl BlockSchedule {
         (w > 0.0).then(|| s / w)
     }
 
-    /// Estimated verify seconds of a block of `b`: the largest estimate of any length up to
-    /// `b` (a longer block never costs less; timings are noisy).
+    /// Estimated verify seconds of a block of `b`: a line `α + β·(b − 1)` fitted by decayed
+    /// least squares to every verify measured on this request (so one noisy timing of a length
+    /// that is rarely run cannot stick); with one length measured so far, the prior per-row
+    /// cost sets the slope. `None` before any measurement.
     fn verify_secs(&self, b: usize) -> Option<f64> {
-        (1..=b)
-            .filter_map(|m| self.verify_estimate(m))
-            .reduce(f64::max)
-    }
-
-    /// Measured verify seconds of a block of `b`, or scaled from the nearest measured length
-    /// by the prior per-row cost.
-    fn verify_estimate(&self, b: usize) -> Option<f64> {
-        if let Some(t) = Self::mean(&self.verify, b) {
-            return Some(t);
+        let [s0, s1, s2, sy, sxy] = self.fit;
+        if s0 <= 0.0 {
+            return None;
         }
-        let near = (1..=self.max)
-            .filter(|&m| Self::mean(&self.verify, m).is_some())
-            .min_by_key(|&m| m.abs_diff(b))?;
-        let scale = |n: usize| 1.0 + PRIOR_ROW_COST * (n - 1) as f64;
-        Some(Self::mean(&self.verify, near)? * scale(b) / scale(near))
+        let x = (b - 1) as f64;
+        let det = s0 * s2 - s1 * s1;
+        let (alpha, beta) = if det > 1e-9 * s0 * s0 {
+            let beta = ((s0 * sxy - s1 * sy) / det).max(0.0);
+            ((sy - beta * s1) / s0, beta)
+        } else {
+            // One length so far: the mean at the mean length, the prior's slope.
+            let (xm, ym) = (s1 / s0, sy / s0);
+            let alpha = ym / (1.0 + PRIOR_ROW_COST * xm);
+            (alpha, PRIOR_ROW_COST * alpha)
+        };
+        Some((alpha + beta * x).max(1e-9))
     }
 
     /// Estimated draft seconds for a block of `b` (the nearest measured length; 0 for `b = 1`).
@@ -167,8 +174,11 @@ impl BlockSchedule {
     /// The length of the next block (before the remaining budget caps it).
     pub fn next_len(&mut self) -> usize {
         self.probing = false;
-        if self.schedule == Schedule::Fixed || self.blocks < WARMUP_BLOCKS {
+        if self.schedule == Schedule::Fixed {
             return self.max;
+        }
+        if self.blocks < WARMUP_BLOCKS {
+            return 2.min(self.max);
         }
         let b = self.best().unwrap_or(self.max);
         if b > 1 {
@@ -216,6 +226,14 @@ impl BlockSchedule {
         }
         let add = |v: &mut (f64, f64), x: f64| *v = (DECAY * v.0 + x, DECAY * v.1 + 1.0);
         add(&mut self.verify[b - 1], verify_secs);
+        let x = (b - 1) as f64;
+        for (f, v) in self
+            .fit
+            .iter_mut()
+            .zip([1.0, x, x * x, verify_secs, x * verify_secs])
+        {
+            *f = DECAY * *f + v;
+        }
         if drafted > 0 {
             add(&mut self.draft[b - 1], draft_secs);
         }

@@ -127,7 +127,7 @@ pub fn speculative_generate(
             let b = schedule.next_len().min(ctx - pos).min(remaining).max(1);
             let td = Instant::now();
             let mut drafts = if b > 1 {
-                proposer.propose(&tokens, b - 1, verifier.store_mut())?
+                proposer.propose(&tokens, b - 1, verifier.store_mut()?)?
             } else {
                 Vec::new()
             };

@@ -78,8 +78,12 @@ impl Proposer for NgramProposer {
 
 /// Prompt lookup when the context backs it, a model drafter otherwise: the n-gram draft is
 /// used when its tail match is at least `min_match` tokens long (the earlier text agrees with
-/// more of the context than a single token), else the drafter drafts. The lookup costs no
-/// forward, so it is always tried first.
+/// more of the context than a single token), else the drafter drafts — while it earns its
+/// forward. The lookup costs no forward, so it is always tried first. The proposer watches
+/// what the drafter's drafts became (the tokens committed by the next call) and keeps a
+/// running mean of drafts accepted per drafter call; below [`CombinedProposer::min_gain`] the
+/// drafter sits out (the block is a plain step) except for one call in
+/// [`CombinedProposer::retry_every`], so a weak drafter costs little and a good one is used.
 pub struct CombinedProposer<'p> {
     /// The lookup.
     pub ngram: NgramProposer,
@@ -87,19 +91,55 @@ pub struct CombinedProposer<'p> {
     pub min_match: usize,
     /// The fallback.
     pub model: Box<dyn Proposer + 'p>,
-    /// Blocks drafted by the lookup and by the model.
-    pub counts: (usize, usize),
+    /// Accepted drafts per drafter call below which the drafter sits out.
+    pub min_gain: f64,
+    /// While sitting out, the drafter still drafts once per this many calls.
+    pub retry_every: usize,
+    /// Blocks drafted by the lookup, by the model, and left to plain decoding.
+    pub counts: (usize, usize, usize),
+    /// Running mean of drafts accepted per drafter call (starts optimistic).
+    gain: f64,
+    /// The last drafter call: sequence length then, and its drafts.
+    last: Option<(usize, Vec<u32>)>,
+    idle: usize,
 }
 
 impl<'p> CombinedProposer<'p> {
-    /// Lookup over tails of 3 to 1 tokens, used from 2 matched tokens, then `model`.
+    /// Lookup over tails of 3 to 1 tokens, used from 2 matched tokens, then `model` while it
+    /// gets at least one draft per call accepted.
     pub fn new(model: Box<dyn Proposer + 'p>) -> Self {
         Self {
             ngram: NgramProposer::default(),
             min_match: 2,
             model,
-            counts: (0, 0),
+            min_gain: 1.0,
+            retry_every: 32,
+            counts: (0, 0, 0),
+            gain: 2.0,
+            last: None,
+            idle: 0,
         }
+    }
+
+    /// Running mean of drafts accepted per drafter call.
+    pub fn drafter_gain(&self) -> f64 {
+        self.gain
+    }
+
+    /// Scores the previous drafter call against what was committed since.
+    fn score_last(&mut self, tokens: &[u32]) {
+        let Some((len, drafts)) = self.last.take() else {
+            return;
+        };
+        let Some(committed) = tokens.get(len..) else {
+            return; // rolled back past it: nothing to learn
+        };
+        let accepted = drafts
+            .iter()
+            .zip(committed)
+            .take_while(|(d, c)| d == c)
+            .count();
+        self.gain = 0.8 * self.gain + 0.2 * accepted as f64;
     }
 }
 
@@ -110,6 +150,7 @@ impl Proposer for CombinedProposer<'_> {
         n: usize,
         store: Option<&mut CompactStore>,
     ) -> Result<Vec<u32>> {
+        self.score_last(tokens);
         if let (Some(m), d) = self.ngram.draft(tokens, n)
             && m.len >= self.min_match
             && !d.is_empty()
@@ -117,8 +158,16 @@ impl Proposer for CombinedProposer<'_> {
             self.counts.0 += 1;
             return Ok(d);
         }
+        if self.gain < self.min_gain && self.idle + 1 < self.retry_every {
+            self.idle += 1;
+            self.counts.2 += 1;
+            return Ok(Vec::new());
+        }
+        self.idle = 0;
         self.counts.1 += 1;
-        self.model.propose(tokens, n, store)
+        let d = self.model.propose(tokens, n, store)?;
+        self.last = Some((tokens.len(), d.clone()));
+        Ok(d)
     }
 
     fn drafter(&self) -> Option<&kakeya_models::DFlashDrafter> {
@@ -180,6 +229,32 @@ mod tests {
         assert_eq!(c.propose(&[2, 3, 4, 2, 3], 2, None).unwrap(), vec![4, 2]);
         // Only a one-token match: the model drafts.
         assert_eq!(c.propose(&[2, 8, 4, 2], 2, None).unwrap(), vec![42, 43]);
-        assert_eq!(c.counts, (1, 1));
+        assert_eq!(c.counts, (1, 1, 0));
+    }
+
+    #[test]
+    fn a_drafter_that_earns_nothing_sits_out_and_is_retried() {
+        let mut c = CombinedProposer::new(Box::new(Fixed(vec![42, 43])));
+        // Distinct tokens: never a lookup match. Each drafter call is followed by a commit
+        // that rejects its drafts (token 7 instead of 42).
+        let mut seq: Vec<u32> = vec![100];
+        let mut drafted = 0;
+        for i in 0..200u32 {
+            let d = c.propose(&seq, 2, None).unwrap();
+            drafted += usize::from(!d.is_empty());
+            seq.push(1000 + i);
+        }
+        assert!(c.drafter_gain() < c.min_gain, "{}", c.drafter_gain());
+        // A few calls while the optimistic start wears off, then one in 32.
+        assert!((6..=16).contains(&drafted), "{drafted} drafter calls");
+        // A drafter whose drafts are all accepted keeps drafting.
+        let mut c = CombinedProposer::new(Box::new(Fixed(vec![42, 43])));
+        let mut seq: Vec<u32> = vec![100];
+        for _ in 0..50 {
+            assert_eq!(c.propose(&seq, 2, None).unwrap(), vec![42, 43]);
+            seq.extend([42, 43, 9]);
+            seq.push(seq.len() as u32 + 500); // keep the tail unmatched
+        }
+        assert!(c.drafter_gain() > 1.9, "{}", c.drafter_gain());
     }
 }

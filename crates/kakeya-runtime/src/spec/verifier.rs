@@ -55,8 +55,8 @@ impl<'m> Verifier<'m> {
         &self.session
     }
 
-    /// The compact store, up to date with every committed position.
-    pub fn store_mut(&mut self) -> Option<&mut CompactStore> {
+    /// The compact store, brought up to date with every committed position.
+    pub fn store_mut(&mut self) -> Result<Option<&mut CompactStore>> {
         self.session.store_mut()
     }
 

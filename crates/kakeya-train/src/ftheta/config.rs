@@ -264,18 +264,11 @@ impl FThetaTrainConfig {
             })
     }
 
-    /// Learning rate of 0-based step `t`: linear warm-up from `lr / warmup` to `lr` over the
-    /// first `warmup_steps` steps, then a half cosine from `lr` down to `lr / 100`, reached at
-    /// the last step.
+    /// Learning rate of 0-based step `t`: [`crate::optim::warmup_cosine`] from `lr` down to
+    /// `lr / 100`.
     pub fn lr_at(&self, t: usize) -> f64 {
         let o = &self.train;
-        let (peak, floor) = (o.lr, o.lr / 100.0);
-        if t < o.warmup_steps {
-            return peak * (t + 1) as f64 / o.warmup_steps as f64;
-        }
-        let span = (o.steps - o.warmup_steps) as f64;
-        let progress = ((t + 1 - o.warmup_steps) as f64 / span).min(1.0);
-        floor + 0.5 * (peak - floor) * (1.0 + (std::f64::consts::PI * progress).cos())
+        crate::optim::warmup_cosine(t, o.steps, o.warmup_steps, o.lr, o.lr / 100.0)
     }
 }
 

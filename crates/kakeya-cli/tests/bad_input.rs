@@ -6,7 +6,7 @@ use std::process::Command;
 
 mod common;
 
-use common::fails;
+use common::{fails, run_ok};
 use kakeya_models::testing::Scratch;
 use kakeya_models::testing::{
     drafter_config, random_drafter, tiny_config, word_level_tokenizer_json,
@@ -355,16 +355,7 @@ fn every_draft_kind_and_schedule_decodes_like_greedy() {
             if let Some(b) = block {
                 args.extend(["--block-size", b]);
             }
-            let out = Command::new(env!("CARGO_BIN_EXE_kakeya"))
-                .args(&args)
-                .output()
-                .unwrap();
-            assert!(
-                out.status.success(),
-                "{kind} {block:?}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            let v: serde_json::Value = serde_json::from_str(&run_ok(&args)).unwrap();
             let st = &v["stats"];
             assert_eq!(st["identical_to_ar"], true, "{kind} {block:?}: {v}");
             let sp = &st["speculative"];
@@ -378,34 +369,26 @@ fn every_draft_kind_and_schedule_decodes_like_greedy() {
     }
     // Sampling with a drafter: speculative sampling, seeded.
     let sampled = |seed: &str| {
-        let out = Command::new(env!("CARGO_BIN_EXE_kakeya"))
-            .args([
-                "infer",
-                "--model",
-                m.to_str().unwrap(),
-                "--prompt",
-                "w4 w5 w6",
-                "--max-tokens",
-                "16",
-                "--drafter",
-                d.to_str().unwrap(),
-                "--temperature",
-                "0.8",
-                "--top-k",
-                "5",
-                "--seed",
-                seed,
-                "--json",
-                "--no-loop-guard",
-            ])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let out = run_ok(&[
+            "infer",
+            "--model",
+            m.to_str().unwrap(),
+            "--prompt",
+            "w4 w5 w6",
+            "--max-tokens",
+            "16",
+            "--drafter",
+            d.to_str().unwrap(),
+            "--temperature",
+            "0.8",
+            "--top-k",
+            "5",
+            "--seed",
+            seed,
+            "--json",
+            "--no-loop-guard",
+        ]);
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
         assert!(
             v["stats"]["speculative"]["blocks"].as_u64().unwrap() >= 1,
             "{v}"

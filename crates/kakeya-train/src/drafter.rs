@@ -7,15 +7,15 @@
 //! Slot 0 holds the anchor token (known), slots `1..B` the mask token; slot `k` is trained to
 //! predict the verifier's token at `a_j + k` with weight `exp(-(k-1)/γ)`. This is exactly what
 //! the runtime's drafter computes for one block whose context is positions `0..a_j` (the same
-//! math as [`kakeya_models::DFlashDrafter::forward`], checked in the tests).
+//! code as [`kakeya_models::DFlashDrafter::forward`]: both run
+//! [`kakeya_models::dflash::DraftWeights::blocks`]).
 
 use std::collections::{BTreeMap, HashMap};
 
-use burn::tensor::activation::{log_softmax, silu};
+use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use kakeya_models::norm::RmsNorm;
-use kakeya_models::rope::Rope;
-use kakeya_models::sdpa::grouped_attention;
+use kakeya_models::dflash::{BlockGroup, DraftHead, DraftWeights, accepted_drafts};
+use kakeya_models::linear::Linear;
 use kakeya_weights::{DFlashConfig, DraftCheckpoint, HostTensor};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -44,8 +44,8 @@ pub struct Frozen {
     pub embed: Tensor<2>,
     /// `√hidden`, Gemma's embedding multiplier.
     pub embed_scale: f32,
-    /// `[draft_vocab, hidden]`.
-    pub head: Tensor<2>,
+    /// The runtime's head: the tied embedding, or its rows of the draft vocabulary.
+    pub head: DraftHead,
     /// Draft id of each verifier token (`None`: not in the draft vocabulary).
     pub t2d: Vec<Option<u32>>,
 }
@@ -55,25 +55,26 @@ impl Frozen {
     /// vocabulary).
     pub fn new(embed: Tensor<2>, hidden: usize, d2t: Option<&[u32]>) -> Self {
         let [vocab, _] = embed.dims();
-        let device = embed.device();
-        let (head, t2d) = match d2t {
-            None => (embed.clone(), (0..vocab as u32).map(Some).collect()),
-            Some(map) => {
-                let ids: Vec<i64> = map.iter().map(|&t| i64::from(t)).collect();
-                let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [map.len()]), &device);
-                let mut t2d = vec![None; vocab];
-                for (d, &t) in map.iter().enumerate() {
-                    t2d[t as usize] = Some(d as u32);
-                }
-                (embed.clone().select(0, ids), t2d)
-            }
-        };
+        let head = DraftHead::new(
+            Linear::dense(embed.clone()),
+            &embed,
+            d2t.map(<[u32]>::to_vec),
+        );
         Self {
+            t2d: head.to_draft(vocab),
             embed,
             embed_scale: (hidden as f32).sqrt(),
             head,
-            t2d,
         }
+    }
+
+    /// Greedy draft ids per block (`[blocks][B−1]`, verifier ids) from slot logits.
+    pub fn greedy(&self, logits: &SlotLogits, slots: usize) -> Vec<Vec<u32>> {
+        self.head
+            .greedy(logits.0.clone())
+            .chunks(slots)
+            .map(<[u32]>::to_vec)
+            .collect()
     }
 }
 
@@ -231,29 +232,20 @@ impl DrafterParams {
                 t
             }
         };
-        let w = |name: &str| weights[self.index[name]].clone();
-        let norm = |name: &str| {
-            let t = w(name);
-            let n = t.dims()[1];
-            RmsNorm {
-                scale: t.reshape([n]),
-                eps: c.rms_norm_eps,
-            }
-        };
-        let lin = |x: Tensor<2>, name: &str| x.matmul(w(name).transpose());
-        let (h, bsz, hd) = (c.hidden_size, c.block_size, c.head_dim);
-        let (hq, hkv) = (c.num_attention_heads, c.num_key_value_heads);
+        let drafter = DraftWeights::from_named(c, |name| Ok(weights[self.index[name]].clone()))
+            .expect("the parameters hold every drafter tensor");
+        let (bsz, hq, hkv) = (c.block_size, c.num_attention_heads, c.num_key_value_heads);
         let nb = batch.blocks();
         let rows = nb * bsz;
         let n_ctx: usize = batch.spans.iter().map(|s| s.0.1).sum();
-        let width = c.target_layer_ids.len() * h;
+        let width = c.target_layer_ids.len() * c.hidden_size;
 
-        // Context: hidden_norm(fc(aux)), [Σ len, hidden].
+        // Context keys/values of every sequence, as a runtime store holds them.
         let ctx = constant(Tensor::from_data(
             TensorData::new(batch.ctx.clone(), [n_ctx, width]),
             &device,
         ));
-        let ctx = norm("hidden_norm.weight").forward(lin(ctx, "fc.weight"));
+        let ctx_kv = drafter.context_rows(c, ctx);
 
         // Block input: the scaled embedding of [anchor, mask, ..., mask] per block.
         let mut ids = Vec::with_capacity(rows);
@@ -262,7 +254,7 @@ impl DrafterParams {
             ids.extend(std::iter::repeat_n(i64::from(c.mask_token_id), bsz - 1));
         }
         let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [rows]), &frozen.embed.device());
-        let mut x = constant(
+        let x = constant(
             frozen
                 .embed
                 .clone()
@@ -270,82 +262,31 @@ impl DrafterParams {
                 .mul_scalar(frozen.embed_scale),
         );
 
-        // RoPE tables: context rows at their positions, block slots at anchor + k.
-        let rope = Rope::new(hd, c.rope_theta, 1.0);
+        // Context rows at their positions, block slots at anchor + k; one group per sequence.
         let mut ctx_pos = Vec::with_capacity(n_ctx);
         for &((_, len), _) in &batch.spans {
             ctx_pos.extend(0..len);
         }
         let blk_pos: Vec<usize> = batch.anchors.iter().flat_map(|&a| a..a + bsz).collect();
-        let (ctx_cos, ctx_sin) = rope.tables(&ctx_pos, &device);
-        let (blk_cos, blk_sin) = rope.tables(&blk_pos, &device);
-        let masks: Vec<Tensor<3>> = batch
+        let groups: Vec<BlockGroup> = batch
             .spans
             .iter()
-            .map(|&((_, len), (b0, nblk))| {
-                constant3(
+            .map(|&((c0, len), (b0, nblk))| BlockGroup {
+                context: c0..c0 + len,
+                rows: b0 * bsz..(b0 + nblk) * bsz,
+                mask: Some(constant3(
                     block_mask(&batch.anchors[b0..b0 + nblk], len, bsz, hq / hkv),
                     &device,
-                )
+                )),
             })
             .collect();
-        let heads = |t: Tensor<2>, n: usize| {
-            let nh = t.dims()[1] / hd;
-            t.reshape([n, nh, hd]).swap_dims(0, 1)
-        };
-        let scale = (hd as f64).powf(-0.5);
-
-        for l in 0..c.num_hidden_layers {
-            let p = |s: &str| format!("layers.{l}.{s}");
-            let xn = norm(&p("input_layernorm.weight")).forward(x.clone());
-            let q = heads(lin(xn.clone(), &p("self_attn.q_proj.weight")), rows);
-            let q = norm(&p("self_attn.q_norm.weight")).forward(q);
-            let q = Rope::apply(q, &blk_cos, &blk_sin);
-            let kn = norm(&p("self_attn.k_norm.weight"));
-            let kb = kn.forward(heads(lin(xn.clone(), &p("self_attn.k_proj.weight")), rows));
-            let kb = Rope::apply(kb, &blk_cos, &blk_sin);
-            let vb = heads(lin(xn, &p("self_attn.v_proj.weight")), rows);
-            let kc = kn.forward(heads(
-                lin(ctx.clone(), &p("self_attn.k_proj.weight")),
-                n_ctx,
-            ));
-            let kc = Rope::apply(kc, &ctx_cos, &ctx_sin);
-            let vc = heads(lin(ctx.clone(), &p("self_attn.v_proj.weight")), n_ctx);
-            let mut outs = Vec::with_capacity(batch.spans.len());
-            for (&((c0, len), (b0, nblk)), mask) in batch.spans.iter().zip(&masks) {
-                let (r0, r1) = (b0 * bsz, (b0 + nblk) * bsz);
-                let q_s = q.clone().slice([0..hq, r0..r1, 0..hd]);
-                let k_s = Tensor::cat(
-                    vec![
-                        kc.clone().slice([0..hkv, c0..c0 + len, 0..hd]),
-                        kb.clone().slice([0..hkv, r0..r1, 0..hd]),
-                    ],
-                    1,
-                );
-                let v_s = Tensor::cat(
-                    vec![
-                        vc.clone().slice([0..hkv, c0..c0 + len, 0..hd]),
-                        vb.clone().slice([0..hkv, r0..r1, 0..hd]),
-                    ],
-                    1,
-                );
-                outs.push(grouped_attention(q_s, k_s, v_s, scale, Some(mask.clone())));
-            }
-            let attn = lin(Tensor::cat(outs, 0), &p("self_attn.o_proj.weight"));
-            x = x + attn;
-            let m = norm(&p("post_attention_layernorm.weight")).forward(x.clone());
-            let m =
-                silu(lin(m.clone(), &p("mlp.gate_proj.weight"))) * lin(m, &p("mlp.up_proj.weight"));
-            x = x + lin(m, &p("mlp.down_proj.weight"));
-        }
-        let x = norm("norm.weight").forward(x);
+        let x = drafter.blocks(c, x, ctx_kv, (&ctx_pos, &blk_pos), &groups);
         // Slots 1..B of every block.
         let keep: Vec<i64> = (0..nb)
             .flat_map(|b| (1..bsz).map(move |k| (b * bsz + k) as i64))
             .collect();
         let keep = Tensor::<1, Int>::from_data(TensorData::new(keep, [nb * (bsz - 1)]), &device);
-        let x = x.select(0, keep);
-        SlotLogits(x.matmul(constant(frozen.head.clone()).transpose()))
+        SlotLogits(frozen.head.map_weight(constant).logits(x.select(0, keep)))
     }
 }
 
@@ -419,33 +360,11 @@ pub fn weighted_ce(
     (loss, total)
 }
 
-/// Greedy draft ids per slot (`[blocks][B−1]`, verifier ids) from slot logits.
-pub fn greedy(logits: &SlotLogits, d2t: Option<&[u32]>, slots: usize) -> Vec<Vec<u32>> {
-    let ids: Vec<i64> = logits
-        .0
-        .clone()
-        .argmax(1)
-        .into_data()
-        .convert::<i64>()
-        .try_into_vec::<i64>()
-        .expect("argmax ids");
-    ids.chunks(slots)
-        .map(|c| {
-            c.iter()
-                .map(|&i| d2t.map_or(i as u32, |m| m[i as usize]))
-                .collect()
-        })
-        .collect()
-}
-
 /// Acceptance of one block under greedy verification: 1 (the verifier's own token) plus the
-/// number of leading drafts equal to the targets.
+/// drafts accepted against the targets (the runtime's rule, [`accepted_drafts`]).
 pub fn acceptance(drafts: &[u32], targets: &[Option<u32>]) -> usize {
-    1 + drafts
-        .iter()
-        .zip(targets)
-        .take_while(|(d, t)| Some(**d) == **t)
-        .count()
+    let truth: Vec<u32> = targets.iter().map_while(|t| *t).collect();
+    1 + accepted_drafts(drafts, &truth)
 }
 
 /// A host copy of a tensor's values.

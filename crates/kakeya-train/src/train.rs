@@ -271,7 +271,7 @@ pub fn train_drafter(
         steps: cfg.train.steps,
     });
     if state.step == 0 && state.evals.is_empty() {
-        let e = evaluate(&params, &frozen, &data, cfg, d2t.as_deref(), 0);
+        let e = evaluate(&params, &frozen, &data, cfg, 0);
         on_event(Event::Eval(e.clone()));
         state.evals.push(e);
     }
@@ -323,7 +323,7 @@ pub fn train_drafter(
         state.steps.push(rec);
         let last = state.step == cfg.train.steps;
         if state.step % cfg.output.eval_every == 0 || last {
-            let e = evaluate(&params, &frozen, &data, cfg, d2t.as_deref(), state.step);
+            let e = evaluate(&params, &frozen, &data, cfg, state.step);
             on_event(Event::Eval(e.clone()));
             state.evals.push(e);
         }
@@ -423,7 +423,6 @@ fn evaluate(
     frozen: &Frozen,
     data: &TrainData,
     cfg: &DrafterTrainConfig,
-    d2t: Option<&[u32]>,
     step: usize,
 ) -> EvalRecord {
     let bsz = params.config.block_size;
@@ -451,10 +450,7 @@ fn evaluate(
         let (loss, w) = drafter::weighted_ce(&logits, &batch, frozen, cfg.train.gamma);
         loss_sum += f64::from(loss.into_scalar::<f32>()) * w;
         w_sum += w;
-        for (drafts, targets) in drafter::greedy(&logits, d2t, bsz - 1)
-            .iter()
-            .zip(&batch.targets)
-        {
+        for (drafts, targets) in frozen.greedy(&logits, bsz - 1).iter().zip(&batch.targets) {
             let a = drafter::acceptance(drafts, targets);
             acc_sum += a;
             for c in per_slot.iter_mut().take(a - 1) {

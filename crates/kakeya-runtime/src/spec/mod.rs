@@ -35,11 +35,7 @@ pub fn accept_greedy(drafts: &[u32], posterior: &[u32]) -> usize {
         posterior.len(),
         drafts.len()
     );
-    drafts
-        .iter()
-        .zip(posterior)
-        .take_while(|(d, p)| d == p)
-        .count()
+    kakeya_models::dflash::accepted_drafts(drafts, posterior)
 }
 
 #[cfg(test)]

@@ -1,0 +1,382 @@
+//! The drafter's math, one implementation for the runtime and the trainer: the context
+//! projection, the Qwen3 layers over `[context ; blocks]`, the (possibly reduced) LM head, and
+//! greedy acceptance.
+//!
+//! The runtime drafts one block over the context its store holds (no mask); the trainer runs
+//! many blocks per sequence, each seeing only the context before its anchor (an additive
+//! mask), with weights that track gradients. Both call [`DraftWeights::blocks`]; the weights
+//! are plain tensors either way (a [`Linear`] without GGUF blocks is an ordinary matmul, so
+//! autodiff flows through it).
+
+use std::ops::Range;
+
+use burn::tensor::activation::silu;
+use burn::tensor::{Int, Tensor, TensorData};
+use kakeya_weights::DFlashConfig;
+
+use crate::error::Result;
+use crate::linear::Linear;
+use crate::norm::RmsNorm;
+use crate::rope::Rope;
+use crate::sdpa::grouped_attention;
+
+/// One Qwen3-style drafter layer.
+#[derive(Debug, Clone)]
+struct DraftLayer {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    q_norm: RmsNorm,
+    k_norm: RmsNorm,
+    input_norm: RmsNorm,
+    post_attn_norm: RmsNorm,
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+/// The drafter's own weights (not the verifier's embedding or head).
+#[derive(Debug, Clone)]
+pub struct DraftWeights {
+    fc: Linear,
+    hidden_norm: RmsNorm,
+    layers: Vec<DraftLayer>,
+    norm: RmsNorm,
+}
+
+/// Blocks that share one sequence's context in a [`DraftWeights::blocks`] call.
+#[derive(Debug, Clone)]
+pub struct BlockGroup {
+    /// The sequence's rows in the context keys/values.
+    pub context: Range<usize>,
+    /// The group's rows in the block input.
+    pub rows: Range<usize>,
+    /// Additive mask `[1, G · rows, context + rows]` (`G` query heads per KV head, rows
+    /// group-major); `None`: every row sees the whole context and every row of the group.
+    pub mask: Option<Tensor<3>>,
+}
+
+impl DraftWeights {
+    /// Builds from named tensors in 2-D storage form (`[1, n]` for norm multipliers), as
+    /// [`DFlashConfig::expected_tensors`] names them; `get` says what is missing.
+    pub fn from_named(
+        config: &DFlashConfig,
+        mut get: impl FnMut(&str) -> Result<Tensor<2>>,
+    ) -> Result<Self> {
+        let eps = config.rms_norm_eps;
+        let mut lin = |name: &str| get(name);
+        let norm = |t: Tensor<2>| {
+            let n = t.shape().num_elements();
+            RmsNorm {
+                scale: t.reshape([n]),
+                eps,
+            }
+        };
+        let fc = Linear::dense(lin("fc.weight")?);
+        let hidden_norm = norm(lin("hidden_norm.weight")?);
+        let final_norm = norm(lin("norm.weight")?);
+        let mut layers = Vec::with_capacity(config.num_hidden_layers);
+        for i in 0..config.num_hidden_layers {
+            let p = |s: &str| format!("layers.{i}.{s}");
+            let mut dense = |s: &str| lin(&p(s)).map(Linear::dense);
+            layers.push(DraftLayer {
+                q_proj: dense("self_attn.q_proj.weight")?,
+                k_proj: dense("self_attn.k_proj.weight")?,
+                v_proj: dense("self_attn.v_proj.weight")?,
+                o_proj: dense("self_attn.o_proj.weight")?,
+                gate_proj: dense("mlp.gate_proj.weight")?,
+                up_proj: dense("mlp.up_proj.weight")?,
+                down_proj: dense("mlp.down_proj.weight")?,
+                q_norm: norm(lin(&p("self_attn.q_norm.weight"))?),
+                k_norm: norm(lin(&p("self_attn.k_norm.weight"))?),
+                input_norm: norm(lin(&p("input_layernorm.weight"))?),
+                post_attn_norm: norm(lin(&p("post_attention_layernorm.weight"))?),
+            });
+        }
+        Ok(Self {
+            fc,
+            hidden_norm,
+            layers,
+            norm: final_norm,
+        })
+    }
+
+    /// Drafter layers.
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Bytes of these weights.
+    pub fn nbytes(&self) -> usize {
+        let t = |x: &Linear| x.weight.shape().num_elements() * 4;
+        let n = |x: &RmsNorm| x.scale.shape().num_elements() * 4;
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                [
+                    &l.q_proj,
+                    &l.k_proj,
+                    &l.v_proj,
+                    &l.o_proj,
+                    &l.gate_proj,
+                    &l.up_proj,
+                    &l.down_proj,
+                ]
+                .iter()
+                .map(|p| t(p))
+                .sum::<usize>()
+                    + [&l.q_norm, &l.k_norm, &l.input_norm, &l.post_attn_norm]
+                        .iter()
+                        .map(|x| n(x))
+                        .sum::<usize>()
+            })
+            .sum();
+        t(&self.fc) + n(&self.hidden_norm) + n(&self.norm) + layers
+    }
+
+    /// Projects context rows to what a drafter store holds: per layer, the keys after k_norm
+    /// (before RoPE) and the values, concatenated over layers.
+    ///
+    /// # Shapes
+    /// - `context`: `[n, targets · hidden]` (verifier hidden states after the target layers)
+    /// - returns `k`, `v`: `[n, layers · kv_heads · head_dim]`
+    pub fn context_rows(&self, c: &DFlashConfig, context: Tensor<2>) -> (Tensor<2>, Tensor<2>) {
+        let n = context.dims()[0];
+        let kv = c.num_key_value_heads * c.head_dim;
+        let ctx = self.hidden_norm.forward(self.fc.forward(context));
+        let (ks, vs): (Vec<_>, Vec<_>) = self
+            .layers
+            .iter()
+            .map(|l| {
+                let k = l
+                    .k_norm
+                    .forward(heads_first(
+                        l.k_proj.forward(ctx.clone()),
+                        c.num_key_value_heads,
+                        c.head_dim,
+                    ))
+                    .swap_dims(0, 1)
+                    .reshape([n, kv]);
+                (k, l.v_proj.forward(ctx.clone()))
+            })
+            .unzip();
+        (Tensor::cat(ks, 1), Tensor::cat(vs, 1))
+    }
+
+    /// Runs block rows through the layers and the final norm; each group's rows attend over
+    /// their sequence's context rows and the group's own rows (under the group's mask).
+    ///
+    /// # Shapes
+    /// - `x`: `[R, hidden]`, the scaled embeddings of the block tokens
+    /// - `ck`, `cv`: `[N, layers · kv_heads · head_dim]`, as [`Self::context_rows`] returns
+    /// - `ctx_pos`: `N` positions (RoPE of the context keys); `blk_pos`: `R` positions
+    /// - returns `[R, hidden]` (final-normed)
+    pub fn blocks(
+        &self,
+        c: &DFlashConfig,
+        mut x: Tensor<2>,
+        (ck, cv): (Tensor<2>, Tensor<2>),
+        (ctx_pos, blk_pos): (&[usize], &[usize]),
+        groups: &[BlockGroup],
+    ) -> Tensor<2> {
+        let device = x.device();
+        let rope = Rope::new(c.head_dim, c.rope_theta, 1.0);
+        let (ctx_cos, ctx_sin) = rope.tables(ctx_pos, &device);
+        let (blk_cos, blk_sin) = rope.tables(blk_pos, &device);
+        let (hq, hkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let (n, rows) = (ctx_pos.len(), blk_pos.len());
+        let kv = hkv * hd;
+        let scale = (hd as f64).powf(-0.5);
+        for (i, l) in self.layers.iter().enumerate() {
+            let kc = ck.clone().slice([0..n, i * kv..(i + 1) * kv]);
+            let kc = Rope::apply(heads_first(kc, hkv, hd), &ctx_cos, &ctx_sin);
+            let vc = heads_first(cv.clone().slice([0..n, i * kv..(i + 1) * kv]), hkv, hd);
+            let h = l.input_norm.forward(x.clone());
+            let q = l
+                .q_norm
+                .forward(heads_first(l.q_proj.forward(h.clone()), hq, hd));
+            let q = Rope::apply(q, &blk_cos, &blk_sin);
+            let kb = l
+                .k_norm
+                .forward(heads_first(l.k_proj.forward(h.clone()), hkv, hd));
+            let kb = Rope::apply(kb, &blk_cos, &blk_sin);
+            let vb = heads_first(l.v_proj.forward(h), hkv, hd);
+            let outs: Vec<Tensor<2>> = groups
+                .iter()
+                .map(|g| {
+                    let (c, r) = (g.context.clone(), g.rows.clone());
+                    let q_g = q.clone().slice([0..hq, r.clone(), 0..hd]);
+                    let k = Tensor::cat(
+                        vec![
+                            kc.clone().slice([0..hkv, c.clone(), 0..hd]),
+                            kb.clone().slice([0..hkv, r.clone(), 0..hd]),
+                        ],
+                        1,
+                    );
+                    let v = Tensor::cat(
+                        vec![
+                            vc.clone().slice([0..hkv, c, 0..hd]),
+                            vb.clone().slice([0..hkv, r, 0..hd]),
+                        ],
+                        1,
+                    );
+                    grouped_attention(q_g, k, v, scale, g.mask.clone())
+                })
+                .collect();
+            let attn = if outs.len() == 1 {
+                outs.into_iter().next().expect("one group")
+            } else {
+                Tensor::cat(outs, 0)
+            };
+            debug_assert_eq!(attn.dims()[0], rows, "groups cover every block row");
+            x = x + l.o_proj.forward(attn);
+            let m = l.post_attn_norm.forward(x.clone());
+            let m = silu(l.gate_proj.forward(m.clone())) * l.up_proj.forward(m);
+            x = x + l.down_proj.forward(m);
+        }
+        self.norm.forward(x)
+    }
+}
+
+/// The LM head the drafter scores with.
+#[derive(Debug, Clone)]
+pub enum DraftHead {
+    /// The verifier's whole tied head.
+    Verifier(Linear),
+    /// Rows of the verifier's embedding for a reduced draft vocabulary.
+    Reduced {
+        /// `[draft_vocab, hidden]`.
+        head: Linear,
+        /// Verifier token id of each draft id.
+        d2t: Vec<u32>,
+    },
+}
+
+impl DraftHead {
+    /// The verifier's `head` for the whole vocabulary, or the rows `d2t` of its (tied)
+    /// embedding `[vocab, hidden]`.
+    pub fn new(head: Linear, embed: &Tensor<2>, d2t: Option<Vec<u32>>) -> Self {
+        match d2t {
+            None => Self::Verifier(head),
+            Some(d2t) => {
+                let ids: Vec<i64> = d2t.iter().map(|&t| i64::from(t)).collect();
+                let ids =
+                    Tensor::<1, Int>::from_data(TensorData::new(ids, [d2t.len()]), &embed.device());
+                Self::Reduced {
+                    head: Linear::dense(embed.clone().select(0, ids)),
+                    d2t,
+                }
+            }
+        }
+    }
+
+    /// The same head with its weight passed through `f` (e.g. lifted into autodiff).
+    pub fn map_weight(&self, f: impl FnOnce(Tensor<2>) -> Tensor<2>) -> Self {
+        match self {
+            Self::Verifier(h) => Self::Verifier(Linear::dense(f(h.weight.clone()))),
+            Self::Reduced { head, d2t } => Self::Reduced {
+                head: Linear::dense(f(head.weight.clone())),
+                d2t: d2t.clone(),
+            },
+        }
+    }
+
+    /// Size of the vocabulary scored.
+    pub fn vocab(&self) -> usize {
+        match self {
+            Self::Verifier(h) => h.weight.dims()[0],
+            Self::Reduced { d2t, .. } => d2t.len(),
+        }
+    }
+
+    /// The draft-vocabulary map, when reduced.
+    pub fn d2t(&self) -> Option<&[u32]> {
+        match self {
+            Self::Verifier(_) => None,
+            Self::Reduced { d2t, .. } => Some(d2t),
+        }
+    }
+
+    /// Verifier token id of a draft-vocabulary id.
+    pub fn to_target(&self, draft_id: usize) -> u32 {
+        self.d2t().map_or(draft_id as u32, |m| m[draft_id])
+    }
+
+    /// Draft id of each verifier token (`None`: outside the draft vocabulary).
+    pub fn to_draft(&self, vocab: usize) -> Vec<Option<u32>> {
+        match self.d2t() {
+            None => (0..vocab as u32).map(Some).collect(),
+            Some(map) => {
+                let mut t2d = vec![None; vocab];
+                for (d, &t) in map.iter().enumerate() {
+                    t2d[t as usize] = Some(d as u32);
+                }
+                t2d
+            }
+        }
+    }
+
+    /// Bytes this head holds of its own (a reduced head's rows and map; the verifier's head
+    /// is shared, 0).
+    pub fn nbytes(&self) -> usize {
+        match self {
+            Self::Verifier(_) => 0,
+            Self::Reduced { head, d2t } => head.weight.shape().num_elements() * 4 + d2t.len() * 4,
+        }
+    }
+
+    /// Draft-vocabulary logits.
+    ///
+    /// # Shapes
+    /// - `hidden`: `[n, hidden]` (final-normed) → `[n, vocab]`
+    pub fn logits(&self, hidden: Tensor<2>) -> Tensor<2> {
+        match self {
+            Self::Verifier(h) | Self::Reduced { head: h, .. } => h.forward(hidden),
+        }
+    }
+
+    /// The greedy choice of each row, as verifier token ids.
+    ///
+    /// # Shapes
+    /// - `logits`: `[n, vocab]` → `n` ids
+    pub fn greedy(&self, logits: Tensor<2>) -> Vec<u32> {
+        logits
+            .argmax(1)
+            .into_data()
+            .convert::<i64>()
+            .try_into_vec::<i64>()
+            .expect("argmax ids")
+            .into_iter()
+            .map(|i| self.to_target(i as usize))
+            .collect()
+    }
+}
+
+/// Drafts accepted under greedy verification: the longest prefix with
+/// `drafts[i] == truth[i]`, where `truth[i]` is the verifier's choice for the position draft
+/// `i` fills (a shorter `truth` ends the count).
+pub fn accepted_drafts(drafts: &[u32], truth: &[u32]) -> usize {
+    drafts.iter().zip(truth).take_while(|(d, t)| d == t).count()
+}
+
+/// `[n, heads · head_dim]` → `[heads, n, head_dim]`.
+fn heads_first(x: Tensor<2>, heads: usize, head_dim: usize) -> Tensor<3> {
+    let n = x.dims()[0];
+    x.reshape([n, heads, head_dim]).swap_dims(0, 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::accepted_drafts;
+
+    #[test]
+    fn accepted_drafts_stop_at_the_first_mismatch_or_the_end_of_the_truth() {
+        assert_eq!(accepted_drafts(&[5, 6, 7], &[5, 6, 7, 8]), 3);
+        assert_eq!(accepted_drafts(&[5, 9, 7], &[5, 6, 7]), 1);
+        assert_eq!(accepted_drafts(&[9, 6, 7], &[5, 6, 7]), 0);
+        assert_eq!(accepted_drafts(&[5, 6, 7], &[5, 6]), 2);
+        assert_eq!(accepted_drafts(&[], &[1]), 0);
+    }
+}

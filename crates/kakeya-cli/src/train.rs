@@ -233,7 +233,7 @@ fn drafter(config: PathBuf, resume: bool, device: DeviceKind) -> Result<()> {
                 ),
             );
         }
-        Event::Saved(_) => {}
+        Event::Saved(_) | Event::Fitting { .. } => {}
     })?;
     bar.finish_and_clear();
     let last = report.evals.last().context("no evaluation recorded")?;

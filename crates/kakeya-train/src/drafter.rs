@@ -21,6 +21,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::data::Sequence;
+use crate::run::{self, Named, Params, storage_dims};
 
 /// Masked-out score (large and finite: every row keeps its own block visible).
 const MASKED: f32 = -1e9;
@@ -32,8 +33,18 @@ pub struct DrafterParams {
     /// Shape and ids.
     pub config: DFlashConfig,
     /// `(name, PyTorch shape, value)`.
-    pub tensors: Vec<(String, Vec<usize>, Tensor<2>)>,
+    pub tensors: Named,
     index: HashMap<String, usize>,
+}
+
+impl Params for DrafterParams {
+    fn tensors(&self) -> &Named {
+        &self.tensors
+    }
+
+    fn tensors_mut(&mut self) -> &mut Named {
+        &mut self.tensors
+    }
 }
 
 /// The verifier's frozen tensors the drafter borrows: scaled embedding rows are selected from
@@ -146,20 +157,8 @@ impl DrafterParams {
         Self::from_host(config, tensors, device)
     }
 
-    /// Builds from host data in [`DFlashConfig::expected_tensors`] order.
-    pub fn from_host(
-        config: DFlashConfig,
-        tensors: Vec<(String, Vec<usize>, Vec<f32>)>,
-        device: &Device,
-    ) -> Self {
-        let tensors: Vec<_> = tensors
-            .into_iter()
-            .map(|(name, shape, data)| {
-                let dims = as_2d(&shape);
-                let t = Tensor::from_data(TensorData::new(data, dims), device);
-                (name, shape, t)
-            })
-            .collect();
+    /// Builds from tensors in [`DFlashConfig::expected_tensors`] order.
+    pub fn from_named(config: DFlashConfig, tensors: Named) -> Self {
         let index = tensors
             .iter()
             .enumerate()
@@ -172,12 +171,25 @@ impl DrafterParams {
         }
     }
 
+    /// Builds from host data in [`DFlashConfig::expected_tensors`] order.
+    pub fn from_host(
+        config: DFlashConfig,
+        tensors: Vec<(String, Vec<usize>, Vec<f32>)>,
+        device: &Device,
+    ) -> Self {
+        let tensors = tensors
+            .into_iter()
+            .map(|(name, shape, data)| {
+                let t = Tensor::from_data(TensorData::new(data, storage_dims(&shape)), device);
+                (name, shape, t)
+            })
+            .collect();
+        Self::from_named(config, tensors)
+    }
+
     /// Total trainable scalars.
     pub fn count(&self) -> usize {
-        self.tensors
-            .iter()
-            .map(|(_, s, _)| s.iter().product::<usize>())
-            .sum()
+        run::count(&self.tensors)
     }
 
     /// Host copies `(name, shape, data)`.
@@ -373,15 +385,6 @@ pub fn host<const D: usize>(t: Tensor<D>) -> Vec<f32> {
         .convert::<f32>()
         .try_into_vec::<f32>()
         .expect("f32 data")
-}
-
-/// PyTorch shape → the 2-D storage shape (`[1, n]` for vectors).
-fn as_2d(shape: &[usize]) -> [usize; 2] {
-    match shape {
-        [n] => [1, *n],
-        [r, c] => [*r, *c],
-        _ => [1, shape.iter().product()],
-    }
 }
 
 /// A standard normal sample (Box–Muller).

@@ -9,6 +9,7 @@ pub mod error;
 pub mod ftheta;
 pub mod optim;
 pub mod plot;
+pub mod run;
 pub mod state;
 pub mod train;
 

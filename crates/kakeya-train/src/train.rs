@@ -6,14 +6,13 @@
 //! is saved in f32 — so a run interrupted after any checkpoint and resumed reaches the same
 //! weights as an uninterrupted one.
 
-use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::path::PathBuf;
 
-use burn::tensor::{Device, Tensor};
+use burn::tensor::Tensor;
 use kakeya_capture::Dataset;
 use kakeya_models::Gemma3Model;
+use kakeya_weights::DFlashConfig;
 use kakeya_weights::dflash::default_target_layers;
-use kakeya_weights::{DFlashConfig, HostTensor};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
@@ -22,35 +21,11 @@ use crate::config::DrafterTrainConfig;
 use crate::data::{self, Sequence, TrainData};
 use crate::drafter::{self, Batch, DrafterParams, Frozen};
 use crate::error::{Result, TrainError};
-use crate::optim::{AdamW, Moments, backward_and_step};
+use crate::optim::AdamW;
 use crate::plot;
+use crate::run::{self, Cadence, Trainer};
 
-/// How to run.
-#[derive(Debug, Clone)]
-pub struct TrainOptions {
-    /// Continue from the run folder's last saved state.
-    pub resume: bool,
-    /// Device to train on (its autodiff twin records the graph).
-    pub device: Device,
-    /// Stop after this many steps of this invocation (the state is saved first); `None` runs
-    /// to the end. Used to test resuming.
-    pub stop_after: Option<usize>,
-}
-
-/// One optimiser step.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct StepRecord {
-    /// 1-based step.
-    pub step: usize,
-    /// Weighted cross-entropy.
-    pub loss: f64,
-    /// Learning rate used.
-    pub lr: f64,
-    /// Global gradient norm before clipping.
-    pub grad_norm: f64,
-    /// Wall seconds of the step.
-    pub secs: f64,
-}
+pub use crate::run::{StepRecord, TrainOptions};
 
 /// One held-out evaluation.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -69,31 +44,12 @@ pub struct EvalRecord {
 }
 
 /// What [`train_drafter`] reports as it goes.
-#[derive(Debug, Clone)]
-pub enum Event {
-    /// Data loaded; training starts at `start` of `steps`.
-    Started {
-        /// Steps already done (resume).
-        start: usize,
-        /// Total steps.
-        steps: usize,
-    },
-    /// A step finished.
-    Step(StepRecord),
-    /// An evaluation finished.
-    Eval(EvalRecord),
-    /// The state was saved after `0` steps.
-    Saved(usize),
-}
+pub type Event = crate::run::Event<EvalRecord>;
 
-/// Saved between invocations.
+/// The drafter's own part of the saved state: the draft vocabulary it was trained with.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-struct State {
-    step: usize,
-    fingerprint: String,
+struct Vocab {
     d2t: Option<Vec<u32>>,
-    steps: Vec<StepRecord>,
-    evals: Vec<EvalRecord>,
 }
 
 /// The run's report (`report.json`).
@@ -231,118 +187,41 @@ pub fn train_drafter(
         config,
         fingerprint,
     } = prep;
-    let state_dir = cfg.output.dir.join("state");
-    let old_dir = cfg.output.dir.join("state.old");
-    let (mut params, mut moments, mut state) = if opts.resume {
-        let dir = if state_dir.is_dir() {
-            &state_dir
-        } else {
-            &old_dir
-        };
-        load_state(dir, &config, &fingerprint, &device)?
-    } else {
-        if state_dir.exists() || old_dir.exists() {
-            return Err(TrainError::invalid(
-                &cfg.output.dir,
-                "a training state exists here; pass --resume to continue it or remove the folder",
-            ));
-        }
-        let params = DrafterParams::init(config.clone(), cfg.train.seed, &device);
-        let moments = zero_moments(&params);
-        let state = State {
-            step: 0,
-            fingerprint: fingerprint.clone(),
-            d2t: d2t.clone(),
-            steps: Vec::new(),
-            evals: Vec::new(),
-        };
-        (params, moments, state)
-    };
-    if state.d2t != d2t {
+    let out = &cfg.output.dir;
+    let mut opened = run::open(
+        out,
+        opts.resume,
+        &fingerprint,
+        (config.expected_tensors(), &device),
+        |named| DrafterParams::from_named(config.clone(), named),
+        || {
+            let params = DrafterParams::init(config.clone(), cfg.train.seed, &device);
+            Ok((params, Vocab { d2t: d2t.clone() }))
+        },
+    )?;
+    if opened.state.extra.d2t != d2t {
         return Err(TrainError::invalid(
-            &state_dir,
+            &out.join("state"),
             "the saved draft vocabulary differs from the one the data gives",
         ));
     }
-    let frozen = Frozen::new(verifier.embed.clone(), config.hidden_size, d2t.as_deref());
-    std::fs::create_dir_all(&cfg.output.dir).map_err(|e| TrainError::io(&cfg.output.dir, e))?;
-    on_event(Event::Started {
-        start: state.step,
+    let mut trainer = DrafterRun {
+        cfg,
+        frozen: Frozen::new(verifier.embed.clone(), config.hidden_size, d2t.as_deref()),
+        data: &data,
+    };
+    let cadence = Cadence {
         steps: cfg.train.steps,
-    });
-    if state.step == 0 && state.evals.is_empty() {
-        let e = evaluate(&params, &frozen, &data, cfg, 0);
-        on_event(Event::Eval(e.clone()));
-        state.evals.push(e);
-    }
-    let mut secs = Vec::new();
-    let mut ran = 0;
-    while state.step < cfg.train.steps {
-        let t = state.step;
-        let started = Instant::now();
-        let picks = pick(&data.train, cfg, t);
-        let batch = Batch::build(data.width, config.block_size, &picks);
-        let leaves: Vec<Tensor<2>> = params
-            .tensors
-            .iter()
-            .map(|(_, _, p)| p.clone().autodiff().require_grad())
-            .collect();
-        let logits = params.forward(&leaves, &frozen, &batch);
-        let (loss, _) = drafter::weighted_ce(&logits, &batch, &frozen, cfg.train.gamma);
-        let loss_value = f64::from(loss.clone().into_scalar::<f32>());
-        let lr = cfg.lr_at(t);
-        let opt = AdamW {
-            lr,
-            beta1: cfg.train.beta1,
-            beta2: cfg.train.beta2,
-            eps: cfg.train.eps,
-            weight_decay: cfg.train.weight_decay,
-        };
-        // No decay on norm multipliers (1-D tensors).
-        let norm = backward_and_step(
-            loss,
-            &leaves,
-            &mut params.tensors,
-            &mut moments,
-            &opt,
-            cfg.train.grad_clip,
-            t + 1,
-            &|shape| shape.len() > 1,
-        );
-        state.step += 1;
-        ran += 1;
-        let rec = StepRecord {
-            step: state.step,
-            loss: loss_value,
-            lr,
-            grad_norm: norm,
-            secs: started.elapsed().as_secs_f64(),
-        };
-        secs.push(rec.secs);
-        on_event(Event::Step(rec.clone()));
-        state.steps.push(rec);
-        let last = state.step == cfg.train.steps;
-        if state.step % cfg.output.eval_every == 0 || last {
-            let e = evaluate(&params, &frozen, &data, cfg, state.step);
-            on_event(Event::Eval(e.clone()));
-            state.evals.push(e);
-        }
-        let stop = opts.stop_after.is_some_and(|n| ran >= n);
-        if state.step % cfg.output.checkpoint_every == 0 || last || stop {
-            save_state(&cfg.output.dir, &params, &moments, &state)?;
-            on_event(Event::Saved(state.step));
-        }
-        if stop && !last {
-            return Err(TrainError::Interrupted(state.step));
-        }
-    }
+        eval_every: cfg.output.eval_every,
+        checkpoint_every: cfg.output.checkpoint_every,
+    };
+    let secs = run::run_steps(&mut trainer, &mut opened, out, cadence, opts, on_event)?;
+    let (params, state) = (opened.params, opened.state);
     let ck = params.to_checkpoint(d2t.clone(), &data.scales);
     crate::state::replace_dir(&cfg.output.export, |dir| {
         ck.write_dir_as(dir, cfg.output.export_dtype)
             .map_err(TrainError::from)
     })?;
-    secs.sort_by(f64::total_cmp);
-    let median = secs.get(secs.len() / 2).copied().unwrap_or(0.0);
     let generated = |s: &[Sequence]| -> usize { s.iter().map(|q| q.len() - q.first_gen).sum() };
     let report = Report {
         config: cfg.clone(),
@@ -364,16 +243,14 @@ pub fn train_drafter(
             None => (1.0, 1.0),
         },
         device: format!("{device:?}"),
-        secs_per_step: median,
+        secs_per_step: run::median_secs(secs),
         evals: state.evals.clone(),
         steps: state.steps.clone(),
         export: cfg.output.export.clone(),
         input_scales: data.scales.clone(),
     };
-    let json = serde_json::to_string_pretty(&report).expect("report serialises");
-    crate::state::write_file_atomically(&cfg.output.dir.join("report.json"), json.as_bytes())?;
     let png = plot::curves(&state.steps, &state.evals, config.block_size);
-    crate::state::write_file_atomically(&cfg.output.dir.join("curves.png"), &png)?;
+    run::write_outputs(out, &report, &png)?;
     Ok(report)
 }
 
@@ -416,6 +293,51 @@ fn pick<'a>(
         .collect()
 }
 
+/// The drafter's part of the shared loop ([`run::run_steps`]).
+struct DrafterRun<'a> {
+    cfg: &'a DrafterTrainConfig,
+    frozen: Frozen,
+    data: &'a TrainData,
+}
+
+impl Trainer for DrafterRun<'_> {
+    type Params = DrafterParams;
+    type Eval = EvalRecord;
+
+    fn loss(
+        &mut self,
+        t: usize,
+        params: &DrafterParams,
+        leaves: &[Tensor<2>],
+    ) -> Result<Tensor<1>> {
+        let picks = pick(&self.data.train, self.cfg, t);
+        let batch = Batch::build(self.data.width, params.config.block_size, &picks);
+        let logits = params.forward(leaves, &self.frozen, &batch);
+        Ok(drafter::weighted_ce(&logits, &batch, &self.frozen, self.cfg.train.gamma).0)
+    }
+
+    fn optimizer(&self, t: usize) -> (AdamW, f64) {
+        let o = &self.cfg.train;
+        let opt = AdamW {
+            lr: self.cfg.lr_at(t),
+            beta1: o.beta1,
+            beta2: o.beta2,
+            eps: o.eps,
+            weight_decay: o.weight_decay,
+        };
+        (opt, o.grad_clip)
+    }
+
+    /// No decay on norm multipliers (1-D tensors).
+    fn decays(&self, shape: &[usize]) -> bool {
+        shape.len() > 1
+    }
+
+    fn evaluate(&mut self, step: usize, params: &DrafterParams) -> Result<EvalRecord> {
+        Ok(evaluate(params, &self.frozen, self.data, self.cfg, step))
+    }
+}
+
 /// Held-out metrics over anchors spread evenly across the held-out sequences (full blocks
 /// only), with the current weights and no autodiff.
 fn evaluate(
@@ -434,7 +356,7 @@ fn evaluate(
     }
     let stride = all.len().div_ceil(cfg.output.eval_anchors).max(1);
     let chosen: Vec<(usize, usize)> = all.into_iter().step_by(stride).collect();
-    let weights: Vec<Tensor<2>> = params.tensors.iter().map(|(_, _, t)| t.clone()).collect();
+    let weights = run::values(&params.tensors);
     let (mut loss_sum, mut w_sum, mut acc_sum) = (0.0, 0.0, 0usize);
     let mut per_slot = vec![0usize; bsz - 1];
     let mut start = 0;
@@ -467,77 +389,4 @@ fn evaluate(
         per_slot_acceptance: per_slot.iter().map(|&c| c as f64 / n).collect(),
         anchors: chosen.len(),
     }
-}
-
-fn zero_moments(params: &DrafterParams) -> Vec<Moments> {
-    params
-        .tensors
-        .iter()
-        .map(|(_, _, p)| Moments::zeros_like(p))
-        .collect()
-}
-
-/// Writes `dir/state` (weights, moments, step, history) as a whole.
-fn save_state(
-    dir: &Path,
-    params: &DrafterParams,
-    moments: &[Moments],
-    state: &State,
-) -> Result<()> {
-    let entries: Vec<(&str, &Tensor<2>, &Moments)> = params
-        .tensors
-        .iter()
-        .zip(moments)
-        .map(|((name, _, p), m)| (name.as_str(), p, m))
-        .collect();
-    let json = serde_json::to_string_pretty(state).expect("state serialises");
-    crate::state::save(dir, &entries, &json)
-}
-
-fn load_state(
-    dir: &Path,
-    config: &DFlashConfig,
-    fingerprint: &str,
-    device: &Device,
-) -> Result<(DrafterParams, Vec<Moments>, State)> {
-    let (mut read, text, sp, wp) = crate::state::load(dir)?;
-    let state: State = serde_json::from_str(&text)
-        .map_err(|e| TrainError::invalid(&sp, format!("unreadable training state: {e}")))?;
-    if state.fingerprint != fingerprint {
-        return Err(TrainError::invalid(
-            &sp,
-            "this state was trained with another config or dataset; resume with the same ones",
-        ));
-    }
-    let mut take = |key: String| -> Result<HostTensor> {
-        read.remove(&key)
-            .ok_or_else(|| TrainError::invalid(&wp, format!("missing tensor {key}")))
-    };
-    let mut host = Vec::new();
-    let mut moments = Vec::new();
-    for (name, shape) in config.expected_tensors() {
-        let p = take(format!("param/{name}"))?;
-        let m = take(format!("m/{name}"))?;
-        let v = take(format!("v/{name}"))?;
-        let n: usize = shape.iter().product();
-        if p.data.len() != n || m.data.len() != n || v.data.len() != n {
-            return Err(TrainError::invalid(
-                &wp,
-                format!("tensor {name} has the wrong size"),
-            ));
-        }
-        let dims = [p.shape[0], p.shape[1]];
-        let t =
-            |d: Vec<f32>| Tensor::<2>::from_data(burn::tensor::TensorData::new(d, dims), device);
-        moments.push(Moments {
-            m: t(m.data),
-            v: t(v.data),
-        });
-        host.push((name, shape, p.data));
-    }
-    Ok((
-        DrafterParams::from_host(config.clone(), host, device),
-        moments,
-        state,
-    ))
 }

@@ -18,8 +18,9 @@ use kakeya_train::ftheta::loss::{
     Lambdas, LayerFrozen, LayerTargets, LossKind, Terms, layer_loss, layer_terms,
 };
 use kakeya_train::ftheta::params::FThetaParams;
-use kakeya_train::ftheta::step::{batch_loss, frozen_layers, leaves, optimizer_step};
+use kakeya_train::ftheta::step::{batch_loss, frozen_layers, optimizer_step};
 use kakeya_train::optim::{Moments, global_norm};
+use kakeya_train::run::leaves;
 use kakeya_weights::ftheta::FThetaInputs;
 use kakeya_weights::{FThetaConfig, HostTensor};
 use serde_json::Value;
@@ -439,7 +440,7 @@ fn trainer_steps(f: &Value, cfg: &FThetaTrainConfig) -> Vec<Step> {
         .collect();
     (0..cfg.train.steps)
         .map(|t| {
-            let leaves = leaves(&params);
+            let leaves = leaves(&params.tensors);
             let model = params.model(&leaves);
             let loss = batch_loss(&model, &frozen, &batch, cfg, t, &ad);
             let loss_value = value(loss.clone());
@@ -569,7 +570,7 @@ export = "unused"
     )
     .unwrap();
     // The trainer's loss, differentiated: every f_θ tensor gets a gradient, no verifier one.
-    let leaves0 = leaves(&params);
+    let leaves0 = leaves(&params.tensors);
     let model = params.model(&leaves0);
     let grads = batch_loss(&model, &frozen, &batch, &tc, 0, &ad).backward();
     for ((name, _, _), leaf) in params.tensors.iter().zip(&leaves0) {
@@ -600,7 +601,7 @@ export = "unused"
         .iter()
         .map(|(_, _, p)| Moments::zeros_like(p))
         .collect();
-    let leaves1 = leaves(&params);
+    let leaves1 = leaves(&params.tensors);
     let model = params.model(&leaves1);
     let loss = batch_loss(&model, &frozen, &batch, &tc, 0, &ad);
     optimizer_step(&tc, 0, loss, &leaves1, &mut params, &mut moments);

@@ -11,6 +11,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::error::{Result, TrainError};
+use crate::run::{self, Named, Params, named_from_host, storage_dims};
 
 /// f_θ's tensors in [`FThetaConfig::expected_tensors`] order, stored 2-D (biases `[1, n]`).
 #[derive(Debug, Clone)]
@@ -18,14 +19,16 @@ pub struct FThetaParams {
     /// Shape and owners.
     pub config: FThetaConfig,
     /// `(name, PyTorch shape, value)`.
-    pub tensors: Vec<(String, Vec<usize>, Tensor<2>)>,
+    pub tensors: Named,
 }
 
-fn dims2(shape: &[usize]) -> [usize; 2] {
-    match shape {
-        [r, c] => [*r, *c],
-        [c] => [1, *c],
-        _ => [1, shape.iter().product()],
+impl Params for FThetaParams {
+    fn tensors(&self) -> &Named {
+        &self.tensors
+    }
+
+    fn tensors_mut(&mut self) -> &mut Named {
+        &mut self.tensors
     }
 }
 
@@ -45,7 +48,7 @@ impl FThetaParams {
                 let bound = 1.0 / (fan_in as f32).sqrt();
                 let n: usize = shape.iter().product();
                 let data: Vec<f32> = (0..n).map(|_| rng.random_range(-bound..bound)).collect();
-                let t = Tensor::from_data(TensorData::new(data, dims2(&shape)), device);
+                let t = Tensor::from_data(TensorData::new(data, storage_dims(&shape)), device);
                 (name, shape, t)
             })
             .collect();
@@ -91,26 +94,13 @@ impl FThetaParams {
         host: &mut BTreeMap<String, HostTensor>,
         device: &Device,
     ) -> std::result::Result<Self, String> {
-        let mut tensors = Vec::new();
-        for (name, shape) in config.expected_tensors() {
-            let t = host
-                .remove(&name)
-                .ok_or_else(|| format!("missing tensor {name}"))?;
-            if t.data.len() != shape.iter().product::<usize>() {
-                return Err(format!("tensor {name} has the wrong size"));
-            }
-            let v = Tensor::from_data(TensorData::new(t.data, dims2(&shape)), device);
-            tensors.push((name, shape, v));
-        }
+        let tensors = named_from_host(config.expected_tensors(), host, device)?;
         Ok(Self { config, tensors })
     }
 
     /// Number of scalars.
     pub fn count(&self) -> usize {
-        self.tensors
-            .iter()
-            .map(|(_, s, _)| s.iter().product::<usize>())
-            .sum()
+        run::count(&self.tensors)
     }
 
     /// The model over `weights` (these tensors, or gradient-tracking leaves in the same order).

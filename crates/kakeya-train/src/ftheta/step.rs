@@ -10,7 +10,8 @@ use rand::{Rng, SeedableRng};
 
 use super::config::FThetaTrainConfig;
 use super::data::SeqData;
-use super::loss::{Diagnostics, LayerFrozen, LayerTargets, layer_loss, layer_terms};
+pub use super::loss::LayerFrozen;
+use super::loss::{Diagnostics, LayerTargets, layer_loss, layer_terms};
 use super::params::FThetaParams;
 use super::train::FEval;
 use crate::optim::{AdamW, Moments, backward_and_step};
@@ -134,16 +135,6 @@ pub fn frozen_layers(verifier: &Gemma3Model, device: &Device) -> Vec<LayerFrozen
         .collect()
 }
 
-/// Gradient-tracking copies of f_θ's tensors on their device's autodiff twin, in
-/// `params.tensors` order: what a training step differentiates.
-pub fn leaves(params: &FThetaParams) -> Vec<Tensor<2>> {
-    params
-        .tensors
-        .iter()
-        .map(|(_, _, p)| p.clone().autodiff().require_grad())
-        .collect()
-}
-
 /// The training loss of 0-based step `t`: per sequence of `batch`, f_θ's K/V at every position
 /// and the configured loss at `queries_per_sequence` query positions drawn from
 /// `(seed, t, sequence)`, averaged over verifier layers and then over the sequences.
@@ -189,25 +180,31 @@ pub fn optimizer_step(
     params: &mut FThetaParams,
     moments: &mut [Moments],
 ) -> (f64, f64) {
-    let lr = cfg.lr_at(t);
-    let opt = AdamW {
-        lr,
-        beta1: cfg.train.beta1,
-        beta2: cfg.train.beta2,
-        eps: cfg.train.eps,
-        weight_decay: cfg.train.weight_decay,
-    };
+    let (opt, clip) = adamw(cfg, t);
     let norm = backward_and_step(
         loss,
         leaves,
         &mut params.tensors,
         moments,
         &opt,
-        cfg.train.grad_clip,
+        clip,
         t + 1,
         &|_| true,
     );
-    (lr, norm)
+    (opt.lr, norm)
+}
+
+/// The AdamW settings of 0-based step `t` and the global clip.
+pub fn adamw(cfg: &FThetaTrainConfig, t: usize) -> (AdamW, f64) {
+    let o = &cfg.train;
+    let opt = AdamW {
+        lr: cfg.lr_at(t),
+        beta1: o.beta1,
+        beta2: o.beta2,
+        eps: o.eps,
+        weight_decay: o.weight_decay,
+    };
+    (opt, o.grad_clip)
 }
 
 /// Averages per-layer diagnostics by layer type (global or sliding).

@@ -8,15 +8,14 @@
 //! Resuming is exact (the state holds weights, Adam moments and history in f32).
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::mpsc;
-use std::time::Instant;
 
 use burn::tensor::{Device, Tensor};
 use kakeya_capture::Dataset;
 use kakeya_models::Gemma3Model;
+use kakeya_weights::FThetaConfig;
 use kakeya_weights::ftheta::{FTHETA_FORMAT, FTHETA_VERSION, FThetaInputs, ModelRef};
-use kakeya_weights::{FThetaConfig, HostTensor};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
@@ -26,9 +25,10 @@ use super::data::{self, DataInfo, SeqData};
 use super::loss::Diagnostics;
 use super::lstsq::{Normal, params_from_fits};
 use super::params::FThetaParams;
-use super::step::{batch_loss, evaluate, frozen_layers, leaves, optimizer_step};
+use super::step::{LayerFrozen, adamw, batch_loss, evaluate, frozen_layers};
 use crate::error::{Result, TrainError};
-use crate::optim::Moments;
+use crate::optim::AdamW;
+use crate::run::{self, Cadence, Trainer};
 use crate::train::{StepRecord, TrainOptions};
 use crate::{plot, state};
 
@@ -52,36 +52,11 @@ pub struct FEval {
 }
 
 /// What [`train_f_theta`] reports as it goes.
-#[derive(Debug, Clone)]
-pub enum FEvent {
-    /// Training starts at `start` of `steps`.
-    Started {
-        /// Steps already done (resume).
-        start: usize,
-        /// Total steps.
-        steps: usize,
-    },
-    /// A step finished.
-    Step(StepRecord),
-    /// An evaluation finished.
-    Eval(FEval),
-    /// The state was saved after this many steps.
-    Saved(usize),
-    /// The least-squares start has read `done` of `total` training sequences.
-    Fitting {
-        /// Sequences read.
-        done: usize,
-        /// Training sequences.
-        total: usize,
-    },
-}
+pub type FEvent = crate::run::Event<FEval>;
 
+/// f_θ's own part of the saved state: the storage floor measured before training.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-struct State {
-    step: usize,
-    fingerprint: String,
-    steps: Vec<StepRecord>,
-    evals: Vec<FEval>,
+struct Floor {
     floor: Option<FEval>,
 }
 
@@ -301,69 +276,40 @@ pub fn train_f_theta(
         ds,
         fingerprint,
     } = setup;
-    let state_dir = cfg.output.dir.join("state");
-    let old_dir = cfg.output.dir.join("state.old");
-    let (mut params, mut moments, mut st) = if opts.resume {
-        let dir = if state_dir.is_dir() {
-            &state_dir
-        } else {
-            &old_dir
-        };
-        load_state(dir, &f_theta, &fingerprint, &device)?
-    } else {
-        if state_dir.exists() || old_dir.exists() {
-            return Err(TrainError::invalid(
-                &cfg.output.dir,
-                "a training state exists here; pass --resume to continue it or remove the folder",
-            ));
-        }
-        let params = match (&cfg.model.init_from, cfg.model.init) {
-            (Some(p), _) => FThetaParams::from_dir(f_theta.clone(), p, &device)?,
-            (None, FThetaInit::Random) => {
-                FThetaParams::init(f_theta.clone(), cfg.train.seed, &device)
-            }
-            (None, FThetaInit::LeastSquares) => {
-                least_squares(cfg, &info, &ds, &f_theta, &device, on_event)?
-            }
-        };
-        let moments = params
-            .tensors
-            .iter()
-            .map(|(_, _, p)| Moments::zeros_like(p))
-            .collect();
-        let st = State {
-            step: 0,
-            fingerprint: fingerprint.clone(),
-            steps: Vec::new(),
-            evals: Vec::new(),
-            floor: None,
-        };
-        (params, moments, st)
-    };
-    std::fs::create_dir_all(&cfg.output.dir).map_err(|e| TrainError::io(&cfg.output.dir, e))?;
+    let out = &cfg.output.dir;
+    let mut opened = run::open(
+        out,
+        opts.resume,
+        &fingerprint,
+        (f_theta.expected_tensors(), &device),
+        |tensors| FThetaParams {
+            config: f_theta.clone(),
+            tensors,
+        },
+        || {
+            let params = match (&cfg.model.init_from, cfg.model.init) {
+                (Some(p), _) => FThetaParams::from_dir(f_theta.clone(), p, &device)?,
+                (None, FThetaInit::Random) => {
+                    FThetaParams::init(f_theta.clone(), cfg.train.seed, &device)
+                }
+                (None, FThetaInit::LeastSquares) => {
+                    least_squares(cfg, &info, &ds, &f_theta, &device, on_event)?
+                }
+            };
+            Ok((params, Floor { floor: None }))
+        },
+    )?;
     let frozen = frozen_layers(verifier, &device);
-    let frozen_ad = frozen_layers(verifier, &ad);
     let held: Vec<SeqData> = info
         .heldout
         .iter()
         .map(|&s| info.read(&ds, s))
         .collect::<Result<_>>()?;
-    let mut saturated: usize = held.iter().map(|s| s.saturated).sum();
-    on_event(FEvent::Started {
-        start: st.step,
-        steps: cfg.train.steps,
-    });
-    let weights = |p: &FThetaParams| -> Vec<Tensor<2>> {
-        p.tensors.iter().map(|(_, _, t)| t.clone()).collect()
-    };
-    if st.step == 0 && st.evals.is_empty() {
-        let model = params.model(&weights(&params));
-        if cfg.loss.kind.needs_attention() {
-            st.floor = Some(evaluate(&model, &frozen, &held, cfg, 0, true));
-        }
-        let e = evaluate(&model, &frozen, &held, cfg, 0, false);
-        on_event(FEvent::Eval(e.clone()));
-        st.evals.push(e);
+    let attention = cfg.loss.kind.needs_attention();
+    let st = &mut opened.state;
+    if st.step == 0 && st.evals.is_empty() && attention {
+        let model = opened.params.model(&run::values(&opened.params.tensors));
+        st.extra.floor = Some(evaluate(&model, &frozen, &held, cfg, 0, true));
     }
 
     // The reader thread streams each step's sequences ahead of the step.
@@ -384,66 +330,27 @@ pub fn train_f_theta(
             }
         })
     };
-
-    let mut secs = Vec::new();
-    let mut ran = 0;
-    let mut last_saved: Option<usize> = (st.step > 0).then_some(st.step);
-    let attention = cfg.loss.kind.needs_attention();
-    while st.step < cfg.train.steps {
-        let t = st.step;
-        let (bt, batch) = rx
-            .recv()
-            .map_err(|_| TrainError::invalid(&info.dir, "the data reader stopped"))??;
-        debug_assert_eq!(bt, t);
-        let started = Instant::now();
-        saturated += batch.iter().map(|s| s.saturated).sum::<usize>();
-        let leaves = leaves(&params);
-        let model = params.model(&leaves);
-        let loss = batch_loss(&model, &frozen_ad, &batch, cfg, t, &ad);
-        let loss_value = f64::from(loss.clone().into_scalar::<f32>());
-        if !loss_value.is_finite() {
-            return Err(TrainError::NonFinite {
-                step: t + 1,
-                value: loss_value,
-                kept: last_saved
-                    .map_or_else(|| "none was saved yet".to_string(), |s| format!("step {s}")),
-                dir: state_dir.clone(),
-            });
-        }
-        let (lr, norm) = optimizer_step(cfg, t, loss, &leaves, &mut params, &mut moments);
-        st.step += 1;
-        ran += 1;
-        let rec = StepRecord {
-            step: st.step,
-            loss: loss_value,
-            lr,
-            grad_norm: norm,
-            secs: started.elapsed().as_secs_f64(),
-        };
-        secs.push(rec.secs);
-        on_event(FEvent::Step(rec.clone()));
-        st.steps.push(rec);
-        let last = st.step == cfg.train.steps;
-        if st.step % cfg.output.eval_every == 0 || last {
-            let model = params.model(&weights(&params));
-            let e = evaluate(&model, &frozen, &held, cfg, st.step, false);
-            on_event(FEvent::Eval(e.clone()));
-            st.evals.push(e);
-        }
-        let stop = opts.stop_after.is_some_and(|n| ran >= n);
-        if st.step % cfg.output.checkpoint_every == 0 || last || stop {
-            save_state(&cfg.output.dir, &params, &moments, &st)?;
-            last_saved = Some(st.step);
-            on_event(FEvent::Saved(st.step));
-        }
-        if stop && !last {
-            drop(rx);
-            let _ = reader.join();
-            return Err(TrainError::Interrupted(st.step));
-        }
-    }
-    drop(rx);
+    let mut trainer = FThetaRun {
+        cfg,
+        dir: &info.dir,
+        rx,
+        frozen,
+        frozen_ad: frozen_layers(verifier, &ad),
+        held: &held,
+        ad,
+        saturated: held.iter().map(|s| s.saturated).sum(),
+    };
+    let cadence = Cadence {
+        steps: cfg.train.steps,
+        eval_every: cfg.output.eval_every,
+        checkpoint_every: cfg.output.checkpoint_every,
+    };
+    let ran = run::run_steps(&mut trainer, &mut opened, out, cadence, opts, on_event);
+    let saturated = trainer.saturated;
+    drop(trainer);
     let _ = reader.join();
+    let secs = ran?;
+    let (params, st) = (opened.params, opened.state);
     if saturated > 0 {
         tracing::warn!(
             saturated,
@@ -454,8 +361,6 @@ pub fn train_f_theta(
     state::replace_dir(&cfg.output.export, |dir| {
         ck.write_files(dir).map_err(TrainError::from)
     })?;
-    secs.sort_by(f64::total_cmp);
-    let median = secs.get(secs.len() / 2).copied().unwrap_or(0.0);
     let last = st.evals.last().cloned().expect("evaluated at the end");
     let mut final_diagnostics = BTreeMap::new();
     final_diagnostics.insert("sliding".to_string(), last.sliding);
@@ -473,16 +378,14 @@ pub fn train_f_theta(
             "saturated_values": saturated,
         }),
         device: format!("{device:?}"),
-        secs_per_step: median,
+        secs_per_step: run::median_secs(secs),
         steps_done: st.step,
-        floor: st.floor.clone(),
+        floor: st.extra.floor.clone(),
         evals: st.evals.clone(),
         final_diagnostics,
         steps: st.steps.clone(),
         export: cfg.output.export.clone(),
     };
-    let json = serde_json::to_string_pretty(&report).expect("report serialises");
-    state::write_file_atomically(&cfg.output.dir.join("report.json"), json.as_bytes())?;
     let metric: Vec<(f64, f64)> = st
         .evals
         .iter()
@@ -505,66 +408,61 @@ pub fn train_f_theta(
         ("TRAIN LOSS", &plot::smoothed_loss(&st.steps)),
         (right, &metric),
     );
-    state::write_file_atomically(&cfg.output.dir.join("curves.png"), &png)?;
+    run::write_outputs(out, &report, &png)?;
     Ok(report)
 }
 
-fn save_state(
-    dir: &std::path::Path,
-    params: &FThetaParams,
-    moments: &[Moments],
-    st: &State,
-) -> Result<()> {
-    let entries: Vec<(&str, &Tensor<2>, &Moments)> = params
-        .tensors
-        .iter()
-        .zip(moments)
-        .map(|((n, _, p), m)| (n.as_str(), p, m))
-        .collect();
-    let json = serde_json::to_string_pretty(st).expect("state serialises");
-    state::save(dir, &entries, &json)
+/// f_θ's part of the shared loop ([`run::run_steps`]): batches come from the reader thread.
+struct FThetaRun<'a> {
+    cfg: &'a FThetaTrainConfig,
+    dir: &'a Path,
+    rx: mpsc::Receiver<Result<(usize, Vec<SeqData>)>>,
+    frozen: Vec<LayerFrozen>,
+    frozen_ad: Vec<LayerFrozen>,
+    held: &'a [SeqData],
+    ad: Device,
+    saturated: usize,
 }
 
-fn load_state(
-    dir: &std::path::Path,
-    config: &FThetaConfig,
-    fingerprint: &str,
-    device: &Device,
-) -> Result<(FThetaParams, Vec<Moments>, State)> {
-    let (mut read, text, sp, wp) = state::load(dir)?;
-    let st: State = serde_json::from_str(&text)
-        .map_err(|e| TrainError::invalid(&sp, format!("unreadable training state: {e}")))?;
-    if st.fingerprint != fingerprint {
-        return Err(TrainError::invalid(
-            &sp,
-            "this state was trained with another config or dataset; resume with the same ones",
-        ));
+impl Trainer for FThetaRun<'_> {
+    type Params = FThetaParams;
+    type Eval = FEval;
+
+    fn loss(&mut self, t: usize, params: &FThetaParams, leaves: &[Tensor<2>]) -> Result<Tensor<1>> {
+        let (bt, batch) = self
+            .rx
+            .recv()
+            .map_err(|_| TrainError::invalid(self.dir, "the data reader stopped"))??;
+        debug_assert_eq!(bt, t);
+        self.saturated += batch.iter().map(|s| s.saturated).sum::<usize>();
+        let model = params.model(leaves);
+        Ok(batch_loss(
+            &model,
+            &self.frozen_ad,
+            &batch,
+            self.cfg,
+            t,
+            &self.ad,
+        ))
     }
-    let mut by = |prefix: &str| -> BTreeMap<String, HostTensor> {
-        let keys: Vec<String> = read
-            .keys()
-            .filter(|k| k.starts_with(prefix))
-            .cloned()
-            .collect();
-        keys.into_iter()
-            .map(|k| {
-                let t = read.remove(&k).expect("listed");
-                (k[prefix.len()..].to_string(), t)
-            })
-            .collect()
-    };
-    let mut p = by("param/");
-    let mut m = by("m/");
-    let mut v = by("v/");
-    let bad = |e: String| TrainError::invalid(&wp, e);
-    let params = FThetaParams::from_host(config.clone(), &mut p, device).map_err(bad)?;
-    let ms = FThetaParams::from_host(config.clone(), &mut m, device).map_err(bad)?;
-    let vs = FThetaParams::from_host(config.clone(), &mut v, device).map_err(bad)?;
-    let moments = ms
-        .tensors
-        .into_iter()
-        .zip(vs.tensors)
-        .map(|((_, _, m), (_, _, v))| Moments { m, v })
-        .collect();
-    Ok((params, moments, st))
+
+    fn optimizer(&self, t: usize) -> (AdamW, f64) {
+        adamw(self.cfg, t)
+    }
+
+    fn decays(&self, _shape: &[usize]) -> bool {
+        true
+    }
+
+    fn evaluate(&mut self, step: usize, params: &FThetaParams) -> Result<FEval> {
+        let model = params.model(&run::values(&params.tensors));
+        Ok(evaluate(
+            &model,
+            &self.frozen,
+            self.held,
+            self.cfg,
+            step,
+            false,
+        ))
+    }
 }

@@ -2,9 +2,18 @@
 """Build llama.cpp's `llama-bench` from PyPI's `llama-cpp-python` sdist and run it on a GGUF.
 
 The sdist vendors llama.cpp; we fetch it from PyPI (pinned version and SHA-256), build only
-`llama-bench` (CPU, native ISA, no curl), cache the build under `runs/llama.cpp/` (git-ignored),
+`llama-bench` (CPU backend, no curl), cache the build under `runs/llama.cpp/` (git-ignored),
 and run `llama-bench -t 2 -p 512 -n 128 -r 5` — the speed anchor Kakeya's `kakeya bench` is
 compared with in docs/benchmarks.md.
+
+What a fresh machine lacks is fetched: cmake from PyPI into `runs/llama.cpp/cmake-venv` when
+none is on PATH (a C/C++ compiler must be there: `apt-get install build-essential`).
+
+The instruction set is chosen explicitly, not by `GGML_NATIVE=ON`: on Intel machines with AMX,
+the native build's AMX path dies with SIGSEGV in `ggml_backend_amx_mul_mat` on this model, so
+the build turns on the AVX/AVX2/FMA/F16C/AVX-512 (F, VBMI, VNNI, BF16)/AVX-VNNI options that
+`/proc/cpuinfo` reports and leaves AMX off. Each flag set builds in its own folder. Where
+`/proc/cpuinfo` is missing (macOS), `GGML_NATIVE=ON`.
 
 Usage: python3 scripts/bench_llama_cpp.py [--model models/gemma-3-270m/gemma-3-270m-q4_k_m.gguf]
        [--threads 2] [--reps 5]
@@ -15,6 +24,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import platform
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -47,22 +58,80 @@ def sdist() -> Path:
     return tgz
 
 
+CMAKE_PIN = "cmake==4.4.4"
+
+# ggml's CMake option per /proc/cpuinfo flag (the CPU backend's x86 variants).
+ISA_OPTIONS = [
+    ("avx", "GGML_AVX"),
+    ("avx2", "GGML_AVX2"),
+    ("fma", "GGML_FMA"),
+    ("f16c", "GGML_F16C"),
+    ("avx512f", "GGML_AVX512"),
+    ("avx512vbmi", "GGML_AVX512_VBMI"),
+    ("avx512_vnni", "GGML_AVX512_VNNI"),
+    ("avx512_bf16", "GGML_AVX512_BF16"),
+    ("avx_vnni", "GGML_AVX_VNNI"),
+]
+
+
+def cmake() -> str:
+    """cmake on PATH, else one installed from PyPI into a venv under runs/llama.cpp/."""
+    found = shutil.which("cmake")
+    if found:
+        return found
+    venv = WORK / "cmake-venv"
+    exe = venv / "bin" / "cmake"
+    if not exe.is_file():
+        print(f"bench_llama_cpp: no cmake on PATH; installing {CMAKE_PIN} from PyPI into {venv}",
+              file=sys.stderr)
+        WORK.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(venv / "bin" / "pip"), "install", "--quiet", CMAKE_PIN], check=True)
+    return str(exe)
+
+
+def isa_options() -> tuple[str, list[str]]:
+    """A build-folder tag and the ggml ISA options for this CPU (AMX always off)."""
+    try:
+        flags: set[str] = set()
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        return "native", ["-DGGML_NATIVE=ON"]
+    if not flags or platform.machine() not in ("x86_64", "AMD64"):
+        return "native", ["-DGGML_NATIVE=ON"]
+    opts = ["-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+    on = []
+    for flag, option in ISA_OPTIONS:
+        state = "ON" if flag in flags else "OFF"
+        opts.append(f"-D{option}={state}")
+        if state == "ON":
+            on.append(flag)
+    return "-".join(on) or "generic", opts
+
+
 def build() -> Path:
-    exe = WORK / "build" / "bin" / "llama-bench"
+    tag, isa = isa_options()
+    out = WORK / f"build-{tag}"
+    exe = out / "bin" / "llama-bench"
     if exe.is_file():
         return exe
     src = WORK / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp"
     if not src.is_dir():
         with tarfile.open(sdist()) as t:
             t.extractall(WORK, filter="data")
+    tool = cmake()
+    print(f"bench_llama_cpp: building llama-bench in {out} with {' '.join(isa)}", file=sys.stderr)
     subprocess.run(
-        ["cmake", "-S", str(src), "-B", str(WORK / "build"), "-DCMAKE_BUILD_TYPE=Release",
-         "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF",
-         "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
-         "-DLLAMA_BUILD_TOOLS=ON"],
+        [tool, "-S", str(src), "-B", str(out), "-DCMAKE_BUILD_TYPE=Release",
+         "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+         "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_TOOLS=ON",
+         *isa],
         check=True,
     )
-    subprocess.run(["cmake", "--build", str(WORK / "build"), "--target", "llama-bench", "-j", "2"], check=True)
+    subprocess.run([tool, "--build", str(out), "--target", "llama-bench", "-j", "2"], check=True)
     return exe
 
 
@@ -72,16 +141,28 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--build-only", action="store_true")
+    ap.add_argument("--json", type=Path, help="also write llama-bench's JSON records here")
     args = ap.parse_args()
     exe = build()
     if args.build_only:
         print(exe)
         return
-    subprocess.run(
-        [str(exe), "-m", str(args.model), "-t", str(args.threads), "-p", "512", "-n", "128",
-         "-r", str(args.reps), "-o", "md"],
-        check=True,
-    )
+    cmd = [str(exe), "-m", str(args.model), "-t", str(args.threads), "-p", "512", "-n", "128",
+           "-r", str(args.reps)]
+    if args.json is None:
+        subprocess.run([*cmd, "-o", "md"], check=True)
+        return
+    out = subprocess.run([*cmd, "-o", "json"], check=True, capture_output=True, text=True).stdout
+    records = json.loads(out)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.json.with_suffix(".tmp")
+    tmp.write_text(json.dumps(records, indent=2))
+    tmp.replace(args.json)
+    print("| test | llama.cpp tok/s (mean ± sd) |")
+    print("|---|---|")
+    for r in records:
+        test = f"pp{r['n_prompt']}" if r["n_gen"] == 0 else f"tg{r['n_gen']}"
+        print(f"| {test} | {r['avg_ts']:.2f} ± {r['stddev_ts']:.2f} |")
 
 
 if __name__ == "__main__":

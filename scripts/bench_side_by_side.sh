@@ -1,14 +1,67 @@
 #!/usr/bin/env bash
-# Decode and prefill throughput of kakeya and llama.cpp on the same GGUF, measured back to back
-# in one session (2 threads each; run it on an otherwise idle machine). Numbers go to
-# docs/benchmarks.md.
+# Kakeya vs llama.cpp on the same GGUF, 2 threads each, measured back to back in one session:
+# llama-bench (pp512, tg128), then `kakeya bench` (pp512, tg128), then Kakeya's speculative
+# decoding with the default settings on the 20 built-in prompts, then llama-bench again (the
+# two llama.cpp runs bracket Kakeya's: if they differ much, the machine was not quiet). Prints
+# the ratios; the raw JSON lands in runs/side-by-side/. Run it on an otherwise idle machine.
+#
+# A fresh machine needs a C/C++ compiler (installed with apt-get when missing and run as root)
+# and cmake (fetched from PyPI by scripts/bench_llama_cpp.py when missing). llama.cpp is built
+# with explicit ISA options, AMX off (see scripts/bench_llama_cpp.py).
+#
+# Usage: scripts/bench_side_by_side.sh [--runs N]   (default 5; N runs per figure)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+runs=5
+if [[ "${1:-}" == "--runs" ]]; then runs="$2"; fi
 model=models/gemma-3-270m/gemma-3-270m-q4_k_m.gguf
+drafter=checkpoints/drafter-gemma3-270m
+out=runs/side-by-side
+mkdir -p "$out"
+
+if ! command -v c++ >/dev/null || ! command -v make >/dev/null; then
+  if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null; then
+    apt-get update -qq && apt-get install -y -qq build-essential
+  else
+    echo "bench_side_by_side: a C/C++ compiler and make are needed (apt-get install build-essential)" >&2
+    exit 1
+  fi
+fi
 python3 scripts/fetch_default_model.py
 cargo build --release --locked -p kakeya-cli
 python3 scripts/bench_llama_cpp.py --build-only
+
+kakeya=./target/release/kakeya
+echo "## llama-bench -t 2 (before)"
+python3 scripts/bench_llama_cpp.py --model "$model" --threads 2 --reps "$runs" --json "$out/llama-before.json"
 echo "## kakeya bench (burn-flex CPU, RAYON_NUM_THREADS=2)"
-RAYON_NUM_THREADS=2 ./target/release/kakeya bench --model "$model" --runs 5 --warmup 1
-echo "## llama-bench -t 2"
-python3 scripts/bench_llama_cpp.py --model "$model" --threads 2 --reps 5
+RAYON_NUM_THREADS=2 "$kakeya" bench --model "$model" --runs "$runs" --warmup 1 --json > "$out/kakeya.json.tmp"
+mv "$out/kakeya.json.tmp" "$out/kakeya.json"
+echo "## kakeya bench --drafter (default settings: combined proposer, adaptive blocks)"
+RAYON_NUM_THREADS=2 "$kakeya" bench --model "$model" --drafter "$drafter" --runs 1 --warmup 1 --json > "$out/spec.json.tmp"
+mv "$out/spec.json.tmp" "$out/spec.json"
+echo "## llama-bench -t 2 (after)"
+python3 scripts/bench_llama_cpp.py --model "$model" --threads 2 --reps "$runs" --json "$out/llama-after.json"
+
+python3 - "$out" <<'PY'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+def llama(name):
+    recs = json.loads((out / name).read_text())
+    return {("pp" if r["n_gen"] == 0 else "tg"): r["avg_ts"] for r in recs}
+before, after = llama("llama-before.json"), llama("llama-after.json")
+k = {f["test"][:2]: f["median_tok_s"] for f in json.loads((out / "kakeya.json").read_text())["results"]}
+spec = json.loads((out / "spec.json").read_text())
+print()
+print("| figure | kakeya tok/s | llama.cpp tok/s (before / after) | kakeya / llama.cpp (mean of the two) |")
+print("|---|---|---|---|")
+for test, name in (("pp", "pp512"), ("tg", "tg128")):
+    mean = (before[test] + after[test]) / 2
+    print(f"| {name} | {k[test]:.1f} | {before[test]:.1f} / {after[test]:.1f} | {k[test] / mean:.2f}× |")
+mean = (before["tg"] + after["tg"]) / 2
+print(f"| speculative decode (20 prompts, 128 tokens; AR {spec['ar_decode_tok_s']:.1f}, "
+      f"{spec['speedup']:.2f}× own AR, acceptance {spec['mean_acceptance_length']:.2f}, "
+      f"identical {spec['all_identical']}) | {spec['spec_decode_tok_s']:.1f} | "
+      f"{before['tg']:.1f} / {after['tg']:.1f} (tg128) | {spec['spec_decode_tok_s'] / mean:.2f}× |")
+PY

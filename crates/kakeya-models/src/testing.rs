@@ -3,10 +3,11 @@
 use std::collections::BTreeMap;
 
 use kakeya_weights::checkpoint::{expected_tensors, is_gemma_norm};
+use kakeya_weights::dequant::{GgmlType, dequantize};
 use kakeya_weights::ftheta::{FTHETA_FORMAT, FTHETA_VERSION, FThetaInputs, ModelRef};
 use kakeya_weights::{
     AttentionKind, Checkpoint, DFlashConfig, DraftCheckpoint, FThetaConfig, Gemma3Config,
-    HostTensor,
+    HostTensor, QuantMatrix,
 };
 
 /// A small Gemma 3 config: 6 layers (layer 5 global), window `window`.
@@ -71,6 +72,48 @@ pub fn random_checkpoint(config: &Gemma3Config, seed: u64) -> Checkpoint {
         tensors,
         quantized: BTreeMap::new(),
     }
+}
+
+/// [`random_checkpoint`] with every linear map (projections and the tied embedding/head)
+/// also held as Q8_0 blocks, the dense values being the blocks' exact dequantisation: on the
+/// CPU the model then runs decode steps and small blocks through the batch-invariant block
+/// kernel, as the real GGUF model does.
+pub fn random_quantized_checkpoint(config: &Gemma3Config, seed: u64) -> Checkpoint {
+    let mut ck = random_checkpoint(config, seed);
+    for (name, t) in &mut ck.tensors {
+        if t.shape.len() != 2 || !(name.ends_with("_proj.weight") || name.contains("embed_tokens"))
+        {
+            continue;
+        }
+        let (rows, cols) = (t.shape[0], t.shape[1]);
+        let bytes = q8_0_blocks(&t.data);
+        t.data = dequantize(GgmlType::Q8_0, &bytes, rows * cols);
+        let q = QuantMatrix::new(GgmlType::Q8_0, rows, cols, &bytes)
+            .expect("tiny widths are multiples of 32");
+        ck.quantized.insert(name.clone(), q);
+    }
+    ck
+}
+
+/// GGML Q8_0 blocks of `values` (32 per block: an f16 scale, then 32 int8).
+fn q8_0_blocks(values: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(values.len() / 32 * 34);
+    for block in values.chunks(32) {
+        let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = half::f16::from_f32(amax / 127.0);
+        let inv = if d.to_f32() > 0.0 {
+            1.0 / d.to_f32()
+        } else {
+            0.0
+        };
+        out.extend_from_slice(&d.to_bits().to_le_bytes());
+        out.extend(
+            block
+                .iter()
+                .map(|v| (v * inv).round().clamp(-127.0, 127.0) as i8 as u8),
+        );
+    }
+    out
 }
 
 /// A drafter config fitting `verifier`: `layers` layers with the verifier's head layout,

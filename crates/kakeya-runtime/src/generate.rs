@@ -181,24 +181,130 @@ pub fn generate(
         steps += 1;
     };
     let decode_secs = t1.elapsed().as_secs_f64();
-    let tokens = sink.finish();
+    Ok(finished(
+        session,
+        prompt.len(),
+        sink.finish(),
+        stop_reason,
+        (prefill_secs, steps, decode_secs),
+    ))
+}
+
+/// The [`Generation`] of a finished sequence; `timing` = (prefill seconds, decode steps,
+/// decode seconds).
+fn finished(
+    session: &Session<'_>,
+    prompt_len: usize,
+    tokens: Vec<u32>,
+    stop_reason: StopReason,
+    (prefill_secs, steps, decode_secs): (f64, usize, f64),
+) -> Generation {
     let stats = GenerationStats {
-        prompt_tokens: prompt.len(),
+        prompt_tokens: prompt_len,
         generated_tokens: tokens.len(),
         prefill_secs,
         decode_steps: steps,
         decode_secs,
-        prefill_tok_s: rate(prompt.len(), prefill_secs),
+        prefill_tok_s: rate(prompt_len, prefill_secs),
         decode_tok_s: rate(steps, decode_secs),
         kv_bytes: session.kv_bytes().total,
         kv_mode: Some(session.policy().mode),
         kv: session.kv_bytes(),
     };
-    Ok(Generation {
+    Generation {
         tokens,
         stop_reason,
         stopped_on_runaway: stop_reason == StopReason::Runaway,
         stats,
         spec: None,
-    })
+    }
+}
+
+/// Generates for several prompts at once, `sessions[i]` for `prompts[i]`: each prompt is
+/// prefilled alone, then the sequences still running decode in lock-step, one stacked forward
+/// per step ([`Session::step_batch`]), so each sequence's output is exactly what [`generate`]
+/// gives it alone (same stop rules, same position-keyed sampling). Keep the batch within
+/// [`kakeya_models::linear::QUANT_MAX_ROWS`] sequences for the bit-for-bit guarantee on the CPU.
+/// A sequence's `decode_secs` is the wall time of the steps it took part in.
+pub fn generate_batch(
+    sessions: &mut [Session<'_>],
+    prompts: &[&[u32]],
+    cfg: &GenerationConfig,
+) -> Result<Vec<Generation>> {
+    if cfg.max_tokens == 0 {
+        return Err(RuntimeError::Input("max_tokens must be at least 1".into()));
+    }
+    if sessions.len() != prompts.len() {
+        return Err(RuntimeError::Input(format!(
+            "{} sessions for {} prompts",
+            sessions.len(),
+            prompts.len()
+        )));
+    }
+    let sampler = Sampler::new(cfg.sampling.clone());
+    let mut logits = Vec::with_capacity(prompts.len());
+    let mut prefill_secs = Vec::with_capacity(prompts.len());
+    for (session, prompt) in sessions.iter_mut().zip(prompts) {
+        let t0 = Instant::now();
+        logits.push(session.prefill(prompt, cfg.prefill_chunk)?);
+        prefill_secs.push(t0.elapsed().as_secs_f64());
+    }
+    let mut quiet: Vec<fn(u32)> = vec![|_| {}; prompts.len()];
+    let mut sinks: Vec<TokenSink<'_>> = quiet
+        .iter_mut()
+        .map(|f| TokenSink::new(cfg, f as &mut dyn FnMut(u32)))
+        .collect();
+    let mut stop: Vec<Option<StopReason>> = vec![None; prompts.len()];
+    let mut steps = vec![0usize; prompts.len()];
+    let mut decode_secs = vec![0f64; prompts.len()];
+    loop {
+        let t = Instant::now();
+        let mut live = Vec::new();
+        let mut next = Vec::new();
+        for (i, session) in sessions.iter().enumerate() {
+            if stop[i].is_some() {
+                continue;
+            }
+            let tok = sampler.pick(&logits[i], session.len());
+            stop[i] = sinks[i].push(tok);
+            if stop[i].is_none() && session.len() >= session.model().config.max_position_embeddings
+            {
+                stop[i] = Some(StopReason::ContextFull);
+            }
+            if stop[i].is_none() {
+                live.push(i);
+                next.push(tok);
+            }
+        }
+        if live.is_empty() {
+            break;
+        }
+        let mut running: Vec<&mut Session<'_>> = sessions
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| stop[*i].is_none())
+            .map(|(_, s)| s)
+            .collect();
+        let out = Session::step_batch(&mut running, &next)?;
+        let secs = t.elapsed().as_secs_f64();
+        for (&i, l) in live.iter().zip(out) {
+            logits[i] = l;
+            steps[i] += 1;
+            decode_secs[i] += secs;
+        }
+    }
+    Ok(sessions
+        .iter()
+        .zip(sinks)
+        .enumerate()
+        .map(|(i, (session, sink))| {
+            finished(
+                session,
+                prompts[i].len(),
+                sink.finish(),
+                stop[i].expect("every sequence stopped"),
+                (prefill_secs[i], steps[i], decode_secs[i]),
+            )
+        })
+        .collect())
 }

@@ -13,7 +13,7 @@ pub mod stream;
 
 pub use error::{Result, RuntimeError};
 pub use generate::{
-    Generation, GenerationConfig, GenerationStats, StopReason, TokenSink, generate,
+    Generation, GenerationConfig, GenerationStats, StopReason, TokenSink, generate, generate_batch,
 };
 pub use guard::RunawayGuard;
 pub use kv::{

@@ -10,7 +10,7 @@
 
 use burn::tensor::Tensor;
 use kakeya_models::{
-    DFlashDrafter, DraftContext, ForwardOutput, ForwardRequest, Gemma3Model, Logits,
+    DFlashDrafter, DraftContext, ForwardOutput, ForwardRequest, Gemma3Model, KvLayers, Logits,
 };
 
 use crate::error::{Result, RuntimeError};
@@ -276,6 +276,60 @@ impl<'m> Session<'m> {
         }
         self.len += tokens.len();
         Ok(out)
+    }
+
+    /// Runs one token in each session in one stacked forward
+    /// ([`Gemma3Model::forward_batch`]: bit for bit each session's own [`Self::step`] while
+    /// the batch stays within the block kernel's rows); returns each session's logits. The
+    /// sessions must share one model and one drafter (or none).
+    pub fn step_batch(sessions: &mut [&mut Session<'m>], tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
+        if sessions.len() != tokens.len() {
+            return Err(RuntimeError::Input(format!(
+                "{} tokens for {} sessions",
+                tokens.len(),
+                sessions.len()
+            )));
+        }
+        let Some(first) = sessions.first() else {
+            return Ok(Vec::new());
+        };
+        let (model, drafter) = (first.model, first.drafter);
+        if sessions.iter().any(|s| {
+            !std::ptr::eq(s.model, model)
+                || s.drafter.map(std::ptr::from_ref) != drafter.map(std::ptr::from_ref)
+        }) {
+            return Err(RuntimeError::Input(
+                "batched sessions must share one model and one drafter".into(),
+            ));
+        }
+        for s in sessions.iter_mut() {
+            s.commit()?;
+        }
+        let targets: &[usize] = drafter.map_or(&[], |d| d.config.target_layer_ids.as_slice());
+        let reqs: Vec<ForwardRequest<'_>> = sessions
+            .iter()
+            .zip(tokens)
+            .map(|(s, t)| {
+                let mut req = ForwardRequest::new(std::slice::from_ref(t), s.len, Logits::Last);
+                req.hidden_after = targets;
+                req
+            })
+            .collect();
+        let mut kvs: Vec<&mut dyn KvLayers> = sessions
+            .iter_mut()
+            .map(|s| &mut s.kv as &mut dyn KvLayers)
+            .collect();
+        let outs = model.forward_batch(&reqs, &mut kvs)?;
+        drop(kvs);
+        let mut logits = Vec::with_capacity(outs.len());
+        for (s, out) in sessions.iter_mut().zip(outs) {
+            if !targets.is_empty() {
+                s.pending = Some((s.len, Tensor::cat(out.hidden, 1)));
+            }
+            s.len += 1;
+            logits.push(logits_row(out.logits.expect("asked for logits")));
+        }
+        Ok(logits)
     }
 
     /// Runs one token; returns its logits.

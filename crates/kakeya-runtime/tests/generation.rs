@@ -10,12 +10,13 @@ use burn::tensor::Device;
 use common::speculative;
 use kakeya_models::testing::{
     Scratch, byte_fallback_tokenizer_json, chat_tokenizer_json, drafter_config, random_checkpoint,
-    random_drafter, tiny_config,
+    random_drafter, random_quantized_checkpoint, tiny_config,
 };
-use kakeya_models::{DFlashDrafter, Gemma3Model};
+use kakeya_models::{DFlashDrafter, DraftContext, Gemma3Model};
 use kakeya_runtime::chat::ChatSession;
 use kakeya_runtime::{
-    Generation, GenerationConfig, RunawayGuard, Sampling, Session, StopReason, TextStream, generate,
+    Generation, GenerationConfig, KvSetup, RunawayGuard, Sampling, Session, StopReason, TextStream,
+    generate, generate_batch,
 };
 use kakeya_weights::Tokenizer;
 
@@ -269,4 +270,90 @@ fn streamed_text_equals_decoding_everything_at_once_across_split_characters() {
         text.extend(st.finish().unwrap());
         assert_eq!(text, tok.decode(&ids).unwrap(), "{ids:?}");
     }
+}
+
+#[test]
+fn batched_generation_equals_each_sequence_alone() {
+    // Q8_0 weights: projections of up to 16 rows run the batch-invariant block kernel, as on
+    // the real model, so stacking sequences must not change a bit.
+    let v = Gemma3Model::from_checkpoint(
+        random_quantized_checkpoint(&tiny_config(WINDOW), 3),
+        &Device::flex(),
+    )
+    .unwrap();
+    let d = drafter(&v, 4);
+    // Prompts of different lengths; one stops early on a stop token, the others run to
+    // max_tokens; greedy and seeded sampling.
+    let prompts: Vec<Vec<u32>> = (0..5).map(|i| prompt(i, 3 + 4 * i)).collect();
+    let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+    for sampling in [Sampling::Greedy, sample(7, 0)] {
+        let mut c = cfg(12, sampling);
+        let alone: Vec<Generation> = refs.iter().map(|p| ar(&v, p, &c)).collect();
+        // A stop token the third sequence produces mid-way.
+        c.stop_tokens = vec![alone[2].tokens[5]];
+        let alone: Vec<Generation> = refs.iter().map(|p| ar(&v, p, &c)).collect();
+        assert!(
+            alone[2].tokens.len() <= 5,
+            "the stop token ends sequence 2 early"
+        );
+        let mut sessions: Vec<Session> = refs.iter().map(|_| Session::new(&v, 0)).collect();
+        let batched = generate_batch(&mut sessions, &refs, &c).unwrap();
+        for (i, (a, b)) in alone.iter().zip(&batched).enumerate() {
+            assert_eq!(a.tokens, b.tokens, "sequence {i}");
+            assert_eq!(a.stop_reason, b.stop_reason, "sequence {i}");
+            assert_eq!(a.stats.decode_steps, b.stats.decode_steps, "sequence {i}");
+        }
+        // The caches (and, with a drafter, the store rows) end as they would alone: one more
+        // step in each session gives the same logits, bit for bit.
+        let mut with_store: Vec<Session> = refs
+            .iter()
+            .map(|_| Session::with_kv(&v, KvSetup::full(0).drafter(&d)).unwrap())
+            .collect();
+        let batched = generate_batch(&mut with_store, &refs, &c).unwrap();
+        for (i, (s, g)) in with_store.iter_mut().zip(&batched).enumerate() {
+            let mut alone = Session::with_kv(&v, KvSetup::full(0).drafter(&d)).unwrap();
+            let a = generate(&mut alone, refs[i], &c, &mut |_| {}).unwrap();
+            assert_eq!(a.tokens, g.tokens, "sequence {i}");
+            assert_eq!(alone.len(), s.len(), "sequence {i}");
+            let next = 11;
+            assert_eq!(
+                s.step(next).unwrap(),
+                alone.step(next).unwrap(),
+                "sequence {i}"
+            );
+            let store = |s: &mut Session| {
+                let st = s.store_mut().unwrap().unwrap();
+                let (k, v) = st.read(0..st.len()).unwrap();
+                let h = |t: burn::tensor::Tensor<2>| t.into_data().try_to_vec::<f32>().unwrap();
+                (h(k), h(v))
+            };
+            assert!(store(s) == store(&mut alone), "store rows of sequence {i}");
+        }
+    }
+}
+
+#[test]
+fn batched_steps_refuse_mismatched_inputs() {
+    let v = verifier(3);
+    let other = verifier(4);
+    let (mut a, mut b) = (Session::new(&v, 0), Session::new(&other, 0));
+    a.prefill(&[1, 2], 4).unwrap();
+    b.prefill(&[1, 2], 4).unwrap();
+    let err = Session::step_batch(&mut [&mut a, &mut b], &[3, 4]).unwrap_err();
+    assert!(err.to_string().contains("share one model"), "{err}");
+    let mut c = Session::new(&v, 0);
+    c.prefill(&[1], 4).unwrap();
+    let err = Session::step_batch(&mut [&mut a, &mut c], &[3]).unwrap_err();
+    assert!(err.to_string().contains("1 tokens for 2 sessions"), "{err}");
+    let mut sessions = vec![Session::new(&v, 0)];
+    let err = generate_batch(
+        &mut sessions,
+        &[&[1][..], &[2][..]],
+        &cfg(3, Sampling::Greedy),
+    )
+    .unwrap_err();
+    assert!(
+        err.to_string().contains("1 sessions for 2 prompts"),
+        "{err}"
+    );
 }

@@ -218,23 +218,24 @@ impl Attention {
         Ok(merge_heads(out.expect("at least one key"), self.heads))
     }
 
-    /// Attends a chunk of `T` positions `start..start+T`; `rope` holds this layer kind's
-    /// cos/sin tables for those positions (built once per forward by the model). The chunk's
-    /// K/V go to cache `layer` of `kv`, which returns the tiers attention reads.
+    /// Attends chunks of several sequences stacked row-wise: the projections, norms and RoPE
+    /// run over all rows at once; each span's K/V go to cache `layer` of its own
+    /// [`KvLayers`], and each span attends only over what its cache returns. `rope` holds this
+    /// layer kind's cos/sin tables for every row (built once per forward by the model).
     ///
     /// # Shapes
-    /// - `x`: `[T, hidden]` (after input_layernorm) → `[T, hidden]` (after o_proj)
-    /// - `rope`: cos and sin, each `[T, head_dim/2]`
+    /// - `x`: `[R, hidden]` (after input_layernorm) → `[R, hidden]` (after o_proj)
+    /// - `spans`: per sequence, its first absolute position and its rows of `x`
+    /// - `rope`: cos and sin, each `[R, head_dim/2]`
     pub fn forward(
         &self,
         x: Tensor<2>,
-        start: usize,
+        spans: &[Span],
         rope: &(Tensor<2>, Tensor<2>),
-        kv: (&mut dyn KvLayers, usize),
+        (kvs, layer): (&mut [&mut dyn KvLayers], usize),
         capture: bool,
-    ) -> Result<(Tensor<2>, Option<AttentionCapture>)> {
+    ) -> Result<(Tensor<2>, Vec<AttentionCapture>)> {
         let device = x.device();
-        let t = x.dims()[0];
         let (cos, sin) = rope;
         let q_raw = self.q_proj.forward(x.clone());
         let k_raw = self.k_proj.forward(x.clone());
@@ -252,30 +253,69 @@ impl Attention {
             sin,
         );
         let v = self.heads_first(v_raw.clone(), self.kv_heads);
-        let (caches, layer) = kv;
+        let rows_of = |t: &Tensor<3>, r: &std::ops::Range<usize>| {
+            let [h, _, d] = t.dims();
+            t.clone().slice([0..h, r.clone(), 0..d])
+        };
+        let mut outs = Vec::with_capacity(spans.len());
+        for (span, caches) in spans.iter().zip(kvs.iter_mut()) {
+            let r = &span.rows;
+            outs.push(self.attend(
+                (rows_of(&q, r), rows_of(&k, r), rows_of(&v, r)),
+                span.start,
+                (&mut **caches, layer),
+                &device,
+            )?);
+        }
+        let attn = if outs.len() == 1 {
+            outs.pop().expect("one span")
+        } else {
+            Tensor::cat(outs, 0)
+        };
+        let out = self.o_proj.forward(attn);
+        let caps = if capture {
+            let cols = |t: &Tensor<2>, r: &std::ops::Range<usize>| {
+                let w = t.dims()[1];
+                t.clone().slice([r.clone(), 0..w])
+            };
+            spans
+                .iter()
+                .map(|s| AttentionCapture {
+                    q_raw: cols(&q_raw, &s.rows),
+                    k_raw: cols(&k_raw, &s.rows),
+                    v_raw: cols(&v_raw, &s.rows),
+                    out: cols(&out, &s.rows),
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        Ok((out, caps))
+    }
+
+    /// One sequence's chunk of `T` positions `start..start+T`: its K/V go to cache `layer`,
+    /// which returns the tiers attention reads.
+    ///
+    /// # Shapes
+    /// - `q`: `[heads, T, head_dim]`; `k`, `v`: `[kv_heads, T, head_dim]` (normed, RoPE'd)
+    /// - returns `[T, heads · head_dim]` (before o_proj)
+    fn attend(
+        &self,
+        (q, k, v): (Tensor<3>, Tensor<3>, Tensor<3>),
+        start: usize,
+        (caches, layer): (&mut dyn KvLayers, usize),
+        device: &Device,
+    ) -> Result<Tensor<2>> {
+        let t = q.dims()[1];
         let segments = caches.update(layer, k, v, start)?;
         let (deferred, ready): (Vec<KvSegment>, Vec<KvSegment>) = segments
             .into_iter()
             .filter(|s| !s.is_empty())
             .partition(|s| matches!(s.kv, SegmentKv::Deferred));
         if !deferred.is_empty() {
-            let attn =
-                self.tiled_attention(q, start, &ready, &deferred, (caches, layer), &device)?;
-            let out = self.o_proj.forward(attn);
-            let cap = capture.then(|| AttentionCapture {
-                q_raw,
-                k_raw,
-                v_raw,
-                out: out.clone(),
-            });
-            return Ok((out, cap));
+            return self.tiled_attention(q, start, &ready, &deferred, (caches, layer), device);
         }
-        let segments = ready;
-        let (ks, vs): (Vec<_>, Vec<_>) = segments
-            .iter()
-            .filter(|s| !s.is_empty())
-            .map(|s| self.ready(s, &device))
-            .unzip();
+        let (ks, vs): (Vec<_>, Vec<_>) = ready.iter().map(|s| self.ready(s, device)).unzip();
         if ks.is_empty() {
             return Err(ModelError::Cache(format!(
                 "layer {layer}: the cache returned no keys for positions {start}..{}",
@@ -284,15 +324,16 @@ impl Attention {
         }
         let (k, v) = (Tensor::cat(ks, 1), Tensor::cat(vs, 1));
         let groups = self.heads / self.kv_heads;
-        let mask = self.mask(start, t, &segments, groups, &device);
-        let attn = grouped_attention(q, k, v, self.scale, mask);
-        let out = self.o_proj.forward(attn);
-        let cap = capture.then(|| AttentionCapture {
-            q_raw,
-            k_raw,
-            v_raw,
-            out: out.clone(),
-        });
-        Ok((out, cap))
+        let mask = self.mask(start, t, &ready, groups, device);
+        Ok(grouped_attention(q, k, v, self.scale, mask))
     }
+}
+
+/// One sequence's rows in a stacked forward.
+#[derive(Debug, Clone)]
+pub struct Span {
+    /// Absolute position of the span's first row.
+    pub start: usize,
+    /// The span's rows of the stacked input.
+    pub rows: std::ops::Range<usize>,
 }

@@ -4,7 +4,7 @@ use burn::tensor::activation::gelu_approximate;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use kakeya_weights::{AttentionKind, Checkpoint, Gemma3Config, HostTensor};
 
-use super::attention::{Attention, AttentionCapture};
+use super::attention::{Attention, AttentionCapture, Span};
 use crate::cache::{CacheSpec, KvLayers};
 use crate::error::{ModelError, Result};
 use crate::linear::Linear;
@@ -84,18 +84,19 @@ pub struct DecoderLayer {
 
 impl DecoderLayer {
     /// # Shapes
-    /// - `x`: `[T, hidden]` → `[T, hidden]`
+    /// - `x`: `[R, hidden]` (the spans' rows stacked) → `[R, hidden]`; see
+    ///   [`Attention::forward`]
     fn forward(
         &self,
         x: Tensor<2>,
-        start: usize,
+        spans: &[Span],
         rope: &(Tensor<2>, Tensor<2>),
-        kv: (&mut dyn KvLayers, usize),
+        kv: (&mut [&mut dyn KvLayers], usize),
         capture: bool,
-    ) -> Result<(Tensor<2>, Option<AttentionCapture>)> {
+    ) -> Result<(Tensor<2>, Vec<AttentionCapture>)> {
         let (a, cap) =
             self.attn
-                .forward(self.input_norm.forward(x.clone()), start, rope, kv, capture)?;
+                .forward(self.input_norm.forward(x.clone()), spans, rope, kv, capture)?;
         let h = x + self.post_attn_norm.forward(a);
         let m = self.pre_ffn_norm.forward(h.clone());
         let m = gelu_approximate(self.gate_proj.forward(m.clone())) * self.up_proj.forward(m);
@@ -278,6 +279,127 @@ impl Gemma3Model {
         req: &ForwardRequest<'_>,
         kv: &mut dyn KvLayers,
     ) -> Result<ForwardOutput> {
+        let mut out = self.forward_batch(std::slice::from_ref(req), &mut [kv])?;
+        Ok(out.pop().expect("one output per request"))
+    }
+
+    /// Runs chunks of several sequences in one pass, each with its own caches: the chunks'
+    /// rows are stacked for every projection and MLP (one weight pass for all), and each
+    /// sequence attends only over its own caches. With at most
+    /// [`crate::linear::QUANT_MAX_ROWS`] rows in all (decode steps), every projection runs the
+    /// batch-invariant block kernel, so each sequence's results are bit for bit those of its
+    /// own [`Self::forward`]. All requests ask for the same `hidden_after` and
+    /// `capture_attention`.
+    ///
+    /// # Shapes
+    /// - per request as in [`Self::forward`]; `kvs[i]` holds request `i`'s caches
+    pub fn forward_batch(
+        &self,
+        reqs: &[ForwardRequest<'_>],
+        kvs: &mut [&mut dyn KvLayers],
+    ) -> Result<Vec<ForwardOutput>> {
+        let c = &self.config;
+        let Some(first) = reqs.first() else {
+            return Ok(Vec::new());
+        };
+        if kvs.len() != reqs.len() {
+            return Err(ModelError::Input(format!(
+                "{} cache sets for {} requests",
+                kvs.len(),
+                reqs.len()
+            )));
+        }
+        for (req, kv) in reqs.iter().zip(kvs.iter()) {
+            self.check_request(req, &**kv)?;
+            if req.hidden_after != first.hidden_after
+                || req.capture_attention != first.capture_attention
+            {
+                return Err(ModelError::Input(
+                    "requests of one batch must ask for the same hidden states and captures".into(),
+                ));
+            }
+        }
+        let mut tokens = Vec::new();
+        let mut positions = Vec::new();
+        let mut spans = Vec::with_capacity(reqs.len());
+        for req in reqs {
+            let r0 = tokens.len();
+            tokens.extend_from_slice(req.tokens);
+            positions.extend(req.start..req.start + req.tokens.len());
+            spans.push(Span {
+                start: req.start,
+                rows: r0..tokens.len(),
+            });
+        }
+        let mut x = self.embed_tokens(&tokens);
+        let hidden_after = first.hidden_after;
+        let mut hidden = vec![None; hidden_after.len()];
+        let mut attention: Vec<Vec<AttentionCapture>> = vec![Vec::new(); reqs.len()];
+        // RoPE tables depend only on the positions and the layer kind: build each once.
+        let mut rope_tables: [Option<(Tensor<2>, Tensor<2>)>; 2] = [None, None];
+        for (i, layer) in self.layers.iter().enumerate() {
+            let kind = usize::from(layer.attn.kind == AttentionKind::Sliding);
+            let rope = rope_tables[kind]
+                .get_or_insert_with(|| layer.attn.rope.tables(&positions, &self.device));
+            let (y, caps) =
+                layer.forward(x, &spans, rope, (&mut *kvs, i), first.capture_attention)?;
+            x = y;
+            for (per_seq, cap) in attention.iter_mut().zip(caps) {
+                per_seq.push(cap);
+            }
+            for (slot, _) in hidden_after.iter().enumerate().filter(|(_, l)| **l == i) {
+                hidden[slot] = Some(x.clone());
+            }
+        }
+        let h = c.hidden_size;
+        let rows = |t: &Tensor<2>, r: &std::ops::Range<usize>| t.clone().slice([r.clone(), 0..h]);
+        // Logits: every request's wanted rows through the head in one call.
+        let mut wanted: Vec<Tensor<2>> = Vec::new();
+        let mut counts = Vec::with_capacity(reqs.len());
+        for (req, span) in reqs.iter().zip(&spans) {
+            let r = match req.logits {
+                Logits::None => span.rows.start..span.rows.start,
+                Logits::All => span.rows.clone(),
+                Logits::Last => span.rows.end - 1..span.rows.end,
+            };
+            counts.push(r.len());
+            if !r.is_empty() {
+                wanted.push(rows(&x, &r));
+            }
+        }
+        let total: usize = counts.iter().sum();
+        let logits = match wanted.len() {
+            0 => None,
+            1 => Some(self.logits(wanted.pop().expect("one"))),
+            _ => Some(self.logits(Tensor::cat(wanted, 0))),
+        };
+        let mut at = 0;
+        let mut outs = Vec::with_capacity(reqs.len());
+        for ((span, n), attention) in spans.iter().zip(counts).zip(attention) {
+            let logits = (n > 0).then(|| {
+                let l = logits.as_ref().expect("logits were computed");
+                if n == total {
+                    return l.clone();
+                }
+                let v = l.dims()[1];
+                let part = l.clone().slice([at..at + n, 0..v]);
+                at += n;
+                part
+            });
+            outs.push(ForwardOutput {
+                logits,
+                hidden: hidden
+                    .iter()
+                    .map(|t| rows(t.as_ref().expect("every requested layer ran"), &span.rows))
+                    .collect(),
+                attention,
+            });
+        }
+        Ok(outs)
+    }
+
+    /// Refuses a request the model or its caches cannot run.
+    fn check_request(&self, req: &ForwardRequest<'_>, kv: &dyn KvLayers) -> Result<()> {
         let c = &self.config;
         let t = req.tokens.len();
         if t == 0 {
@@ -309,38 +431,6 @@ impl Gemma3Model {
                 self.layers.len()
             )));
         }
-        let mut x = self.embed_tokens(req.tokens);
-        let mut hidden = vec![None; req.hidden_after.len()];
-        let mut attention = Vec::new();
-        // RoPE tables depend only on the positions and the layer kind: build each once.
-        let positions: Vec<usize> = (req.start..req.start + t).collect();
-        let mut rope_tables: [Option<(Tensor<2>, Tensor<2>)>; 2] = [None, None];
-        for (i, layer) in self.layers.iter().enumerate() {
-            let kind = usize::from(layer.attn.kind == AttentionKind::Sliding);
-            let rope = rope_tables[kind]
-                .get_or_insert_with(|| layer.attn.rope.tables(&positions, &self.device));
-            let (y, cap) =
-                layer.forward(x, req.start, rope, (&mut *kv, i), req.capture_attention)?;
-            x = y;
-            attention.extend(cap);
-            for (slot, _) in req
-                .hidden_after
-                .iter()
-                .enumerate()
-                .filter(|(_, l)| **l == i)
-            {
-                hidden[slot] = Some(x.clone());
-            }
-        }
-        let logits = match req.logits {
-            Logits::None => None,
-            Logits::All => Some(self.logits(x)),
-            Logits::Last => Some(self.logits(x.slice([t - 1..t, 0..c.hidden_size]))),
-        };
-        Ok(ForwardOutput {
-            logits,
-            hidden: hidden.into_iter().flatten().collect(),
-            attention,
-        })
+        Ok(())
     }
 }

@@ -1,9 +1,10 @@
-//! Capturing one sequence: the verifier's greedy continuation, then one pass over prompt +
-//! continuation recording the chosen per-layer tensors, aux hidden states and drafter K/V.
+//! Capturing sequences: the verifier's greedy continuations (several decoded together), then
+//! per sequence one pass over prompt + continuation recording the chosen per-layer tensors,
+//! aux hidden states and drafter K/V.
 
 use burn::tensor::Tensor;
 use kakeya_models::{DFlashDrafter, ForwardRequest, Gemma3Model, Logits};
-use kakeya_runtime::{GenerationConfig, KvCache, Sampling, Session, generate};
+use kakeya_runtime::{GenerationConfig, KvCache, Sampling, Session, generate_batch};
 use kakeya_weights::Tokenizer;
 
 use crate::config::{CaptureConfig, VerifierTensor};
@@ -74,36 +75,75 @@ pub fn prompt_ids(tok: &Tokenizer, text: &str, max: usize) -> Result<Vec<u32>> {
     Ok(ids)
 }
 
-/// Runs one sequence. Columns come out in manifest order: per verifier layer its tensors, then
-/// aux layers, then per drafter layer K and V.
-pub fn capture_sequence(
+/// The sequences of `texts`: `<bos>` + prompt, then the verifier's greedy continuation (up to
+/// `gen_len` tokens, ending before a stop token), with the prompt length. Continuations of up
+/// to `generation.batch` prompts are decoded together ([`generate_batch`]: one stacked forward
+/// per step, each continuation exactly what it would be alone).
+pub fn continuations(
+    model: &Gemma3Model,
+    tok: &Tokenizer,
+    texts: &[&str],
+    cfg: &CaptureConfig,
+) -> Result<Vec<(Vec<u32>, usize)>> {
+    let g = &cfg.generation;
+    let mut out = Vec::with_capacity(texts.len());
+    for group in texts.chunks(g.batch.max(1)) {
+        let prompts: Vec<Vec<u32>> = group
+            .iter()
+            .map(|t| prompt_ids(tok, t, g.max_prompt_tokens))
+            .collect::<Result<_>>()?;
+        let ctx = model.config.max_position_embeddings;
+        // Sequences with the same length limit (gen_len, or less room in the context)
+        // generate together; a prompt that fills the context stays as it is.
+        let mut by_limit: std::collections::BTreeMap<usize, Vec<usize>> = Default::default();
+        for (i, p) in prompts.iter().enumerate() {
+            let limit = g.gen_len.min(ctx.saturating_sub(p.len()));
+            if limit > 0 {
+                by_limit.entry(limit).or_default().push(i);
+            }
+        }
+        let mut generated: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
+        for (limit, live) in by_limit {
+            let gen_cfg = GenerationConfig {
+                max_tokens: limit,
+                sampling: Sampling::Greedy,
+                stop_tokens: [Some(tok.eos), tok.end_of_turn]
+                    .into_iter()
+                    .flatten()
+                    .collect(),
+                prefill_chunk: g.chunk,
+                loop_guard: None,
+            };
+            let mut sessions: Vec<Session<'_>> =
+                live.iter().map(|_| Session::new(model, 0)).collect();
+            let refs: Vec<&[u32]> = live.iter().map(|&i| prompts[i].as_slice()).collect();
+            for (&i, out) in live
+                .iter()
+                .zip(generate_batch(&mut sessions, &refs, &gen_cfg)?)
+            {
+                generated[i] = out.tokens;
+            }
+        }
+        for (mut p, tail) in prompts.into_iter().zip(generated) {
+            let prompt_len = p.len();
+            p.extend(tail);
+            out.push((p, prompt_len));
+        }
+    }
+    Ok(out)
+}
+
+/// Records one sequence (`tokens`, the first `prompt_len` of them the prompt) in one chunked
+/// pass. Columns come out in manifest order: per verifier layer its tensors, then aux layers,
+/// then per drafter layer K and V.
+pub fn capture_tokens(
     model: &Gemma3Model,
     drafter: Option<&DFlashDrafter>,
-    tok: &Tokenizer,
-    text: &str,
+    (tokens, prompt_len): (Vec<u32>, usize),
     cfg: &CaptureConfig,
     sel: &Selection,
 ) -> Result<SequenceCapture> {
     let g = &cfg.generation;
-    let mut tokens = prompt_ids(tok, text, g.max_prompt_tokens)?;
-    let prompt_len = tokens.len();
-    let ctx = model.config.max_position_embeddings;
-    let room = ctx.saturating_sub(prompt_len);
-    if g.gen_len > 0 && room > 0 {
-        let gen_cfg = GenerationConfig {
-            max_tokens: g.gen_len.min(room),
-            sampling: Sampling::Greedy,
-            stop_tokens: [Some(tok.eos), tok.end_of_turn]
-                .into_iter()
-                .flatten()
-                .collect(),
-            prefill_chunk: g.chunk,
-            loop_guard: None,
-        };
-        let out = generate(&mut Session::new(model, 0), &tokens, &gen_cfg, &mut |_| {})?;
-        tokens.extend(out.tokens);
-    }
-
     // One pass over the whole sequence, chunked, into fresh caches.
     let mut caches = KvCache::for_specs(&model.cache_specs(), 0);
     let n_v = sel.verifier_layers.len() * sel.verifier_tensors.len();

@@ -4,6 +4,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use kakeya_models::linear::QUANT_MAX_ROWS;
+
 use crate::error::{CaptureError, Result};
 
 /// A whole capture job.
@@ -84,6 +86,10 @@ pub struct GenerationSection {
     pub max_prompt_tokens: usize,
     /// Chunk length of prefill and of the capture pass.
     pub chunk: usize,
+    /// Continuations decoded together (one stacked forward per step; at most 16, the block
+    /// kernel's rows, so each continuation is exactly what it would be alone). Not part of
+    /// the dataset's identity: a job may resume with another batch.
+    pub batch: usize,
 }
 
 impl Default for GenerationSection {
@@ -92,6 +98,7 @@ impl Default for GenerationSection {
             gen_len: 64,
             max_prompt_tokens: 1024,
             chunk: 256,
+            batch: 8,
         }
     }
 }
@@ -225,6 +232,12 @@ impl CaptureConfig {
         }
         if self.generation.chunk == 0 || self.generation.max_prompt_tokens < 2 {
             return bad("generation.chunk must be ≥ 1 and max_prompt_tokens ≥ 2".into());
+        }
+        if !(1..=QUANT_MAX_ROWS).contains(&self.generation.batch) {
+            return bad(format!(
+                "generation.batch must be 1..={QUANT_MAX_ROWS} (the block kernel's rows), not {}",
+                self.generation.batch
+            ));
         }
         if self.tensors.drafter_kv && self.model.drafter.is_none() {
             return bad("tensors.drafter_kv = true needs model.drafter".into());

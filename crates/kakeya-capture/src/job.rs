@@ -21,7 +21,7 @@ use parquet::basic::{Compression, ZstdLevel};
 use parquet::file::properties::WriterProperties;
 use sha2::{Digest, Sha256};
 
-use crate::capture::{Selection, SequenceCapture, capture_sequence, sample_positions};
+use crate::capture::{Selection, SequenceCapture, capture_tokens, continuations, sample_positions};
 use crate::config::{CaptureConfig, Dtype, LayerSet};
 use crate::error::{CaptureError, Result};
 use crate::prompts::{Prompt, load_sources};
@@ -334,15 +334,10 @@ fn write_shard(
         let mut w = ArrowWriter::try_new(BufWriter::new(f), manifest.arrow_schema(), Some(props))
             .map_err(|e| CaptureError::parquet(&tmp, e))?;
         let mut rows = 0;
-        for &s in seqs {
-            let cap = capture_sequence(
-                m.verifier,
-                m.drafter,
-                m.tokenizer,
-                &prompts[s].text,
-                cfg,
-                sel,
-            )?;
+        let texts: Vec<&str> = seqs.iter().map(|&s| prompts[s].text.as_str()).collect();
+        let sequences = continuations(m.verifier, m.tokenizer, &texts, cfg)?;
+        for (&s, seq) in seqs.iter().zip(sequences) {
+            let cap = capture_tokens(m.verifier, m.drafter, seq, cfg, sel)?;
             let n = cap.tokens.len();
             let positions = match cfg.tensors.sample_positions {
                 Some(k) => sample_positions(n, k, cfg.tensors.sample_seed, s),

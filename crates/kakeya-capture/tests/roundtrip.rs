@@ -1,6 +1,7 @@
 //! Capture round trip on a tiny random verifier + drafter: what the reader returns equals what
 //! the models produce (f32 exactly, f16 within half-precision rounding); position sampling and
-//! column projection; bad configs are refused before anything is written.
+//! column projection; continuations decoded together give the same dataset (and a job resumes
+//! across batch sizes); bad configs are refused before anything is written.
 
 use std::path::Path;
 
@@ -10,7 +11,8 @@ use kakeya_capture::schema::ModelInfo;
 use kakeya_capture::{CaptureConfig, Dataset, Models, Query, RunOptions};
 use kakeya_models::testing::Scratch;
 use kakeya_models::testing::{
-    drafter_config, random_checkpoint, random_drafter, tiny_config, word_level_tokenizer_json,
+    drafter_config, random_checkpoint, random_drafter, random_quantized_checkpoint, tiny_config,
+    word_level_tokenizer_json,
 };
 use kakeya_models::{DFlashDrafter, DraftRequest, ForwardRequest, Gemma3Model, Logits};
 use kakeya_runtime::KvCache;
@@ -291,6 +293,15 @@ fn unknown_tensor_or_layer_is_refused() {
     .unwrap();
     let err = CaptureConfig::load(&p).unwrap_err().to_string();
     assert!(err.contains("c.toml") && err.contains("z_raw"), "{err}");
+    for batch in [0, 17] {
+        std::fs::write(
+            &p,
+            format!("[model]\nverifier = \"x\"\n[output]\ndir = \"o\"\n[generation]\nbatch = {batch}\n[[sources]]\nkind = \"needle\"\ncount = 1\nseed = 1\nlines = [1, 2]\n"),
+        )
+        .unwrap();
+        let err = CaptureConfig::load(&p).unwrap_err().to_string();
+        assert!(err.contains("c.toml") && err.contains("generation.batch"), "{err}");
+    }
 
     let v = Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(4), 8), &Device::flex())
         .unwrap();
@@ -323,4 +334,93 @@ fn unknown_tensor_or_layer_is_refused() {
     .to_string();
     assert!(err.contains("c.toml") && err.contains("layer 40"), "{err}");
     assert!(!s.0.join("ds").exists(), "nothing written for a bad config");
+}
+
+#[test]
+fn continuations_decoded_together_give_the_same_dataset_and_resume_across_batch_sizes() {
+    let s = Scratch::new("cap-batch");
+    // Q8_0 weights: decode steps run the batch-invariant block kernel, as on the real model.
+    let v = Gemma3Model::from_checkpoint(
+        random_quantized_checkpoint(&tiny_config(4), 8),
+        &Device::flex(),
+    )
+    .unwrap();
+    let d = DFlashDrafter::from_checkpoint(random_drafter(&drafter_config(&v.config, 2, 4), 2), &v)
+        .unwrap();
+    write_tokenizer(&s.0.join("tokenizer.json"), 97);
+    let tok = Tokenizer::load(&s.0.join("tokenizer.json"), 97).unwrap();
+    let prompts = s.0.join("p.jsonl");
+    let lines: Vec<String> = (0..7)
+        .map(|i| {
+            let words: Vec<String> = (0..2 + i)
+                .map(|j| format!("w{}", 4 + (i * 7 + j) % 90))
+                .collect();
+            format!("{{\"text\": \"{}\"}}", words.join(" "))
+        })
+        .collect();
+    std::fs::write(&prompts, lines.join("\n")).unwrap();
+    let models = Models {
+        verifier: &v,
+        tokenizer: &tok,
+        drafter: Some(&d),
+        verifier_info: info(),
+        tokenizer_info: info(),
+        drafter_info: Some(info()),
+    };
+    let run = |out: &Path, batch: usize, per_shard: usize, resume: bool, half: bool| {
+        let mut cfg = config(out, &prompts, Dtype::F32);
+        cfg.generation.batch = batch;
+        cfg.generation.gen_len = 9;
+        cfg.output.sequences_per_shard = per_shard;
+        // `--shard 0/2` alone stands for a run stopped half-way.
+        kakeya_capture::run(
+            &cfg,
+            Path::new("cfg.toml"),
+            &models,
+            RunOptions {
+                shard: (0, if half { 2 } else { 1 }),
+                resume,
+            },
+            &mut |_| {},
+        )
+        .unwrap();
+    };
+    let read = |out: &Path| {
+        let ds = Dataset::open(out).unwrap();
+        let names: Vec<String> = ds
+            .manifest()
+            .columns
+            .iter()
+            .map(|c| c.name.clone())
+            .collect();
+        let mut rows: Vec<_> = ds
+            .read(&Query {
+                columns: names,
+                ..Query::default()
+            })
+            .unwrap()
+            .collect::<Result<Vec<_>, _>>()
+            .unwrap();
+        rows.sort_by_key(|b| b.seq);
+        rows.into_iter()
+            .map(|b| (b.seq, b.token, b.in_prompt, b.columns))
+            .collect::<Vec<_>>()
+    };
+    let one = s.0.join("batch1");
+    run(&one, 1, 4, false, false);
+    let four = s.0.join("batch4");
+    run(&four, 4, 4, false, false);
+    let want = read(&one);
+    assert_eq!(want.len(), 7);
+    assert!(
+        want.iter()
+            .any(|r| r.2.iter().filter(|&&p| !p).count() == 9),
+        "some run to gen_len"
+    );
+    assert!(read(&four) == want, "batch 4 differs from batch 1");
+    // Half the shards with batch 1, the rest resumed with batch 3: the same dataset.
+    let mixed = s.0.join("mixed");
+    run(&mixed, 1, 2, false, true);
+    run(&mixed, 3, 2, true, false);
+    assert!(read(&mixed) == want, "resumed with another batch differs");
 }

@@ -300,7 +300,10 @@ fn unknown_tensor_or_layer_is_refused() {
         )
         .unwrap();
         let err = CaptureConfig::load(&p).unwrap_err().to_string();
-        assert!(err.contains("c.toml") && err.contains("generation.batch"), "{err}");
+        assert!(
+            err.contains("c.toml") && err.contains("generation.batch"),
+            "{err}"
+        );
     }
 
     let v = Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(4), 8), &Device::flex())

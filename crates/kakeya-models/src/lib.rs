@@ -2,6 +2,7 @@
 //! DFlash drafter. Each
 //! model declares its cache layout ([`cache::CacheSpec`]); callers own the caches.
 
+pub mod activation;
 pub mod cache;
 pub mod dflash;
 pub mod error;

@@ -1,10 +1,10 @@
 //! The Gemma 3 text decoder: embedding (× √hidden), decoder layers, final norm, tied LM head.
 
-use burn::tensor::activation::gelu_approximate;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use kakeya_weights::{AttentionKind, Checkpoint, Gemma3Config, HostTensor};
 
 use super::attention::{Attention, AttentionCapture, Span};
+use crate::activation::gelu_tanh;
 use crate::cache::{CacheSpec, KvLayers};
 use crate::error::{ModelError, Result};
 use crate::linear::Linear;
@@ -99,7 +99,7 @@ impl DecoderLayer {
                 .forward(self.input_norm.forward(x.clone()), spans, rope, kv, capture)?;
         let h = x + self.post_attn_norm.forward(a);
         let m = self.pre_ffn_norm.forward(h.clone());
-        let m = gelu_approximate(self.gate_proj.forward(m.clone())) * self.up_proj.forward(m);
+        let m = gelu_tanh(self.gate_proj.forward(m.clone())) * self.up_proj.forward(m);
         let m = self.down_proj.forward(m);
         Ok((h + self.post_ffn_norm.forward(m), cap))
     }

@@ -114,7 +114,9 @@ impl<'r> SequenceKv<'r> {
             .map(|(i, &spec)| match policy.plan(spec) {
                 LayerPlan::Native => LayerKv::Native(match spec {
                     CacheSpec::Full => KvCache::Full(FullCache::default()),
-                    CacheSpec::Sliding { window } => KvCache::Ring(RingCache::new(window, slack)),
+                    CacheSpec::Sliding { window } => {
+                        KvCache::Ring(RingCache::native(window, slack))
+                    }
                 }),
                 LayerPlan::Bounded(ev) => LayerKv::Tiered(TieredCache::new(
                     i,

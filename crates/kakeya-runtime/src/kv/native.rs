@@ -4,7 +4,10 @@
 //! Keys/values are stored `[kv_heads, capacity, head_dim]` on the model's device. A ring
 //! keeps `window - 1 + slack` positions: `window - 1` are what the next query needs, and the
 //! `slack` extra let `truncate` roll back that many positions exactly even after wrapping
-//! (speculative decoding rolls back at most `block - 1`).
+//! (speculative decoding rolls back at most `block - 1`). A model's native ring has one more,
+//! spare slot ([`RingCache::native`]): a decode step or a verified block is then written
+//! first and attention reads the ring's slots in place, instead of the ring being copied
+//! because the write would clobber a slot a held view still shows.
 
 use burn::tensor::Tensor;
 use kakeya_models::{CacheSpec, KvSegment, LayerCache, ModelError, Reach};
@@ -167,6 +170,17 @@ impl RingCache {
         Self::starting_at(0, window, slack)
     }
 
+    /// A model's native sliding cache: [`Self::new`] plus one spare slot, so that a chunk of
+    /// up to `slack + 1` positions (a decode step, a verified block) is written before
+    /// attention reads the ring in place — without the spare, the write would overwrite a
+    /// position the chunk's first query still needs, and the ring would have to be copied for
+    /// every step.
+    pub fn native(window: usize, slack: usize) -> Self {
+        let mut ring = Self::new(window, slack);
+        ring.cap += 1;
+        ring
+    }
+
     /// A ring whose first position is `origin` (positions before it are kept elsewhere).
     pub fn starting_at(origin: usize, window: usize, slack: usize) -> Self {
         Self {
@@ -266,6 +280,32 @@ impl RingCache {
     pub fn first(&self) -> usize {
         self.first
     }
+
+    /// Held positions, oldest first, as views of the ring's slots: one segment, or two when
+    /// the held range wraps (no copy).
+    fn in_place(&self) -> Vec<KvSegment> {
+        let Some((bk, bv)) = self.kv.as_ref() else {
+            return Vec::new();
+        };
+        let n = self.len - self.first;
+        let s = self.first % self.cap;
+        let head = n.min(self.cap - s);
+        let mut out = vec![KvSegment::ready(
+            seq_slice(bk, s, s + head),
+            seq_slice(bv, s, s + head),
+            (self.first..self.first + head).collect(),
+            Reach::Always,
+        )];
+        if head < n {
+            out.push(KvSegment::ready(
+                seq_slice(bk, 0, n - head),
+                seq_slice(bv, 0, n - head),
+                (self.first + head..self.len).collect(),
+                Reach::Always,
+            ));
+        }
+        out
+    }
 }
 
 impl LayerCache for RingCache {
@@ -275,11 +315,18 @@ impl LayerCache for RingCache {
         v: Tensor<3>,
         start: usize,
     ) -> kakeya_models::Result<Vec<KvSegment>> {
+        let t = k.dims()[1];
+        // The first position the chunk's queries can reach: when the write keeps it, write
+        // first and let attention read the ring's slots in place.
+        let reach = (start + 1).saturating_sub(self.window).max(self.origin);
+        if start == self.len && start + t <= reach + self.cap {
+            self.push(k, v, start)?;
+            return Ok(self.in_place());
+        }
         let mut out = Vec::with_capacity(2);
         if let Some(h) = self.held() {
             out.push(KvSegment::ready(h.k, h.v, h.positions, Reach::Always));
         }
-        let t = k.dims()[1];
         self.push(k.clone(), v.clone(), start)?;
         out.push(KvSegment::ready(
             k,
@@ -333,7 +380,7 @@ impl KvCache {
             .iter()
             .map(|s| match *s {
                 CacheSpec::Full => KvCache::Full(FullCache::default()),
-                CacheSpec::Sliding { window } => KvCache::Ring(RingCache::new(window, slack)),
+                CacheSpec::Sliding { window } => KvCache::Ring(RingCache::native(window, slack)),
             })
             .collect()
     }

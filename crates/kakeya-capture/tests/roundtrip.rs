@@ -60,6 +60,22 @@ fn info() -> ModelInfo {
     }
 }
 
+/// The job's models with placeholder identities.
+fn models<'a>(
+    verifier: &'a Gemma3Model,
+    tokenizer: &'a Tokenizer,
+    drafter: Option<&'a DFlashDrafter>,
+) -> Models<'a> {
+    Models {
+        verifier,
+        tokenizer,
+        drafter,
+        verifier_info: info(),
+        tokenizer_info: info(),
+        drafter_info: drafter.map(|_| info()),
+    }
+}
+
 fn host(t: Tensor<2>) -> Vec<f32> {
     t.into_data().try_into_vec::<f32>().unwrap()
 }
@@ -79,14 +95,7 @@ fn values_read_back_equal_what_the_models_produce() {
         "{\"text\": \"w4 w5 w6 w7 w8 w9 w10 w11 w12\"}\n\n{\"text\": \"w20 w21\"}\n{\"text\": \"w30 w31 w32\"}\n",
     )
     .unwrap();
-    let models = Models {
-        verifier: &v,
-        tokenizer: &tok,
-        drafter: Some(&d),
-        verifier_info: info(),
-        tokenizer_info: info(),
-        drafter_info: Some(info()),
-    };
+    let models = models(&v, &tok, Some(&d));
     for dtype in [Dtype::F32, Dtype::F16] {
         let out = s.0.join(format!("ds-{dtype:?}"));
         let cfg = config(&out, &prompts, dtype);
@@ -212,14 +221,7 @@ fn sampled_positions_and_projection() {
     cfg.tensors.verifier = vec![VerifierTensor::KRaw];
     cfg.tensors.verifier_layers = LayerSet::All("all".into());
     cfg.tensors.sample_positions = Some(5);
-    let models = Models {
-        verifier: &v,
-        tokenizer: &tok,
-        drafter: None,
-        verifier_info: info(),
-        tokenizer_info: info(),
-        drafter_info: None,
-    };
+    let models = models(&v, &tok, None);
     kakeya_capture::run(
         &cfg,
         Path::new("c.toml"),
@@ -315,14 +317,7 @@ fn unknown_tensor_or_layer_is_refused() {
     let mut cfg = config(&s.0.join("ds"), &prompts, Dtype::F32);
     cfg.tensors.drafter_kv = false;
     cfg.tensors.verifier_layers = LayerSet::List(vec![0, 40]);
-    let models = Models {
-        verifier: &v,
-        tokenizer: &tok,
-        drafter: None,
-        verifier_info: info(),
-        tokenizer_info: info(),
-        drafter_info: None,
-    };
+    let models = models(&v, &tok, None);
     let err = kakeya_capture::run(
         &cfg,
         Path::new("c.toml"),
@@ -362,14 +357,7 @@ fn continuations_decoded_together_give_the_same_dataset_and_resume_across_batch_
         })
         .collect();
     std::fs::write(&prompts, lines.join("\n")).unwrap();
-    let models = Models {
-        verifier: &v,
-        tokenizer: &tok,
-        drafter: Some(&d),
-        verifier_info: info(),
-        tokenizer_info: info(),
-        drafter_info: Some(info()),
-    };
+    let models = models(&v, &tok, Some(&d));
     let run = |out: &Path, batch: usize, per_shard: usize, resume: bool, half: bool| {
         let mut cfg = config(out, &prompts, Dtype::F32);
         cfg.generation.batch = batch;

@@ -148,16 +148,12 @@ fn default_eval_anchors() -> usize {
 impl DrafterTrainConfig {
     /// Reads and checks a config file.
     pub fn load(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| TrainError::io(path, e))?;
-        Self::parse(path, &text)
+        crate::run::load_config(path, Self::validate)
     }
 
     /// Parses and checks config text (`path` names it in errors).
     pub fn parse(path: &Path, text: &str) -> Result<Self> {
-        let cfg: Self =
-            toml::from_str(text).map_err(|e| TrainError::invalid(path, e.to_string()))?;
-        cfg.validate(path)?;
-        Ok(cfg)
+        crate::run::parse_config(path, text, Self::validate)
     }
 
     fn validate(&self, path: &Path) -> Result<()> {

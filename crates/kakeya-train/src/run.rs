@@ -22,6 +22,26 @@ use crate::state;
 /// the order of the checkpoint's expected tensors.
 pub type Named = Vec<(String, Vec<usize>, Tensor<2>)>;
 
+/// Reads a TOML config file and checks it with `validate` (errors name `path`).
+pub fn load_config<T: DeserializeOwned>(
+    path: &Path,
+    validate: impl Fn(&T, &Path) -> Result<()>,
+) -> Result<T> {
+    let text = std::fs::read_to_string(path).map_err(|e| TrainError::io(path, e))?;
+    parse_config(path, &text, validate)
+}
+
+/// Parses TOML config text and checks it with `validate` (`path` names it in errors).
+pub fn parse_config<T: DeserializeOwned>(
+    path: &Path,
+    text: &str,
+    validate: impl Fn(&T, &Path) -> Result<()>,
+) -> Result<T> {
+    let cfg: T = toml::from_str(text).map_err(|e| TrainError::invalid(path, e.to_string()))?;
+    validate(&cfg, path)?;
+    Ok(cfg)
+}
+
 /// PyTorch shape → the 2-D storage shape (`[1, n]` for vectors).
 pub fn storage_dims(shape: &[usize]) -> [usize; 2] {
     match shape {

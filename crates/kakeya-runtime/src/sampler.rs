@@ -99,6 +99,9 @@ impl Sampler {
         }
         // Most likely first (lower id on ties); only the kept part is sorted.
         let order = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
+        if top_k == 0 && top_p < 1.0 {
+            return nucleus(logits, temperature, top_p, order);
+        }
         let mut idx: Vec<usize> = (0..logits.len()).collect();
         if top_k > 0 && top_k < idx.len() {
             idx.select_nth_unstable_by(top_k - 1, order);
@@ -130,6 +133,47 @@ impl Sampler {
             probs.iter_mut().for_each(|p| *p /= total);
         }
         idx.into_iter().map(|i| i as u32).zip(probs).collect()
+    }
+}
+
+/// Top-p alone: the smallest most-likely-first prefix holding `top_p` of the probability,
+/// renormalised — found by sorting a growing head of the row (64, 256, … entries, chosen with
+/// a selection) instead of the whole vocabulary, which took as long as a decode step. The
+/// same tokens in the same order as sorting everything.
+fn nucleus(
+    logits: &[f32],
+    temperature: f32,
+    top_p: f32,
+    order: impl Fn(&usize, &usize) -> std::cmp::Ordering + Copy,
+) -> Vec<(u32, f64)> {
+    let n = logits.len();
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let weight = |l: f32| (((l - max) / temperature) as f64).exp();
+    let total: f64 = logits.iter().map(|&l| weight(l)).sum();
+    let mut head = 64.min(n);
+    loop {
+        let mut idx: Vec<usize> = (0..n).collect();
+        if head < n {
+            idx.select_nth_unstable_by(head - 1, order);
+            idx.truncate(head);
+        }
+        idx.sort_unstable_by(order);
+        let mut acc = 0.0;
+        let keep = idx.iter().position(|&i| {
+            acc += weight(logits[i]) / total;
+            acc >= f64::from(top_p)
+        });
+        if keep.is_some() || head == n {
+            idx.truncate(keep.map_or(idx.len(), |k| k + 1));
+            let probs: Vec<f64> = idx.iter().map(|&i| weight(logits[i]) / total).collect();
+            let kept: f64 = probs.iter().sum();
+            return idx
+                .into_iter()
+                .map(|i| i as u32)
+                .zip(probs.into_iter().map(|p| p / kept))
+                .collect();
+        }
+        head = (head * 4).min(n);
     }
 }
 
@@ -279,6 +323,44 @@ mod tests {
         assert_distribution(&h, &[2.0 / 9.0, 4.0 / 9.0, 0.0, 3.0 / 9.0], "top-p 0.8");
         let h = histogram(sample(1.0, 0, 0.35), &four(), 2_000);
         assert_distribution(&h, &[0.0, 1.0, 0.0, 0.0], "top-p 0.35");
+    }
+
+    #[test]
+    fn top_p_over_a_large_row_equals_sorting_everything() {
+        // Nearly flat rows, so that the nucleus outgrows the first heads (64, 256, 1024).
+        for (n, spread, top_p) in [(5000, 0.5f32, 0.9f32), (3000, 4.0, 0.5), (100, 0.0, 0.99)] {
+            let logits: Vec<f32> = (0..n)
+                .map(|i| ((i * 7919) % 1009) as f32 / 1009.0 * spread)
+                .collect();
+            let got = Sampler::new(sample(0.7, 0, top_p)).distribution(&logits);
+            // Reference: sort the whole row, cut, renormalise.
+            let mut idx: Vec<usize> = (0..n).collect();
+            idx.sort_by(|a, b| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b)));
+            let max = logits[idx[0]];
+            let w: Vec<f64> = idx
+                .iter()
+                .map(|&i| (((logits[i] - max) / 0.7) as f64).exp())
+                .collect();
+            let total: f64 = w.iter().sum();
+            let mut acc = 0.0;
+            let keep = w
+                .iter()
+                .position(|p| {
+                    acc += p / total;
+                    acc >= f64::from(top_p)
+                })
+                .map_or(n, |k| k + 1);
+            let kept: f64 = w[..keep].iter().sum();
+            assert_eq!(got.len(), keep, "n = {n}");
+            assert!(
+                keep > 64,
+                "n = {n}: the nucleus should outgrow the first head"
+            );
+            for (k, &(id, p)) in got.iter().enumerate() {
+                assert_eq!(id as usize, idx[k], "n = {n}, rank {k}");
+                assert!((p - w[k] / kept).abs() < 1e-12, "n = {n}, rank {k}");
+            }
+        }
     }
 
     #[test]

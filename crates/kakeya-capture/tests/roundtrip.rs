@@ -18,9 +18,16 @@ use kakeya_models::{DFlashDrafter, DraftRequest, ForwardRequest, Gemma3Model, Lo
 use kakeya_runtime::KvCache;
 use kakeya_weights::Tokenizer;
 
-/// A word-level tokenizer with `n` tokens (<pad>, <eos>, <bos>, <unk>, w4, w5, ...).
-fn write_tokenizer(path: &Path, n: usize) {
-    std::fs::write(path, word_level_tokenizer_json(n)).unwrap();
+/// The word-level tokenizer of 97 tokens (<pad>, <eos>, <bos>, <unk>, w4, w5, ...), written
+/// into the scratch folder and loaded.
+fn tokenizer(dir: &Path) -> Tokenizer {
+    std::fs::write(dir.join("tokenizer.json"), word_level_tokenizer_json(97)).unwrap();
+    Tokenizer::load(&dir.join("tokenizer.json"), 97).unwrap()
+}
+
+/// A 2-layer random drafter (block 4) for `v`.
+fn drafter(v: &Gemma3Model) -> DFlashDrafter {
+    DFlashDrafter::from_checkpoint(random_drafter(&drafter_config(&v.config, 2, 4), 2), v).unwrap()
 }
 
 fn config(dir: &Path, prompts: &Path, dtype: Dtype) -> CaptureConfig {
@@ -85,10 +92,8 @@ fn values_read_back_equal_what_the_models_produce() {
     let s = Scratch::new("cap-rt");
     let v = Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(4), 8), &Device::flex())
         .unwrap();
-    let d = DFlashDrafter::from_checkpoint(random_drafter(&drafter_config(&v.config, 2, 4), 2), &v)
-        .unwrap();
-    write_tokenizer(&s.0.join("tokenizer.json"), 97);
-    let tok = Tokenizer::load(&s.0.join("tokenizer.json"), 97).unwrap();
+    let d = drafter(&v);
+    let tok = tokenizer(&s.0);
     let prompts = s.0.join("p.jsonl");
     std::fs::write(
         &prompts,
@@ -207,8 +212,7 @@ fn sampled_positions_and_projection() {
     let s = Scratch::new("cap-sample");
     let v = Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(4), 8), &Device::flex())
         .unwrap();
-    write_tokenizer(&s.0.join("tokenizer.json"), 97);
-    let tok = Tokenizer::load(&s.0.join("tokenizer.json"), 97).unwrap();
+    let tok = tokenizer(&s.0);
     let prompts = s.0.join("p.jsonl");
     std::fs::write(
         &prompts,
@@ -310,8 +314,7 @@ fn unknown_tensor_or_layer_is_refused() {
 
     let v = Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(4), 8), &Device::flex())
         .unwrap();
-    write_tokenizer(&s.0.join("tokenizer.json"), 97);
-    let tok = Tokenizer::load(&s.0.join("tokenizer.json"), 97).unwrap();
+    let tok = tokenizer(&s.0);
     let prompts = s.0.join("p.jsonl");
     std::fs::write(&prompts, "{\"text\": \"w4\"}\n").unwrap();
     let mut cfg = config(&s.0.join("ds"), &prompts, Dtype::F32);
@@ -343,10 +346,8 @@ fn continuations_decoded_together_give_the_same_dataset_and_resume_across_batch_
         &Device::flex(),
     )
     .unwrap();
-    let d = DFlashDrafter::from_checkpoint(random_drafter(&drafter_config(&v.config, 2, 4), 2), &v)
-        .unwrap();
-    write_tokenizer(&s.0.join("tokenizer.json"), 97);
-    let tok = Tokenizer::load(&s.0.join("tokenizer.json"), 97).unwrap();
+    let d = drafter(&v);
+    let tok = tokenizer(&s.0);
     let prompts = s.0.join("p.jsonl");
     let lines: Vec<String> = (0..7)
         .map(|i| {

@@ -262,20 +262,8 @@ impl<'m> Session<'m> {
         logits: Logits,
         hidden_after: &[usize],
     ) -> Result<ForwardOutput> {
-        self.commit()?;
-        let targets: &[usize] = self
-            .drafter
-            .map_or(&[], |d| d.config.target_layer_ids.as_slice());
-        let layers: Vec<usize> = hidden_after.iter().chain(targets).copied().collect();
-        let mut req = ForwardRequest::new(tokens, self.len, logits);
-        req.hidden_after = &layers;
-        let mut out = self.model.forward(&req, &mut self.kv)?;
-        if !targets.is_empty() {
-            let aux = out.hidden.split_off(hidden_after.len());
-            self.pending = Some((self.len, Tensor::cat(aux, 1)));
-        }
-        self.len += tokens.len();
-        Ok(out)
+        let mut out = Self::forward_many(&mut [self], &[tokens], logits, hidden_after)?;
+        Ok(out.pop().expect("one output per session"))
     }
 
     /// Runs one token in each session in one stacked forward
@@ -290,6 +278,26 @@ impl<'m> Session<'m> {
                 sessions.len()
             )));
         }
+        let chunks: Vec<&[u32]> = tokens.iter().map(std::slice::from_ref).collect();
+        Self::forward_many(sessions, &chunks, Logits::Last, &[])?
+            .into_iter()
+            .map(|out| Ok(logits_row(out.logits.expect("asked for logits"))))
+            .collect()
+    }
+
+    /// Runs `chunks[i]` at session `i`'s next positions, all in one forward (committing what
+    /// each session's caches held before); each output holds what `logits` and `hidden_after`
+    /// ask for, the drafter's target layers going to the session's pending rows. The sessions
+    /// must share one model and one drafter (or none).
+    ///
+    /// # Shapes
+    /// - per session: logits `[1 or T, vocab]`, hidden states `[T, hidden]` per requested layer
+    fn forward_many(
+        sessions: &mut [&mut Session<'m>],
+        chunks: &[&[u32]],
+        logits: Logits,
+        hidden_after: &[usize],
+    ) -> Result<Vec<ForwardOutput>> {
         let Some(first) = sessions.first() else {
             return Ok(Vec::new());
         };
@@ -306,12 +314,13 @@ impl<'m> Session<'m> {
             s.commit()?;
         }
         let targets: &[usize] = drafter.map_or(&[], |d| d.config.target_layer_ids.as_slice());
+        let layers: Vec<usize> = hidden_after.iter().chain(targets).copied().collect();
         let reqs: Vec<ForwardRequest<'_>> = sessions
             .iter()
-            .zip(tokens)
-            .map(|(s, t)| {
-                let mut req = ForwardRequest::new(std::slice::from_ref(t), s.len, Logits::Last);
-                req.hidden_after = targets;
+            .zip(chunks)
+            .map(|(s, tokens)| {
+                let mut req = ForwardRequest::new(tokens, s.len, logits);
+                req.hidden_after = &layers;
                 req
             })
             .collect();
@@ -319,17 +328,16 @@ impl<'m> Session<'m> {
             .iter_mut()
             .map(|s| &mut s.kv as &mut dyn KvLayers)
             .collect();
-        let outs = model.forward_batch(&reqs, &mut kvs)?;
+        let mut outs = model.forward_batch(&reqs, &mut kvs)?;
         drop(kvs);
-        let mut logits = Vec::with_capacity(outs.len());
-        for (s, out) in sessions.iter_mut().zip(outs) {
+        for ((s, out), tokens) in sessions.iter_mut().zip(&mut outs).zip(chunks) {
             if !targets.is_empty() {
-                s.pending = Some((s.len, Tensor::cat(out.hidden, 1)));
+                let aux = out.hidden.split_off(hidden_after.len());
+                s.pending = Some((s.len, Tensor::cat(aux, 1)));
             }
-            s.len += 1;
-            logits.push(logits_row(out.logits.expect("asked for logits")));
+            s.len += tokens.len();
         }
-        Ok(logits)
+        Ok(outs)
     }
 
     /// Runs one token; returns its logits.

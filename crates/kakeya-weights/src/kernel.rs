@@ -44,31 +44,125 @@ pub(crate) fn tile(w: &[f32], rows: usize, x: &[f32], t: usize, cols: usize, out
     }
 }
 
-/// Quantised rows as the kernel reads them: int8 values, one scale (and offset) per group.
-pub(crate) struct QRows<'a> {
-    /// `[rows, cols]` values.
-    pub q: &'a [i8],
-    /// `[rows, cols / group]` scales.
-    pub s: &'a [f32],
-    /// `[rows, cols / group]` offsets of asymmetric formats.
-    pub o: Option<&'a [f32]>,
+/// Weight rows stored, and decoded, together.
+pub(crate) const TILE: usize = 4;
+
+/// How a quantised matrix lies in memory: tiles of [`TILE`] rows (the last one padded with
+/// zero rows), each tile one sequential run of blocks, one block per group of `group` columns:
+/// the tile's `TILE` f32 scales, then its `TILE` f32 offsets (asymmetric formats only), then
+/// `TILE × group` int8 values, row by row. A decode step then reads one stream per tile instead
+/// of `TILE` row streams and a scale stream, which the hardware prefetchers follow far better
+/// (the 262 144-row head went from ≈ 12.7 to ≈ 9 ms per token on 2 Zen cores).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Layout {
     /// Values per group (16 or 32).
     pub group: usize,
+    /// Groups per row.
+    pub gpr: usize,
+    /// Whether blocks carry offsets.
+    pub asym: bool,
 }
 
-/// `out[r] = dot(w_r, x)` for `R` quantised rows and one input row, rebuilding each weight
-/// in a register (`q·s (+ o)`, the dequantiser's f32 operations) — the decode path. `None`
-/// when no SIMD path applies (the caller then rebuilds the rows and uses [`tile`]).
-pub(crate) fn rows_one_input<const R: usize>(
-    m: &QRows<'_>,
-    x: &[f32],
-    cols: usize,
-) -> Option<[f32; R]> {
-    #[cfg(target_arch = "x86_64")]
-    if cols.is_multiple_of(m.group) && m.group.is_multiple_of(LANES) && simd::available() {
-        return Some(simd::rows_one_input::<R>(m, x, cols));
+impl Layout {
+    /// Bytes of a block's scales (and offsets).
+    pub fn header(self) -> usize {
+        4 * TILE * if self.asym { 2 } else { 1 }
     }
-    let _ = (m, x, cols);
+
+    /// Bytes of one block.
+    pub fn block(self) -> usize {
+        self.header() + TILE * self.group
+    }
+
+    /// Bytes of one tile.
+    pub fn tile(self) -> usize {
+        self.gpr * self.block()
+    }
+
+    /// Columns of a row.
+    pub fn cols(self) -> usize {
+        self.gpr * self.group
+    }
+
+    /// Writes row `i` of a tile from its values `q` (`[cols]`), scales `s` and offsets `o`
+    /// (`[gpr]`; `o` ignored for symmetric formats).
+    pub fn write_row(self, tile: &mut [u8], i: usize, q: &[i8], s: &[f32], o: &[f32]) {
+        for g in 0..self.gpr {
+            let b = &mut tile[g * self.block()..(g + 1) * self.block()];
+            b[4 * i..4 * i + 4].copy_from_slice(&s[g].to_le_bytes());
+            if self.asym {
+                b[4 * (TILE + i)..4 * (TILE + i) + 4].copy_from_slice(&o[g].to_le_bytes());
+            }
+            let v = self.header() + i * self.group;
+            for (d, &qv) in b[v..v + self.group]
+                .iter_mut()
+                .zip(&q[g * self.group..(g + 1) * self.group])
+            {
+                *d = qv as u8;
+            }
+        }
+    }
+
+    /// Reads row `i` of a tile back into values, scales and offsets (the inverse of
+    /// [`Layout::write_row`]; `o` is left alone for symmetric formats).
+    pub fn read_row(self, tile: &[u8], i: usize, q: &mut [i8], s: &mut [f32], o: &mut [f32]) {
+        let f = |b: &[u8], at: usize| f32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+        for g in 0..self.gpr {
+            let b = &tile[g * self.block()..(g + 1) * self.block()];
+            s[g] = f(b, 4 * i);
+            if self.asym {
+                o[g] = f(b, 4 * (TILE + i));
+            }
+            let v = self.header() + i * self.group;
+            for (d, &bv) in q[g * self.group..(g + 1) * self.group]
+                .iter_mut()
+                .zip(&b[v..v + self.group])
+            {
+                *d = bv as i8;
+            }
+        }
+    }
+
+    /// Rebuilds the tile's rows into `w` (`[TILE, cols]`): `w_j = q_j·s_g (+ o_g)`, exactly
+    /// the f32 operations of [`crate::dequant`] (the values equal the dense model's bit for
+    /// bit).
+    #[inline(always)]
+    pub fn rebuild(self, tile: &[u8], w: &mut [f32]) {
+        let cols = self.cols();
+        for g in 0..self.gpr {
+            let b = &tile[g * self.block()..(g + 1) * self.block()];
+            let f = |at: usize| f32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+            for i in 0..TILE {
+                let sg = f(4 * i);
+                let v = self.header() + i * self.group;
+                let (vals, out) = (
+                    &b[v..v + self.group],
+                    &mut w[i * cols + g * self.group..i * cols + (g + 1) * self.group],
+                );
+                if self.asym {
+                    let og = f(4 * (TILE + i));
+                    for (wi, &qi) in out.iter_mut().zip(vals) {
+                        *wi = qi as i8 as f32 * sg + og;
+                    }
+                } else {
+                    for (wi, &qi) in out.iter_mut().zip(vals) {
+                        *wi = qi as i8 as f32 * sg;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `out[i] = dot(w_i, x)` for the [`TILE`] rows of one tile and one input row, rebuilding each
+/// weight in a register (`q·s (+ o)`, the dequantiser's f32 operations) — the decode path.
+/// `None` when no SIMD path applies (the caller then rebuilds the rows and uses [`tile`]).
+pub(crate) fn tile_one_input(l: Layout, tile: &[u8], x: &[f32]) -> Option<[f32; TILE]> {
+    #[cfg(target_arch = "x86_64")]
+    if l.group.is_multiple_of(LANES) && simd::available() {
+        return Some(simd::tile_one_input(l, tile, x));
+    }
+    let _ = (l, tile, x);
     None
 }
 
@@ -80,7 +174,7 @@ mod simd {
     };
     use std::sync::OnceLock;
 
-    use super::{LANES, reduce};
+    use super::{LANES, Layout, TILE, reduce};
 
     pub(super) fn available() -> bool {
         static OK: OnceLock<bool> = OnceLock::new();
@@ -98,75 +192,75 @@ mod simd {
         unsafe { tile_avx2(w, rows, x, t, cols, out) }
     }
 
-    /// [`super::four_rows_one_input`] with AVX2+FMA.
-    pub(super) fn rows_one_input<const R: usize>(
-        m: &super::QRows<'_>,
-        x: &[f32],
-        cols: usize,
-    ) -> [f32; R] {
-        let gpr = cols / m.group;
+    /// [`super::tile_one_input`] with AVX2+FMA.
+    pub(super) fn tile_one_input(l: Layout, tile: &[u8], x: &[f32]) -> [f32; TILE] {
         assert!(
-            m.q.len() >= R * cols
-                && m.s.len() >= R * gpr
-                && m.o.is_none_or(|o| o.len() >= R * gpr)
-                && x.len() >= cols,
-            "kernel::four_rows_one_input: slices too short"
+            tile.len() >= l.tile() && x.len() >= l.cols(),
+            "kernel::tile_one_input: slices too short"
         );
         // SAFETY: AVX2 and FMA are available (checked by the caller through `available`),
         // and the lengths were checked above.
-        unsafe { fused_avx2::<R>(m, x, cols) }
+        unsafe { fused_avx2(l, tile, x) }
     }
 
+    /// Bytes ahead of the block being summed that are streamed in (a few blocks).
+    const PREFETCH: usize = 1024;
+
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn fused_avx2<const R: usize>(m: &super::QRows<'_>, x: &[f32], cols: usize) -> [f32; R] {
+    unsafe fn fused_avx2(l: Layout, tile: &[u8], x: &[f32]) -> [f32; TILE] {
         use std::arch::x86_64::{
             _MM_HINT_T0, _mm_loadl_epi64, _mm_prefetch, _mm256_add_ps, _mm256_cvtepi8_epi32,
             _mm256_cvtepi32_ps, _mm256_mul_ps, _mm256_set1_ps,
         };
-        let gpr = cols / m.group;
-        let mut acc = [_mm256_setzero_ps(); R];
-        let (qp, xp) = (m.q.as_ptr(), x.as_ptr());
-        let mut sv = [_mm256_setzero_ps(); R];
-        let mut ov = [_mm256_setzero_ps(); R];
-        for g in 0..gpr {
-            for r in 0..R {
-                sv[r] = _mm256_set1_ps(m.s[r * gpr + g]);
-                if let Some(o) = m.o {
-                    ov[r] = _mm256_set1_ps(o[r * gpr + g]);
+        let mut acc = [_mm256_setzero_ps(); TILE];
+        let (tp, xp) = (tile.as_ptr(), x.as_ptr());
+        let (header, block) = (l.header(), l.block());
+        let mut sv = [_mm256_setzero_ps(); TILE];
+        let mut ov = [_mm256_setzero_ps(); TILE];
+        for g in 0..l.gpr {
+            // SAFETY: block `g` lies inside the tile (`gpr · block` bytes).
+            let b = unsafe { tp.add(g * block) };
+            // Stream the blocks ahead in while this one is summed (they follow it, also across
+            // tiles; a prefetch never faults, the address need not exist).
+            let mut line = 0;
+            while line < block {
+                _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(PREFETCH + line).cast());
+                line += 64;
+            }
+            for i in 0..TILE {
+                // SAFETY: the header holds `TILE` scales (and `TILE` offsets) as f32 bytes.
+                sv[i] = _mm256_set1_ps(unsafe { b.add(4 * i).cast::<f32>().read_unaligned() });
+                if l.asym {
+                    ov[i] = _mm256_set1_ps(unsafe {
+                        b.add(4 * (TILE + i)).cast::<f32>().read_unaligned()
+                    });
                 }
             }
-            let mut k = g * m.group;
-            let end = k + m.group;
-            while k < end {
-                if k.is_multiple_of(64) {
-                    // Stream the next block of rows in while this one is summed: its rows lie
-                    // right after these (a prefetch never faults, the address need not exist).
-                    for r in 0..R {
-                        let p = qp.wrapping_add((R + r) * cols + k);
-                        _mm_prefetch::<_MM_HINT_T0>(p.cast());
-                    }
-                }
-                // SAFETY: `k + 8 <= cols`.
-                let xv = unsafe { _mm256_loadu_ps(xp.add(k)) };
-                for (r, a) in acc.iter_mut().enumerate() {
-                    // SAFETY: eight int8 values of row `r` at `k..k+8 <= cols`.
-                    let q8 = unsafe { _mm_loadl_epi64(qp.add(r * cols + k).cast()) };
+            // SAFETY: the values follow the header inside the block.
+            let vals = unsafe { b.add(header) };
+            let mut k = 0;
+            while k < l.group {
+                // SAFETY: `g·group + k + 8 <= cols`.
+                let xv = unsafe { _mm256_loadu_ps(xp.add(g * l.group + k)) };
+                for (i, a) in acc.iter_mut().enumerate() {
+                    // SAFETY: eight int8 values of row `i` at `k..k+8 <= group`.
+                    let q8 = unsafe { _mm_loadl_epi64(vals.add(i * l.group + k).cast()) };
                     let qf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8));
-                    let mut wv = _mm256_mul_ps(qf, sv[r]);
-                    if m.o.is_some() {
-                        wv = _mm256_add_ps(wv, ov[r]);
+                    let mut wv = _mm256_mul_ps(qf, sv[i]);
+                    if l.asym {
+                        wv = _mm256_add_ps(wv, ov[i]);
                     }
                     *a = _mm256_fmadd_ps(wv, xv, *a);
                 }
                 k += LANES;
             }
         }
-        let mut res = [0.0f32; R];
-        for (r, a) in acc.iter().enumerate() {
+        let mut res = [0.0f32; TILE];
+        for (i, a) in acc.iter().enumerate() {
             let mut lanes = [0.0f32; LANES];
             // SAFETY: `lanes` holds 8 floats.
             unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *a) };
-            res[r] = reduce(lanes);
+            res[i] = reduce(lanes);
         }
         res
     }

@@ -3,11 +3,12 @@
 //! A decode step reads every weight once: held as f32 the default model moves ~1.07 GB per
 //! token. [`QuantMatrix`] repacks a GGML-quantised matrix into int8 values with one f32 scale
 //! (and, for the asymmetric formats, one f32 offset) per group of 16 or 32 — ~1.15 bytes per
-//! weight — taken straight from the block fields. Each weight is rebuilt as `q·s` (`+ o`) with
+//! weight — taken straight from the block fields, stored in tiles of four rows that a decode
+//! step reads as one stream ([`crate::kernel::Layout`]). Each weight is rebuilt as `q·s` (`+ o`) with
 //! exactly the f32 operations of [`crate::dequant`], so the weights are bit-identical to the
 //! dense model's; the dot products follow the canonical order of [`crate::kernel`] (8 lanes,
 //! FMA), which makes a row's result independent of how many input rows run together. One
-//! input row (decoding): weights are rebuilt in registers, four rows at a time. Several
+//! input row (decoding): weights are rebuilt in registers, a tile (four rows) at a time. Several
 //! (prefill chunks, speculative verification): four weight rows are rebuilt into f32 once and
 //! multiplied against every input row in register tiles. Rows are split across the rayon pool.
 
@@ -16,7 +17,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use rayon::prelude::*;
 
 use crate::dequant::GgmlType;
-use crate::kernel;
+use crate::kernel::{self, Layout, TILE};
 use crate::kernel_i16;
 
 /// Which dot-product kernel [`QuantMatrix::matmul`] uses (process-wide).
@@ -49,17 +50,16 @@ pub fn current_kernel() -> Kernel {
 /// Rows of output per parallel task.
 const ROWS_PER_TASK: usize = 32;
 
-/// A `[rows, cols]` weight as int8 groups with f32 scales (and offsets).
+/// A `[rows, cols]` weight as int8 groups with f32 scales (and offsets), in tiles of
+/// [`TILE`] rows ([`Layout`]).
 #[derive(Debug, Clone)]
 pub struct QuantMatrix {
     ty: GgmlType,
     rows: usize,
     cols: usize,
-    /// Values per group (16 or 32).
-    group: usize,
-    q: Vec<i8>,
-    scale: Vec<f32>,
-    offset: Option<Vec<f32>>,
+    layout: Layout,
+    /// `rows.div_ceil(TILE)` tiles of `layout.tile()` bytes.
+    data: Vec<u8>,
 }
 
 fn f16(b: &[u8], i: usize) -> f32 {
@@ -152,73 +152,28 @@ fn unpack_block(ty: GgmlType, b: &[u8], q: &mut [i8], s: &mut [f32], o: &mut [f3
     }
 }
 
-/// Rebuilds one row's weights `w_j = q_j·s_g (+ o_g)`, exactly the f32 operations of
-/// [`crate::dequant`] (so the values equal the dense model's bit for bit).
-#[inline(always)]
-fn dequant_row(q: &[i8], s: &[f32], o: Option<&[f32]>, group: usize, w: &mut [f32]) {
-    for (g, (qg, wg)) in q
-        .chunks_exact(group)
-        .zip(w.chunks_exact_mut(group))
-        .enumerate()
-    {
-        let sg = s[g];
-        match o {
-            None => {
-                for (wi, &qi) in wg.iter_mut().zip(qg) {
-                    *wi = qi as f32 * sg;
-                }
-            }
-            Some(o) => {
-                let og = o[g];
-                for (wi, &qi) in wg.iter_mut().zip(qg) {
-                    *wi = qi as f32 * sg + og;
-                }
-            }
-        }
-    }
-}
-
-/// Weight rows rebuilt together, then run against all input rows by [`kernel::tile`].
-const ROWS_PER_TILE: usize = 4;
-
-/// Weight rows decoded together against one input row (weights rebuilt in registers).
-const FUSED_ROWS: usize = 4;
-
-/// One task: rows `r0..`, output laid out `[row][t]`. Groups of four weight rows are rebuilt
-/// into f32 and handed to the kernel with every input row; the kernel's canonical order makes
-/// a row's result independent of `t` and of the grouping.
+/// One task: rows `r0..` (`r0` a multiple of [`TILE`]), output laid out `[row][t]`. One input
+/// row: each tile is decoded with its weights rebuilt in registers. Several: each tile is
+/// rebuilt into f32 once and handed to the kernel with every input row. The kernel's canonical
+/// order makes a row's result independent of `t` and of the path.
 #[inline(always)]
 fn rows_kernel(m: &QuantMatrix, r0: usize, out: &mut [f32], x: &[f32], t: usize) {
-    let cols = m.cols;
-    let gpr = cols / m.group;
+    let (l, cols) = (m.layout, m.cols);
     let n = out.len() / t;
-    let mut w = vec![0.0f32; ROWS_PER_TILE * cols];
+    let mut w = Vec::new();
     let mut i = 0;
     while i < n {
-        let rn = (n - i).min(ROWS_PER_TILE);
-        if t == 1 && n - i >= FUSED_ROWS {
-            let r = r0 + i;
-            let rows = kernel::QRows {
-                q: &m.q[r * cols..(r + FUSED_ROWS) * cols],
-                s: &m.scale[r * gpr..(r + FUSED_ROWS) * gpr],
-                o: m.offset
-                    .as_ref()
-                    .map(|v| &v[r * gpr..(r + FUSED_ROWS) * gpr]),
-                group: m.group,
-            };
-            if let Some(y) = kernel::rows_one_input::<FUSED_ROWS>(&rows, x, cols) {
-                out[i..i + FUSED_ROWS].copy_from_slice(&y);
-                i += FUSED_ROWS;
-                continue;
-            }
+        let rn = (n - i).min(TILE);
+        let tile = m.tile((r0 + i) / TILE);
+        if t == 1
+            && let Some(y) = kernel::tile_one_input(l, tile, x)
+        {
+            out[i..i + rn].copy_from_slice(&y[..rn]);
+            i += rn;
+            continue;
         }
-        for k in 0..rn {
-            let r = r0 + i + k;
-            let q = &m.q[r * cols..(r + 1) * cols];
-            let s = &m.scale[r * gpr..(r + 1) * gpr];
-            let off = m.offset.as_ref().map(|v| &v[r * gpr..(r + 1) * gpr]);
-            dequant_row(q, s, off, m.group, &mut w[k * cols..(k + 1) * cols]);
-        }
+        w.resize(TILE * cols, 0.0);
+        l.rebuild(tile, &mut w);
         kernel::tile(&w, rn, x, t, cols, &mut out[i * t..(i + rn) * t]);
         i += rn;
     }
@@ -242,6 +197,38 @@ fn rows_dispatch(m: &QuantMatrix, r0: usize, out: &mut [f32], x: &[f32], t: usiz
     rows_kernel(m, r0, out, x, t)
 }
 
+/// The int16 kernel over rows `r0..` (`r0` a multiple of [`TILE`]): each tile is unpacked into
+/// row-major values, scales and offsets for [`kernel_i16::rows`].
+fn rows_int16(m: &QuantMatrix, r0: usize, out: &mut [f32], xq: &kernel_i16::QuantInput) {
+    let (l, cols) = (m.layout, m.cols);
+    let t = xq.q.len() / cols;
+    let n = out.len() / t;
+    let mut q = vec![0i8; TILE * cols];
+    let (mut s, mut o) = (vec![0.0f32; TILE * l.gpr], vec![0.0f32; TILE * l.gpr]);
+    let mut i = 0;
+    while i < n {
+        let rn = (n - i).min(TILE);
+        let tile = m.tile((r0 + i) / TILE);
+        for k in 0..rn {
+            let (gs, ge) = (k * l.gpr, (k + 1) * l.gpr);
+            l.read_row(
+                tile,
+                k,
+                &mut q[k * cols..(k + 1) * cols],
+                &mut s[gs..ge],
+                &mut o[gs..ge],
+            );
+        }
+        let w = kernel_i16::WRows {
+            q: &q,
+            s: &s,
+            o: l.asym.then_some(&o[..]),
+        };
+        kernel_i16::rows(&w, 0, rn, xq, &mut out[i * t..(i + rn) * t]);
+        i += rn;
+    }
+}
+
 impl QuantMatrix {
     /// Repacks GGML blocks of a `[rows, cols]` matrix, or `None` when the type is not a
     /// quantised one, a row is not a whole number of blocks, or the byte count is wrong.
@@ -257,36 +244,49 @@ impl QuantMatrix {
             ty,
             GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K
         );
+        let layout = Layout {
+            group,
+            gpr: cols / group,
+            asym,
+        };
         let (be, bb) = (ty.block_elems(), ty.block_bytes());
         let gpb = be / group;
-        let n = rows * cols;
-        let mut q = vec![0i8; n];
-        let mut scale = vec![0.0f32; n / group];
-        let mut offset = vec![0.0f32; if asym { n / group } else { 0 }];
-        let mut scratch = [0.0f32; 16];
-        for (k, b) in data.chunks_exact(bb).enumerate() {
-            let o = if asym {
-                &mut offset[k * gpb..(k + 1) * gpb]
-            } else {
-                &mut scratch[..gpb]
-            };
-            unpack_block(
-                ty,
-                b,
-                &mut q[k * be..(k + 1) * be],
-                &mut scale[k * gpb..(k + 1) * gpb],
-                o,
-            );
+        let mut tiles = vec![0u8; rows.div_ceil(TILE) * layout.tile()];
+        let (mut q, mut s) = (vec![0i8; cols], vec![0.0f32; layout.gpr]);
+        let mut o = vec![0.0f32; layout.gpr];
+        // Zero-offset scratch for the symmetric formats (`unpack_block` writes none there).
+        let mut unused = [0.0f32; 16];
+        for (r, src) in data.chunks_exact(row_bytes).enumerate() {
+            for (k, b) in src.chunks_exact(bb).enumerate() {
+                let ob = if asym {
+                    &mut o[k * gpb..(k + 1) * gpb]
+                } else {
+                    &mut unused[..gpb]
+                };
+                unpack_block(
+                    ty,
+                    b,
+                    &mut q[k * be..(k + 1) * be],
+                    &mut s[k * gpb..(k + 1) * gpb],
+                    ob,
+                );
+            }
+            let tile = &mut tiles[(r / TILE) * layout.tile()..(r / TILE + 1) * layout.tile()];
+            layout.write_row(tile, r % TILE, &q, &s, &o);
         }
         Some(Self {
             ty,
             rows,
             cols,
-            group,
-            q,
-            scale,
-            offset: asym.then_some(offset),
+            layout,
+            data: tiles,
         })
+    }
+
+    /// Tile `k`'s bytes.
+    fn tile(&self, k: usize) -> &[u8] {
+        let n = self.layout.tile();
+        &self.data[k * n..(k + 1) * n]
     }
 
     /// Output rows (`out` features).
@@ -306,7 +306,7 @@ impl QuantMatrix {
 
     /// Bytes held.
     pub fn nbytes(&self) -> usize {
-        self.q.len() + 4 * (self.scale.len() + self.offset.as_ref().map_or(0, Vec::len))
+        self.data.len()
     }
 
     /// `y = x · Wᵀ`.
@@ -326,19 +326,11 @@ impl QuantMatrix {
                 .enumerate()
                 .for_each(|(task, out)| rows_dispatch(self, task * ROWS_PER_TASK, out, x, t)),
             Kernel::Int16 => {
-                let xq = kernel_i16::QuantInput::new(x, t, self.cols, self.group);
-                let w = kernel_i16::WRows {
-                    q: &self.q,
-                    s: &self.scale,
-                    o: self.offset.as_deref(),
-                };
+                let xq = kernel_i16::QuantInput::new(x, t, self.cols, self.layout.group);
                 by_row
                     .par_chunks_mut(ROWS_PER_TASK * t)
                     .enumerate()
-                    .for_each(|(task, out)| {
-                        let r0 = task * ROWS_PER_TASK;
-                        kernel_i16::rows(&w, r0, out.len() / t, &xq, out);
-                    });
+                    .for_each(|(task, out)| rows_int16(self, task * ROWS_PER_TASK, out, &xq));
             }
         }
         if t == 1 {
@@ -355,16 +347,15 @@ impl QuantMatrix {
 
     /// The dense values (for tests): must equal [`crate::dequant::dequantize`] bit for bit.
     pub fn to_dense(&self) -> Vec<f32> {
-        let g = self.group;
-        (0..self.q.len())
-            .map(|j| {
-                let w = self.q[j] as f32 * self.scale[j / g];
-                match &self.offset {
-                    Some(o) => w + o[j / g],
-                    None => w,
-                }
-            })
-            .collect()
+        let cols = self.cols;
+        let mut w = vec![0.0f32; TILE * cols];
+        let mut out = Vec::with_capacity(self.rows * cols);
+        for k in 0..self.rows.div_ceil(TILE) {
+            self.layout.rebuild(self.tile(k), &mut w);
+            let n = (self.rows - k * TILE).min(TILE);
+            out.extend_from_slice(&w[..n * cols]);
+        }
+        out
     }
 }
 
@@ -473,6 +464,38 @@ mod tests {
                         &one[..],
                         "{ty:?} {kern:?} row {tt}"
                     );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_path_gives_the_canonical_bits() {
+        // Whatever the layout, tile or path (decode, block, padded last tile), each output is
+        // the canonical-order dot product of the dequantised row: the model's own numbers.
+        use GgmlType::*;
+        for ty in [Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4K, Q5K, Q6K] {
+            let (rows, cols) = (9, 512);
+            let data = blocks(ty, rows, cols);
+            let dense = dequantize(ty, &data, rows * cols);
+            let q = QuantMatrix::new(ty, rows, cols, &data).unwrap();
+            let x: Vec<f32> = (0..5 * cols)
+                .map(|i| ((i * 41) % 29) as f32 * 0.09 - 1.1)
+                .collect();
+            for t in [1, 2, 5] {
+                let y = with_kernel(Kernel::Exact, || q.matmul(&x[..t * cols], t));
+                for tt in 0..t {
+                    for r in 0..rows {
+                        let want = kernel::dot(
+                            &dense[r * cols..(r + 1) * cols],
+                            &x[tt * cols..(tt + 1) * cols],
+                        );
+                        assert_eq!(
+                            y[tt * rows + r].to_bits(),
+                            want.to_bits(),
+                            "{ty:?} t={t} [{tt},{r}]"
+                        );
+                    }
                 }
             }
         }

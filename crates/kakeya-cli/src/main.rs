@@ -53,7 +53,28 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
-    let result = match cli.command {
+    // The whole command runs on a worker of the rayon pool: each of a decode step's ~130 kernel
+    // calls then splits from inside the pool (the other worker steals half) instead of handing
+    // the work over from the main thread and sleeping until it is done. Workers get the main
+    // thread's stack size (parsers and autodiff graphs recurse).
+    if let Err(e) = rayon::ThreadPoolBuilder::new()
+        .stack_size(8 << 20)
+        .build_global()
+    {
+        tracing::warn!("rayon pool: {e}");
+    }
+    let result = rayon::scope(move |_| run(cli));
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
         Command::Infer(a) => infer::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Convert(a) => convert::run(a),
@@ -62,12 +83,5 @@ fn main() -> ExitCode {
         Command::Eval(a) => match a.what {
             eval::EvalWhat::Niah(n) => eval::run(n),
         },
-    };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::FAILURE
-        }
     }
 }

@@ -78,19 +78,6 @@ pub struct ModelArgs {
     /// Compute device.
     #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
     pub device: DeviceKind,
-    /// CPU kernel of the quantised projections: `exact` (f32, the model's own numbers) or
-    /// `int16` (activations rounded to int16: faster single-row decoding, logits within ~1e-3).
-    #[arg(long, value_enum, default_value_t = KernelKind::Exact)]
-    pub kernel: KernelKind,
-}
-
-/// The `--kernel` choice.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum KernelKind {
-    /// f32 products on the exactly rebuilt weights.
-    Exact,
-    /// int16 activations, integer products.
-    Int16,
 }
 
 impl ModelArgs {
@@ -122,12 +109,8 @@ impl ModelArgs {
         })
     }
 
-    /// Loads model and tokenizer on the chosen device (and selects the CPU kernel).
+    /// Loads model and tokenizer on the chosen device.
     pub fn load(&self) -> Result<(Gemma3Model, Tokenizer)> {
-        kakeya_weights::set_kernel(match self.kernel {
-            KernelKind::Exact => kakeya_weights::Kernel::Exact,
-            KernelKind::Int16 => kakeya_weights::Kernel::Int16,
-        });
         let path = self.model_path()?;
         let device = self.device.device()?;
         let ck =

@@ -1,11 +1,11 @@
 #![allow(clippy::print_stdout)]
-//! Times `QuantMatrix::matmul` (1, 8 and 16 input rows) on every quantised tensor kind of a GGUF,
-//! with the exact and the int16 kernel side by side (best of 10, interleaved).
+//! Times `QuantMatrix::matmul` (1, 8 and 16 input rows) on every quantised tensor kind of a GGUF
+//! (best of 10; small matrices stay in cache, the 262k-row head does not).
 //! Usage: cargo run --release -p kakeya-weights --example qbench -- model.gguf
 use std::time::Instant;
 
 use kakeya_weights::checkpoint::gguf_to_hf;
-use kakeya_weights::{GgufFile, Kernel, QuantMatrix, set_kernel};
+use kakeya_weights::{GgufFile, QuantMatrix};
 
 fn main() {
     let path = std::env::args().nth(1).expect("usage: qbench model.gguf");
@@ -26,27 +26,20 @@ fn main() {
             let x: Vec<f32> = (0..shape[1] * t_rows)
                 .map(|i| ((i * 37) % 23) as f32 * 0.07 - 0.7)
                 .collect();
-            // Both kernels, interleaved (ratios survive a machine that drifts).
-            let mut best = [f64::MAX; 2];
+            let mut best = f64::MAX;
             for _ in 0..10 {
-                for (k, kern) in [Kernel::Exact, Kernel::Int16].into_iter().enumerate() {
-                    set_kernel(kern);
-                    let t0 = Instant::now();
-                    std::hint::black_box(q.matmul(&x, t_rows));
-                    best[k] = best[k].min(t0.elapsed().as_secs_f64());
-                }
+                let t0 = Instant::now();
+                std::hint::black_box(q.matmul(&x, t_rows));
+                best = best.min(t0.elapsed().as_secs_f64());
             }
             let macs = (shape[0] * shape[1] * t_rows) as f64;
             println!(
-                "{:>24} {:?} {:?} t={t_rows:>2}: exact {:.3} ms ({:.1} GMAC/s), int16 {:.3} ms ({:.1} GMAC/s): {:.2}x",
+                "{:>24} {:?} {:?} t={t_rows:>2}: {:.3} ms ({:.1} GMAC/s)",
                 t.name,
                 t.ty,
                 shape,
-                best[0] * 1e3,
-                macs / best[0] / 1e9,
-                best[1] * 1e3,
-                macs / best[1] / 1e9,
-                best[0] / best[1]
+                best * 1e3,
+                macs / best / 1e9,
             );
         }
     }

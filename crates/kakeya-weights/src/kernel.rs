@@ -103,26 +103,6 @@ impl Layout {
         }
     }
 
-    /// Reads row `i` of a tile back into values, scales and offsets (the inverse of
-    /// [`Layout::write_row`]; `o` is left alone for symmetric formats).
-    pub fn read_row(self, tile: &[u8], i: usize, q: &mut [i8], s: &mut [f32], o: &mut [f32]) {
-        let f = |b: &[u8], at: usize| f32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
-        for g in 0..self.gpr {
-            let b = &tile[g * self.block()..(g + 1) * self.block()];
-            s[g] = f(b, 4 * i);
-            if self.asym {
-                o[g] = f(b, 4 * (TILE + i));
-            }
-            let v = self.header() + i * self.group;
-            for (d, &bv) in q[g * self.group..(g + 1) * self.group]
-                .iter_mut()
-                .zip(&b[v..v + self.group])
-            {
-                *d = bv as i8;
-            }
-        }
-    }
-
     /// Rebuilds the tile's rows into `w` (`[TILE, cols]`): `w_j = q_j·s_g (+ o_g)`, exactly
     /// the f32 operations of [`crate::dequant`] (the values equal the dense model's bit for
     /// bit).

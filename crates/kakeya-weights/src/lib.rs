@@ -11,7 +11,6 @@ pub mod fsio;
 pub mod ftheta;
 pub mod gguf;
 mod kernel;
-mod kernel_i16;
 pub mod quant;
 pub mod tokenizer;
 
@@ -21,5 +20,5 @@ pub use dflash::{DFlashConfig, DraftCheckpoint, StoreDtype};
 pub use error::{Result, WeightsError};
 pub use ftheta::{FThetaCheckpoint, FThetaConfig};
 pub use gguf::GgufFile;
-pub use quant::{Kernel, QuantMatrix, current_kernel, set_kernel};
+pub use quant::QuantMatrix;
 pub use tokenizer::Tokenizer;

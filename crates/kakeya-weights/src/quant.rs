@@ -12,40 +12,10 @@
 //! (prefill chunks, speculative verification): four weight rows are rebuilt into f32 once and
 //! multiplied against every input row in register tiles. Rows are split across the rayon pool.
 
-use std::sync::atomic::{AtomicU8, Ordering};
-
 use rayon::prelude::*;
 
 use crate::dequant::GgmlType;
 use crate::kernel::{self, Layout, TILE};
-use crate::kernel_i16;
-
-/// Which dot-product kernel [`QuantMatrix::matmul`] uses (process-wide).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kernel {
-    /// f32 weights rebuilt exactly as the dequantiser does, f32 products: the model's own
-    /// numbers (the default), [`crate::kernel`].
-    Exact,
-    /// Activations rounded to int16 per weight group, integer products: fewer instructions
-    /// per decode step, logits within ~1e-3 of `Exact`'s, [`crate::kernel_i16`].
-    Int16,
-}
-
-static KERNEL: AtomicU8 = AtomicU8::new(0);
-
-/// Chooses the kernel for every later product.
-pub fn set_kernel(k: Kernel) {
-    KERNEL.store(u8::from(k == Kernel::Int16), Ordering::Relaxed);
-}
-
-/// The kernel in use.
-pub fn current_kernel() -> Kernel {
-    if KERNEL.load(Ordering::Relaxed) == 0 {
-        Kernel::Exact
-    } else {
-        Kernel::Int16
-    }
-}
 
 /// Rows of output per parallel task.
 const ROWS_PER_TASK: usize = 32;
@@ -197,38 +167,6 @@ fn rows_dispatch(m: &QuantMatrix, r0: usize, out: &mut [f32], x: &[f32], t: usiz
     rows_kernel(m, r0, out, x, t)
 }
 
-/// The int16 kernel over rows `r0..` (`r0` a multiple of [`TILE`]): each tile is unpacked into
-/// row-major values, scales and offsets for [`kernel_i16::rows`].
-fn rows_int16(m: &QuantMatrix, r0: usize, out: &mut [f32], xq: &kernel_i16::QuantInput) {
-    let (l, cols) = (m.layout, m.cols);
-    let t = xq.q.len() / cols;
-    let n = out.len() / t;
-    let mut q = vec![0i8; TILE * cols];
-    let (mut s, mut o) = (vec![0.0f32; TILE * l.gpr], vec![0.0f32; TILE * l.gpr]);
-    let mut i = 0;
-    while i < n {
-        let rn = (n - i).min(TILE);
-        let tile = m.tile((r0 + i) / TILE);
-        for k in 0..rn {
-            let (gs, ge) = (k * l.gpr, (k + 1) * l.gpr);
-            l.read_row(
-                tile,
-                k,
-                &mut q[k * cols..(k + 1) * cols],
-                &mut s[gs..ge],
-                &mut o[gs..ge],
-            );
-        }
-        let w = kernel_i16::WRows {
-            q: &q,
-            s: &s,
-            o: l.asym.then_some(&o[..]),
-        };
-        kernel_i16::rows(&w, 0, rn, xq, &mut out[i * t..(i + rn) * t]);
-        i += rn;
-    }
-}
-
 impl QuantMatrix {
     /// Repacks GGML blocks of a `[rows, cols]` matrix, or `None` when the type is not a
     /// quantised one, a row is not a whole number of blocks, or the byte count is wrong.
@@ -320,19 +258,10 @@ impl QuantMatrix {
             "QuantMatrix::matmul: input has the wrong length"
         );
         let mut by_row = vec![0.0f32; self.rows * t];
-        match current_kernel() {
-            Kernel::Exact => by_row
-                .par_chunks_mut(ROWS_PER_TASK * t)
-                .enumerate()
-                .for_each(|(task, out)| rows_dispatch(self, task * ROWS_PER_TASK, out, x, t)),
-            Kernel::Int16 => {
-                let xq = kernel_i16::QuantInput::new(x, t, self.cols, self.layout.group);
-                by_row
-                    .par_chunks_mut(ROWS_PER_TASK * t)
-                    .enumerate()
-                    .for_each(|(task, out)| rows_int16(self, task * ROWS_PER_TASK, out, &xq));
-            }
-        }
+        by_row
+            .par_chunks_mut(ROWS_PER_TASK * t)
+            .enumerate()
+            .for_each(|(task, out)| rows_dispatch(self, task * ROWS_PER_TASK, out, x, t));
         if t == 1 {
             return by_row;
         }
@@ -422,10 +351,10 @@ mod tests {
             let x: Vec<f32> = (0..t * cols)
                 .map(|i| ((i * 31) % 17) as f32 * 0.1 - 0.8)
                 .collect();
-            // Exact kernel: f32 rounding only. Int16: plus the activations' rounding, at most
-            // 2⁻¹⁶ of each group's largest |x| per value — bounded against Σ|w·x|.
-            for (kern, tol) in [(Kernel::Exact, 1e-6), (Kernel::Int16, 2e-5)] {
-                let y = with_kernel(kern, || q.matmul(&x, t));
+            // f32 rounding only, bounded against Σ|w·x|.
+            {
+                let tol = 1e-6;
+                let y = q.matmul(&x, t);
                 for tt in 0..t {
                     for r in 0..rows {
                         let (mut want, mut scale) = (0.0f64, 0.0f64);
@@ -437,7 +366,7 @@ mod tests {
                         let got = y[tt * rows + r] as f64;
                         assert!(
                             (got - want).abs() <= tol * scale,
-                            "{ty:?} {kern:?} [{tt},{r}]: {got} vs {want} (Σ|w·x| {scale})"
+                            "{ty:?} [{tt},{r}]: {got} vs {want} (Σ|w·x| {scale})"
                         );
                     }
                 }
@@ -455,16 +384,14 @@ mod tests {
             let x: Vec<f32> = (0..5 * cols)
                 .map(|i| ((i * 37) % 23) as f32 * 0.07 - 0.7)
                 .collect();
-            for kern in [Kernel::Exact, Kernel::Int16] {
-                let all = with_kernel(kern, || q.matmul(&x, 5));
-                for tt in 0..5 {
-                    let one = with_kernel(kern, || q.matmul(&x[tt * cols..(tt + 1) * cols], 1));
-                    assert_eq!(
-                        &all[tt * rows..(tt + 1) * rows],
-                        &one[..],
-                        "{ty:?} {kern:?} row {tt}"
-                    );
-                }
+            let all = q.matmul(&x, 5);
+            for tt in 0..5 {
+                let one = q.matmul(&x[tt * cols..(tt + 1) * cols], 1);
+                assert_eq!(
+                    &all[tt * rows..(tt + 1) * rows],
+                    &one[..],
+                    "{ty:?} row {tt}"
+                );
             }
         }
     }
@@ -483,7 +410,7 @@ mod tests {
                 .map(|i| ((i * 41) % 29) as f32 * 0.09 - 1.1)
                 .collect();
             for t in [1, 2, 5] {
-                let y = with_kernel(Kernel::Exact, || q.matmul(&x[..t * cols], t));
+                let y = q.matmul(&x[..t * cols], t);
                 for tt in 0..t {
                     for r in 0..rows {
                         let want = kernel::dot(
@@ -499,19 +426,6 @@ mod tests {
                 }
             }
         }
-    }
-
-    /// Runs `f` under `kernel` (the choice is process-wide: tests that switch it hold a lock).
-    fn with_kernel<T>(kernel: Kernel, f: impl FnOnce() -> T) -> T {
-        static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-        let _guard = LOCK
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let before = current_kernel();
-        set_kernel(kernel);
-        let out = f();
-        set_kernel(before);
-        out
     }
 
     #[test]

@@ -1,7 +1,7 @@
 #![allow(clippy::print_stdout)]
 //! Times `QuantMatrix::matmul` (1, 8 and 16 input rows) on every quantised tensor kind of a GGUF
 //! (best of 10; small matrices stay in cache, the 262k-row head does not).
-//! Usage: cargo run --release -p kakeya-weights --example qbench -- model.gguf
+//! Usage: cargo run --release -p kakeya-weights --example qbench -- model.gguf [name-filter] [rows...]
 use std::time::Instant;
 
 use kakeya_weights::checkpoint::gguf_to_hf;
@@ -9,12 +9,23 @@ use kakeya_weights::{GgufFile, QuantMatrix};
 
 fn main() {
     let path = std::env::args().nth(1).expect("usage: qbench model.gguf");
+    let filter = std::env::args().nth(2).unwrap_or_default();
+    let counts: Vec<usize> = std::env::args()
+        .skip(3)
+        .map(|a| a.parse().expect("row counts are integers"))
+        .collect();
+    let counts = if counts.is_empty() {
+        vec![1, 8, 16]
+    } else {
+        counts
+    };
     let f = GgufFile::open(&path).unwrap();
     let mut seen = std::collections::BTreeSet::new();
     for t in &f.tensors {
         let shape = t.torch_shape();
         if shape.len() != 2
             || gguf_to_hf(&t.name).is_none()
+            || !t.name.contains(&filter)
             || !seen.insert(format!("{:?}{:?}", t.ty, shape))
         {
             continue;
@@ -22,7 +33,7 @@ fn main() {
         let Some(q) = QuantMatrix::new(t.ty, shape[0], shape[1], f.raw(t).unwrap()) else {
             continue;
         };
-        for t_rows in [1usize, 8, 16] {
+        for &t_rows in &counts {
             let x: Vec<f32> = (0..shape[1] * t_rows)
                 .map(|i| ((i * 37) % 23) as f32 * 0.07 - 0.7)
                 .collect();

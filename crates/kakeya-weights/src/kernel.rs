@@ -134,6 +134,24 @@ impl Layout {
     }
 }
 
+/// Asks the memory system for `bytes` ahead of use (the next tile while this one is
+/// multiplied: a block product is long enough to hide the fetch). A hint only.
+pub(crate) fn prefetch(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        for line in bytes.chunks(64) {
+            // SAFETY: SSE is part of x86-64; a prefetch reads nothing and never faults.
+            #[allow(unsafe_code)]
+            unsafe {
+                _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast())
+            };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
+}
+
 /// `out[i] = dot(w_i, x)` for the [`TILE`] rows of one tile and one input row, rebuilding each
 /// weight in a register (`q·s (+ o)`, the dequantiser's f32 operations) — the decode path.
 /// `None` when no SIMD path applies (the caller then rebuilds the rows and uses [`tile`]).

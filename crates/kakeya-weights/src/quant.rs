@@ -144,6 +144,10 @@ fn rows_kernel(m: &QuantMatrix, r0: usize, out: &mut [f32], x: &[f32], t: usize)
         }
         w.resize(TILE * cols, 0.0);
         l.rebuild(tile, &mut w);
+        // The next tile streams in while this one is multiplied by every input row.
+        if (r0 + i) / TILE + 1 < m.rows.div_ceil(TILE) {
+            kernel::prefetch(m.tile((r0 + i) / TILE + 1));
+        }
         kernel::tile(&w, rn, x, t, cols, &mut out[i * t..(i + rn) * t]);
         i += rn;
     }
@@ -401,15 +405,19 @@ mod tests {
         // Whatever the layout, tile or path (decode, block, padded last tile), each output is
         // the canonical-order dot product of the dequantised row: the model's own numbers.
         use GgmlType::*;
-        for ty in [Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4K, Q5K, Q6K] {
-            let (rows, cols) = (9, 512);
+        let cases = [Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4K, Q5K, Q6K]
+            .map(|ty| (ty, 512))
+            .into_iter()
+            .chain([(Q8_0, 640), (Q5_1, 640)]);
+        for (ty, cols) in cases {
+            let rows = 9;
             let data = blocks(ty, rows, cols);
             let dense = dequantize(ty, &data, rows * cols);
             let q = QuantMatrix::new(ty, rows, cols, &data).unwrap();
-            let x: Vec<f32> = (0..5 * cols)
+            let x: Vec<f32> = (0..17 * cols)
                 .map(|i| ((i * 41) % 29) as f32 * 0.09 - 1.1)
                 .collect();
-            for t in [1, 2, 5] {
+            for t in [1, 2, 5, 8, 9, 16, 17] {
                 let y = q.matmul(&x[..t * cols], t);
                 for tt in 0..t {
                     for r in 0..rows {

@@ -152,16 +152,30 @@ pub(crate) fn prefetch(bytes: &[u8]) {
     let _ = bytes;
 }
 
-/// `out[i] = dot(w_i, x)` for the [`TILE`] rows of one tile and one input row, rebuilding each
-/// weight in a register (`q·s (+ o)`, the dequantiser's f32 operations) — the decode path.
-/// `None` when no SIMD path applies (the caller then rebuilds the rows and uses [`tile`]).
-pub(crate) fn tile_one_input(l: Layout, tile: &[u8], x: &[f32]) -> Option<[f32; TILE]> {
+/// Most input rows the fused kernel takes in one pass.
+pub(crate) const FUSED_INPUTS: usize = 4;
+
+/// `out[r · t + j] = dot(w_r, x_j)` for `rows` weight rows held in `tiles` (whole tiles, the
+/// last one possibly partly used) and `t ≤` [`FUSED_INPUTS`] input rows (`x`: `[t, cols]`),
+/// rebuilding each weight in a register (`q·s (+ o)`, the dequantiser's f32 operations) and
+/// using it for every input row — the decode and short-block path, which streams each tile
+/// once. `false` when no SIMD path applies (the caller then rebuilds the rows and uses
+/// [`tile`]).
+pub(crate) fn tiles_few_inputs(
+    l: Layout,
+    tiles: &[u8],
+    x: &[f32],
+    t: usize,
+    rows: usize,
+    out: &mut [f32],
+) -> bool {
     #[cfg(target_arch = "x86_64")]
-    if l.group.is_multiple_of(LANES) && simd::available() {
-        return Some(simd::tile_one_input(l, tile, x));
+    if l.group.is_multiple_of(LANES) && (1..=FUSED_INPUTS).contains(&t) && simd::available() {
+        simd::tiles_few_inputs(l, tiles, x, t, rows, out);
+        return true;
     }
-    let _ = (l, tile, x);
-    None
+    let _ = (l, tiles, x, t, rows, out);
+    false
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -190,28 +204,76 @@ mod simd {
         unsafe { tile_avx2(w, rows, x, t, cols, out) }
     }
 
-    /// [`super::tile_one_input`] with AVX2+FMA.
-    pub(super) fn tile_one_input(l: Layout, tile: &[u8], x: &[f32]) -> [f32; TILE] {
+    /// [`super::tiles_few_inputs`] with AVX2+FMA.
+    pub(super) fn tiles_few_inputs(
+        l: Layout,
+        tiles: &[u8],
+        x: &[f32],
+        t: usize,
+        rows: usize,
+        out: &mut [f32],
+    ) {
         assert!(
-            tile.len() >= l.tile() && x.len() >= l.cols(),
-            "kernel::tile_one_input: slices too short"
+            tiles.len() >= rows.div_ceil(TILE) * l.tile()
+                && x.len() >= t * l.cols()
+                && out.len() >= rows * t,
+            "kernel::tiles_few_inputs: slices too short"
         );
         // SAFETY: AVX2 and FMA are available (checked by the caller through `available`),
         // and the lengths were checked above.
-        unsafe { fused_avx2(l, tile, x) }
+        unsafe {
+            match (t, l.asym) {
+                (1, false) => few_avx2::<1, false>(l, tiles, x, rows, out),
+                (2, false) => few_avx2::<2, false>(l, tiles, x, rows, out),
+                (3, false) => few_avx2::<3, false>(l, tiles, x, rows, out),
+                (_, false) => few_avx2::<4, false>(l, tiles, x, rows, out),
+                (1, true) => few_avx2::<1, true>(l, tiles, x, rows, out),
+                (2, true) => few_avx2::<2, true>(l, tiles, x, rows, out),
+                (3, true) => few_avx2::<3, true>(l, tiles, x, rows, out),
+                (_, true) => few_avx2::<4, true>(l, tiles, x, rows, out),
+            }
+        }
+    }
+
+    /// Every tile's rows against `X` input rows, written to `out` (`[rows, X]`).
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn few_avx2<const X: usize, const ASYM: bool>(
+        l: Layout,
+        tiles: &[u8],
+        x: &[f32],
+        rows: usize,
+        out: &mut [f32],
+    ) {
+        for k in 0..rows.div_ceil(TILE) {
+            // SAFETY: tile `k` is inside `tiles` (checked by the caller), as is `x`.
+            let res = unsafe { fused_avx2::<X, ASYM>(l, &tiles[k * l.tile()..], x) };
+            let n = (rows - k * TILE).min(TILE);
+            for (i, r) in res.iter().enumerate().take(n) {
+                for (j, &v) in r.iter().enumerate() {
+                    out[(k * TILE + i) * X + j] = v;
+                }
+            }
+        }
     }
 
     /// Bytes ahead of the block being summed that are streamed in (a few blocks).
     const PREFETCH: usize = 1024;
 
+    /// The tile's rows against `X` input rows (`x`: `[X, cols]`); `ASYM` = `l.asym` (a
+    /// constant, so the loop has no branch and the offsets stay in registers).
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn fused_avx2(l: Layout, tile: &[u8], x: &[f32]) -> [f32; TILE] {
+    #[inline]
+    unsafe fn fused_avx2<const X: usize, const ASYM: bool>(
+        l: Layout,
+        tile: &[u8],
+        x: &[f32],
+    ) -> [[f32; X]; TILE] {
         use std::arch::x86_64::{
             _MM_HINT_T0, _mm_loadl_epi64, _mm_prefetch, _mm256_add_ps, _mm256_cvtepi8_epi32,
             _mm256_cvtepi32_ps, _mm256_mul_ps, _mm256_set1_ps,
         };
-        let mut acc = [_mm256_setzero_ps(); TILE];
-        let (tp, xp) = (tile.as_ptr(), x.as_ptr());
+        let mut acc = [[_mm256_setzero_ps(); X]; TILE];
+        let (tp, xp, cols) = (tile.as_ptr(), x.as_ptr(), l.cols());
         let (header, block) = (l.header(), l.block());
         let mut sv = [_mm256_setzero_ps(); TILE];
         let mut ov = [_mm256_setzero_ps(); TILE];
@@ -228,7 +290,7 @@ mod simd {
             for i in 0..TILE {
                 // SAFETY: the header holds `TILE` scales (and `TILE` offsets) as f32 bytes.
                 sv[i] = _mm256_set1_ps(unsafe { b.add(4 * i).cast::<f32>().read_unaligned() });
-                if l.asym {
+                if ASYM {
                     ov[i] = _mm256_set1_ps(unsafe {
                         b.add(4 * (TILE + i)).cast::<f32>().read_unaligned()
                     });
@@ -238,27 +300,34 @@ mod simd {
             let vals = unsafe { b.add(header) };
             let mut k = 0;
             while k < l.group {
-                // SAFETY: `g·group + k + 8 <= cols`.
-                let xv = unsafe { _mm256_loadu_ps(xp.add(g * l.group + k)) };
+                let mut xv = [_mm256_setzero_ps(); X];
+                for (j, v) in xv.iter_mut().enumerate() {
+                    // SAFETY: input row `j < X` holds `cols` values; `g·group + k + 8 <= cols`.
+                    *v = unsafe { _mm256_loadu_ps(xp.add(j * cols + g * l.group + k)) };
+                }
                 for (i, a) in acc.iter_mut().enumerate() {
                     // SAFETY: eight int8 values of row `i` at `k..k+8 <= group`.
                     let q8 = unsafe { _mm_loadl_epi64(vals.add(i * l.group + k).cast()) };
                     let qf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8));
                     let mut wv = _mm256_mul_ps(qf, sv[i]);
-                    if l.asym {
+                    if ASYM {
                         wv = _mm256_add_ps(wv, ov[i]);
                     }
-                    *a = _mm256_fmadd_ps(wv, xv, *a);
+                    for (aj, v) in a.iter_mut().zip(&xv) {
+                        *aj = _mm256_fmadd_ps(wv, *v, *aj);
+                    }
                 }
                 k += LANES;
             }
         }
-        let mut res = [0.0f32; TILE];
-        for (i, a) in acc.iter().enumerate() {
-            let mut lanes = [0.0f32; LANES];
-            // SAFETY: `lanes` holds 8 floats.
-            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *a) };
-            res[i] = reduce(lanes);
+        let mut res = [[0.0f32; X]; TILE];
+        for (r, a) in res.iter_mut().zip(&acc) {
+            for (v, aj) in r.iter_mut().zip(a) {
+                let mut lanes = [0.0f32; LANES];
+                // SAFETY: `lanes` holds 8 floats.
+                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *aj) };
+                *v = reduce(lanes);
+            }
         }
         res
     }

@@ -7,9 +7,10 @@
 //! step reads as one stream ([`crate::kernel::Layout`]). Each weight is rebuilt as `q·s` (`+ o`) with
 //! exactly the f32 operations of [`crate::dequant`], so the weights are bit-identical to the
 //! dense model's; the dot products follow the canonical order of [`crate::kernel`] (8 lanes,
-//! FMA), which makes a row's result independent of how many input rows run together. One
-//! input row (decoding): weights are rebuilt in registers, a tile (four rows) at a time. Several
-//! (prefill chunks, speculative verification): four weight rows are rebuilt into f32 once and
+//! FMA), which makes a row's result independent of how many input rows run together. Up to
+//! four input rows (decoding, short verify blocks): weights are rebuilt in registers, a tile
+//! (four rows) at a time, and used for every input row, so each tile is streamed once. More
+//! (longer verify blocks, batched capture): four weight rows are rebuilt into f32 once and
 //! multiplied against every input row in register tiles. Rows are split across the rayon pool.
 
 use rayon::prelude::*;
@@ -122,26 +123,26 @@ fn unpack_block(ty: GgmlType, b: &[u8], q: &mut [i8], s: &mut [f32], o: &mut [f3
     }
 }
 
-/// One task: rows `r0..` (`r0` a multiple of [`TILE`]), output laid out `[row][t]`. One input
-/// row: each tile is decoded with its weights rebuilt in registers. Several: each tile is
+/// One task: rows `r0..` (`r0` a multiple of [`TILE`]), output laid out `[row][t]`. Up to four
+/// input rows: each tile is decoded with its weights rebuilt in registers. More: each tile is
 /// rebuilt into f32 once and handed to the kernel with every input row. The kernel's canonical
 /// order makes a row's result independent of `t` and of the path.
 #[inline(always)]
 fn rows_kernel(m: &QuantMatrix, r0: usize, out: &mut [f32], x: &[f32], t: usize) {
     let (l, cols) = (m.layout, m.cols);
     let n = out.len() / t;
+    if t <= kernel::FUSED_INPUTS {
+        let (k0, k1) = (r0 / TILE, (r0 + n).div_ceil(TILE));
+        let tiles = &m.data[k0 * l.tile()..k1 * l.tile()];
+        if kernel::tiles_few_inputs(l, tiles, x, t, n, out) {
+            return;
+        }
+    }
     let mut w = Vec::new();
     let mut i = 0;
     while i < n {
         let rn = (n - i).min(TILE);
         let tile = m.tile((r0 + i) / TILE);
-        if t == 1
-            && let Some(y) = kernel::tile_one_input(l, tile, x)
-        {
-            out[i..i + rn].copy_from_slice(&y[..rn]);
-            i += rn;
-            continue;
-        }
         w.resize(TILE * cols, 0.0);
         l.rebuild(tile, &mut w);
         // The next tile streams in while this one is multiplied by every input row.

@@ -22,6 +22,49 @@ pub struct SpecConfig {
     pub block_size: usize,
     /// Fixed blocks, or lengths adapted to what speculation earns.
     pub schedule: Schedule,
+    /// What the adaptive schedule is told a block cost: the measured seconds, or a model of
+    /// them (for tests and simulations, which must not depend on the machine's load).
+    pub costs: Costs,
+}
+
+/// Block costs as the adaptive schedule sees them (and its [`ScheduleStats`] report);
+/// [`SpecStats::draft_secs`] and [`SpecStats::verify_secs`] are always measured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Costs {
+    /// Wall-clock seconds of each draft and each verify forward.
+    #[default]
+    Measured,
+    /// A verify forward of `b` rows costs `step_us + row_us · (b − 1)` µs, a draft of `n`
+    /// tokens `draft_us · n` µs.
+    Linear {
+        /// One row's verify forward (a plain decode step), µs.
+        step_us: u32,
+        /// Each further verified row, µs.
+        row_us: u32,
+        /// Each drafted token, µs.
+        draft_us: u32,
+    },
+}
+
+impl Costs {
+    /// `(draft, verify)` seconds the schedule is told for a block of `drafts + 1` rows that
+    /// measured `measured`.
+    fn seen(self, drafts: usize, measured: (f64, f64)) -> (f64, f64) {
+        match self {
+            Costs::Measured => measured,
+            Costs::Linear {
+                step_us,
+                row_us,
+                draft_us,
+            } => {
+                let us = |x: f64| x * 1e-6;
+                (
+                    us(f64::from(draft_us) * drafts as f64),
+                    us(f64::from(step_us) + f64::from(row_us) * drafts as f64),
+                )
+            }
+        }
+    }
 }
 
 impl SpecConfig {
@@ -30,6 +73,7 @@ impl SpecConfig {
         Self {
             block_size,
             schedule: Schedule::Fixed,
+            costs: Costs::Measured,
         }
     }
 
@@ -38,7 +82,13 @@ impl SpecConfig {
         Self {
             block_size,
             schedule: Schedule::Adaptive,
+            costs: Costs::Measured,
         }
+    }
+
+    /// The same settings with the schedule told `costs` instead of measured seconds.
+    pub fn with_costs(self, costs: Costs) -> Self {
+        Self { costs, ..self }
     }
 }
 
@@ -147,7 +197,9 @@ pub fn speculative_generate(
             let next = posterior[a];
             verifier.rollback(pos + a + 1)?;
             let verify_secs = tv.elapsed().as_secs_f64();
-            schedule.record(drafts.len(), a, draft_secs, verify_secs);
+            let (seen_draft, seen_verify) =
+                spec.costs.seen(drafts.len(), (draft_secs, verify_secs));
+            schedule.record(drafts.len(), a, seen_draft, seen_verify);
             stats.draft_secs += draft_secs;
             stats.verify_secs += verify_secs;
             stats.blocks += 1;

@@ -13,7 +13,7 @@ pub mod sampled;
 pub mod verifier;
 
 pub use adaptive::{BlockSchedule, Schedule, ScheduleStats};
-pub use driver::{SpecConfig, SpecStats, speculative_generate};
+pub use driver::{Costs, SpecConfig, SpecStats, speculative_generate};
 pub use ngram::{CombinedProposer, NgramMatch, NgramProposer};
 pub use proposer::{DFlashProposer, Proposer, ReplayProposer};
 pub use sampled::sampled_posterior;

@@ -235,7 +235,11 @@ mod simd {
         }
     }
 
-    /// Every tile's rows against `X` input rows, written to `out` (`[rows, X]`).
+    /// Every tile's rows against `X` input rows, written to `out` (`[rows, X]`). With more
+    /// than two input rows a tile is summed in two passes of two weight rows each, so the
+    /// accumulators (`rows × X`) and the inputs stay within AVX2's 16 registers instead of
+    /// spilling; the second pass reads the tile from L1, and every output's FMAs run in the
+    /// same canonical order either way.
     #[target_feature(enable = "avx2,fma")]
     unsafe fn few_avx2<const X: usize, const ASYM: bool>(
         l: Layout,
@@ -244,13 +248,27 @@ mod simd {
         rows: usize,
         out: &mut [f32],
     ) {
+        const HALF: usize = TILE / 2;
+        let mut put = |k: usize, r0: usize, res: &[[f32; X]]| {
+            for (i, r) in res.iter().enumerate() {
+                let row = k * TILE + r0 + i;
+                if row < rows {
+                    out[row * X..(row + 1) * X].copy_from_slice(r);
+                }
+            }
+        };
         for k in 0..rows.div_ceil(TILE) {
-            // SAFETY: tile `k` is inside `tiles` (checked by the caller), as is `x`.
-            let res = unsafe { fused_avx2::<X, ASYM>(l, &tiles[k * l.tile()..], x) };
-            let n = (rows - k * TILE).min(TILE);
-            for (i, r) in res.iter().enumerate().take(n) {
-                for (j, &v) in r.iter().enumerate() {
-                    out[(k * TILE + i) * X + j] = v;
+            let tile = &tiles[k * l.tile()..];
+            // SAFETY (all calls): tile `k` is inside `tiles` (checked by the caller), as is
+            // `x`, and the row ranges lie inside the tile.
+            if X <= 2 {
+                put(k, 0, &unsafe { fused_avx2::<X, ASYM, TILE>(l, tile, 0, x) });
+            } else {
+                put(k, 0, &unsafe { fused_avx2::<X, ASYM, HALF>(l, tile, 0, x) });
+                if k * TILE + HALF < rows {
+                    put(k, HALF, &unsafe {
+                        fused_avx2::<X, ASYM, HALF>(l, tile, HALF, x)
+                    });
                 }
             }
         }
@@ -259,24 +277,25 @@ mod simd {
     /// Bytes ahead of the block being summed that are streamed in (a few blocks).
     const PREFETCH: usize = 1024;
 
-    /// The tile's rows against `X` input rows (`x`: `[X, cols]`); `ASYM` = `l.asym` (a
-    /// constant, so the loop has no branch and the offsets stay in registers).
+    /// The tile's rows `r0..r0 + R` against `X` input rows (`x`: `[X, cols]`); `ASYM` =
+    /// `l.asym` (a constant, so the loop has no branch and the offsets stay in registers).
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    unsafe fn fused_avx2<const X: usize, const ASYM: bool>(
+    unsafe fn fused_avx2<const X: usize, const ASYM: bool, const R: usize>(
         l: Layout,
         tile: &[u8],
+        r0: usize,
         x: &[f32],
-    ) -> [[f32; X]; TILE] {
+    ) -> [[f32; X]; R] {
         use std::arch::x86_64::{
             _MM_HINT_T0, _mm_loadl_epi64, _mm_prefetch, _mm256_add_ps, _mm256_cvtepi8_epi32,
             _mm256_cvtepi32_ps, _mm256_mul_ps, _mm256_set1_ps,
         };
-        let mut acc = [[_mm256_setzero_ps(); X]; TILE];
+        let mut acc = [[_mm256_setzero_ps(); X]; R];
         let (tp, xp, cols) = (tile.as_ptr(), x.as_ptr(), l.cols());
         let (header, block) = (l.header(), l.block());
-        let mut sv = [_mm256_setzero_ps(); TILE];
-        let mut ov = [_mm256_setzero_ps(); TILE];
+        let mut sv = [_mm256_setzero_ps(); R];
+        let mut ov = [_mm256_setzero_ps(); R];
         for g in 0..l.gpr {
             // SAFETY: block `g` lies inside the tile (`gpr · block` bytes).
             let b = unsafe { tp.add(g * block) };
@@ -287,12 +306,14 @@ mod simd {
                 _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(PREFETCH + line).cast());
                 line += 64;
             }
-            for i in 0..TILE {
-                // SAFETY: the header holds `TILE` scales (and `TILE` offsets) as f32 bytes.
-                sv[i] = _mm256_set1_ps(unsafe { b.add(4 * i).cast::<f32>().read_unaligned() });
+            for i in 0..R {
+                let r = r0 + i;
+                // SAFETY: the header holds `TILE` scales (and `TILE` offsets) as f32 bytes,
+                // and `r < TILE`.
+                sv[i] = _mm256_set1_ps(unsafe { b.add(4 * r).cast::<f32>().read_unaligned() });
                 if ASYM {
                     ov[i] = _mm256_set1_ps(unsafe {
-                        b.add(4 * (TILE + i)).cast::<f32>().read_unaligned()
+                        b.add(4 * (TILE + r)).cast::<f32>().read_unaligned()
                     });
                 }
             }
@@ -306,8 +327,8 @@ mod simd {
                     *v = unsafe { _mm256_loadu_ps(xp.add(j * cols + g * l.group + k)) };
                 }
                 for (i, a) in acc.iter_mut().enumerate() {
-                    // SAFETY: eight int8 values of row `i` at `k..k+8 <= group`.
-                    let q8 = unsafe { _mm_loadl_epi64(vals.add(i * l.group + k).cast()) };
+                    // SAFETY: eight int8 values of row `r0 + i` at `k..k+8 <= group`.
+                    let q8 = unsafe { _mm_loadl_epi64(vals.add((r0 + i) * l.group + k).cast()) };
                     let qf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8));
                     let mut wv = _mm256_mul_ps(qf, sv[i]);
                     if ASYM {
@@ -320,7 +341,7 @@ mod simd {
                 k += LANES;
             }
         }
-        let mut res = [[0.0f32; X]; TILE];
+        let mut res = [[0.0f32; X]; R];
         for (r, a) in res.iter_mut().zip(&acc) {
             for (v, aj) in r.iter_mut().zip(a) {
                 let mut lanes = [0.0f32; LANES];

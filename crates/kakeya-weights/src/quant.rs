@@ -403,22 +403,24 @@ mod tests {
 
     #[test]
     fn every_path_gives_the_canonical_bits() {
-        // Whatever the layout, tile or path (decode, block, padded last tile), each output is
+        // Whatever the layout, tile or path (decode, short block in one or two passes per
+        // tile, long block, padded last tile), each output is
         // the canonical-order dot product of the dequantised row: the model's own numbers.
         use GgmlType::*;
         let cases = [Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4K, Q5K, Q6K]
             .map(|ty| (ty, 512))
             .into_iter()
             .chain([(Q8_0, 640), (Q5_1, 640)]);
-        for (ty, cols) in cases {
-            let rows = 9;
+        // 9 rows: a last tile with one row; 11: with three (the two-pass path's second half
+        // partly used).
+        for ((ty, cols), rows) in cases.flat_map(|c| [(c, 9), (c, 11)]) {
             let data = blocks(ty, rows, cols);
             let dense = dequantize(ty, &data, rows * cols);
             let q = QuantMatrix::new(ty, rows, cols, &data).unwrap();
             let x: Vec<f32> = (0..17 * cols)
                 .map(|i| ((i * 41) % 29) as f32 * 0.09 - 1.1)
                 .collect();
-            for t in [1, 2, 5, 8, 9, 16, 17] {
+            for t in [1, 2, 3, 4, 5, 8, 9, 16, 17] {
                 let y = q.matmul(&x[..t * cols], t);
                 for tt in 0..t {
                     for r in 0..rows {

@@ -222,7 +222,7 @@ fn run_spec(
     let drafts = if a.replay_drafts {
         crate::bench_spec::Drafts::Replay
     } else {
-        crate::draft::proposer(kind, drafter.as_ref())?; // a kind without its drafter: refused now
+        kind.proposer(drafter.as_ref())?; // a kind without its drafter: refused now
         crate::bench_spec::Drafts::Kind(kind, drafter.as_ref())
     };
     let b = crate::bench_spec::run(

@@ -122,7 +122,7 @@ fn run_spec(
     (spec, base): (SpecConfig, KvSetup<'_>),
 ) -> Result<Generation> {
     let mut proposer: Box<dyn Proposer + '_> = match drafts {
-        Drafts::Kind(kind, d) => crate::draft::proposer(*kind, *d)?,
+        Drafts::Kind(kind, d) => kind.proposer(*d)?,
         Drafts::Replay => Box::new(ReplayProposer::new(ids, reference)),
     };
     let setup = match drafts.drafter() {

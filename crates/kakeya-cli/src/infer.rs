@@ -189,7 +189,7 @@ fn decode(
                 None => setup,
             };
             let mut verifier = Verifier::new(model, setup, s.config.block_size)?;
-            let mut proposer = crate::draft::proposer(s.kind, s.drafter)?;
+            let mut proposer = s.kind.proposer(s.drafter)?;
             speculative_generate(
                 &mut verifier,
                 proposer.as_mut(),

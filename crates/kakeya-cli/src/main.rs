@@ -14,6 +14,7 @@ mod eval;
 mod eval_report;
 mod infer;
 mod kv;
+mod serve;
 mod train;
 
 use std::process::ExitCode;
@@ -40,6 +41,8 @@ enum Command {
     Convert(convert::ConvertArgs),
     /// Train a model component (the DFlash drafter, f_θ).
     Train(train::TrainArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API.
+    Serve(serve::ServeArgs),
     /// Evaluate the KV modes (needle-in-a-haystack recall against the full cache).
     Eval(eval::EvalArgs),
 }
@@ -80,6 +83,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Convert(a) => convert::run(a),
         Command::Capture(a) => capture::run(a),
         Command::Train(a) => train::run(a),
+        Command::Serve(a) => serve::run(a),
         Command::Eval(a) => match a.what {
             eval::EvalWhat::Niah(n) => eval::run(n),
         },

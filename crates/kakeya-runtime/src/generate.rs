@@ -81,24 +81,34 @@ pub struct Generation {
 }
 
 /// Collects generated tokens and applies the stop rules one token at a time, so that every
-/// decoder (autoregressive or speculative) stops at exactly the same token. Tokens reach
-/// `on_token` as soon as no rule can take them back (the loop guard may hold back a
-/// repeating tail).
+/// decoder (autoregressive, speculative, or a server's batch) stops at exactly the same token.
+/// A token is *released* as soon as no rule can take it back (the loop guard may hold back a
+/// repeating tail): [`Self::released`] lists them, and `on_token`, when given, sees each one.
 pub struct TokenSink<'a> {
     tokens: Vec<u32>,
     released: usize,
-    cfg: &'a GenerationConfig,
-    on_token: &'a mut dyn FnMut(u32),
+    stop_tokens: Vec<u32>,
+    max_tokens: usize,
+    loop_guard: Option<RunawayGuard>,
+    on_token: Option<&'a mut dyn FnMut(u32)>,
+}
+
+impl std::fmt::Debug for TokenSink<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TokenSink")
+            .field("tokens", &self.tokens.len())
+            .field("released", &self.released)
+            .field("max_tokens", &self.max_tokens)
+            .finish_non_exhaustive()
+    }
 }
 
 impl<'a> TokenSink<'a> {
-    /// An empty output under `cfg`'s stop rules.
-    pub fn new(cfg: &'a GenerationConfig, on_token: &'a mut dyn FnMut(u32)) -> Self {
+    /// An empty output under `cfg`'s stop rules; `on_token` sees each released token.
+    pub fn new(cfg: &GenerationConfig, on_token: &'a mut dyn FnMut(u32)) -> Self {
         Self {
-            tokens: Vec::new(),
-            released: 0,
-            cfg,
-            on_token,
+            on_token: Some(on_token),
+            ..TokenSink::silent(cfg)
         }
     }
 
@@ -107,21 +117,33 @@ impl<'a> TokenSink<'a> {
         &self.tokens
     }
 
+    /// Tokens no rule can take back any more (a prefix of [`Self::tokens`]).
+    pub fn released(&self) -> &[u32] {
+        &self.tokens[..self.released]
+    }
+
+    /// Tokens still allowed before `max_tokens`.
+    pub fn remaining(&self) -> usize {
+        self.max_tokens.saturating_sub(self.tokens.len())
+    }
+
     fn release(&mut self, upto: usize) {
         while self.released < upto {
-            (self.on_token)(self.tokens[self.released]);
+            if let Some(f) = self.on_token.as_mut() {
+                f(self.tokens[self.released]);
+            }
             self.released += 1;
         }
     }
 
     /// Offers the next generated token; `Some(reason)` when generation must stop here.
     pub fn push(&mut self, tok: u32) -> Option<StopReason> {
-        if self.cfg.stop_tokens.contains(&tok) {
+        if self.stop_tokens.contains(&tok) {
             self.release(self.tokens.len());
             return Some(StopReason::StopToken);
         }
         self.tokens.push(tok);
-        if let Some(guard) = &self.cfg.loop_guard {
+        if let Some(guard) = &self.loop_guard {
             if let Some(keep) = guard.check(&self.tokens) {
                 self.tokens.truncate(keep);
                 self.release(keep);
@@ -132,17 +154,37 @@ impl<'a> TokenSink<'a> {
         } else {
             self.release(self.tokens.len());
         }
-        if self.tokens.len() >= self.cfg.max_tokens {
+        if self.tokens.len() >= self.max_tokens {
             self.release(self.tokens.len());
             return Some(StopReason::MaxTokens);
         }
         None
     }
 
+    /// Releases anything held back (the output ended for a reason outside the sink's rules).
+    pub fn flush(&mut self) {
+        self.release(self.tokens.len());
+    }
+
     /// Releases anything held back and returns the tokens.
     pub fn finish(mut self) -> Vec<u32> {
-        self.release(self.tokens.len());
+        self.flush();
         self.tokens
+    }
+}
+
+impl TokenSink<'static> {
+    /// An empty output under `cfg`'s stop rules that only records what it releases (read it
+    /// with [`Self::released`]).
+    pub fn silent(cfg: &GenerationConfig) -> Self {
+        Self {
+            tokens: Vec::new(),
+            released: 0,
+            stop_tokens: cfg.stop_tokens.clone(),
+            max_tokens: cfg.max_tokens,
+            loop_guard: cfg.loop_guard,
+            on_token: None,
+        }
     }
 }
 
@@ -249,11 +291,7 @@ pub fn generate_batch(
         logits.push(session.prefill(prompt, cfg.prefill_chunk)?);
         prefill_secs.push(t0.elapsed().as_secs_f64());
     }
-    let mut quiet: Vec<fn(u32)> = vec![|_| {}; prompts.len()];
-    let mut sinks: Vec<TokenSink<'_>> = quiet
-        .iter_mut()
-        .map(|f| TokenSink::new(cfg, f as &mut dyn FnMut(u32)))
-        .collect();
+    let mut sinks: Vec<TokenSink<'_>> = prompts.iter().map(|_| TokenSink::silent(cfg)).collect();
     let mut stop: Vec<Option<StopReason>> = vec![None; prompts.len()];
     let mut steps = vec![0usize; prompts.len()];
     let mut decode_secs = vec![0f64; prompts.len()];

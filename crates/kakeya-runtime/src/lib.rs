@@ -23,7 +23,7 @@ pub use kv::{
 pub use sampler::{Sampler, Sampling};
 pub use session::{KvSetup, Session};
 pub use spec::{
-    CombinedProposer, Costs, DFlashProposer, NgramProposer, Proposer, ReplayProposer, Schedule,
-    SpecConfig, SpecStats, Verifier, accept_greedy, speculative_generate,
+    CombinedProposer, Costs, DFlashProposer, DraftKind, NgramProposer, Proposer, ReplayProposer,
+    Schedule, SpecConfig, SpecDecoder, SpecStats, Verifier, accept_greedy, speculative_generate,
 };
 pub use stream::TextStream;

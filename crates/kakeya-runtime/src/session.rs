@@ -179,8 +179,11 @@ impl<'m> Session<'m> {
         &self.kv
     }
 
-    /// The compact store, brought up to date with every committed position, when there is one.
+    /// The compact store, brought up to date with every position in the caches (which this
+    /// commits; a later [`Self::truncate`] takes back the store rows it removes), when there
+    /// is one.
     pub fn store_mut(&mut self) -> Result<Option<&mut CompactStore>> {
+        self.commit()?;
         self.flush_backlog()?;
         Ok(self.kv.store_mut())
     }

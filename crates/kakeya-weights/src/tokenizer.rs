@@ -63,6 +63,11 @@ impl Tokenizer {
         })
     }
 
+    /// The model's vocabulary size (ids at or above it do not exist).
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
     /// Encodes text. Special-token strings in `text` (e.g. `<start_of_turn>`) become their ids;
     /// no `<bos>` is added (callers add it once at the start of a sequence).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {

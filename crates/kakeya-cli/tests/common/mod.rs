@@ -2,6 +2,8 @@
 //! success, or expecting a clean failure (a non-zero exit with a message, never a panic).
 #![allow(dead_code)] // each test binary uses its own subset
 
+pub mod http;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 

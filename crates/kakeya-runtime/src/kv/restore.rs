@@ -13,7 +13,7 @@ use super::store::CompactStore;
 use crate::error::{Result, RuntimeError};
 
 /// Rebuilds evicted K/V of a verifier layer.
-pub trait Restorer: std::fmt::Debug {
+pub trait Restorer: std::fmt::Debug + Send + Sync {
     /// Raw K or V (`part`) of verifier layer `layer` at `positions`, from the store's rows for
     /// those positions when the restorer reads the store.
     ///

@@ -122,6 +122,156 @@ pub struct SpecStats {
     pub verify_secs: f64,
 }
 
+/// The speculative loop one block at a time, for callers that interleave sequences (a
+/// server) — [`speculative_generate`] is this in a loop. The sequence's state is the verifier
+/// (its caches), the committed tokens (prompt included; the newest is not yet in the caches)
+/// and the [`TokenSink`]; between blocks the caller may also advance the sequence by plain
+/// steps of the same verifier, with the same sampler, and the output stays that of plain
+/// decoding.
+#[derive(Debug)]
+pub struct SpecDecoder {
+    schedule: BlockSchedule,
+    costs: Costs,
+    stats: SpecStats,
+    slot_tried: Vec<usize>,
+    slot_hit: Vec<usize>,
+    sampler: Sampler,
+    committed: usize,
+}
+
+impl SpecDecoder {
+    /// A decoder of blocks under `spec`, choosing tokens by `sampling`; refuses a block size
+    /// outside `1..=context`.
+    pub fn new(spec: SpecConfig, sampling: &Sampling, context: usize) -> Result<Self> {
+        if spec.block_size == 0 || spec.block_size > context {
+            return Err(RuntimeError::Input(format!(
+                "block size {} must be between 1 and the context length {context}",
+                spec.block_size
+            )));
+        }
+        let slots = spec.block_size.saturating_sub(1);
+        Ok(Self {
+            schedule: BlockSchedule::new(spec.schedule, spec.block_size),
+            costs: spec.costs,
+            stats: SpecStats {
+                block_size: spec.block_size,
+                schedule: Some(spec.schedule),
+                ..SpecStats::default()
+            },
+            slot_tried: vec![0; slots],
+            slot_hit: vec![0; slots],
+            sampler: Sampler::new(sampling.clone()),
+            committed: 0,
+        })
+    }
+
+    /// The sampler (the same position-keyed draws as plain decoding).
+    pub fn sampler(&self) -> &Sampler {
+        &self.sampler
+    }
+
+    /// Tokens committed by blocks so far.
+    pub fn committed(&self) -> usize {
+        self.committed
+    }
+
+    /// Drafts, verifies and commits one block after `tokens` (the committed sequence; its
+    /// last token is not yet in `verifier`'s caches), appending the committed tokens to
+    /// `tokens` and offering them to `sink`; `Some(reason)` when generation stops.
+    pub fn block(
+        &mut self,
+        verifier: &mut Verifier<'_>,
+        proposer: &mut dyn Proposer,
+        tokens: &mut Vec<u32>,
+        sink: &mut TokenSink<'_>,
+    ) -> Result<Option<StopReason>> {
+        let ctx = verifier.model().config.max_position_embeddings;
+        let pos = verifier.len();
+        let Some(&last) = tokens.last() else {
+            return Err(RuntimeError::Input("nothing to continue: no tokens".into()));
+        };
+        if tokens.len() != pos + 1 {
+            return Err(RuntimeError::Input(format!(
+                "{} committed tokens for {pos} cached positions: the newest token alone must be outside the caches",
+                tokens.len()
+            )));
+        }
+        if pos >= ctx {
+            return Ok(Some(StopReason::ContextFull));
+        }
+        let b = self
+            .schedule
+            .next_len()
+            .min(ctx - pos)
+            .min(sink.remaining())
+            .max(1);
+        let td = Instant::now();
+        let mut drafts = if b > 1 {
+            proposer.propose(tokens, b - 1, verifier.store_mut()?)?
+        } else {
+            Vec::new()
+        };
+        drafts.truncate(b - 1);
+        let draft_secs = td.elapsed().as_secs_f64();
+        let mut block = Vec::with_capacity(b);
+        block.push(last);
+        block.extend(&drafts);
+        let tv = Instant::now();
+        let posterior = if self.sampler.mode() == &Sampling::Greedy {
+            verifier.verify(&block)?
+        } else {
+            let rows = verifier.verify_logits(&block)?;
+            let vocab = verifier.model().config.vocab_size;
+            sampled_posterior(&rows, vocab, pos + 1, &self.sampler)
+        };
+        let a = accept_greedy(&drafts, &posterior);
+        let next = posterior[a];
+        verifier.rollback(pos + a + 1)?;
+        let verify_secs = tv.elapsed().as_secs_f64();
+        let (seen_draft, seen_verify) = self.costs.seen(drafts.len(), (draft_secs, verify_secs));
+        self.schedule
+            .record(drafts.len(), a, seen_draft, seen_verify);
+        let st = &mut self.stats;
+        st.draft_secs += draft_secs;
+        st.verify_secs += verify_secs;
+        st.blocks += 1;
+        st.drafted += drafts.len();
+        st.accepted += a;
+        for k in 0..drafts.len() {
+            self.slot_tried[k] += 1;
+            self.slot_hit[k] += usize::from(k < a);
+        }
+        for &tok in drafts[..a].iter().chain([&next]) {
+            self.committed += 1;
+            tokens.push(tok);
+            if let Some(r) = sink.push(tok) {
+                return Ok(Some(r));
+            }
+        }
+        Ok(None)
+    }
+
+    /// The figures so far.
+    pub fn stats(&self) -> SpecStats {
+        let mut stats = self.stats.clone();
+        stats.mean_acceptance_length = if stats.blocks > 0 {
+            (stats.accepted + stats.blocks) as f64 / stats.blocks as f64
+        } else {
+            0.0
+        };
+        stats.per_position_acceptance = self
+            .slot_tried
+            .iter()
+            .zip(&self.slot_hit)
+            .map(|(&t, &h)| if t > 0 { h as f64 / t as f64 } else { 0.0 })
+            .collect();
+        stats.per_position_drafted = self.slot_tried.clone();
+        stats.per_position_accepted = self.slot_hit.clone();
+        stats.schedule_stats = self.schedule.stats();
+        stats
+    }
+}
+
 /// Generates from `prompt` with speculation: the output is token-for-token what
 /// [`crate::generate`] produces for the same verifier and `cfg`, greedy or sampled (the
 /// sampled rule is [`sampled_posterior`]: speculative sampling with position-keyed draws).
@@ -134,12 +284,7 @@ pub fn speculative_generate(
     on_token: &mut dyn FnMut(u32),
 ) -> Result<Generation> {
     let ctx = verifier.model().config.max_position_embeddings;
-    if spec.block_size == 0 || spec.block_size > ctx {
-        return Err(RuntimeError::Input(format!(
-            "block size {} must be between 1 and the context length {ctx}",
-            spec.block_size
-        )));
-    }
+    let mut dec = SpecDecoder::new(spec, &cfg.sampling, ctx)?;
     if cfg.max_tokens == 0 {
         return Err(RuntimeError::Input("max_tokens must be at least 1".into()));
     }
@@ -148,92 +293,20 @@ pub fn speculative_generate(
     let prefill_secs = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     let mut sink = TokenSink::new(cfg, on_token);
-    let mut stats = SpecStats {
-        block_size: spec.block_size,
-        schedule: Some(spec.schedule),
-        ..SpecStats::default()
-    };
-    let mut schedule = BlockSchedule::new(spec.schedule, spec.block_size);
     let mut tokens = Vec::with_capacity(prompt.len() + cfg.max_tokens);
     tokens.extend_from_slice(prompt);
-    let mut slot_tried = vec![0usize; spec.block_size.saturating_sub(1)];
-    let mut slot_hit = vec![0usize; spec.block_size.saturating_sub(1)];
-    let greedy = cfg.sampling == Sampling::Greedy;
-    let sampler = Sampler::new(cfg.sampling.clone());
-    let vocab = verifier.model().config.vocab_size;
-    let mut last = sampler.pick(&logits, prompt.len());
-    let mut pos = prompt.len();
-    let mut committed_in_decode = 0;
-    let stop_reason = 'outer: {
-        tokens.push(last);
-        if let Some(r) = sink.push(last) {
-            break 'outer r;
-        }
-        loop {
-            if pos >= ctx {
-                break 'outer StopReason::ContextFull;
+    let first = dec.sampler().pick(&logits, prompt.len());
+    tokens.push(first);
+    let stop_reason = match sink.push(first) {
+        Some(r) => r,
+        None => loop {
+            if let Some(r) = dec.block(verifier, proposer, &mut tokens, &mut sink)? {
+                break r;
             }
-            let remaining = cfg.max_tokens - sink.tokens().len();
-            let b = schedule.next_len().min(ctx - pos).min(remaining).max(1);
-            let td = Instant::now();
-            let mut drafts = if b > 1 {
-                proposer.propose(&tokens, b - 1, verifier.store_mut()?)?
-            } else {
-                Vec::new()
-            };
-            drafts.truncate(b - 1);
-            let draft_secs = td.elapsed().as_secs_f64();
-            let mut block = Vec::with_capacity(b);
-            block.push(last);
-            block.extend(&drafts);
-            let tv = Instant::now();
-            let posterior = if greedy {
-                verifier.verify(&block)?
-            } else {
-                let rows = verifier.verify_logits(&block)?;
-                sampled_posterior(&rows, vocab, pos + 1, &sampler)
-            };
-            let a = accept_greedy(&drafts, &posterior);
-            let next = posterior[a];
-            verifier.rollback(pos + a + 1)?;
-            let verify_secs = tv.elapsed().as_secs_f64();
-            let (seen_draft, seen_verify) =
-                spec.costs.seen(drafts.len(), (draft_secs, verify_secs));
-            schedule.record(drafts.len(), a, seen_draft, seen_verify);
-            stats.draft_secs += draft_secs;
-            stats.verify_secs += verify_secs;
-            stats.blocks += 1;
-            stats.drafted += drafts.len();
-            stats.accepted += a;
-            for k in 0..drafts.len() {
-                slot_tried[k] += 1;
-                slot_hit[k] += usize::from(k < a);
-            }
-            pos += a + 1;
-            for &tok in drafts[..a].iter().chain([&next]) {
-                committed_in_decode += 1;
-                tokens.push(tok);
-                if let Some(r) = sink.push(tok) {
-                    break 'outer r;
-                }
-            }
-            last = next;
-        }
+        },
     };
     let decode_secs = t1.elapsed().as_secs_f64();
-    stats.mean_acceptance_length = if stats.blocks > 0 {
-        (stats.accepted + stats.blocks) as f64 / stats.blocks as f64
-    } else {
-        0.0
-    };
-    stats.per_position_acceptance = slot_tried
-        .iter()
-        .zip(&slot_hit)
-        .map(|(&t, &h)| if t > 0 { h as f64 / t as f64 } else { 0.0 })
-        .collect();
-    stats.per_position_drafted = slot_tried;
-    stats.schedule_stats = schedule.stats();
-    stats.per_position_accepted = slot_hit;
+    let stats = dec.stats();
     let tokens = sink.finish();
     let gen_stats = GenerationStats {
         prompt_tokens: prompt.len(),
@@ -242,7 +315,7 @@ pub fn speculative_generate(
         decode_steps: stats.blocks,
         decode_secs,
         prefill_tok_s: rate(prompt.len(), prefill_secs),
-        decode_tok_s: rate(committed_in_decode, decode_secs),
+        decode_tok_s: rate(dec.committed(), decode_secs),
         kv_bytes: verifier.kv_bytes().total,
         kv_mode: Some(verifier.session().policy().mode),
         kv: verifier.kv_bytes(),

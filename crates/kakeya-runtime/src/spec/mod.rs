@@ -13,9 +13,9 @@ pub mod sampled;
 pub mod verifier;
 
 pub use adaptive::{BlockSchedule, Schedule, ScheduleStats};
-pub use driver::{Costs, SpecConfig, SpecStats, speculative_generate};
-pub use ngram::{CombinedProposer, NgramMatch, NgramProposer};
-pub use proposer::{DFlashProposer, Proposer, ReplayProposer};
+pub use driver::{Costs, SpecConfig, SpecDecoder, SpecStats, speculative_generate};
+pub use ngram::{CombinedProposer, NGRAM_BLOCK, NgramMatch, NgramProposer};
+pub use proposer::{DFlashProposer, DraftKind, Proposer, ReplayProposer};
 pub use sampled::sampled_posterior;
 pub use verifier::Verifier;
 

@@ -6,6 +6,10 @@ use super::proposer::Proposer;
 use crate::error::Result;
 use crate::kv::CompactStore;
 
+/// Longest block of the n-gram proposer when nothing else bounds it (1 token + 7 drafts, as
+/// the simulation in issue 16).
+pub const NGRAM_BLOCK: usize = 8;
+
 /// The most recent earlier occurrence of the sequence's tail.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct NgramMatch {

@@ -2,11 +2,14 @@
 
 use kakeya_models::{DFlashDrafter, DraftContext, DraftRequest};
 
+use serde::{Deserialize, Serialize};
+
+use super::ngram::{CombinedProposer, NgramProposer};
 use crate::error::{Result, RuntimeError};
 use crate::kv::CompactStore;
 
 /// Drafts continuations of the committed sequence.
-pub trait Proposer {
+pub trait Proposer: Send {
     /// Drafts up to `n` tokens to follow `tokens`, the committed sequence (prompt included; its
     /// last token, at position `tokens.len() - 1`, is not yet in the caches). `store` is the
     /// sequence's compact store (the drafter's context of every committed position before the
@@ -120,5 +123,74 @@ impl Proposer for ReplayProposer {
         // Past the known continuation: pad with its last token (rejected unless right).
         out.resize(n, self.sequence.last().copied().unwrap_or(0));
         Ok(out)
+    }
+}
+
+/// What drafts the tokens of speculative decoding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DraftKind {
+    /// The DFlash drafter.
+    Dflash,
+    /// Prompt lookup: the tokens that followed the latest earlier match of the last 3, 2 or 1
+    /// tokens (no drafter needed).
+    Ngram,
+    /// Prompt lookup when the last 2+ tokens match earlier text, the DFlash drafter otherwise.
+    Combined,
+}
+
+impl DraftKind {
+    /// Every kind, in the order `--draft` lists them.
+    pub const ALL: [DraftKind; 3] = [DraftKind::Dflash, DraftKind::Ngram, DraftKind::Combined];
+
+    /// Whether it drafts with the DFlash drafter.
+    pub fn needs_drafter(self) -> bool {
+        self != DraftKind::Ngram
+    }
+
+    /// Its name (`--draft`, stats).
+    pub fn name(self) -> &'static str {
+        match self {
+            DraftKind::Dflash => "dflash",
+            DraftKind::Ngram => "ngram",
+            DraftKind::Combined => "combined",
+        }
+    }
+
+    /// A proposer of this kind (`drafter` must be given for the kinds that need one).
+    pub fn proposer<'d>(
+        self,
+        drafter: Option<&'d DFlashDrafter>,
+    ) -> Result<Box<dyn Proposer + 'd>> {
+        Ok(match (self, drafter) {
+            (DraftKind::Ngram, _) => Box::new(NgramProposer::default()),
+            (DraftKind::Dflash, Some(d)) => Box::new(DFlashProposer::new(d)),
+            (DraftKind::Combined, Some(d)) => {
+                Box::new(CombinedProposer::new(Box::new(DFlashProposer::new(d))))
+            }
+            (k, None) => {
+                return Err(RuntimeError::Input(format!(
+                    "--draft {} drafts with a DFlash drafter: pass --drafter DIR (or use --draft ngram)",
+                    k.name()
+                )));
+            }
+        })
+    }
+}
+
+impl std::fmt::Display for DraftKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for DraftKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
+        Self::ALL
+            .into_iter()
+            .find(|k| k.name() == s)
+            .ok_or_else(|| format!("unknown draft kind `{s}` (use dflash, ngram or combined)"))
     }
 }

@@ -55,6 +55,12 @@ impl<'m> Verifier<'m> {
         &self.session
     }
 
+    /// The session, for plain steps between blocks (a server batching this sequence's decode
+    /// steps with others'); positions it adds are committed like a block's.
+    pub fn session_mut(&mut self) -> &mut Session<'m> {
+        &mut self.session
+    }
+
     /// The compact store, brought up to date with every committed position.
     pub fn store_mut(&mut self) -> Result<Option<&mut CompactStore>> {
         self.session.store_mut()

@@ -1,0 +1,170 @@
+//! `kakeya serve`: the OpenAI-compatible server (`kakeya-server`) on the chosen model.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use kakeya_runtime::{DraftKind, Restorer};
+use kakeya_server::{EngineParts, HttpConfig, Limits};
+
+use crate::common::{DEFAULT_DRAFTER, ModelArgs, check_block_size, load_drafter};
+use crate::draft::NGRAM_BLOCK;
+use crate::kv::{KvArgs, KvRun};
+
+/// Arguments of `kakeya serve`.
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port (0: any free port; the address is printed).
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// The model's name in `/v1/models` and requests (default: the model file's or folder's
+    /// name).
+    #[arg(long)]
+    pub model_name: Option<String>,
+    /// A DFlash drafter folder: a request that runs alone decodes speculatively (lossless).
+    /// Default: the trained drafter of the default model, when present.
+    #[arg(long)]
+    pub drafter: Option<PathBuf>,
+    /// Never decode speculatively.
+    #[arg(long)]
+    pub no_drafter: bool,
+    /// What drafts: dflash, ngram or combined (default: combined with a drafter).
+    #[arg(long)]
+    pub draft: Option<DraftKind>,
+    /// Fixed speculative block size (default: adaptive).
+    #[arg(long)]
+    pub block_size: Option<usize>,
+    /// Most sequences decoding at once (their steps share forwards).
+    #[arg(long, default_value_t = 16)]
+    pub max_seqs: usize,
+    /// Most requests waiting for a slot; more are refused with 429.
+    #[arg(long, default_value_t = 256)]
+    pub max_queue: usize,
+    /// Longest prompt, in tokens.
+    #[arg(long, default_value_t = 8192)]
+    pub max_prompt_tokens: usize,
+    /// Largest `max_tokens` a request may ask for (also a chat request's default).
+    #[arg(long, default_value_t = 4096)]
+    pub max_tokens_limit: usize,
+    /// `max_tokens` of a completion request that gives none (OpenAI's default: 16).
+    #[arg(long, default_value_t = 16)]
+    pub default_max_tokens: usize,
+    /// Largest request body, in bytes.
+    #[arg(long, default_value_t = 1 << 20)]
+    pub max_body_bytes: usize,
+    /// Prefill chunk length (as `kakeya infer --prefill-chunk`).
+    #[arg(long, default_value_t = 512)]
+    pub prefill_chunk: usize,
+    /// Do not stop on runaway repetition.
+    #[arg(long)]
+    pub no_loop_guard: bool,
+    /// Seconds requests in flight get to finish after SIGTERM or Ctrl-C.
+    #[arg(long, default_value_t = 30)]
+    pub drain_secs: u64,
+    #[command(flatten)]
+    pub kv: KvArgs,
+}
+
+/// Runs `kakeya serve`.
+pub fn run(a: ServeArgs) -> Result<()> {
+    if a.max_seqs == 0 {
+        bail!("--max-seqs must be at least 1");
+    }
+    if a.max_tokens_limit == 0 || a.default_max_tokens == 0 {
+        bail!("--max-tokens-limit and --default-max-tokens must be at least 1");
+    }
+    if a.no_drafter && (a.draft.is_some() || a.drafter.is_some()) {
+        bail!("--no-drafter decodes plainly; drop --draft and --drafter");
+    }
+    let path = a.model.model_path()?;
+    let (model, tok) = a.model.load()?;
+    let wants_drafter = a.draft.is_none_or(DraftKind::needs_drafter);
+    let default_drafter = PathBuf::from(DEFAULT_DRAFTER);
+    let drafter_dir = match &a.drafter {
+        Some(d) => Some(d.clone()),
+        None if !a.no_drafter
+            && wants_drafter
+            && a.model.model.is_none()
+            && default_drafter.is_dir() =>
+        {
+            Some(default_drafter)
+        }
+        None => None,
+    };
+    let drafter = match &drafter_dir {
+        Some(dir) if wants_drafter => Some(load_drafter(dir, &model)?),
+        _ => None,
+    };
+    let kv = KvRun::prepare(
+        &a.kv,
+        &a.model,
+        &model,
+        drafter_dir.as_deref(),
+        drafter.as_ref(),
+    )?;
+    let speculation = if a.no_drafter || (drafter.is_none() && a.draft.is_none()) {
+        if a.block_size.is_some() {
+            bail!("--block-size needs speculative decoding (--drafter or --draft)");
+        }
+        None
+    } else {
+        let kind = a.draft.unwrap_or(DraftKind::Combined);
+        let longest = drafter.as_ref().map_or(NGRAM_BLOCK, |d| d.block_size());
+        if let Some(b) = a.block_size {
+            check_block_size(b, model.config.max_position_embeddings)?;
+        }
+        Some((kind, crate::draft::schedule(a.block_size, longest)))
+    };
+    let KvRun {
+        policy,
+        store_drafter,
+        restorer,
+    } = kv;
+    let drafter = drafter.or(store_drafter);
+    let model_name = a.model_name.clone().unwrap_or_else(|| {
+        path.file_stem()
+            .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned())
+    });
+    let listener = TcpListener::bind((a.host.as_str(), a.port))
+        .with_context(|| format!("cannot listen on {}:{}", a.host, a.port))?;
+    let addr = listener.local_addr()?;
+    eprintln!(
+        "kakeya serve: {model_name} on http://{addr} ({}; up to {} sequences at once; KV {})",
+        match speculation {
+            Some((k, _)) => format!("speculative with {k} drafts when a request runs alone"),
+            None => "plain decoding".into(),
+        },
+        a.max_seqs,
+        policy.mode.name()
+    );
+    let parts = EngineParts {
+        model,
+        drafter,
+        speculation,
+        policy,
+        restorer: restorer.map(|r| Box::new(r) as Box<dyn Restorer>),
+        prefill_chunk: a.prefill_chunk,
+        max_seqs: a.max_seqs,
+    };
+    let cfg = HttpConfig {
+        model_name,
+        limits: Limits {
+            max_tokens: a.max_tokens_limit,
+            default_completion_tokens: a.default_max_tokens,
+            max_prompt_tokens: a.max_prompt_tokens,
+        },
+        max_queue: a.max_queue,
+        max_body_bytes: a.max_body_bytes,
+        loop_guard: !a.no_loop_guard,
+    };
+    kakeya_server::serve(parts, tok, cfg, listener, Duration::from_secs(a.drain_secs))?;
+    eprintln!("kakeya serve: stopped");
+    Ok(())
+}

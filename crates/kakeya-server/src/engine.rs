@@ -1,0 +1,503 @@
+//! The engine: one thread that owns the model and every running sequence, and schedules
+//! them continuous-batching style. Each turn of its loop admits waiting requests (up to
+//! `max_seqs` sequences), runs one prefill chunk of one new sequence, then advances the
+//! decoding sequences: all of them together in stacked forwards of up to
+//! [`QUANT_MAX_ROWS`] rows (one token each), or — when one sequence runs alone and nothing
+//! waits — one speculative block of it. Every path gives each sequence exactly the tokens
+//! plain decoding gives it alone: batched rows are bit for bit single rows
+//! ([`Session::step_batch`]), speculation is lossless, and sampling draws are keyed by
+//! position. A sequence whose client went away is dropped at the next turn, freeing its
+//! caches.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, TryRecvError};
+use std::time::Instant;
+
+use kakeya_models::linear::QUANT_MAX_ROWS;
+use kakeya_models::{DFlashDrafter, Gemma3Model};
+use kakeya_runtime::{
+    DraftKind, GenerationConfig, KvBytes, KvMode, KvPolicy, KvSetup, Proposer, Restorer,
+    RuntimeError, Sampler, Session, SpecConfig, SpecDecoder, StopReason, TokenSink, Verifier,
+};
+use serde::Serialize;
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::metrics::Metrics;
+
+/// What the engine runs on.
+#[derive(Debug)]
+pub struct EngineParts {
+    /// The verifier.
+    pub model: Gemma3Model,
+    /// The DFlash drafter (speculation, and the compact store of the restored KV modes).
+    pub drafter: Option<DFlashDrafter>,
+    /// How a sequence that runs alone drafts: the proposer and the block schedule; `None`:
+    /// plain decoding only.
+    pub speculation: Option<(DraftKind, SpecConfig)>,
+    /// How sequences keep their K/V.
+    pub policy: KvPolicy,
+    /// f_θ, for the restored KV modes.
+    pub restorer: Option<Box<dyn Restorer>>,
+    /// Prompt tokens per prefill forward (the same chunks as `kakeya infer`'s give the same
+    /// numbers).
+    pub prefill_chunk: usize,
+    /// Most sequences prefilling or decoding at once.
+    pub max_seqs: usize,
+}
+
+/// One request for the engine.
+#[derive(Debug)]
+pub struct Job {
+    /// Prompt ids (`<bos>` included).
+    pub prompt: Vec<u32>,
+    /// Stop rules and sampling (`prefill_chunk` is the engine's).
+    pub cfg: GenerationConfig,
+    /// Where the tokens go; dropping the receiver cancels the sequence.
+    pub events: UnboundedSender<Event>,
+    /// When the request arrived (time to first token).
+    pub arrived: Instant,
+}
+
+/// What the engine tells a request's handler.
+#[derive(Debug)]
+pub enum Event {
+    /// Tokens no stop rule can take back any more.
+    Tokens(Vec<u32>),
+    /// The sequence ended.
+    Done(Box<Outcome>),
+    /// The sequence failed or was aborted: (HTTP status, message).
+    Failed(u16, String),
+}
+
+/// Figures of speculative blocks.
+#[derive(Debug, Clone, Serialize)]
+pub struct SpecSummary {
+    /// The proposer.
+    pub draft: DraftKind,
+    /// Verifier forwards over blocks (plain steps of the adaptive schedule included).
+    pub blocks: usize,
+    /// Draft tokens proposed.
+    pub drafted: usize,
+    /// Draft tokens accepted.
+    pub accepted: usize,
+    /// Tokens committed per block.
+    pub mean_acceptance_length: f64,
+}
+
+/// How a sequence ended, and its figures (sent under the responses' `kakeya` key).
+#[derive(Debug, Clone, Serialize)]
+pub struct Outcome {
+    /// Why it ended.
+    pub stop_reason: StopReason,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Tokens generated.
+    pub completion_tokens: usize,
+    /// `speculative` (blocks only), `batched` (plain steps, possibly stacked with other
+    /// sequences'), or `speculative+batched`.
+    pub mode: &'static str,
+    /// Plain decode steps it took part in.
+    pub batched_steps: usize,
+    /// Speculative blocks, when it ran any.
+    pub speculative: Option<SpecSummary>,
+    /// The KV mode.
+    pub kv_mode: KvMode,
+    /// K/V bytes held at the end, by part.
+    pub kv: KvBytes,
+    /// Seconds from arrival to the first token.
+    pub time_to_first_token_s: f64,
+    /// Generated tokens per second after the first.
+    pub decode_tok_s: f64,
+}
+
+/// What the HTTP side sends the engine.
+#[derive(Debug)]
+pub enum Command {
+    /// A new request.
+    Job(Job),
+    /// Fail every request (shutdown after the drain time).
+    Abort,
+    /// Stop the loop.
+    Shutdown,
+}
+
+/// One sequence in the engine.
+struct Seq<'m> {
+    job: Job,
+    draft: Option<DraftKind>,
+    verifier: Verifier<'m>,
+    proposer: Option<Box<dyn Proposer + 'm>>,
+    dec: Option<SpecDecoder>,
+    sampler: Sampler,
+    sink: TokenSink<'static>,
+    /// Prompt and committed tokens; the newest is not yet in the caches.
+    tokens: Vec<u32>,
+    prefilled: usize,
+    sent: usize,
+    stop: Option<StopReason>,
+    last_sent: Option<Instant>,
+    first_at: Option<Instant>,
+    batched_steps: usize,
+}
+
+impl<'m> Seq<'m> {
+    fn new(
+        job: Job,
+        model: &'m Gemma3Model,
+        setup: KvSetup<'m>,
+        drafter: Option<&'m DFlashDrafter>,
+        speculation: Option<(DraftKind, SpecConfig)>,
+    ) -> Result<Self, Box<(Job, RuntimeError)>> {
+        let ctx = model.config.max_position_embeddings;
+        let built = (|| {
+            if job.prompt.is_empty() || job.prompt.len() >= ctx {
+                return Err(RuntimeError::Input(format!(
+                    "the prompt has {} tokens; the model's context holds {ctx} (prompt and output)",
+                    job.prompt.len()
+                )));
+            }
+            let block = speculation.map_or(1, |(_, c)| c.block_size);
+            let verifier = Verifier::new(model, setup, block)?;
+            let proposer = speculation.map(|(k, _)| k.proposer(drafter)).transpose()?;
+            let dec = speculation
+                .map(|(_, c)| SpecDecoder::new(c, &job.cfg.sampling, ctx))
+                .transpose()?;
+            Ok((verifier, proposer, dec))
+        })();
+        match built {
+            Ok((verifier, proposer, dec)) => Ok(Self {
+                draft: speculation.map(|(k, _)| k),
+                sampler: Sampler::new(job.cfg.sampling.clone()),
+                sink: TokenSink::silent(&job.cfg),
+                tokens: Vec::new(),
+                prefilled: 0,
+                sent: 0,
+                stop: None,
+                last_sent: None,
+                first_at: None,
+                batched_steps: 0,
+                verifier,
+                proposer,
+                dec,
+                job,
+            }),
+            Err(e) => Err(Box::new((job, e))),
+        }
+    }
+
+    fn decoding(&self) -> bool {
+        self.stop.is_none() && self.prefilled == self.job.prompt.len()
+    }
+
+    /// Takes the token chosen for the next position (not yet in the caches).
+    fn accept(&mut self, tok: u32) {
+        self.tokens.push(tok);
+        self.stop = self.sink.push(tok);
+        let ctx = self.verifier.model().config.max_position_embeddings;
+        if self.stop.is_none() && self.verifier.len() >= ctx {
+            self.stop = Some(StopReason::ContextFull);
+            self.sink.flush();
+        }
+    }
+
+    /// Runs the next prefill chunk; the last one picks the first token.
+    fn prefill_chunk(&mut self, chunk: usize) -> Result<(), RuntimeError> {
+        let prompt = &self.job.prompt;
+        let end = (self.prefilled + chunk).min(prompt.len());
+        let logits = self
+            .verifier
+            .session_mut()
+            .prefill(&prompt[self.prefilled..end], chunk)?;
+        self.prefilled = end;
+        if end == prompt.len() {
+            self.tokens = prompt.clone();
+            let tok = self.sampler.pick(&logits, prompt.len());
+            self.accept(tok);
+        }
+        Ok(())
+    }
+
+    /// One speculative block.
+    fn block(&mut self, metrics: &Metrics) -> Result<(), RuntimeError> {
+        let (Some(dec), Some(proposer)) = (self.dec.as_mut(), self.proposer.as_mut()) else {
+            return Err(RuntimeError::Input("no speculation configured".into()));
+        };
+        let before = self.tokens.len();
+        self.stop = dec.block(
+            &mut self.verifier,
+            proposer.as_mut(),
+            &mut self.tokens,
+            &mut self.sink,
+        )?;
+        if self.stop.is_some() {
+            self.sink.flush();
+        }
+        metrics.committed(self.tokens.len() - before);
+        Ok(())
+    }
+
+    /// Sends what the sink released since last time; the final event when it stopped.
+    /// Returns false when the client is gone.
+    fn emit(&mut self, metrics: &Metrics) -> bool {
+        let released = self.sink.released();
+        if released.len() > self.sent {
+            let now = Instant::now();
+            let since = self.last_sent.unwrap_or(self.job.arrived);
+            let n = released.len() - self.sent;
+            metrics.tokens(n, (now - since).as_secs_f64(), self.last_sent.is_none());
+            if self.first_at.is_none() {
+                self.first_at = Some(now);
+            }
+            self.last_sent = Some(now);
+            let new = released[self.sent..].to_vec();
+            self.sent = released.len();
+            if self.job.events.send(Event::Tokens(new)).is_err() {
+                return false;
+            }
+        }
+        if let Some(reason) = self.stop {
+            let outcome = self.outcome(reason);
+            return self.job.events.send(Event::Done(Box::new(outcome))).is_ok();
+        }
+        true
+    }
+
+    fn outcome(&self, stop_reason: StopReason) -> Outcome {
+        let spec = self.dec.as_ref().map(SpecDecoder::stats);
+        let speculative = spec.filter(|s| s.blocks > 0).map(|s| SpecSummary {
+            draft: self.draft.unwrap_or(DraftKind::Combined),
+            blocks: s.blocks,
+            drafted: s.drafted,
+            accepted: s.accepted,
+            mean_acceptance_length: s.mean_acceptance_length,
+        });
+        let mode = match (&speculative, self.batched_steps) {
+            (Some(_), 0) => "speculative",
+            (Some(_), _) => "speculative+batched",
+            (None, _) => "batched",
+        };
+        let generated = self.sink.tokens().len();
+        let decode_secs = self
+            .first_at
+            .zip(self.last_sent)
+            .map_or(0.0, |(a, b)| (b - a).as_secs_f64());
+        let kv = self.verifier.kv_bytes();
+        Outcome {
+            stop_reason,
+            prompt_tokens: self.job.prompt.len(),
+            completion_tokens: generated,
+            mode,
+            batched_steps: self.batched_steps,
+            speculative,
+            kv_mode: self.verifier.session().policy().mode,
+            kv,
+            time_to_first_token_s: self
+                .first_at
+                .map_or(0.0, |t| (t - self.job.arrived).as_secs_f64()),
+            decode_tok_s: if decode_secs > 0.0 {
+                generated.saturating_sub(1) as f64 / decode_secs
+            } else {
+                0.0
+            },
+        }
+    }
+}
+
+/// Runs the engine loop on the calling thread until [`Command::Shutdown`] (or every sender
+/// is gone). Call it from a rayon worker (the CLI runs its command on one): the kernels then
+/// split their work from inside the pool.
+pub fn run(
+    parts: EngineParts,
+    commands: Receiver<Command>,
+    metrics: &Metrics,
+    waiting: &AtomicUsize,
+) {
+    let EngineParts {
+        model,
+        drafter,
+        speculation,
+        policy,
+        restorer,
+        prefill_chunk,
+        max_seqs,
+    } = parts;
+    let mut setup = KvSetup::new(policy);
+    if let Some(d) = &drafter {
+        setup = setup.drafter(d);
+    }
+    if let Some(r) = &restorer {
+        setup = setup.restorer(r.as_ref());
+    }
+    let mut queue: VecDeque<Job> = VecDeque::new();
+    let mut active: Vec<Seq<'_>> = Vec::new();
+    let chunk = prefill_chunk.max(1);
+    loop {
+        // Intake: block while idle.
+        let mut commands_now = Vec::new();
+        if active.is_empty() && queue.is_empty() {
+            match commands.recv() {
+                Ok(c) => commands_now.push(c),
+                Err(_) => return,
+            }
+        }
+        loop {
+            match commands.try_recv() {
+                Ok(c) => commands_now.push(c),
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
+                    commands_now.push(Command::Shutdown);
+                    break;
+                }
+            }
+        }
+        for c in commands_now {
+            match c {
+                Command::Job(job) => queue.push_back(job),
+                Command::Abort | Command::Shutdown => {
+                    let shutdown = matches!(c, Command::Shutdown);
+                    for job in queue.drain(..) {
+                        waiting.fetch_sub(1, Ordering::SeqCst);
+                        let _ = job
+                            .events
+                            .send(Event::Failed(503, "the server is shutting down".into()));
+                        metrics.ended(true);
+                    }
+                    for s in active.drain(..) {
+                        let _ = s
+                            .job
+                            .events
+                            .send(Event::Failed(503, "the server is shutting down".into()));
+                        metrics.ended(true);
+                    }
+                    metrics.state(0, 0, 0);
+                    if shutdown {
+                        return;
+                    }
+                }
+            }
+        }
+        // Clients gone: free their sequences.
+        active.retain(|s| {
+            let gone = s.job.events.is_closed();
+            if gone {
+                metrics.ended(true);
+            }
+            !gone
+        });
+        queue.retain(|j| {
+            let gone = j.events.is_closed();
+            if gone {
+                waiting.fetch_sub(1, Ordering::SeqCst);
+                metrics.ended(true);
+            }
+            !gone
+        });
+        // Admission.
+        while active.len() < max_seqs.max(1) {
+            let Some(job) = queue.pop_front() else { break };
+            waiting.fetch_sub(1, Ordering::SeqCst);
+            metrics.admitted(job.prompt.len());
+            match Seq::new(job, &model, setup, drafter.as_ref(), speculation) {
+                Ok(s) => active.push(s),
+                Err(failed) => {
+                    let (job, e) = *failed;
+                    let _ = job.events.send(Event::Failed(400, e.to_string()));
+                    metrics.ended(true);
+                }
+            }
+        }
+        if active.is_empty() {
+            metrics.state(0, queue.len(), 0);
+            continue;
+        }
+        // One prefill chunk of the oldest sequence still prefilling.
+        let mut failed: Vec<(usize, String)> = Vec::new();
+        let prefilling = active.iter().position(|s| s.prefilled < s.job.prompt.len());
+        if let Some(i) = prefilling
+            && let Err(e) = active[i].prefill_chunk(chunk)
+        {
+            failed.push((i, e.to_string()));
+        }
+        // Decode: one speculative block when a sequence runs alone, else stacked plain steps.
+        let still_prefilling = active.iter().any(|s| s.prefilled < s.job.prompt.len());
+        let decoding: Vec<usize> = (0..active.len())
+            .filter(|&i| active[i].decoding() && prefilling != Some(i))
+            .collect();
+        if decoding.len() == 1
+            && !still_prefilling
+            && queue.is_empty()
+            && active[decoding[0]].dec.is_some()
+        {
+            let i = decoding[0];
+            if let Err(e) = active[i].block(metrics) {
+                failed.push((i, e.to_string()));
+            }
+        } else {
+            for group in decoding.chunks(QUANT_MAX_ROWS) {
+                if let Err(e) = step_group(&mut active, group, metrics) {
+                    failed.extend(group.iter().map(|&i| (i, e.to_string())));
+                }
+            }
+        }
+        // Send tokens; retire finished, failed and abandoned sequences.
+        failed.sort_unstable();
+        failed.dedup_by_key(|(i, _)| *i);
+        for (i, msg) in failed.iter().rev() {
+            let s = active.remove(*i);
+            tracing::error!("sequence failed: {msg}");
+            let _ = s.job.events.send(Event::Failed(500, msg.clone()));
+            metrics.ended(true);
+        }
+        active.retain_mut(|s| {
+            let alive = s.emit(metrics);
+            if s.stop.is_some() || !alive {
+                metrics.ended(!alive);
+                return false;
+            }
+            true
+        });
+        let kv: usize = active.iter().map(|s| s.verifier.kv_bytes().total).sum();
+        metrics.state(active.len(), queue.len(), kv);
+    }
+}
+
+/// One plain decode step of the sequences `group` (indices into `active`) in one stacked
+/// forward.
+fn step_group(
+    active: &mut [Seq<'_>],
+    group: &[usize],
+    metrics: &Metrics,
+) -> Result<(), RuntimeError> {
+    let tokens: Vec<u32> = group
+        .iter()
+        .map(|&i| {
+            *active[i]
+                .tokens
+                .last()
+                .expect("a decoding sequence has tokens")
+        })
+        .collect();
+    let mut sessions: Vec<&mut Session<'_>> = active
+        .iter_mut()
+        .enumerate()
+        .filter(|(i, _)| group.contains(i))
+        .map(|(_, s)| s.verifier.session_mut())
+        .collect();
+    let logits = Session::step_batch(&mut sessions, &tokens)?;
+    drop(sessions);
+    metrics.batch(group.len());
+    for (&i, l) in group.iter().zip(logits) {
+        let s = &mut active[i];
+        s.batched_steps += 1;
+        let tok = s.sampler.pick(&l, s.verifier.len());
+        s.accept(tok);
+        metrics.committed(1);
+    }
+    Ok(())
+}
+
+/// The number of requests waiting for a slot, shared with the HTTP side (which refuses new
+/// requests when the queue is full).
+pub type Waiting = Arc<AtomicUsize>;

@@ -1,13 +1,15 @@
-//! The dot-product kernel behind [`crate::QuantMatrix::matmul`]: `R` weight rows (already
-//! rebuilt in f32) against `X` input rows at a time.
+//! The dot-product kernel behind [`crate::QuantMatrix::matmul`]: the weight rows of a tile
+//! against up to four input rows at a time.
 //!
 //! Every output follows one canonical order, whatever the tile: lane `l` of eight accumulates
 //! `fma(w_k, x_k, acc_l)` over `k ≡ l (mod 8)` in ascending `k`, then the lanes are summed as
 //! `((0+4)+(2+6)) + ((1+5)+(3+7))`. Tiling only decides which outputs share loads, so a row's
 //! result is bit-identical whether it is decoded alone or verified in a block — the property
-//! lossless speculative decoding rests on. On x86-64 with AVX2+FMA the tiles are explicit
-//! 8-wide FMAs in registers (4 weight rows × 3 input rows, 12 accumulators); elsewhere a
-//! scalar loop with `f32::mul_add` computes the same bits.
+//! lossless speculative decoding rests on. On x86-64 with AVX2+FMA each weight is rebuilt in
+//! a register from its int8 value and used for up to four input rows (explicit 8-wide FMAs;
+//! more input rows are taken in chunks of four against each group of tiles); elsewhere the
+//! tile is rebuilt to f32 and a scalar loop with `f32::mul_add` computes the same bits
+//! (`crate::quant`'s tests compare every path with [`dot`] bit for bit).
 
 /// Accumulator lanes of the canonical order.
 const LANES: usize = 8;
@@ -29,14 +31,9 @@ pub(crate) fn dot(w: &[f32], x: &[f32]) -> f32 {
 }
 
 /// `out[r · t + j] = dot(w_r, x_j)` for the `rows` weight rows in `w` (`[rows, cols]`) and the
-/// `t` input rows in `x` (`[t, cols]`).
+/// `t` input rows in `x` (`[t, cols]`): the portable path.
 pub(crate) fn tile(w: &[f32], rows: usize, x: &[f32], t: usize, cols: usize, out: &mut [f32]) {
     debug_assert!(w.len() >= rows * cols && x.len() >= t * cols && out.len() >= rows * t);
-    #[cfg(target_arch = "x86_64")]
-    if cols.is_multiple_of(LANES) && simd::available() {
-        simd::tile(w, rows, x, t, cols, out);
-        return;
-    }
     for r in 0..rows {
         for j in 0..t {
             out[r * t + j] = dot(&w[r * cols..(r + 1) * cols], &x[j * cols..(j + 1) * cols]);
@@ -152,16 +149,17 @@ pub(crate) fn prefetch(bytes: &[u8]) {
     let _ = bytes;
 }
 
-/// Most input rows the fused kernel takes in one pass.
+/// Most input rows the fused kernel sums against a tile in one pass; more are taken in
+/// chunks of this many per tile (the tile stays in L1 between chunks).
 pub(crate) const FUSED_INPUTS: usize = 4;
 
 /// `out[r · t + j] = dot(w_r, x_j)` for `rows` weight rows held in `tiles` (whole tiles, the
-/// last one possibly partly used) and `t ≤` [`FUSED_INPUTS`] input rows (`x`: `[t, cols]`),
-/// rebuilding each weight in a register (`q·s (+ o)`, the dequantiser's f32 operations) and
-/// using it for every input row — the decode and short-block path, which streams each tile
-/// once. `false` when no SIMD path applies (the caller then rebuilds the rows and uses
-/// [`tile`]).
-pub(crate) fn tiles_few_inputs(
+/// last one possibly partly used) and `t` input rows (`x`: `[t, cols]`), rebuilding each
+/// weight in a register (`q·s (+ o)`, the dequantiser's f32 operations) and using it for up
+/// to [`FUSED_INPUTS`] input rows at a time — each tile is streamed from memory once, then
+/// re-read from L1 for the next chunk of inputs. `false` when no SIMD path applies (the caller
+/// then rebuilds the rows and uses [`tile`]).
+pub(crate) fn tiles_fused(
     l: Layout,
     tiles: &[u8],
     x: &[f32],
@@ -170,8 +168,8 @@ pub(crate) fn tiles_few_inputs(
     out: &mut [f32],
 ) -> bool {
     #[cfg(target_arch = "x86_64")]
-    if l.group.is_multiple_of(LANES) && (1..=FUSED_INPUTS).contains(&t) && simd::available() {
-        simd::tiles_few_inputs(l, tiles, x, t, rows, out);
+    if l.group.is_multiple_of(LANES) && t >= 1 && simd::available() {
+        simd::tiles_fused(l, tiles, x, t, rows, out);
         return true;
     }
     let _ = (l, tiles, x, t, rows, out);
@@ -181,31 +179,32 @@ pub(crate) fn tiles_few_inputs(
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 mod simd {
-    use std::arch::x86_64::{
-        __m256, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_setzero_ps, _mm256_storeu_ps,
-    };
+    use std::arch::x86_64::{__m256, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_setzero_ps};
     use std::sync::OnceLock;
 
-    use super::{LANES, Layout, TILE, reduce};
+    use super::{LANES, Layout, TILE};
 
     pub(super) fn available() -> bool {
         static OK: OnceLock<bool> = OnceLock::new();
         *OK.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
     }
 
-    /// [`super::tile`] with AVX2+FMA; `cols` is a multiple of 8.
-    pub(super) fn tile(w: &[f32], rows: usize, x: &[f32], t: usize, cols: usize, out: &mut [f32]) {
-        assert!(
-            w.len() >= rows * cols && x.len() >= t * cols && out.len() >= rows * t,
-            "kernel::tile: slices too short"
-        );
-        // SAFETY: the CPU has AVX2 and FMA (`available`), and the slice lengths were checked
-        // above, which is all `tile_avx2` relies on.
-        unsafe { tile_avx2(w, rows, x, t, cols, out) }
+    /// [`super::reduce`] in registers: the same additions in the same order (lanes `l` and
+    /// `l + 4` first, then `(0+2)` and `(1+3)` of those, then their sum), so the same bits.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn reduce_avx(v: __m256) -> f32 {
+        use std::arch::x86_64::{
+            _mm_add_ps, _mm_add_ss, _mm_cvtss_f32, _mm_movehl_ps, _mm_shuffle_ps,
+            _mm256_castps256_ps128, _mm256_extractf128_ps,
+        };
+        let b = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+        _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps::<1>(c, c)))
     }
 
-    /// [`super::tiles_few_inputs`] with AVX2+FMA.
-    pub(super) fn tiles_few_inputs(
+    /// [`super::tiles_fused`] with AVX2+FMA.
+    pub(super) fn tiles_fused(
         l: Layout,
         tiles: &[u8],
         x: &[f32],
@@ -217,59 +216,89 @@ mod simd {
             tiles.len() >= rows.div_ceil(TILE) * l.tile()
                 && x.len() >= t * l.cols()
                 && out.len() >= rows * t,
-            "kernel::tiles_few_inputs: slices too short"
+            "kernel::tiles_fused: slices too short"
         );
         // SAFETY: AVX2 and FMA are available (checked by the caller through `available`),
         // and the lengths were checked above.
         unsafe {
-            match (t, l.asym) {
-                (1, false) => few_avx2::<1, false>(l, tiles, x, rows, out),
-                (2, false) => few_avx2::<2, false>(l, tiles, x, rows, out),
-                (3, false) => few_avx2::<3, false>(l, tiles, x, rows, out),
-                (_, false) => few_avx2::<4, false>(l, tiles, x, rows, out),
-                (1, true) => few_avx2::<1, true>(l, tiles, x, rows, out),
-                (2, true) => few_avx2::<2, true>(l, tiles, x, rows, out),
-                (3, true) => few_avx2::<3, true>(l, tiles, x, rows, out),
-                (_, true) => few_avx2::<4, true>(l, tiles, x, rows, out),
+            if l.asym {
+                fused_tiles_avx2::<true>(l, tiles, x, t, rows, out);
+            } else {
+                fused_tiles_avx2::<false>(l, tiles, x, t, rows, out);
             }
         }
     }
 
-    /// Every tile's rows against `X` input rows, written to `out` (`[rows, X]`). With more
-    /// than two input rows a tile is summed in two passes of two weight rows each, so the
-    /// accumulators (`rows × X`) and the inputs stay within AVX2's 16 registers instead of
-    /// spilling; the second pass reads the tile from L1, and every output's FMAs run in the
-    /// same canonical order either way.
+    /// Every tile's rows against the `t` input rows, in chunks of up to
+    /// [`super::FUSED_INPUTS`] per tile, written to `out` (`[rows, t]`).
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn few_avx2<const X: usize, const ASYM: bool>(
+    unsafe fn fused_tiles_avx2<const ASYM: bool>(
         l: Layout,
         tiles: &[u8],
         x: &[f32],
+        t: usize,
         rows: usize,
         out: &mut [f32],
     ) {
+        let cols = l.cols();
+        for k in 0..rows.div_ceil(TILE) {
+            let tile = &tiles[k * l.tile()..];
+            let mut j0 = 0;
+            while j0 < t {
+                let xn = (t - j0).min(super::FUSED_INPUTS);
+                let xs = &x[j0 * cols..(j0 + xn) * cols];
+                // SAFETY (all arms): tile `k` and the inputs are inside their slices
+                // (checked by the caller).
+                unsafe {
+                    match xn {
+                        1 => chunk_avx2::<1, ASYM>(l, tile, k, xs, rows, out, t, j0),
+                        2 => chunk_avx2::<2, ASYM>(l, tile, k, xs, rows, out, t, j0),
+                        3 => chunk_avx2::<3, ASYM>(l, tile, k, xs, rows, out, t, j0),
+                        _ => chunk_avx2::<4, ASYM>(l, tile, k, xs, rows, out, t, j0),
+                    }
+                }
+                j0 += xn;
+            }
+        }
+    }
+
+    /// Tile `k`'s rows against `X` input rows (`x`: `[X, cols]`), written to columns
+    /// `j0..j0 + X` of `out` (`[rows, t]`). With more than two input rows the tile is summed
+    /// in two passes of two weight rows each, so the accumulators (`rows × X`) and the inputs
+    /// stay within AVX2's 16 registers instead of spilling; the second pass reads the tile
+    /// from L1, and every output's FMAs run in the same canonical order either way.
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    unsafe fn chunk_avx2<const X: usize, const ASYM: bool>(
+        l: Layout,
+        tile: &[u8],
+        k: usize,
+        x: &[f32],
+        rows: usize,
+        out: &mut [f32],
+        t: usize,
+        j0: usize,
+    ) {
         const HALF: usize = TILE / 2;
-        let mut put = |k: usize, r0: usize, res: &[[f32; X]]| {
+        let mut put = |r0: usize, res: &[[f32; X]]| {
             for (i, r) in res.iter().enumerate() {
                 let row = k * TILE + r0 + i;
                 if row < rows {
-                    out[row * X..(row + 1) * X].copy_from_slice(r);
+                    out[row * t + j0..row * t + j0 + X].copy_from_slice(r);
                 }
             }
         };
-        for k in 0..rows.div_ceil(TILE) {
-            let tile = &tiles[k * l.tile()..];
-            // SAFETY (all calls): tile `k` is inside `tiles` (checked by the caller), as is
-            // `x`, and the row ranges lie inside the tile.
-            if X <= 2 {
-                put(k, 0, &unsafe { fused_avx2::<X, ASYM, TILE>(l, tile, 0, x) });
-            } else {
-                put(k, 0, &unsafe { fused_avx2::<X, ASYM, HALF>(l, tile, 0, x) });
-                if k * TILE + HALF < rows {
-                    put(k, HALF, &unsafe {
-                        fused_avx2::<X, ASYM, HALF>(l, tile, HALF, x)
-                    });
-                }
+        // SAFETY (all calls): the tile and `x` are inside their slices (checked by the
+        // caller), and the row ranges lie inside the tile.
+        if X <= 2 {
+            put(0, &unsafe { fused_avx2::<X, ASYM, TILE>(l, tile, 0, x) });
+        } else {
+            put(0, &unsafe { fused_avx2::<X, ASYM, HALF>(l, tile, 0, x) });
+            if k * TILE + HALF < rows {
+                put(HALF, &unsafe {
+                    fused_avx2::<X, ASYM, HALF>(l, tile, HALF, x)
+                });
             }
         }
     }
@@ -344,120 +373,9 @@ mod simd {
         let mut res = [[0.0f32; X]; R];
         for (r, a) in res.iter_mut().zip(&acc) {
             for (v, aj) in r.iter_mut().zip(a) {
-                let mut lanes = [0.0f32; LANES];
-                // SAFETY: `lanes` holds 8 floats.
-                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *aj) };
-                *v = reduce(lanes);
+                *v = reduce_avx(*aj);
             }
         }
         res
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn tile_avx2(w: &[f32], rows: usize, x: &[f32], t: usize, cols: usize, out: &mut [f32]) {
-        let mut r = 0;
-        while r < rows {
-            let rn = (rows - r).min(4);
-            let mut j = 0;
-            while j < t {
-                let xn = (t - j).min(3);
-                let wp = w[r * cols..].as_ptr();
-                let xp = x[j * cols..].as_ptr();
-                // SAFETY (all arms): rows `r..r+rn` of `w` and `j..j+xn` of `x` hold `cols`
-                // floats each (lengths checked by the caller).
-                let res: [[f32; 3]; 4] = unsafe {
-                    match (rn, xn) {
-                        (4, 3) => micro::<4, 3>(wp, xp, cols),
-                        (4, 2) => micro::<4, 2>(wp, xp, cols),
-                        (4, 1) => micro::<4, 1>(wp, xp, cols),
-                        (3, 3) => micro::<3, 3>(wp, xp, cols),
-                        (3, 2) => micro::<3, 2>(wp, xp, cols),
-                        (3, 1) => micro::<3, 1>(wp, xp, cols),
-                        (2, 3) => micro::<2, 3>(wp, xp, cols),
-                        (2, 2) => micro::<2, 2>(wp, xp, cols),
-                        (2, 1) => micro::<2, 1>(wp, xp, cols),
-                        (1, 3) => micro::<1, 3>(wp, xp, cols),
-                        (1, 2) => micro::<1, 2>(wp, xp, cols),
-                        _ => micro::<1, 1>(wp, xp, cols),
-                    }
-                };
-                for (i, row) in res.iter().enumerate().take(rn) {
-                    for (k, &v) in row.iter().enumerate().take(xn) {
-                        out[(r + i) * t + j + k] = v;
-                    }
-                }
-                j += xn;
-            }
-            r += rn;
-        }
-    }
-
-    /// `R × X` outputs; weight row `i` at `w + i·cols`, input row `k` at `x + k·cols`.
-    #[target_feature(enable = "avx2,fma")]
-    #[inline]
-    unsafe fn micro<const R: usize, const X: usize>(
-        w: *const f32,
-        x: *const f32,
-        cols: usize,
-    ) -> [[f32; 3]; 4] {
-        let mut acc = [[_mm256_setzero_ps(); X]; R];
-        let mut k = 0;
-        while k < cols {
-            let mut xv: [__m256; X] = [_mm256_setzero_ps(); X];
-            for (i, v) in xv.iter_mut().enumerate() {
-                // SAFETY: `k + 8 <= cols`, inside input row `i`.
-                *v = unsafe { _mm256_loadu_ps(x.add(i * cols + k)) };
-            }
-            for (i, a) in acc.iter_mut().enumerate() {
-                // SAFETY: `k + 8 <= cols`, inside weight row `i`.
-                let wv = unsafe { _mm256_loadu_ps(w.add(i * cols + k)) };
-                for (ai, v) in a.iter_mut().zip(&xv) {
-                    *ai = _mm256_fmadd_ps(wv, *v, *ai);
-                }
-            }
-            k += LANES;
-        }
-        let mut res = [[0.0f32; 3]; 4];
-        for (i, a) in acc.iter().enumerate() {
-            for (j, v) in a.iter().enumerate() {
-                let mut lanes = [0.0f32; LANES];
-                // SAFETY: `lanes` holds 8 floats.
-                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *v) };
-                res[i][j] = reduce(lanes);
-            }
-        }
-        res
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn every_tile_shape_gives_the_canonical_bits() {
-        let cols = 72;
-        let w: Vec<f32> = (0..7 * cols)
-            .map(|i| ((i * 29) % 31) as f32 * 0.013 - 0.2)
-            .collect();
-        let x: Vec<f32> = (0..5 * cols)
-            .map(|i| ((i * 17) % 19) as f32 * 0.11 - 1.0)
-            .collect();
-        for rows in 1..=7 {
-            for t in 1..=5 {
-                let mut out = vec![0.0; rows * t];
-                tile(&w, rows, &x, t, cols, &mut out);
-                for r in 0..rows {
-                    for j in 0..t {
-                        let want = dot(&w[r * cols..(r + 1) * cols], &x[j * cols..(j + 1) * cols]);
-                        assert_eq!(
-                            out[r * t + j].to_bits(),
-                            want.to_bits(),
-                            "{rows}x{t} [{r},{j}]"
-                        );
-                    }
-                }
-            }
-        }
     }
 }

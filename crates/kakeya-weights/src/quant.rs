@@ -123,20 +123,19 @@ fn unpack_block(ty: GgmlType, b: &[u8], q: &mut [i8], s: &mut [f32], o: &mut [f3
     }
 }
 
-/// One task: rows `r0..` (`r0` a multiple of [`TILE`]), output laid out `[row][t]`. Up to four
-/// input rows: each tile is decoded with its weights rebuilt in registers. More: each tile is
-/// rebuilt into f32 once and handed to the kernel with every input row. The kernel's canonical
-/// order makes a row's result independent of `t` and of the path.
+/// One task: rows `r0..` (`r0` a multiple of [`TILE`]), output laid out `[row][t]`. With
+/// AVX2+FMA each tile is decoded with its weights rebuilt in registers, against up to four
+/// input rows per pass; otherwise each tile is rebuilt into f32 once and handed to the scalar
+/// kernel with every input row. The kernel's canonical order makes a row's result independent
+/// of `t` and of the path.
 #[inline(always)]
 fn rows_kernel(m: &QuantMatrix, r0: usize, out: &mut [f32], x: &[f32], t: usize) {
     let (l, cols) = (m.layout, m.cols);
     let n = out.len() / t;
-    if t <= kernel::FUSED_INPUTS {
-        let (k0, k1) = (r0 / TILE, (r0 + n).div_ceil(TILE));
-        let tiles = &m.data[k0 * l.tile()..k1 * l.tile()];
-        if kernel::tiles_few_inputs(l, tiles, x, t, n, out) {
-            return;
-        }
+    let (k0, k1) = (r0 / TILE, (r0 + n).div_ceil(TILE));
+    let tiles = &m.data[k0 * l.tile()..k1 * l.tile()];
+    if kernel::tiles_fused(l, tiles, x, t, n, out) {
+        return;
     }
     let mut w = Vec::new();
     let mut i = 0;
@@ -412,8 +411,9 @@ mod tests {
             .into_iter()
             .chain([(Q8_0, 640), (Q5_1, 640)]);
         // 9 rows: a last tile with one row; 11: with three (the two-pass path's second half
-        // partly used).
-        for ((ty, cols), rows) in cases.flat_map(|c| [(c, 9), (c, 11)]) {
+        // partly used); 403 rows: many tasks.
+        let long = [((Q8_0, 512), 403), ((Q4K, 512), 403)];
+        for ((ty, cols), rows) in cases.flat_map(|c| [(c, 9), (c, 11)]).chain(long) {
             let data = blocks(ty, rows, cols);
             let dense = dequantize(ty, &data, rows * cols);
             let q = QuantMatrix::new(ty, rows, cols, &data).unwrap();

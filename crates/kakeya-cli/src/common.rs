@@ -128,6 +128,24 @@ pub fn load_drafter(dir: &Path, verifier: &Gemma3Model) -> Result<DFlashDrafter>
     Ok(DFlashDrafter::from_checkpoint(ck, verifier)?)
 }
 
+/// The drafter folder a run uses: `explicit` (`--drafter`), or — when `allow_default` and the
+/// run uses the default model — the trained drafter in `checkpoints/`, when present.
+pub fn drafter_dir(
+    explicit: Option<&PathBuf>,
+    allow_default: bool,
+    model: &ModelArgs,
+) -> Option<PathBuf> {
+    if let Some(d) = explicit {
+        return Some(d.clone());
+    }
+    let default = PathBuf::from(DEFAULT_DRAFTER);
+    if allow_default && model.model.is_none() && default.is_dir() {
+        tracing::info!("using the default drafter {}", default.display());
+        return Some(default);
+    }
+    None
+}
+
 /// Checks a block size against the drafter and the model's context.
 pub fn check_block_size(block: usize, context: usize) -> Result<()> {
     if block == 0 {

@@ -13,7 +13,7 @@ use kakeya_runtime::{
 };
 use kakeya_weights::Tokenizer;
 
-use crate::common::{DEFAULT_DRAFTER, ModelArgs, check_block_size, load_drafter};
+use crate::common::{ModelArgs, check_block_size, drafter_dir, load_drafter};
 use crate::draft::{DraftKind, NGRAM_BLOCK};
 use crate::kv::{KvArgs, KvRun};
 
@@ -215,25 +215,16 @@ pub fn run(a: InferArgs) -> Result<()> {
     }
     let wants_drafter = a.draft.is_none_or(DraftKind::needs_drafter);
     // The default model decodes speculatively with its trained drafter when the run allows it.
-    let default_drafter = PathBuf::from(DEFAULT_DRAFTER);
-    let drafter_dir = match &a.drafter {
-        Some(dir) => Some(dir),
-        None if !a.no_drafter
-            && wants_drafter
-            && a.model.model.is_none()
-            && !a.chat
-            && default_drafter.is_dir() =>
-        {
-            tracing::info!("using the default drafter {}", default_drafter.display());
-            Some(&default_drafter)
-        }
-        None => None,
-    };
+    let drafter_dir = drafter_dir(
+        a.drafter.as_ref(),
+        !a.no_drafter && wants_drafter && !a.chat,
+        &a.model,
+    );
     let speculative = !a.no_drafter && (drafter_dir.is_some() || a.draft.is_some());
     if speculative && a.chat {
         bail!("--chat with --drafter is not supported yet; use --chat-file for one turn");
     }
-    let drafter = match drafter_dir {
+    let drafter = match &drafter_dir {
         Some(dir) if speculative && wants_drafter => Some(load_drafter(dir, &model)?),
         _ => None,
     };

@@ -9,7 +9,7 @@ use clap::Args;
 use kakeya_runtime::{DraftKind, Restorer};
 use kakeya_server::{EngineParts, HttpConfig, Limits};
 
-use crate::common::{DEFAULT_DRAFTER, ModelArgs, check_block_size, load_drafter};
+use crate::common::{ModelArgs, check_block_size, drafter_dir, load_drafter};
 use crate::draft::NGRAM_BLOCK;
 use crate::kv::{KvArgs, KvRun};
 
@@ -86,18 +86,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let path = a.model.model_path()?;
     let (model, tok) = a.model.load()?;
     let wants_drafter = a.draft.is_none_or(DraftKind::needs_drafter);
-    let default_drafter = PathBuf::from(DEFAULT_DRAFTER);
-    let drafter_dir = match &a.drafter {
-        Some(d) => Some(d.clone()),
-        None if !a.no_drafter
-            && wants_drafter
-            && a.model.model.is_none()
-            && default_drafter.is_dir() =>
-        {
-            Some(default_drafter)
-        }
-        None => None,
-    };
+    let drafter_dir = drafter_dir(a.drafter.as_ref(), !a.no_drafter && wants_drafter, &a.model);
     let drafter = match &drafter_dir {
         Some(dir) if wants_drafter => Some(load_drafter(dir, &model)?),
         _ => None,
@@ -106,7 +95,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         &a.kv,
         &a.model,
         &model,
-        drafter_dir.as_deref(),
+        a.drafter.as_deref(),
         drafter.as_ref(),
     )?;
     let speculation = if a.no_drafter || (drafter.is_none() && a.draft.is_none()) {

@@ -539,3 +539,47 @@ fn sigterm_drains_requests_in_flight_or_aborts_them_after_the_drain_time() {
         .count();
     assert!(aborted >= 3, "{aborted} of 4 requests aborted");
 }
+
+#[test]
+fn a_bounded_kv_mode_serves_what_infer_gives_alone_and_batched() {
+    let s = Scratch::new("serve-kv");
+    let (m, _) = tiny(&s);
+    let kv = ["--kv-mode", "quant8", "--kv-sink", "2", "--kv-window", "8"];
+    let prompts: Vec<String> = (0..4)
+        .map(|i| {
+            (0..20)
+                .map(|k| format!("w{} ", 9 + (i * 7 + k * 3) % 80))
+                .collect()
+        })
+        .collect();
+    let want: Vec<String> = prompts
+        .iter()
+        .map(|p| {
+            let mut args = vec!["--prompt", p.as_str(), "--max-tokens", "30", "--no-drafter"];
+            args.extend(kv);
+            infer_text(&m, &args).0
+        })
+        .collect();
+    let mut args = vec!["--no-drafter"];
+    args.extend(kv);
+    let srv = Server::start(&m, &args);
+    let addr = srv.addr.clone();
+    let got: Vec<Value> = std::thread::scope(|sc| {
+        let hs: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                let (addr, b) = (
+                    addr.clone(),
+                    json!({"prompt": p, "max_tokens": 30, "temperature": 0}),
+                );
+                sc.spawn(move || post(&addr, "/v1/completions", &b).json())
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (v, w) in got.iter().zip(&want) {
+        assert_eq!(v["choices"][0]["text"], w.as_str(), "{v}");
+        assert_eq!(v["kakeya"]["kv_mode"], "quant8");
+        assert!(v["kakeya"]["kv"]["quantised"].as_u64().unwrap() > 0, "{v}");
+    }
+}

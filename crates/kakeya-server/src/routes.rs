@@ -338,6 +338,15 @@ impl AppState {
     }
 }
 
+/// The engine dropped a sequence without ending it (it stopped).
+fn engine_gone() -> ApiError {
+    ApiError::other(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "server_error",
+        "the engine stopped before the answer was complete",
+    )
+}
+
 fn finish_reason(outcome: Option<&Outcome>, stopped_by_string: bool) -> &'static str {
     if stopped_by_string {
         return "stop";
@@ -438,6 +447,10 @@ async fn whole(
         }
     }
     drop(rx);
+    if outcome.is_none() && !out.stopped {
+        st.metrics.request(kind.path(), 500);
+        return engine_gone().into_response();
+    }
     text.push_str(&out.finish());
     let stopped = out.stopped;
     let reason = finish_reason(outcome.as_deref(), stopped);
@@ -538,6 +551,13 @@ fn stream(
             }
         }
         drop(rx);
+        if outcome.is_none() && !out.stopped {
+            let _ = tx
+                .send(SseEvent::default().data(engine_gone().body().to_string()))
+                .await;
+            let _ = tx.send(SseEvent::default().data("[DONE]")).await;
+            return;
+        }
         let rest = out.finish();
         if !rest.is_empty() && tx.send(chunk(piece(&rest), None)).await.is_err() {
             return;

@@ -42,7 +42,7 @@ pub struct BenchArgs {
     pub replay_drafts: bool,
     /// What drafts in the speculative comparison: `dflash`, `ngram` (needs no drafter) or
     /// `combined` (default with --drafter).
-    #[arg(long, value_enum, conflicts_with = "replay_drafts")]
+    #[arg(long, conflicts_with = "replay_drafts")]
     pub draft: Option<crate::draft::DraftKind>,
     /// Tokens per speculative block, fixed (default: blocks adapt up to the drafter's
     /// `block_size`, or 8).

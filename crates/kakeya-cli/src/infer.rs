@@ -68,7 +68,7 @@ pub struct InferArgs {
     /// What drafts: `dflash` (the drafter), `ngram` (prompt lookup, no drafter needed) or
     /// `combined` (lookup when the context backs it, the drafter otherwise). Default: `combined`
     /// when a drafter is given or the default one is used, otherwise plain decoding.
-    #[arg(long, value_enum)]
+    #[arg(long)]
     pub draft: Option<DraftKind>,
     /// Tokens per speculative block, fixed. Without it blocks adapt, up to the drafter's
     /// `block_size` (8 for `ngram`), down to plain decoding when speculation loses.

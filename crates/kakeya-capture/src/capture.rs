@@ -144,9 +144,17 @@ pub fn capture_tokens(
     sel: &Selection,
 ) -> Result<SequenceCapture> {
     let g = &cfg.generation;
+    let n_v = sel.verifier_layers.len() * sel.verifier_tensors.len();
+    if n_v == 0 && sel.aux_layers.is_empty() && sel.drafter_layers.is_empty() {
+        // Nothing but token ids is kept (a continuations-only dataset): no pass to run.
+        return Ok(SequenceCapture {
+            tokens,
+            prompt_len,
+            columns: Vec::new(),
+        });
+    }
     // One pass over the whole sequence, chunked, into fresh caches.
     let mut caches = KvCache::for_specs(&model.cache_specs(), 0);
-    let n_v = sel.verifier_layers.len() * sel.verifier_tensors.len();
     let mut columns: Vec<Option<HostMatrix>> = vec![None; n_v + sel.aux_layers.len()];
     let mut drafter_aux: Vec<Tensor<2>> = Vec::new();
     let drafter_targets: Vec<usize> = drafter

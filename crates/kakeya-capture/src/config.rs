@@ -90,6 +90,12 @@ pub struct GenerationSection {
     /// kernel's rows, so each continuation is exactly what it would be alone). Not part of
     /// the dataset's identity: a job may resume with another batch.
     pub batch: usize,
+    /// Take each sequence's tokens from this earlier capture of the same prompts, verifier and
+    /// generation settings (e.g. one that kept token ids only) instead of generating them
+    /// again ([`crate::reuse`]): the data are the same bit for bit, so this is not part of the
+    /// dataset's identity either.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub continuations: Option<PathBuf>,
 }
 
 impl Default for GenerationSection {
@@ -99,6 +105,7 @@ impl Default for GenerationSection {
             max_prompt_tokens: 1024,
             chunk: 256,
             batch: 8,
+            continuations: None,
         }
     }
 }

@@ -25,6 +25,7 @@ use crate::capture::{Selection, SequenceCapture, capture_tokens, continuations, 
 use crate::config::{CaptureConfig, Dtype, LayerSet};
 use crate::error::{CaptureError, Result};
 use crate::prompts::{Prompt, load_sources};
+use crate::reuse::Continuations;
 use crate::schema::{
     ColumnInfo, Manifest, ModelInfo, SCHEMA_VERSION, SequenceInfo, ShardInfo, aux_column,
     drafter_column, verifier_column,
@@ -311,6 +312,7 @@ fn write_shard(
     index: usize,
     seqs: &[usize],
     prompts: &[Prompt],
+    reused: Option<&Continuations>,
     cfg: &CaptureConfig,
     sel: &Selection,
     m: &Models<'_>,
@@ -334,8 +336,13 @@ fn write_shard(
         let mut w = ArrowWriter::try_new(BufWriter::new(f), manifest.arrow_schema(), Some(props))
             .map_err(|e| CaptureError::parquet(&tmp, e))?;
         let mut rows = 0;
-        let texts: Vec<&str> = seqs.iter().map(|&s| prompts[s].text.as_str()).collect();
-        let sequences = continuations(m.verifier, m.tokenizer, &texts, cfg)?;
+        let sequences = match reused {
+            Some(r) => r.get(seqs)?,
+            None => {
+                let texts: Vec<&str> = seqs.iter().map(|&s| prompts[s].text.as_str()).collect();
+                continuations(m.verifier, m.tokenizer, &texts, cfg)?
+            }
+        };
         for (&s, seq) in seqs.iter().zip(sequences) {
             let cap = capture_tokens(m.verifier, m.drafter, seq, cfg, sel)?;
             let n = cap.tokens.len();
@@ -398,6 +405,16 @@ pub fn run(
             "the sources hold no prompts",
         ));
     }
+    let reused = match &cfg.generation.continuations {
+        Some(d) => Some(Continuations::open(
+            d,
+            cfg,
+            &m.verifier_info,
+            &m.tokenizer_info,
+            prompts.len(),
+        )?),
+        None => None,
+    };
     let per = cfg.output.sequences_per_shard;
     let shards_total = prompts.len().div_ceil(per);
     let c = &m.verifier.config;
@@ -489,7 +506,18 @@ pub fn run(
     };
     for s in todo {
         let seqs: Vec<usize> = (s * per..((s + 1) * per).min(prompts.len())).collect();
-        let info = write_shard(dir, s, &seqs, &prompts, cfg, &sel, m, &fresh, on)?;
+        let info = write_shard(
+            dir,
+            s,
+            &seqs,
+            &prompts,
+            reused.as_ref(),
+            cfg,
+            &sel,
+            m,
+            &fresh,
+            on,
+        )?;
         tracing::info!(
             shard = s,
             rows = info.rows,

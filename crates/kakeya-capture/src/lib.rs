@@ -8,6 +8,7 @@ pub mod error;
 pub mod job;
 pub mod prompts;
 pub mod reader;
+pub mod reuse;
 pub mod schema;
 
 pub use config::CaptureConfig;

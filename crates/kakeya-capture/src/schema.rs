@@ -152,13 +152,15 @@ impl Manifest {
         let mut v = serde_json::to_value(self).expect("manifest serialises");
         if let Some(o) = v.as_object_mut() {
             o.remove("shards");
-            // How many continuations decode together does not change the data.
+            // How many continuations decode together does not change the data,
             if let Some(g) = o
                 .get_mut("config")
                 .and_then(|c| c.get_mut("generation"))
                 .and_then(|g| g.as_object_mut())
             {
                 g.remove("batch");
+                // Nor whether the continuations were generated or read from an earlier capture.
+                g.remove("continuations");
             }
         }
         v

@@ -83,6 +83,44 @@ fn models<'a>(
     }
 }
 
+/// Every sequence of the dataset at `out` with every column: `(seq, tokens, in_prompt,
+/// columns)`, in sequence order.
+#[allow(clippy::type_complexity)]
+fn read_all(out: &Path) -> Vec<(usize, Vec<u32>, Vec<bool>, Vec<(String, usize, Vec<f32>)>)> {
+    let ds = Dataset::open(out).unwrap();
+    let names: Vec<String> = ds
+        .manifest()
+        .columns
+        .iter()
+        .map(|c| c.name.clone())
+        .collect();
+    let mut rows: Vec<_> = ds
+        .read(&Query {
+            columns: names,
+            ..Query::default()
+        })
+        .unwrap()
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap();
+    rows.sort_by_key(|b| b.seq);
+    rows.into_iter()
+        .map(|b| (b.seq, b.token, b.in_prompt, b.columns))
+        .collect()
+}
+
+/// `n` JSON-lines prompts of 2, 3, … words, written to `path`.
+fn write_prompts(path: &Path, n: usize) {
+    let lines: Vec<String> = (0..n)
+        .map(|i| {
+            let words: Vec<String> = (0..2 + i)
+                .map(|j| format!("w{}", 4 + (i * 7 + j) % 90))
+                .collect();
+            format!("{{\"text\": \"{}\"}}", words.join(" "))
+        })
+        .collect();
+    std::fs::write(path, lines.join("\n")).unwrap();
+}
+
 fn host(t: Tensor<2>) -> Vec<f32> {
     t.into_data().try_into_vec::<f32>().unwrap()
 }
@@ -349,15 +387,7 @@ fn continuations_decoded_together_give_the_same_dataset_and_resume_across_batch_
     let d = drafter(&v);
     let tok = tokenizer(&s.0);
     let prompts = s.0.join("p.jsonl");
-    let lines: Vec<String> = (0..7)
-        .map(|i| {
-            let words: Vec<String> = (0..2 + i)
-                .map(|j| format!("w{}", 4 + (i * 7 + j) % 90))
-                .collect();
-            format!("{{\"text\": \"{}\"}}", words.join(" "))
-        })
-        .collect();
-    std::fs::write(&prompts, lines.join("\n")).unwrap();
+    write_prompts(&prompts, 7);
     let models = models(&v, &tok, Some(&d));
     let run = |out: &Path, batch: usize, per_shard: usize, resume: bool, half: bool| {
         let mut cfg = config(out, &prompts, Dtype::F32);
@@ -377,42 +407,122 @@ fn continuations_decoded_together_give_the_same_dataset_and_resume_across_batch_
         )
         .unwrap();
     };
-    let read = |out: &Path| {
-        let ds = Dataset::open(out).unwrap();
-        let names: Vec<String> = ds
-            .manifest()
-            .columns
-            .iter()
-            .map(|c| c.name.clone())
-            .collect();
-        let mut rows: Vec<_> = ds
-            .read(&Query {
-                columns: names,
-                ..Query::default()
-            })
-            .unwrap()
-            .collect::<Result<Vec<_>, _>>()
-            .unwrap();
-        rows.sort_by_key(|b| b.seq);
-        rows.into_iter()
-            .map(|b| (b.seq, b.token, b.in_prompt, b.columns))
-            .collect::<Vec<_>>()
-    };
     let one = s.0.join("batch1");
     run(&one, 1, 4, false, false);
     let four = s.0.join("batch4");
     run(&four, 4, 4, false, false);
-    let want = read(&one);
+    let want = read_all(&one);
     assert_eq!(want.len(), 7);
     assert!(
         want.iter()
             .any(|r| r.2.iter().filter(|&&p| !p).count() == 9),
         "some run to gen_len"
     );
-    assert!(read(&four) == want, "batch 4 differs from batch 1");
+    assert!(read_all(&four) == want, "batch 4 differs from batch 1");
     // Half the shards with batch 1, the rest resumed with batch 3: the same dataset.
     let mixed = s.0.join("mixed");
     run(&mixed, 1, 2, false, true);
     run(&mixed, 3, 2, true, false);
-    assert!(read(&mixed) == want, "resumed with another batch differs");
+    assert!(
+        read_all(&mixed) == want,
+        "resumed with another batch differs"
+    );
+}
+
+#[test]
+fn tensors_rebuilt_from_a_token_only_capture_equal_a_one_step_capture() {
+    let s = Scratch::new("cap-reuse");
+    let v = Gemma3Model::from_checkpoint(
+        random_quantized_checkpoint(&tiny_config(4), 8),
+        &Device::flex(),
+    )
+    .unwrap();
+    let d = drafter(&v);
+    let tok = tokenizer(&s.0);
+    let prompts = s.0.join("p.jsonl");
+    write_prompts(&prompts, 5);
+    let models = models(&v, &tok, Some(&d));
+    let run = |cfg: &CaptureConfig, resume: bool| {
+        kakeya_capture::run(
+            cfg,
+            Path::new("cfg.toml"),
+            &models,
+            RunOptions {
+                shard: (0, 1),
+                resume,
+            },
+            &mut |_| {},
+        )
+    };
+    let mut full = config(&s.0.join("full"), &prompts, Dtype::F32);
+    full.generation.gen_len = 9;
+    run(&full, false).unwrap();
+    let want = read_all(&full.output.dir);
+
+    // The costly half alone: token ids, no tensor column.
+    let mut tokens = full.clone();
+    tokens.output.dir = s.0.join("tokens");
+    tokens.tensors.verifier = Vec::new();
+    tokens.tensors.aux_layers = Some(Vec::new());
+    tokens.tensors.drafter_kv = false;
+    run(&tokens, false).unwrap();
+    assert!(
+        Dataset::open(&tokens.output.dir)
+            .unwrap()
+            .manifest()
+            .columns
+            .is_empty()
+    );
+    let got = read_all(&tokens.output.dir);
+    assert_eq!(got.len(), want.len());
+    for (g, w) in got.iter().zip(&want) {
+        assert_eq!(
+            (g.0, &g.1, &g.2),
+            (w.0, &w.1, &w.2),
+            "tokens of sequence {}",
+            w.0
+        );
+    }
+
+    // Every tensor rebuilt from those tokens: the one-step dataset, bit for bit.
+    let mut rebuilt = full.clone();
+    rebuilt.output.dir = s.0.join("rebuilt");
+    rebuilt.generation.continuations = Some(tokens.output.dir.clone());
+    run(&rebuilt, false).unwrap();
+    assert!(
+        read_all(&rebuilt.output.dir) == want,
+        "rebuilt dataset differs"
+    );
+    // Where the continuations came from is not part of the dataset's identity.
+    let a = Dataset::open(&rebuilt.output.dir).unwrap();
+    let b = Dataset::open(&full.output.dir).unwrap();
+    assert_eq!(a.manifest().fingerprint(), b.manifest().fingerprint());
+
+    // Continuations of other settings, or not yet captured, are refused by name.
+    let mut other = rebuilt.clone();
+    other.output.dir = s.0.join("other");
+    other.generation.gen_len = 8;
+    let err = run(&other, false).unwrap_err().to_string();
+    assert!(err.contains("tokens") && err.contains("gen_len 9"), "{err}");
+    let mut half = tokens.clone();
+    half.output.dir = s.0.join("half");
+    kakeya_capture::run(
+        &half,
+        Path::new("cfg.toml"),
+        &models,
+        RunOptions {
+            shard: (0, 2),
+            resume: false,
+        },
+        &mut |_| {},
+    )
+    .unwrap();
+    let mut partial = rebuilt.clone();
+    partial.output.dir = s.0.join("partial");
+    partial.generation.continuations = Some(half.output.dir.clone());
+    let err = run(&partial, false).unwrap_err().to_string();
+    assert!(
+        err.contains("half") && err.contains("sequence 2 is not"),
+        "{err}"
+    );
 }

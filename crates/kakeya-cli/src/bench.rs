@@ -6,7 +6,7 @@ use std::time::Instant;
 use anyhow::Result;
 use clap::Args;
 use kakeya_runtime::Session;
-use kakeya_runtime::sampler::argmax;
+use kakeya_runtime::{Sampler, Sampling};
 use serde::Serialize;
 
 use crate::common::ModelArgs;
@@ -124,14 +124,13 @@ pub fn run(a: BenchArgs) -> Result<()> {
         // Decode: gen_tokens single-token steps after `depth` context tokens, greedy.
         let mut s = Session::with_kv(&model, kv.setup())?;
         let mut next = tok.bos;
+        let greedy = Sampler::new(Sampling::Greedy);
         if a.depth > 0 {
-            let logits = s.prefill(&context, 512)?;
-            next = argmax(&logits).unwrap_or(0) as u32;
+            next = greedy.pick_scores(&s.prefill_for(&context, 512, &greedy)?, context.len());
         }
         let t = Instant::now();
         for _ in 0..a.gen_tokens {
-            let logits = s.step(next)?;
-            next = argmax(&logits).unwrap_or(0) as u32;
+            next = greedy.pick_scores(&s.step_for(next, &greedy)?, s.len());
         }
         let tg_rate = a.gen_tokens as f64 / t.elapsed().as_secs_f64();
         if i >= a.warmup {

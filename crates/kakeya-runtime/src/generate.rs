@@ -206,20 +206,20 @@ pub fn generate(
     let sampler = Sampler::new(cfg.sampling.clone());
     let ctx = session.model().config.max_position_embeddings;
     let t0 = Instant::now();
-    let mut logits = session.prefill(prompt, cfg.prefill_chunk)?;
+    let mut scores = session.prefill_for(prompt, cfg.prefill_chunk, &sampler)?;
     let prefill_secs = t0.elapsed().as_secs_f64();
     let mut sink = TokenSink::new(cfg, on_token);
     let t1 = Instant::now();
     let mut steps = 0;
     let stop_reason = loop {
-        let tok = sampler.pick(&logits, session.len());
+        let tok = sampler.pick_scores(&scores, session.len());
         if let Some(reason) = sink.push(tok) {
             break reason;
         }
         if session.len() >= ctx {
             break StopReason::ContextFull;
         }
-        logits = session.step(tok)?;
+        scores = session.step_for(tok, &sampler)?;
         steps += 1;
     };
     let decode_secs = t1.elapsed().as_secs_f64();
@@ -284,11 +284,11 @@ pub fn generate_batch(
         )));
     }
     let sampler = Sampler::new(cfg.sampling.clone());
-    let mut logits = Vec::with_capacity(prompts.len());
+    let mut scores = Vec::with_capacity(prompts.len());
     let mut prefill_secs = Vec::with_capacity(prompts.len());
     for (session, prompt) in sessions.iter_mut().zip(prompts) {
         let t0 = Instant::now();
-        logits.push(session.prefill(prompt, cfg.prefill_chunk)?);
+        scores.push(session.prefill_for(prompt, cfg.prefill_chunk, &sampler)?);
         prefill_secs.push(t0.elapsed().as_secs_f64());
     }
     let mut sinks: Vec<TokenSink<'_>> = prompts.iter().map(|_| TokenSink::silent(cfg)).collect();
@@ -303,7 +303,7 @@ pub fn generate_batch(
             if stop[i].is_some() {
                 continue;
             }
-            let tok = sampler.pick(&logits[i], session.len());
+            let tok = sampler.pick_scores(&scores[i], session.len());
             stop[i] = sinks[i].push(tok);
             if stop[i].is_none() && session.len() >= session.model().config.max_position_embeddings
             {
@@ -323,10 +323,10 @@ pub fn generate_batch(
             .filter(|(i, _)| stop[*i].is_none())
             .map(|(_, s)| s)
             .collect();
-        let out = Session::step_batch(&mut running, &next)?;
+        let out = Session::step_batch(&mut running, &next, &vec![&sampler; next.len()])?;
         let secs = t.elapsed().as_secs_f64();
         for (&i, l) in live.iter().zip(out) {
-            logits[i] = l;
+            scores[i] = l;
             steps[i] += 1;
             decode_secs[i] += secs;
         }

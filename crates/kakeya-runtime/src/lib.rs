@@ -20,7 +20,7 @@ pub use kv::{
     CompactStore, FThetaRestorer, FullCache, KvBytes, KvCache, KvMode, KvPolicy, OracleRestorer,
     Restorer, RingCache, SequenceKv,
 };
-pub use sampler::{Sampler, Sampling};
+pub use sampler::{Sampler, Sampling, Scores};
 pub use session::{KvSetup, Session};
 pub use spec::{
     CombinedProposer, Costs, DFlashProposer, DraftKind, NgramProposer, Proposer, ReplayProposer,

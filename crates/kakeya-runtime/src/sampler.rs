@@ -39,14 +39,17 @@ fn mix(mut z: u64) -> u64 {
 }
 
 /// Index of the largest value (first on ties); `None` for an empty slice.
-pub fn argmax(logits: &[f32]) -> Option<usize> {
-    let mut best: Option<(usize, f32)> = None;
-    for (i, &v) in logits.iter().enumerate() {
-        if best.is_none_or(|(_, b)| v > b) {
-            best = Some((i, v));
-        }
-    }
-    best.map(|(i, _)| i)
+pub use kakeya_weights::argmax::first_max as argmax;
+
+/// What the next token is chosen from: a forward's logits, or — for greedy decoding — the
+/// greedy choice alone (exactly the logits' argmax, found without most of them where the
+/// model's head allows: [`kakeya_models::Logits::GreedyLast`]).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Scores {
+    /// The position's logits, `vocab` values.
+    Logits(Vec<f32>),
+    /// The greedy choice.
+    Greedy(u32),
 }
 
 impl Sampler {
@@ -58,6 +61,30 @@ impl Sampler {
     /// The mode.
     pub fn mode(&self) -> &Sampling {
         &self.mode
+    }
+
+    /// What a forward must return for [`Self::pick_scores`]: the greedy choice alone when
+    /// greedy, else the logits (of the last position).
+    pub fn wants(&self) -> kakeya_models::Logits {
+        match self.mode {
+            Sampling::Greedy => kakeya_models::Logits::GreedyLast,
+            Sampling::Sample { .. } => kakeya_models::Logits::Last,
+        }
+    }
+
+    /// Picks the token at position `pos` from what [`Self::wants`] asked for. A greedy choice
+    /// given to a sampling sampler is a caller's bug; it is taken as is.
+    pub fn pick_scores(&self, scores: &Scores, pos: usize) -> u32 {
+        match scores {
+            Scores::Logits(l) => self.pick(l, pos),
+            Scores::Greedy(id) => {
+                debug_assert!(
+                    matches!(self.mode, Sampling::Greedy),
+                    "greedy scores for sampling"
+                );
+                *id
+            }
+        }
     }
 
     /// Picks the token at position `pos` from the logits that predict it.

@@ -15,6 +15,7 @@ use kakeya_models::{
 
 use crate::error::{Result, RuntimeError};
 use crate::kv::{CompactStore, KvBytes, KvPolicy, Restorer, SequenceKv};
+use crate::sampler::{Sampler, Scores};
 
 /// Copies one row of logits `[1, vocab]` to the host.
 pub fn logits_row(logits: Tensor<2>) -> Vec<f32> {
@@ -22,6 +23,14 @@ pub fn logits_row(logits: Tensor<2>) -> Vec<f32> {
         .into_data()
         .try_into_vec::<f32>()
         .expect("logits are f32")
+}
+
+/// The last position's [`Scores`] of a forward that asked for logits or the greedy choice.
+fn scores(out: ForwardOutput) -> Scores {
+    match out.greedy {
+        Some(ids) => Scores::Greedy(*ids.last().expect("one greedy choice per wanted row")),
+        None => Scores::Logits(logits_row(out.logits.expect("asked for logits"))),
+    }
 }
 
 /// How a session keeps its K/V.
@@ -229,6 +238,22 @@ impl<'m> Session<'m> {
 
     /// Runs `tokens` in chunks of at most `chunk`; returns the last position's logits.
     pub fn prefill(&mut self, tokens: &[u32], chunk: usize) -> Result<Vec<f32>> {
+        let out = self.prefill_out(tokens, chunk, Logits::Last)?;
+        Ok(logits_row(out.logits.expect("last chunk returns logits")))
+    }
+
+    /// Runs `tokens` like [`Self::prefill`]; returns what `sampler` picks the next token from.
+    pub fn prefill_for(
+        &mut self,
+        tokens: &[u32],
+        chunk: usize,
+        sampler: &Sampler,
+    ) -> Result<Scores> {
+        Ok(scores(self.prefill_out(tokens, chunk, sampler.wants())?))
+    }
+
+    /// Runs `tokens` in chunks of at most `chunk`; the last chunk returns what `last` asks for.
+    fn prefill_out(&mut self, tokens: &[u32], chunk: usize, last: Logits) -> Result<ForwardOutput> {
         if tokens.is_empty() {
             return Err(RuntimeError::Input("empty prompt: nothing to run".into()));
         }
@@ -240,18 +265,14 @@ impl<'m> Session<'m> {
                 self.len
             )));
         }
-        let mut last = None;
+        let mut out = None;
         let n = tokens.chunks(chunk.max(1)).count();
         for (i, part) in tokens.chunks(chunk.max(1)).enumerate() {
-            let logits = if i + 1 == n {
-                Logits::Last
-            } else {
-                Logits::None
-            };
-            last = self.forward(part, logits, &[])?.logits;
+            let logits = if i + 1 == n { last } else { Logits::None };
+            out = Some(self.forward(part, logits, &[])?);
         }
         self.commit()?;
-        Ok(logits_row(last.expect("last chunk returns logits")))
+        Ok(out.expect("at least one chunk"))
     }
 
     /// Runs `tokens` at the next positions in one forward (committing what the caches held
@@ -265,40 +286,46 @@ impl<'m> Session<'m> {
         logits: Logits,
         hidden_after: &[usize],
     ) -> Result<ForwardOutput> {
-        let mut out = Self::forward_many(&mut [self], &[tokens], logits, hidden_after)?;
+        let mut out = Self::forward_many(&mut [self], &[tokens], &[logits], hidden_after)?;
         Ok(out.pop().expect("one output per session"))
     }
 
     /// Runs one token in each session in one stacked forward
-    /// ([`Gemma3Model::forward_batch`]: bit for bit each session's own [`Self::step`] while
-    /// the batch stays within the block kernel's rows); returns each session's logits. The
-    /// sessions must share one model and one drafter (or none).
-    pub fn step_batch(sessions: &mut [&mut Session<'m>], tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
-        if sessions.len() != tokens.len() {
+    /// ([`Gemma3Model::forward_batch`]: bit for bit each session's own [`Self::step_for`] while
+    /// the batch stays within the block kernel's rows); returns what each session's sampler
+    /// picks from. The sessions must share one model and one drafter (or none).
+    pub fn step_batch(
+        sessions: &mut [&mut Session<'m>],
+        tokens: &[u32],
+        samplers: &[&Sampler],
+    ) -> Result<Vec<Scores>> {
+        if sessions.len() != tokens.len() || samplers.len() != tokens.len() {
             return Err(RuntimeError::Input(format!(
-                "{} tokens for {} sessions",
+                "{} tokens and {} samplers for {} sessions",
                 tokens.len(),
+                samplers.len(),
                 sessions.len()
             )));
         }
         let chunks: Vec<&[u32]> = tokens.iter().map(std::slice::from_ref).collect();
-        Self::forward_many(sessions, &chunks, Logits::Last, &[])?
+        let wants: Vec<Logits> = samplers.iter().map(|s| s.wants()).collect();
+        Ok(Self::forward_many(sessions, &chunks, &wants, &[])?
             .into_iter()
-            .map(|out| Ok(logits_row(out.logits.expect("asked for logits"))))
-            .collect()
+            .map(scores)
+            .collect())
     }
 
     /// Runs `chunks[i]` at session `i`'s next positions, all in one forward (committing what
     /// each session's caches held before); each output holds what `logits` and `hidden_after`
-    /// ask for, the drafter's target layers going to the session's pending rows. The sessions
-    /// must share one model and one drafter (or none).
+    /// ask for (`logits[i]` for session `i`), the drafter's target layers going to the
+    /// session's pending rows. The sessions must share one model and one drafter (or none).
     ///
     /// # Shapes
     /// - per session: logits `[1 or T, vocab]`, hidden states `[T, hidden]` per requested layer
     fn forward_many(
         sessions: &mut [&mut Session<'m>],
         chunks: &[&[u32]],
-        logits: Logits,
+        logits: &[Logits],
         hidden_after: &[usize],
     ) -> Result<Vec<ForwardOutput>> {
         let Some(first) = sessions.first() else {
@@ -321,7 +348,8 @@ impl<'m> Session<'m> {
         let reqs: Vec<ForwardRequest<'_>> = sessions
             .iter()
             .zip(chunks)
-            .map(|(s, tokens)| {
+            .zip(logits)
+            .map(|((s, tokens), &logits)| {
                 let mut req = ForwardRequest::new(tokens, s.len, logits);
                 req.hidden_after = &layers;
                 req
@@ -347,6 +375,11 @@ impl<'m> Session<'m> {
     pub fn step(&mut self, token: u32) -> Result<Vec<f32>> {
         let out = self.forward(&[token], Logits::Last, &[])?;
         Ok(logits_row(out.logits.expect("asked for logits")))
+    }
+
+    /// Runs one token; returns what `sampler` picks the next token from.
+    pub fn step_for(&mut self, token: u32, sampler: &Sampler) -> Result<Scores> {
+        Ok(scores(self.forward(&[token], sampler.wants(), &[])?))
     }
 
     /// Forgets positions `>= len` (exactly, or an error when a cache already demoted a

@@ -15,8 +15,8 @@ use kakeya_models::testing::{
 use kakeya_models::{DFlashDrafter, DraftContext, Gemma3Model};
 use kakeya_runtime::chat::ChatSession;
 use kakeya_runtime::{
-    Generation, GenerationConfig, KvSetup, RunawayGuard, Sampling, Session, StopReason, TextStream,
-    generate, generate_batch,
+    Generation, GenerationConfig, KvSetup, RunawayGuard, Sampler, Sampling, Session, StopReason,
+    TextStream, generate, generate_batch,
 };
 use kakeya_weights::Tokenizer;
 
@@ -339,12 +339,17 @@ fn batched_steps_refuse_mismatched_inputs() {
     let (mut a, mut b) = (Session::new(&v, 0), Session::new(&other, 0));
     a.prefill(&[1, 2], 4).unwrap();
     b.prefill(&[1, 2], 4).unwrap();
-    let err = Session::step_batch(&mut [&mut a, &mut b], &[3, 4]).unwrap_err();
+    let g = Sampler::new(Sampling::Greedy);
+    let err = Session::step_batch(&mut [&mut a, &mut b], &[3, 4], &[&g, &g]).unwrap_err();
     assert!(err.to_string().contains("share one model"), "{err}");
     let mut c = Session::new(&v, 0);
     c.prefill(&[1], 4).unwrap();
-    let err = Session::step_batch(&mut [&mut a, &mut c], &[3]).unwrap_err();
-    assert!(err.to_string().contains("1 tokens for 2 sessions"), "{err}");
+    let err = Session::step_batch(&mut [&mut a, &mut c], &[3], &[&g]).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("1 tokens and 1 samplers for 2 sessions"),
+        "{err}"
+    );
     let mut sessions = vec![Session::new(&v, 0)];
     let err = generate_batch(
         &mut sessions,

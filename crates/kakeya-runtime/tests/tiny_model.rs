@@ -196,3 +196,59 @@ fn hidden_states_and_captures_have_documented_shapes() {
     assert_eq!(out.attention[0].k_raw.dims(), [5, 32]);
     assert_eq!(out.attention[0].out.dims(), [5, 32]);
 }
+
+#[test]
+fn greedy_choices_equal_the_argmax_of_the_logits() {
+    // The quantised head's certified search (blocks of up to 16 rows) and the host search of
+    // the logits (longer chunks; a dense head) give the logits' own first largest entry, and
+    // a batch that mixes greedy and logits requests gives each what it gives alone.
+    use kakeya_models::testing::random_quantized_checkpoint;
+    use kakeya_runtime::sampler::argmax;
+    for quantised in [true, false] {
+        let ck = if quantised {
+            random_quantized_checkpoint(&tiny_config(4), 5)
+        } else {
+            random_checkpoint(&tiny_config(4), 5)
+        };
+        let m = Gemma3Model::from_checkpoint(ck, &Device::flex()).unwrap();
+        assert_eq!(m.head.quant.is_some(), quantised);
+        for n in [1, 2, 5, 8, 16, 17, 30] {
+            let toks = tokens(n);
+            let run = |logits: Logits| {
+                let mut caches = KvCache::for_specs(&m.cache_specs(), 0);
+                m.forward(&ForwardRequest::new(&toks, 0, logits), &mut caches)
+                    .unwrap()
+            };
+            let all = rows(run(Logits::All).logits.unwrap());
+            let want: Vec<u32> = all.iter().map(|r| argmax(r).unwrap() as u32).collect();
+            let got = run(Logits::GreedyAll);
+            assert!(got.logits.is_none());
+            assert_eq!(got.greedy.unwrap(), want, "n={n} quantised={quantised}");
+            let last = run(Logits::GreedyLast).greedy.unwrap();
+            assert_eq!(last, vec![*want.last().unwrap()], "n={n}");
+        }
+        // Mixed batch: one greedy and one logits request in one forward.
+        let (a, b) = (tokens(3), tokens(4));
+        let mut ca = KvCache::for_specs(&m.cache_specs(), 0);
+        let mut cb = KvCache::for_specs(&m.cache_specs(), 0);
+        let outs = m
+            .forward_batch(
+                &[
+                    ForwardRequest::new(&a, 0, Logits::GreedyAll),
+                    ForwardRequest::new(&b, 0, Logits::Last),
+                ],
+                &mut [&mut ca, &mut cb],
+            )
+            .unwrap();
+        let alone_a = full_forward(&m, &a);
+        let want: Vec<u32> = alone_a.iter().map(|r| argmax(r).unwrap() as u32).collect();
+        assert_eq!(outs[0].greedy.as_deref(), Some(&want[..]));
+        assert!(outs[0].logits.is_none() && outs[1].greedy.is_none());
+        let lb = rows(outs[1].logits.clone().unwrap());
+        assert_close(
+            &lb[0],
+            full_forward(&m, &b).last().unwrap(),
+            "mixed batch logits",
+        );
+    }
+}

@@ -206,14 +206,15 @@ impl<'m> Seq<'m> {
     fn prefill_chunk(&mut self, chunk: usize) -> Result<(), RuntimeError> {
         let prompt = &self.job.prompt;
         let end = (self.prefilled + chunk).min(prompt.len());
-        let logits = self
-            .verifier
-            .session_mut()
-            .prefill(&prompt[self.prefilled..end], chunk)?;
+        let scores = self.verifier.session_mut().prefill_for(
+            &prompt[self.prefilled..end],
+            chunk,
+            &self.sampler,
+        )?;
         self.prefilled = end;
         if end == prompt.len() {
             self.tokens = prompt.clone();
-            let tok = self.sampler.pick(&logits, prompt.len());
+            let tok = self.sampler.pick_scores(&scores, prompt.len());
             self.accept(tok);
         }
         Ok(())
@@ -479,19 +480,20 @@ fn step_group(
                 .expect("a decoding sequence has tokens")
         })
         .collect();
+    let samplers: Vec<Sampler> = group.iter().map(|&i| active[i].sampler.clone()).collect();
     let mut sessions: Vec<&mut Session<'_>> = active
         .iter_mut()
         .enumerate()
         .filter(|(i, _)| group.contains(i))
         .map(|(_, s)| s.verifier.session_mut())
         .collect();
-    let logits = Session::step_batch(&mut sessions, &tokens)?;
+    let scores = Session::step_batch(&mut sessions, &tokens, &samplers.iter().collect::<Vec<_>>())?;
     drop(sessions);
     metrics.batch(group.len());
-    for (&i, l) in group.iter().zip(logits) {
+    for (&i, l) in group.iter().zip(scores) {
         let s = &mut active[i];
         s.batched_steps += 1;
-        let tok = s.sampler.pick(&l, s.verifier.len());
+        let tok = s.sampler.pick_scores(&l, s.verifier.len());
         s.accept(tok);
         metrics.committed(1);
     }

@@ -2,6 +2,7 @@
 //! the Gemma 3 config, DFlash drafter and f_θ folders, and tokenizer loading. Formats and checkpoint names are handled here,
 //! at the edge; `kakeya-models` sees one canonical checkpoint.
 
+pub mod argmax;
 pub mod checkpoint;
 pub mod config;
 pub mod dequant;
@@ -14,6 +15,7 @@ mod kernel;
 pub mod quant;
 pub mod tokenizer;
 
+pub use argmax::Argmax;
 pub use checkpoint::{Checkpoint, HostTensor};
 pub use config::{AttentionKind, Gemma3Config};
 pub use dflash::{DFlashConfig, DraftCheckpoint, StoreDtype};

@@ -31,6 +31,8 @@ pub struct QuantMatrix {
     layout: Layout,
     /// `rows.div_ceil(TILE)` tiles of `layout.tile()` bytes.
     data: Vec<u8>,
+    /// `‖w_r‖₂` per row, rounded up: made on the first [`Self::argmax`].
+    norms: std::sync::OnceLock<Vec<f32>>,
 }
 
 fn f16(b: &[u8], i: usize) -> f32 {
@@ -222,11 +224,27 @@ impl QuantMatrix {
             cols,
             layout,
             data: tiles,
+            norms: std::sync::OnceLock::new(),
         })
     }
 
+    /// The memory layout.
+    pub(crate) fn layout(&self) -> Layout {
+        self.layout
+    }
+
+    /// Every tile's bytes.
+    pub(crate) fn data(&self) -> &[u8] {
+        &self.data
+    }
+
+    /// `‖w_r‖₂` of every row (rounded up), made once.
+    pub(crate) fn norms(&self) -> &[f32] {
+        self.norms.get_or_init(|| crate::argmax::row_norms(self))
+    }
+
     /// Tile `k`'s bytes.
-    fn tile(&self, k: usize) -> &[u8] {
+    pub(crate) fn tile(&self, k: usize) -> &[u8] {
         let n = self.layout.tile();
         &self.data[k * n..(k + 1) * n]
     }
@@ -248,7 +266,7 @@ impl QuantMatrix {
 
     /// Bytes held.
     pub fn nbytes(&self) -> usize {
-        self.data.len()
+        self.data.len() + self.norms.get().map_or(0, |n| 4 * n.len())
     }
 
     /// `y = x · Wᵀ`.
@@ -293,12 +311,12 @@ impl QuantMatrix {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::dequant::dequantize;
 
     /// Pseudo-random blocks with sane f16 scales at the type's scale fields.
-    fn blocks(ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
+    pub(crate) fn blocks(ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
         let n = ty.bytes_for(rows * cols).unwrap();
         let mut x: u32 = 12345;
         let mut data: Vec<u8> = (0..n)

@@ -20,6 +20,28 @@ pub enum Logits {
     Last,
     /// Every position's, `[T, vocab]`.
     All,
+    /// Only the greedy choice after the last position ([`ForwardOutput::greedy`], one id):
+    /// exactly the argmax (first on ties) of the row `Last` returns, found without most
+    /// logits where the head allows ([`Gemma3Model::greedy`]).
+    GreedyLast,
+    /// Only the greedy choice after every position (`T` ids), as `GreedyLast`.
+    GreedyAll,
+}
+
+impl Logits {
+    /// Which of the request's rows go through the head.
+    fn rows(self, span: &std::ops::Range<usize>) -> std::ops::Range<usize> {
+        match self {
+            Logits::None => span.start..span.start,
+            Logits::All | Logits::GreedyAll => span.clone(),
+            Logits::Last | Logits::GreedyLast => span.end - 1..span.end,
+        }
+    }
+
+    /// Whether only the greedy choices are wanted.
+    fn greedy(self) -> bool {
+        matches!(self, Logits::GreedyLast | Logits::GreedyAll)
+    }
 }
 
 /// A forward over a chunk of tokens and what to return besides the caches' update.
@@ -55,10 +77,28 @@ impl<'a> ForwardRequest<'a> {
 pub struct ForwardOutput {
     /// Logits, `[1 or T, vocab]`, when asked for.
     pub logits: Option<Tensor<2>>,
+    /// The greedy choices (1 or `T` ids), when asked for ([`Logits::GreedyLast`] /
+    /// [`Logits::GreedyAll`]).
+    pub greedy: Option<Vec<u32>>,
     /// Hidden states after the requested layers, each `[T, hidden]`.
     pub hidden: Vec<Tensor<2>>,
     /// Per-layer attention captures, when asked for.
     pub attention: Vec<AttentionCapture>,
+}
+
+/// The first largest entry of every row.
+///
+/// # Shapes
+/// - `logits`: `[T, vocab]` → `T` ids
+fn argmax_rows(logits: Tensor<2>) -> Vec<u32> {
+    let v = logits.dims()[1];
+    let host = logits
+        .into_data()
+        .try_into_vec::<f32>()
+        .expect("logits are f32");
+    host.chunks_exact(v)
+        .map(|row| kakeya_weights::argmax::first_max(row).unwrap_or(0) as u32)
+        .collect()
 }
 
 /// One decoder layer.
@@ -268,6 +308,24 @@ impl Gemma3Model {
         }
     }
 
+    /// The greedy choice after each row: exactly the argmax (first on ties) of
+    /// [`Self::logits`]'s rows. On the CPU with a quantised head (GGUF Q8_0) and no soft-cap
+    /// (whose tanh could round distinct logits to a tie), the certified search of
+    /// [`Linear::argmax`] finds it computing only the few exact logits its error bound cannot
+    /// exclude; otherwise the logits are computed and searched on the host.
+    ///
+    /// # Shapes
+    /// - `h`: `[T, hidden]` (before the final norm) → `T` ids
+    pub fn greedy(&self, h: Tensor<2>) -> Vec<u32> {
+        if self.config.final_logit_softcapping.is_none() {
+            let x = self.norm.forward(h.clone());
+            if let Some(ids) = self.head.argmax(&x) {
+                return ids;
+            }
+        }
+        argmax_rows(self.logits(h))
+    }
+
     /// Runs a chunk through the model, updating `kv` (one cache per layer, built by the caller
     /// from [`Self::cache_specs`] under its own policy).
     ///
@@ -353,41 +411,54 @@ impl Gemma3Model {
         }
         let h = c.hidden_size;
         let rows = |t: &Tensor<2>, r: &std::ops::Range<usize>| t.clone().slice([r.clone(), 0..h]);
-        // Logits: every request's wanted rows through the head in one call.
+        // Every request's wanted rows through the head in one call: greedy choices only when
+        // no request wants logits, else logits (searched on the host for greedy requests).
         let mut wanted: Vec<Tensor<2>> = Vec::new();
         let mut counts = Vec::with_capacity(reqs.len());
         for (req, span) in reqs.iter().zip(&spans) {
-            let r = match req.logits {
-                Logits::None => span.rows.start..span.rows.start,
-                Logits::All => span.rows.clone(),
-                Logits::Last => span.rows.end - 1..span.rows.end,
-            };
+            let r = req.logits.rows(&span.rows);
             counts.push(r.len());
             if !r.is_empty() {
                 wanted.push(rows(&x, &r));
             }
         }
         let total: usize = counts.iter().sum();
-        let logits = match wanted.len() {
+        let only_greedy = reqs
+            .iter()
+            .all(|r| r.logits == Logits::None || r.logits.greedy());
+        let head_in = match wanted.len() {
             0 => None,
-            1 => Some(self.logits(wanted.pop().expect("one"))),
-            _ => Some(self.logits(Tensor::cat(wanted, 0))),
+            1 => wanted.pop(),
+            _ => Some(Tensor::cat(wanted, 0)),
+        };
+        let (logits, greedy) = match head_in {
+            None => (None, None),
+            Some(h) if only_greedy => (None, Some(self.greedy(h))),
+            Some(h) => (Some(self.logits(h)), None),
         };
         let mut at = 0;
         let mut outs = Vec::with_capacity(reqs.len());
-        for ((span, n), attention) in spans.iter().zip(counts).zip(attention) {
-            let logits = (n > 0).then(|| {
-                let l = logits.as_ref().expect("logits were computed");
-                if n == total {
-                    return l.clone();
-                }
-                let v = l.dims()[1];
-                let part = l.clone().slice([at..at + n, 0..v]);
+        for (((req, span), n), attention) in reqs.iter().zip(&spans).zip(counts).zip(attention) {
+            let part = (n > 0).then(|| {
+                let l = logits.as_ref().map(|l| {
+                    if n == total {
+                        return l.clone();
+                    }
+                    let v = l.dims()[1];
+                    l.clone().slice([at..at + n, 0..v])
+                });
+                let g = greedy.as_ref().map(|g| g[at..at + n].to_vec());
                 at += n;
-                part
+                (l, g)
             });
+            let (logits, greedy) = match part {
+                None => (None, None),
+                Some((Some(l), _)) if req.logits.greedy() => (None, Some(argmax_rows(l))),
+                Some((l, g)) => (l, g),
+            };
             outs.push(ForwardOutput {
                 logits,
+                greedy,
                 hidden: hidden
                     .iter()
                     .map(|t| rows(t.as_ref().expect("every requested layer ran"), &span.rows))

@@ -5,7 +5,6 @@ use kakeya_models::{Gemma3Model, Logits};
 
 use crate::error::{Result, RuntimeError};
 use crate::kv::{CompactStore, KvBytes};
-use crate::sampler::argmax;
 use crate::session::{KvSetup, Session, logits_row};
 
 /// The target model of one sequence, with rollback-capable caches.
@@ -81,13 +80,8 @@ impl<'m> Verifier<'m> {
         if block.is_empty() {
             return Err(RuntimeError::Input("empty block".into()));
         }
-        let out = self.session.forward(block, Logits::All, &[])?;
-        let logits = logits_row(out.logits.expect("asked for logits"));
-        let vocab = logits.len() / block.len();
-        Ok(logits
-            .chunks_exact(vocab)
-            .map(|row| argmax(row).unwrap_or(0) as u32)
-            .collect())
+        let out = self.session.forward(block, Logits::GreedyAll, &[])?;
+        Ok(out.greedy.expect("asked for the greedy choices"))
     }
 
     /// Runs a block like [`Self::verify`] and returns every row's logits, `B × vocab`

@@ -1,0 +1,567 @@
+//! The greedy choice over a quantised matrix's products — the LM head's argmax — without
+//! computing every exact product: a *certified* argmax.
+//!
+//! An approximate pass multiplies the int8 weights by the input rounded to int8 per group of 32
+//! (integer dot products: with AVX2, 32 products in a few instructions; with AVX-512 VNNI, 64
+//! in one `vpdpbusd` — against the exact kernel's int→float rebuild and eight FMAs per eight
+//! products), and bounds each row's error:
+//! with `x̂` the rounded input, `|w·x − w·x̂| ≤ ‖w‖₂·‖x − x̂‖₂` (Cauchy–Schwarz), plus the f32
+//! rounding of both passes, bounded by `κ·‖w‖₂·(‖x‖₂ + ‖x̂‖₂)`. A row whose upper bound is below
+//! the best lower bound cannot be the largest; the few that remain get their exact product —
+//! the canonical-order f32 dot that [`QuantMatrix::matmul`] returns, bit for bit — and the
+//! largest of those (first on ties) is the answer. So the result is always exactly the argmax of
+//! `matmul`'s output; only its cost depends on how tight the bound is.
+//!
+//! Applies to symmetric formats with groups of 32 (Q8_0 — the tied head of the GGUF Gemmas —
+//! Q4_0, Q5_0) on x86-64 with AVX2; elsewhere, and for non-finite inputs, [`QuantMatrix::argmax`]
+//! returns `None` and the caller takes the exact path.
+
+use rayon::prelude::*;
+
+use crate::kernel::{self, Layout, TILE};
+use crate::quant::QuantMatrix;
+
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+
+/// Values per group this path handles.
+const GROUP: usize = 32;
+/// Weight rows per parallel task of the approximate pass.
+const ROWS_PER_TASK: usize = 256;
+/// The unit roundoff of f32.
+const U: f64 = f32::EPSILON as f64 / 2.0;
+
+/// The certified argmax of `t` input rows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Argmax {
+    /// Per input row, the index of the largest exact product (first on ties).
+    pub ids: Vec<u32>,
+    /// Per input row, how many rows the bound could not exclude (their exact products were
+    /// computed): 1 when the approximate pass alone decided.
+    pub candidates: Vec<usize>,
+}
+
+/// Index of the largest value, first on ties (a NaN is never larger); `None` for an empty
+/// slice. The greedy choice over a row of logits, everywhere in Kakeya.
+pub fn first_max(values: &[f32]) -> Option<usize> {
+    let mut best: Option<(usize, f32)> = None;
+    for (i, &v) in values.iter().enumerate() {
+        if best.is_none_or(|(_, b)| v > b) {
+            best = Some((i, v));
+        }
+    }
+    best.map(|(i, _)| i)
+}
+
+/// Input rows rounded to int8 per group, with each row's error radius.
+#[derive(Debug)]
+pub(crate) struct Rounded {
+    /// `[t, cols]` int8 values.
+    pub q: Vec<i8>,
+    /// The same plus 128, as unsigned bytes (the VNNI path's operand).
+    pub qu: Vec<u8>,
+    /// `[t, gpr]` group scales (`x̂ = q · s`).
+    pub s: Vec<f32>,
+    /// `[t]`: the radius `C_j` such that `|approx_r − exact_r| ≤ ‖w_r‖₂ · C_j` for every row `r`
+    /// (computed approximation and f32-computed exact product alike).
+    pub radius: Vec<f32>,
+}
+
+/// Rounds `x` (`[t, cols]`, finite) to int8 per group of [`GROUP`] and bounds the error.
+pub(crate) fn round_inputs(x: &[f32], t: usize, cols: usize) -> Rounded {
+    let gpr = cols / GROUP;
+    let mut q = vec![0i8; t * cols];
+    let mut s = vec![0.0f32; t * gpr];
+    let mut radius = Vec::with_capacity(t);
+    // Rounding of the approximate pass (a product and an FMA per group and lane, the lane
+    // sums) and of the exact one (cols/8 FMAs per lane, the lane sums), each relative to
+    // ‖w‖·‖x̂‖ or ‖w‖·‖x‖, with room for the f32 bound arithmetic of the selection; doubled.
+    let kappa = 4.0 * (2 * gpr + cols / 8 + 32) as f64 * U;
+    for j in 0..t {
+        let (mut e2, mut x2, mut h2) = (0.0f64, 0.0f64, 0.0f64);
+        for g in 0..gpr {
+            let xs = &x[j * cols + g * GROUP..j * cols + (g + 1) * GROUP];
+            let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let sg = amax / 127.0;
+            s[j * gpr + g] = sg;
+            for (k, &v) in xs.iter().enumerate() {
+                let r = if sg > 0.0 {
+                    (v / sg).round().clamp(-127.0, 127.0)
+                } else {
+                    0.0
+                };
+                q[j * cols + g * GROUP + k] = r as i8;
+                // Exact in f64: `sg · r` has at most 24 + 8 significant bits.
+                let h = f64::from(sg) * f64::from(r);
+                let e = f64::from(v) - h;
+                e2 += e * e;
+                x2 += f64::from(v) * f64::from(v);
+                h2 += h * h;
+            }
+        }
+        let c = e2.sqrt() * (1.0 + 1e-6) + kappa * (x2.sqrt() + h2.sqrt());
+        radius.push((c as f32).next_up());
+    }
+    let qu = q.iter().map(|&v| (v as u8) ^ 0x80).collect();
+    Rounded { q, qu, s, radius }
+}
+
+/// `‖w_r‖₂` of every row, rounded up.
+pub(crate) fn row_norms(m: &QuantMatrix) -> Vec<f32> {
+    let (l, cols) = (m.layout(), m.cols());
+    let mut out = Vec::with_capacity(m.rows());
+    let mut w = vec![0.0f32; TILE * cols];
+    for k in 0..m.rows().div_ceil(TILE) {
+        l.rebuild(m.tile(k), &mut w);
+        for r in 0..(m.rows() - k * TILE).min(TILE) {
+            let n2: f64 = w[r * cols..(r + 1) * cols]
+                .iter()
+                .map(|&v| f64::from(v) * f64::from(v))
+                .sum();
+            out.push(((n2.sqrt() * (1.0 + 1e-6)) as f32).next_up());
+        }
+    }
+    out
+}
+
+/// One task's part of pass 1: per input row, its best lower bound and its rows (index, upper
+/// bound) that reach it.
+type TaskBounds = (Vec<f32>, Vec<Vec<(u32, f32)>>);
+
+/// Whether `m` can take the certified path on this machine.
+pub(crate) fn applies(m: &QuantMatrix) -> bool {
+    let l = m.layout();
+    l.group == GROUP && !l.asym && simd::available()
+}
+
+/// The approximate products `out[r · t + j] ≈ w_r · x_j` of the rows of `tiles` (whole tiles,
+/// `rows` rows used) against the rounded inputs.
+fn approx_rows(l: Layout, tiles: &[u8], xr: &Rounded, t: usize, rows: usize, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if avx512::available() {
+        avx512::approx(l, tiles, &xr.qu, &xr.s, t, rows, out);
+    } else {
+        simd::approx(l, tiles, &xr.q, &xr.s, t, rows, out);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (l, tiles, xr, t, rows, out);
+}
+
+impl QuantMatrix {
+    /// For each of the `t` input rows of `x` (`[t, cols]`), the index of its largest product
+    /// `w_r · x_j` exactly as [`Self::matmul`] computes them (first on ties), found by the
+    /// certified two-pass search of [`crate::argmax`]. `None` when the path does not apply —
+    /// another format, no AVX2, a non-finite input or product — and the caller must take the
+    /// exact products instead.
+    ///
+    /// # Shapes
+    /// - `x`: `[t, cols]` row-major → `t` ids
+    pub fn argmax(&self, x: &[f32], t: usize) -> Option<Argmax> {
+        assert_eq!(
+            x.len(),
+            t * self.cols(),
+            "QuantMatrix::argmax: input has the wrong length"
+        );
+        if t == 0 || !applies(self) || x.iter().any(|v| !v.is_finite()) {
+            return None;
+        }
+        let (l, rows, cols) = (self.layout(), self.rows(), self.cols());
+        let xr = round_inputs(x, t, cols);
+        let norms = self.norms();
+        // Pass 1, per task of rows: approximate products, the best lower bound of each input
+        // row, and the rows whose upper bound reaches it (a superset of the rows that reach
+        // the best lower bound over all tasks, which is at least as high).
+        let tasks: Vec<TaskBounds> = (0..rows.div_ceil(ROWS_PER_TASK))
+            .into_par_iter()
+            .map(|task| {
+                let r0 = task * ROWS_PER_TASK;
+                let n = (rows - r0).min(ROWS_PER_TASK);
+                let tiles = &self.data()[r0 / TILE * l.tile()..(r0 + n).div_ceil(TILE) * l.tile()];
+                let mut out = vec![0.0f32; n * t];
+                approx_rows(l, tiles, &xr, t, n, &mut out);
+                let mut low = vec![f32::NEG_INFINITY; t];
+                for (i, row) in out.chunks_exact(t).enumerate() {
+                    for (j, (&a, lo)) in row.iter().zip(&mut low).enumerate() {
+                        *lo = lo.max(a - norms[r0 + i] * xr.radius[j]);
+                    }
+                }
+                let mut near = vec![Vec::new(); t];
+                for (i, row) in out.chunks_exact(t).enumerate() {
+                    for (j, &a) in row.iter().enumerate() {
+                        let hi = a + norms[r0 + i] * xr.radius[j];
+                        if hi >= low[j] {
+                            near[j].push(((r0 + i) as u32, hi));
+                        }
+                    }
+                }
+                (low, near)
+            })
+            .collect();
+        let mut thr = vec![f32::NEG_INFINITY; t];
+        for (low, _) in &tasks {
+            for (m, &v) in thr.iter_mut().zip(low) {
+                *m = m.max(v);
+            }
+        }
+        if thr.iter().any(|v| !v.is_finite()) {
+            return None;
+        }
+        // Pass 2: the rows whose upper bound reaches the best lower bound, ascending.
+        let cands: Vec<Vec<u32>> = (0..t)
+            .map(|j| {
+                tasks
+                    .iter()
+                    .flat_map(|(_, near)| near[j].iter())
+                    .filter(|&&(_, hi)| hi >= thr[j])
+                    .map(|&(r, _)| r)
+                    .collect()
+            })
+            .collect();
+        // Pass 3: the candidates' exact products; the largest, first on ties.
+        let mut w = vec![0.0f32; TILE * cols];
+        let mut ids = Vec::with_capacity(t);
+        for (j, c) in cands.iter().enumerate() {
+            let xj = &x[j * cols..(j + 1) * cols];
+            let mut loaded = usize::MAX;
+            let mut vals = Vec::with_capacity(c.len());
+            for &r in c {
+                let k = r as usize / TILE;
+                if k != loaded {
+                    l.rebuild(self.tile(k), &mut w);
+                    loaded = k;
+                }
+                let i = r as usize % TILE;
+                let v = kernel::dot(&w[i * cols..(i + 1) * cols], xj);
+                if !v.is_finite() {
+                    return None;
+                }
+                vals.push(v);
+            }
+            ids.push(c[first_max(&vals)?]);
+        }
+        tracing::trace!(candidates = ?cands.iter().map(Vec::len).collect::<Vec<_>>(), "certified argmax");
+        Some(Argmax {
+            ids,
+            candidates: cands.iter().map(Vec::len).collect(),
+        })
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+mod simd {
+    use std::sync::OnceLock;
+
+    use super::{GROUP, Layout, TILE};
+
+    pub(super) fn available() -> bool {
+        static OK: OnceLock<bool> = OnceLock::new();
+        *OK.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+    }
+
+    /// [`super::approx_rows`] with AVX2: per tile, the inputs in chunks of up to two (four
+    /// weight rows at once) or four (two weight rows at once, two passes).
+    pub(super) fn approx(
+        l: Layout,
+        tiles: &[u8],
+        q: &[i8],
+        s: &[f32],
+        t: usize,
+        rows: usize,
+        out: &mut [f32],
+    ) {
+        let (cols, gpr) = (l.cols(), l.gpr);
+        assert!(
+            l.group == GROUP
+                && !l.asym
+                && tiles.len() >= rows.div_ceil(TILE) * l.tile()
+                && q.len() >= t * cols
+                && s.len() >= t * gpr
+                && out.len() >= rows * t
+                && available(),
+            "argmax::approx: bad layout or slices"
+        );
+        for k in 0..rows.div_ceil(TILE) {
+            let tile = &tiles[k * l.tile()..(k + 1) * l.tile()];
+            let mut j0 = 0;
+            while j0 < t {
+                let xn = (t - j0).min(4);
+                let (qs, ss) = (
+                    &q[j0 * cols..(j0 + xn) * cols],
+                    &s[j0 * gpr..(j0 + xn) * gpr],
+                );
+                let mut put = |r0: usize, res: &[[f32; 4]], n: usize| {
+                    for (i, r) in res.iter().enumerate() {
+                        let row = k * TILE + r0 + i;
+                        if row < rows {
+                            out[row * t + j0..row * t + j0 + n].copy_from_slice(&r[..n]);
+                        }
+                    }
+                };
+                // SAFETY (all calls): AVX2 and FMA are available and every slice was checked
+                // above; row ranges lie inside the tile.
+                unsafe {
+                    match xn {
+                        1 => put(0, &pad(tile_avx2::<1, 4>(l, tile, 0, qs, ss)), 1),
+                        2 => put(0, &pad(tile_avx2::<2, 4>(l, tile, 0, qs, ss)), 2),
+                        3 => {
+                            put(0, &pad(tile_avx2::<3, 2>(l, tile, 0, qs, ss)), 3);
+                            put(2, &pad(tile_avx2::<3, 2>(l, tile, 2, qs, ss)), 3);
+                        }
+                        _ => {
+                            put(0, &pad(tile_avx2::<4, 2>(l, tile, 0, qs, ss)), 4);
+                            put(2, &pad(tile_avx2::<4, 2>(l, tile, 2, qs, ss)), 4);
+                        }
+                    }
+                }
+                j0 += xn;
+            }
+        }
+    }
+
+    fn pad<const X: usize, const R: usize>(r: [[f32; X]; R]) -> [[f32; 4]; R] {
+        r.map(|row| {
+            let mut o = [0.0; 4];
+            o[..X].copy_from_slice(&row);
+            o
+        })
+    }
+
+    /// Bytes ahead of the block being summed that are streamed in.
+    const PREFETCH: usize = 1024;
+
+    /// The tile's rows `r0..r0 + R` against `X` rounded inputs (`q`: `[X, cols]`, `s`:
+    /// `[X, gpr]`): `Σ_g s_w · s_x · Σ_k q_w q_x`, the inner sums in exact integers.
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::needless_range_loop)]
+    unsafe fn tile_avx2<const X: usize, const R: usize>(
+        l: Layout,
+        tile: &[u8],
+        r0: usize,
+        q: &[i8],
+        s: &[f32],
+    ) -> [[f32; X]; R] {
+        use std::arch::x86_64::{
+            _MM_HINT_T0, _mm_prefetch, _mm256_cvtepi32_ps, _mm256_fmadd_ps, _mm256_loadu_si256,
+            _mm256_madd_epi16, _mm256_maddubs_epi16, _mm256_mul_ps, _mm256_set1_epi16,
+            _mm256_set1_ps, _mm256_setzero_ps, _mm256_sign_epi8, _mm256_storeu_ps,
+        };
+        let (cols, gpr, block, header) = (l.cols(), l.gpr, l.block(), l.header());
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [[_mm256_setzero_ps(); X]; R];
+        let tp = tile.as_ptr();
+        for g in 0..gpr {
+            // SAFETY: block `g` lies inside the tile; prefetches never fault.
+            let b = unsafe { tp.add(g * block) };
+            let mut line = 0;
+            while line < block {
+                _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(PREFETCH + line).cast());
+                line += 64;
+            }
+            for i in 0..R {
+                let r = r0 + i;
+                // SAFETY: the header holds TILE f32 scales; the values (32 per row) follow it.
+                let (sw, w) = unsafe {
+                    (
+                        b.add(4 * r).cast::<f32>().read_unaligned(),
+                        _mm256_loadu_si256(b.add(header + r * GROUP).cast()),
+                    )
+                };
+                let aw = _mm256_sign_epi8(w, w);
+                let swv = _mm256_set1_ps(sw);
+                for (j, a) in acc[i].iter_mut().enumerate() {
+                    // SAFETY: input `j < X` holds `cols` values and `gpr` scales.
+                    let (xv, sx) = unsafe {
+                        (
+                            _mm256_loadu_si256(q.as_ptr().add(j * cols + g * GROUP).cast()),
+                            *s.get_unchecked(j * gpr + g),
+                        )
+                    };
+                    // |w| · (x with w's sign): u8 × i8 pairs, at most 2·128·127 < 2¹⁵.
+                    let p =
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w)), ones);
+                    let sc = _mm256_mul_ps(swv, _mm256_set1_ps(sx));
+                    *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, *a);
+                }
+            }
+        }
+        let mut res = [[0.0f32; X]; R];
+        for (r, a) in res.iter_mut().zip(&acc) {
+            for (v, aj) in r.iter_mut().zip(a) {
+                let mut lanes = [0.0f32; 8];
+                // SAFETY: eight f32 into an eight-f32 array.
+                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *aj) };
+                *v = lanes.iter().sum();
+            }
+        }
+        res
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+mod simd {
+    pub(super) fn available() -> bool {
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dequant::{GgmlType, dequantize};
+    use crate::quant::tests::blocks;
+
+    /// The reference: the first largest of `matmul`'s products.
+    fn exact_argmax(m: &QuantMatrix, x: &[f32], t: usize) -> Vec<u32> {
+        let y = m.matmul(x, t);
+        y.chunks_exact(m.rows())
+            .map(|row| first_max(row).unwrap() as u32)
+            .collect()
+    }
+
+    /// Inputs of three kinds: flat noise, noise with a few large channels (Gemma's residual
+    /// stream has some), and a scaled copy of one weight row plus noise (a peaked choice).
+    fn inputs(m: &QuantMatrix, t: usize, seed: u32) -> Vec<f32> {
+        let cols = m.cols();
+        let dense = m.to_dense();
+        let mut z = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
+        let mut rnd = move || {
+            z = z.wrapping_mul(1_103_515_245).wrapping_add(12345);
+            ((z >> 8) & 0xffff) as f32 / 65536.0 - 0.5
+        };
+        let mut x = Vec::with_capacity(t * cols);
+        for j in 0..t {
+            let pick = (j * 37 + seed as usize * 11) % m.rows();
+            for c in 0..cols {
+                let v = match j % 3 {
+                    0 => rnd() * 2.0,
+                    1 => rnd() + if c % 97 == 5 { 40.0 * rnd() } else { 0.0 },
+                    _ => 300.0 * dense[pick * cols + c] + 0.3 * rnd(),
+                };
+                x.push(v);
+            }
+        }
+        x
+    }
+
+    #[test]
+    fn every_rows_approximation_is_within_its_bound() {
+        if !simd::available() {
+            return;
+        }
+        for (ty, rows, cols) in [
+            (GgmlType::Q8_0, 403, 640),
+            (GgmlType::Q4_0, 257, 512),
+            (GgmlType::Q5_0, 130, 512),
+        ] {
+            let m = QuantMatrix::new(ty, rows, cols, &blocks(ty, rows, cols)).unwrap();
+            let t = 6;
+            let x = inputs(&m, t, 3);
+            let xr = round_inputs(&x, t, cols);
+            let mut approx = vec![0.0f32; rows * t];
+            approx_rows(m.layout(), m.data(), &xr, t, rows, &mut approx);
+            let exact = m.matmul(&x, t);
+            let norms = m.norms();
+            let mut worst = 0.0f64;
+            for r in 0..rows {
+                for j in 0..t {
+                    let (a, f) = (approx[r * t + j], exact[j * rows + r]);
+                    let bound = f64::from(norms[r]) * f64::from(xr.radius[j]);
+                    let err = (f64::from(a) - f64::from(f)).abs();
+                    assert!(err <= bound, "{ty:?} [{r},{j}]: |{a} - {f}| > {bound}");
+                    worst = worst.max(err / bound);
+                }
+            }
+            // The bound is not vacuous: some rows come within a few times of it.
+            assert!(worst > 0.01, "{ty:?}: error at most {worst} of the bound");
+        }
+    }
+
+    #[test]
+    fn the_vnni_pass_gives_the_avx2_pass_bits() {
+        if !(simd::available() && avx512::available()) {
+            eprintln!("no AVX-512 VNNI here: nothing to compare");
+            return;
+        }
+        for (ty, rows, cols) in [(GgmlType::Q8_0, 403, 640), (GgmlType::Q4_0, 130, 512)] {
+            let m = QuantMatrix::new(ty, rows, cols, &blocks(ty, rows, cols)).unwrap();
+            for t in [1, 2, 3, 4, 5, 7, 8, 9, 16, 17] {
+                let x = inputs(&m, t, 5);
+                let xr = round_inputs(&x, t, cols);
+                let (mut a, mut b) = (vec![0.0f32; rows * t], vec![0.0f32; rows * t]);
+                simd::approx(m.layout(), m.data(), &xr.q, &xr.s, t, rows, &mut a);
+                avx512::approx(m.layout(), m.data(), &xr.qu, &xr.s, t, rows, &mut b);
+                let (a, b): (Vec<u32>, Vec<u32>) = (
+                    a.iter().map(|v| v.to_bits()).collect(),
+                    b.iter().map(|v| v.to_bits()).collect(),
+                );
+                assert_eq!(a, b, "{ty:?} t={t}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_certified_argmax_is_the_exact_products_argmax() {
+        if !simd::available() {
+            return;
+        }
+        for (ty, rows, cols) in [
+            (GgmlType::Q8_0, 1003, 640),
+            (GgmlType::Q8_0, 9, 512),
+            (GgmlType::Q4_0, 600, 512),
+            (GgmlType::Q5_0, 515, 640),
+        ] {
+            let m = QuantMatrix::new(ty, rows, cols, &blocks(ty, rows, cols)).unwrap();
+            for t in [1, 2, 3, 4, 5, 8, 9, 16] {
+                for seed in 0..3 {
+                    let x = inputs(&m, t, seed);
+                    let got = m.argmax(&x, t).expect("the certified path applies");
+                    assert_eq!(got.ids, exact_argmax(&m, &x, t), "{ty:?} t={t} seed={seed}");
+                    assert!(got.candidates.iter().all(|&c| c >= 1 && c <= rows));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn ties_go_to_the_first_row_and_peaked_inputs_need_few_exact_products() {
+        if !simd::available() {
+            return;
+        }
+        let (ty, rows, cols) = (GgmlType::Q8_0, 300, 512);
+        let mut data = blocks(ty, rows, cols);
+        let rb = ty.bytes_for(cols).unwrap();
+        // Row 250 is a copy of row 17.
+        let src = data[17 * rb..18 * rb].to_vec();
+        data[250 * rb..251 * rb].copy_from_slice(&src);
+        let m = QuantMatrix::new(ty, rows, cols, &data).unwrap();
+        let dense = dequantize(ty, &data, rows * cols);
+        let x: Vec<f32> = dense[17 * cols..18 * cols]
+            .iter()
+            .map(|v| v * 500.0)
+            .collect();
+        let got = m.argmax(&x, 1).unwrap();
+        assert_eq!(got.ids, vec![17]);
+        assert_eq!(exact_argmax(&m, &x, 1), vec![17]);
+        // Both copies tie, so both stay candidates; the bound excludes nearly all the rest.
+        assert!(
+            got.candidates[0] >= 2 && got.candidates[0] < 30,
+            "{:?}",
+            got.candidates
+        );
+    }
+
+    #[test]
+    fn other_formats_and_non_finite_inputs_take_the_exact_path() {
+        for ty in [GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q5_1] {
+            let m = QuantMatrix::new(ty, 8, 512, &blocks(ty, 8, 512)).unwrap();
+            assert!(m.argmax(&vec![0.5; 512], 1).is_none(), "{ty:?}");
+        }
+        let m = QuantMatrix::new(GgmlType::Q8_0, 8, 512, &blocks(GgmlType::Q8_0, 8, 512)).unwrap();
+        let mut x = vec![0.5f32; 512];
+        x[3] = f32::NAN;
+        assert!(m.argmax(&x, 1).is_none());
+        x[3] = f32::INFINITY;
+        assert!(m.argmax(&x, 1).is_none());
+    }
+}

@@ -29,7 +29,8 @@ pub enum TrainCommand {
         /// The training config (`configs/train/drafter-<name>.toml`).
         #[arg(long)]
         config: PathBuf,
-        /// Continue from the run folder's last saved state (same config and dataset).
+        /// Continue from the run folder's last saved state (same config and dataset); with
+        /// nothing saved yet, start fresh.
         #[arg(long)]
         resume: bool,
         /// Compute device.
@@ -43,7 +44,8 @@ pub enum TrainCommand {
         /// The training config (`configs/train/f-theta-<name>.toml`).
         #[arg(long)]
         config: PathBuf,
-        /// Continue from the run folder's last saved state (same config and dataset).
+        /// Continue from the run folder's last saved state (same config and dataset); with
+        /// nothing saved yet, start fresh.
         #[arg(long)]
         resume: bool,
         /// Compute device.

@@ -181,8 +181,9 @@ pub struct Opened<P, E, X> {
 }
 
 /// Opens the run folder `out`: resumes its saved state (`state/`, or `state.old/` when a swap
-/// was interrupted) when `resume`, else starts from `fresh` — refusing to overwrite a state
-/// that exists. `expected` names the tensors a state must hold; `rebuild` makes the
+/// was interrupted) when `resume` and one exists, else starts from `fresh` — refusing, without
+/// `resume`, to overwrite a state that exists. (`--resume` with nothing saved yet starts
+/// fresh, as `kakeya capture --resume` does, so one command line both starts and continues.) `expected` names the tensors a state must hold; `rebuild` makes the
 /// parameter set of the saved tensors.
 pub fn open<P: Params, E: DeserializeOwned, X: DeserializeOwned>(
     out: &Path,
@@ -194,12 +195,19 @@ pub fn open<P: Params, E: DeserializeOwned, X: DeserializeOwned>(
 ) -> Result<Opened<P, E, X>> {
     let state_dir = out.join("state");
     let old_dir = out.join("state.old");
-    if !resume {
-        if state_dir.exists() || old_dir.exists() {
+    let saved = state_dir.exists() || old_dir.exists();
+    if !resume || !saved {
+        if saved {
             return Err(TrainError::invalid(
                 out,
                 "a training state exists here; pass --resume to continue it or remove the folder",
             ));
+        }
+        if resume {
+            tracing::info!(
+                "{}: no saved state to resume; starting fresh",
+                out.display()
+            );
         }
         let (params, extra) = fresh()?;
         let moments = params

@@ -457,6 +457,29 @@ fn resuming_after_an_interruption_is_bit_for_bit() {
     for (name, t) in &a.tensors {
         assert_eq!(t.data, b.tensors[name].data, "{name} differs after resume");
     }
+    // --resume with nothing saved yet starts fresh (one command line starts and continues).
+    let fresh = train_config(&ds, &s.0.join("c"), 10, 30);
+    let mut first_step = None;
+    train_drafter(
+        &fresh,
+        &v,
+        prepare(&fresh, &v, SHA).unwrap(),
+        &resume,
+        &mut |ev| {
+            if let kakeya_train::Event::Started { start, .. } = ev {
+                first_step = Some(start);
+            }
+        },
+    )
+    .unwrap();
+    assert_eq!(first_step, Some(0));
+    let c = DraftCheckpoint::load(&fresh.output.export).unwrap();
+    for (name, t) in &a.tensors {
+        assert_eq!(
+            t.data, c.tensors[name].data,
+            "{name} differs from a fresh --resume"
+        );
+    }
 }
 
 #[test]

@@ -11,8 +11,14 @@ use kakeya_weights::{Checkpoint, DraftCheckpoint, Tokenizer};
 /// Where `scripts/fetch_default_model.py` puts the default model.
 pub const DEFAULT_MODEL: &str = "models/gemma-3-270m/gemma-3-270m-q4_k_m.gguf";
 
-/// The trained DFlash drafter for the default model (`configs/train/drafter-270m.toml`).
-pub const DEFAULT_DRAFTER: &str = "checkpoints/drafter-gemma3-270m";
+/// The trained DFlash drafter for the default model (`configs/train/drafter-270m-large.toml`):
+/// the one speculative decoding uses by default.
+pub const DEFAULT_DRAFTER: &str = "checkpoints/drafter-gemma3-270m-v2";
+
+/// The drafter the default model's f_θ was trained with (`configs/train/drafter-270m.toml`):
+/// the restored KV modes read its context K/V, so on the default model they use it — for the
+/// store and, by default, for drafting.
+pub const F_THETA_DRAFTER: &str = "checkpoints/drafter-gemma3-270m";
 
 /// Compute device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -129,21 +135,33 @@ pub fn load_drafter(dir: &Path, verifier: &Gemma3Model) -> Result<DFlashDrafter>
 }
 
 /// The drafter folder a run uses: `explicit` (`--drafter`), or — when `allow_default` and the
-/// run uses the default model — the trained drafter in `checkpoints/`, when present.
+/// run uses the default model — the trained drafter in `checkpoints/`, when present: the
+/// default one, or in a KV mode that `restores` through f_θ the one f_θ was trained with.
 pub fn drafter_dir(
     explicit: Option<&PathBuf>,
     allow_default: bool,
     model: &ModelArgs,
+    restores: bool,
 ) -> Option<PathBuf> {
     if let Some(d) = explicit {
         return Some(d.clone());
     }
-    let default = PathBuf::from(DEFAULT_DRAFTER);
+    let default = PathBuf::from(default_drafter(restores));
     if allow_default && model.model.is_none() && default.is_dir() {
         tracing::info!("using the default drafter {}", default.display());
         return Some(default);
     }
     None
+}
+
+/// The default model's drafter folder: [`F_THETA_DRAFTER`] when the KV mode `restores`, else
+/// [`DEFAULT_DRAFTER`].
+pub fn default_drafter(restores: bool) -> &'static str {
+    if restores {
+        F_THETA_DRAFTER
+    } else {
+        DEFAULT_DRAFTER
+    }
 }
 
 /// Checks a block size against the drafter and the model's context.

@@ -18,7 +18,7 @@ use kakeya_runtime::{
 use kakeya_weights::Tokenizer;
 use serde::{Deserialize, Serialize};
 
-use crate::common::{DEFAULT_DRAFTER, ModelArgs, load_drafter};
+use crate::common::{ModelArgs, default_drafter, load_drafter};
 use crate::eval_report::{ItemResult, SCHEMA_VERSION, report};
 use crate::kv::{f_theta_dir, load_f_theta};
 use kakeya_train::state::write_file_atomically as write_atomically;
@@ -332,7 +332,7 @@ pub fn run(a: NiahArgs) -> Result<()> {
     let drafter_dir = a
         .drafter
         .clone()
-        .unwrap_or_else(|| PathBuf::from(DEFAULT_DRAFTER));
+        .unwrap_or_else(|| PathBuf::from(default_drafter(modes.iter().any(|m| m.restores()))));
     let drafter = if needs_drafter {
         Some(load_drafter(&drafter_dir, &model)?)
     } else {

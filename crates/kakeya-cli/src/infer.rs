@@ -219,6 +219,7 @@ pub fn run(a: InferArgs) -> Result<()> {
         a.drafter.as_ref(),
         !a.no_drafter && wants_drafter && !a.chat,
         &a.model,
+        a.kv.policy()?.mode.restores(),
     );
     let speculative = !a.no_drafter && (drafter_dir.is_some() || a.draft.is_some());
     if speculative && a.chat {

@@ -131,7 +131,7 @@ impl KvRun {
         if !policy.mode.restores() {
             return Ok(run);
         }
-        let default_dir = PathBuf::from(crate::common::DEFAULT_DRAFTER);
+        let default_dir = PathBuf::from(crate::common::F_THETA_DRAFTER);
         let dir = drafter_dir.unwrap_or(&default_dir);
         if spec_drafter.is_none() {
             run.store_drafter = Some(crate::common::load_drafter(dir, model)?);

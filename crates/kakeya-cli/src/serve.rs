@@ -86,7 +86,12 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let path = a.model.model_path()?;
     let (model, tok) = a.model.load()?;
     let wants_drafter = a.draft.is_none_or(DraftKind::needs_drafter);
-    let drafter_dir = drafter_dir(a.drafter.as_ref(), !a.no_drafter && wants_drafter, &a.model);
+    let drafter_dir = drafter_dir(
+        a.drafter.as_ref(),
+        !a.no_drafter && wants_drafter,
+        &a.model,
+        a.kv.policy()?.mode.restores(),
+    );
     let drafter = match &drafter_dir {
         Some(dir) if wants_drafter => Some(load_drafter(dir, &model)?),
         _ => None,

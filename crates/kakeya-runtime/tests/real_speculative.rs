@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{load, model_dir, trained_drafter};
+use common::{default_drafter, load, model_dir, trained_drafter};
 use kakeya_models::testing::{drafter_config, random_drafter};
 use kakeya_models::{DFlashDrafter, Gemma3Model};
 use kakeya_runtime::{
@@ -216,9 +216,24 @@ fn loop_guard_on_real_token_streams() {
 
 #[test]
 #[ignore = "needs the fetched Gemma 3 270M (scripts/fetch_default_model.py)"]
-fn trained_drafter_is_lossless_and_gets_drafts_accepted() {
+fn trained_drafters_are_lossless_and_get_drafts_accepted() {
     let (v, tok) = load();
-    let d = trained_drafter(&v);
+    // The default drafter (10x data) and the first one (the committed f_θ's).
+    for (name, d, floor) in [
+        ("default", default_drafter(&v), 1.45),
+        ("first", trained_drafter(&v), 1.1),
+    ] {
+        drafter_is_lossless(&v, &tok, name, &d, floor);
+    }
+}
+
+fn drafter_is_lossless(
+    v: &Gemma3Model,
+    tok: &Tokenizer,
+    name: &str,
+    d: &DFlashDrafter,
+    floor: f64,
+) {
     let mut prompts: Vec<Vec<u32>> = SHORT
         .iter()
         .map(|t| {
@@ -234,12 +249,12 @@ fn trained_drafter_is_lossless_and_gets_drafts_accepted() {
     let max_tokens = 40;
     let (mut committed, mut blocks) = (0usize, 0usize);
     for (i, p) in prompts.iter().enumerate() {
-        let want = generate(&mut Session::new(&v, 0), p, &cfg(max_tokens), &mut |_| {})
+        let want = generate(&mut Session::new(v, 0), p, &cfg(max_tokens), &mut |_| {})
             .unwrap()
             .tokens;
         for block in [4, 8] {
-            let mut ver = Verifier::new(&v, KvSetup::full(0).drafter(&d), block).unwrap();
-            let mut prop = DFlashProposer::new(&d);
+            let mut ver = Verifier::new(v, KvSetup::full(0).drafter(d), block).unwrap();
+            let mut prop = DFlashProposer::new(d);
             let g = speculative_generate(
                 &mut ver,
                 &mut prop,
@@ -253,7 +268,7 @@ fn trained_drafter_is_lossless_and_gets_drafts_accepted() {
                 g.tokens == want,
                 "prompt {i} ({} tokens), block {block}: {}",
                 p.len(),
-                divergence(&v, p, &want, &g.tokens)
+                divergence(v, p, &want, &g.tokens)
             );
             if block == 8 {
                 let s = g.spec.unwrap();
@@ -264,8 +279,8 @@ fn trained_drafter_is_lossless_and_gets_drafts_accepted() {
         // The default engine settings: lookup-or-drafter, adaptive blocks; and lookup alone.
         let runs: [(Box<dyn Proposer>, KvSetup<'_>, SpecConfig); 2] = [
             (
-                Box::new(CombinedProposer::new(Box::new(DFlashProposer::new(&d)))),
-                KvSetup::full(0).drafter(&d),
+                Box::new(CombinedProposer::new(Box::new(DFlashProposer::new(d)))),
+                KvSetup::full(0).drafter(d),
                 SpecConfig::adaptive(8),
             ),
             (
@@ -275,7 +290,7 @@ fn trained_drafter_is_lossless_and_gets_drafts_accepted() {
             ),
         ];
         for (mut prop, setup, sc) in runs {
-            let mut ver = Verifier::new(&v, setup, sc.block_size).unwrap();
+            let mut ver = Verifier::new(v, setup, sc.block_size).unwrap();
             let g = speculative_generate(
                 &mut ver,
                 prop.as_mut(),
@@ -288,16 +303,19 @@ fn trained_drafter_is_lossless_and_gets_drafts_accepted() {
             assert!(
                 g.tokens == want,
                 "prompt {i}, {sc:?}: {}",
-                divergence(&v, p, &want, &g.tokens)
+                divergence(v, p, &want, &g.tokens)
             );
         }
     }
     // A trained drafter must actually draft: a random one commits 1.00 token per block; the
-    // committed one reaches ~1.3 on held-out prompts (docs/benchmarks.md).
+    // first one reaches ~1.3 on held-out prompts, the default one 1.61 on these (2026-11-25).
     let mean = committed as f64 / blocks as f64;
     eprintln!(
-        "trained drafter, block 8: {mean:.2} tokens per block over {} prompts",
+        "{name} drafter, block 8: {mean:.2} tokens per block over {} prompts",
         prompts.len()
     );
-    assert!(mean > 1.1, "mean acceptance length {mean:.2}");
+    assert!(
+        mean > floor,
+        "{name} drafter: mean acceptance length {mean:.2}"
+    );
 }

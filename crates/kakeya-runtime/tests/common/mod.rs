@@ -32,14 +32,23 @@ pub fn load() -> (Gemma3Model, Tokenizer) {
     )
 }
 
-/// The trained drafter committed for the default model (`configs/train/drafter-270m.toml`).
+/// The first drafter trained for the default model (`configs/train/drafter-270m.toml`): the
+/// one the committed f_θ reads, so the restored KV modes use it.
 pub fn trained_drafter_dir() -> PathBuf {
     root().join("checkpoints/drafter-gemma3-270m")
 }
 
-/// The trained drafter, loaded for `verifier`.
+/// [`trained_drafter_dir`]'s drafter, loaded for `verifier`.
 pub fn trained_drafter(verifier: &Gemma3Model) -> DFlashDrafter {
     let ck = DraftCheckpoint::load(&trained_drafter_dir()).expect("trained drafter");
+    DFlashDrafter::from_checkpoint(ck, verifier).unwrap()
+}
+
+/// The default model's default drafter (`configs/train/drafter-270m-large.toml`, 10× the data),
+/// loaded for `verifier`.
+pub fn default_drafter(verifier: &Gemma3Model) -> DFlashDrafter {
+    let dir = root().join("checkpoints/drafter-gemma3-270m-v2");
+    let ck = DraftCheckpoint::load(&dir).expect("default drafter");
     DFlashDrafter::from_checkpoint(ck, verifier).unwrap()
 }
 

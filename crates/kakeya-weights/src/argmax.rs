@@ -147,6 +147,53 @@ fn approx_rows(l: Layout, tiles: &[u8], xr: &Rounded, t: usize, rows: usize, out
     let _ = (l, tiles, xr, t, rows, out);
 }
 
+/// Inputs one tile pass takes at most.
+#[cfg(target_arch = "x86_64")]
+const MAX_X: usize = 8;
+
+/// One tile pass's products: `res[r][j]` for tile row `r` and input `j` of the chunk.
+#[cfg(target_arch = "x86_64")]
+type TileProducts = [[f32; MAX_X]; TILE];
+
+/// The loop both SIMD passes share: every tile of `tiles` (`rows` rows used) against the `t`
+/// inputs in chunks of at most `chunk` (≤ [`MAX_X`]); `pass(tile, j0, xn, res)` fills the
+/// products of inputs `j0..j0 + xn`, written to `out[r · t + j]`.
+#[cfg(target_arch = "x86_64")]
+fn each_tile(
+    l: Layout,
+    tiles: &[u8],
+    t: usize,
+    rows: usize,
+    chunk: usize,
+    out: &mut [f32],
+    mut pass: impl FnMut(&[u8], usize, usize, &mut TileProducts),
+) {
+    assert!(
+        l.group == GROUP
+            && !l.asym
+            && tiles.len() >= rows.div_ceil(TILE) * l.tile()
+            && out.len() >= rows * t
+            && (1..=MAX_X).contains(&chunk),
+        "argmax: bad layout or slices"
+    );
+    for k in 0..rows.div_ceil(TILE) {
+        let tile = &tiles[k * l.tile()..(k + 1) * l.tile()];
+        let mut j0 = 0;
+        while j0 < t {
+            let xn = (t - j0).min(chunk);
+            let mut res = [[0.0f32; MAX_X]; TILE];
+            pass(tile, j0, xn, &mut res);
+            for (i, r) in res.iter().enumerate() {
+                let row = k * TILE + i;
+                if row < rows {
+                    out[row * t + j0..row * t + j0 + xn].copy_from_slice(&r[..xn]);
+                }
+            }
+            j0 += xn;
+        }
+    }
+}
+
 impl QuantMatrix {
     /// For each of the `t` input rows of `x` (`[t, cols]`), the index of its largest product
     /// `w_r · x_j` exactly as [`Self::matmul`] computes them (first on ties), found by the
@@ -252,7 +299,7 @@ impl QuantMatrix {
 mod simd {
     use std::sync::OnceLock;
 
-    use super::{GROUP, Layout, TILE};
+    use super::{GROUP, Layout};
 
     pub(super) fn available() -> bool {
         static OK: OnceLock<bool> = OnceLock::new();
@@ -272,51 +319,36 @@ mod simd {
     ) {
         let (cols, gpr) = (l.cols(), l.gpr);
         assert!(
-            l.group == GROUP
-                && !l.asym
-                && tiles.len() >= rows.div_ceil(TILE) * l.tile()
-                && q.len() >= t * cols
-                && s.len() >= t * gpr
-                && out.len() >= rows * t
-                && available(),
-            "argmax::approx: bad layout or slices"
+            q.len() >= t * cols && s.len() >= t * gpr && available(),
+            "argmax::approx: bad inputs"
         );
-        for k in 0..rows.div_ceil(TILE) {
-            let tile = &tiles[k * l.tile()..(k + 1) * l.tile()];
-            let mut j0 = 0;
-            while j0 < t {
-                let xn = (t - j0).min(4);
-                let (qs, ss) = (
-                    &q[j0 * cols..(j0 + xn) * cols],
-                    &s[j0 * gpr..(j0 + xn) * gpr],
-                );
-                let mut put = |r0: usize, res: &[[f32; 4]], n: usize| {
-                    for (i, r) in res.iter().enumerate() {
-                        let row = k * TILE + r0 + i;
-                        if row < rows {
-                            out[row * t + j0..row * t + j0 + n].copy_from_slice(&r[..n]);
-                        }
+        super::each_tile(l, tiles, t, rows, 4, out, |tile, j0, xn, res| {
+            let (qs, ss) = (
+                &q[j0 * cols..(j0 + xn) * cols],
+                &s[j0 * gpr..(j0 + xn) * gpr],
+            );
+            let mut put = |r0: usize, part: &[[f32; 4]]| {
+                for (i, r) in part.iter().enumerate() {
+                    res[r0 + i][..4].copy_from_slice(r);
+                }
+            };
+            // SAFETY (all calls): AVX2 and FMA are available and every slice was checked
+            // above; row ranges lie inside the tile.
+            unsafe {
+                match xn {
+                    1 => put(0, &pad(tile_avx2::<1, 4>(l, tile, 0, qs, ss))),
+                    2 => put(0, &pad(tile_avx2::<2, 4>(l, tile, 0, qs, ss))),
+                    3 => {
+                        put(0, &pad(tile_avx2::<3, 2>(l, tile, 0, qs, ss)));
+                        put(2, &pad(tile_avx2::<3, 2>(l, tile, 2, qs, ss)));
                     }
-                };
-                // SAFETY (all calls): AVX2 and FMA are available and every slice was checked
-                // above; row ranges lie inside the tile.
-                unsafe {
-                    match xn {
-                        1 => put(0, &pad(tile_avx2::<1, 4>(l, tile, 0, qs, ss)), 1),
-                        2 => put(0, &pad(tile_avx2::<2, 4>(l, tile, 0, qs, ss)), 2),
-                        3 => {
-                            put(0, &pad(tile_avx2::<3, 2>(l, tile, 0, qs, ss)), 3);
-                            put(2, &pad(tile_avx2::<3, 2>(l, tile, 2, qs, ss)), 3);
-                        }
-                        _ => {
-                            put(0, &pad(tile_avx2::<4, 2>(l, tile, 0, qs, ss)), 4);
-                            put(2, &pad(tile_avx2::<4, 2>(l, tile, 2, qs, ss)), 4);
-                        }
+                    _ => {
+                        put(0, &pad(tile_avx2::<4, 2>(l, tile, 0, qs, ss)));
+                        put(2, &pad(tile_avx2::<4, 2>(l, tile, 2, qs, ss)));
                     }
                 }
-                j0 += xn;
             }
-        }
+        });
     }
 
     fn pad<const X: usize, const R: usize>(r: [[f32; X]; R]) -> [[f32; 4]; R] {
@@ -326,9 +358,6 @@ mod simd {
             o
         })
     }
-
-    /// Bytes ahead of the block being summed that are streamed in.
-    const PREFETCH: usize = 1024;
 
     /// The tile's rows `r0..r0 + R` against `X` rounded inputs (`q`: `[X, cols]`, `s`:
     /// `[X, gpr]`): `Σ_g s_w · s_x · Σ_k q_w q_x`, the inner sums in exact integers.
@@ -342,9 +371,9 @@ mod simd {
         s: &[f32],
     ) -> [[f32; X]; R] {
         use std::arch::x86_64::{
-            _MM_HINT_T0, _mm_prefetch, _mm256_cvtepi32_ps, _mm256_fmadd_ps, _mm256_loadu_si256,
-            _mm256_madd_epi16, _mm256_maddubs_epi16, _mm256_mul_ps, _mm256_set1_epi16,
-            _mm256_set1_ps, _mm256_setzero_ps, _mm256_sign_epi8, _mm256_storeu_ps,
+            _mm256_cvtepi32_ps, _mm256_fmadd_ps, _mm256_loadu_si256, _mm256_madd_epi16,
+            _mm256_maddubs_epi16, _mm256_mul_ps, _mm256_set1_epi16, _mm256_set1_ps,
+            _mm256_setzero_ps, _mm256_sign_epi8, _mm256_storeu_ps,
         };
         let (cols, gpr, block, header) = (l.cols(), l.gpr, l.block(), l.header());
         let ones = _mm256_set1_epi16(1);
@@ -353,11 +382,7 @@ mod simd {
         for g in 0..gpr {
             // SAFETY: block `g` lies inside the tile; prefetches never fault.
             let b = unsafe { tp.add(g * block) };
-            let mut line = 0;
-            while line < block {
-                _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(PREFETCH + line).cast());
-                line += 64;
-            }
+            crate::kernel::prefetch_ahead(b, block);
             for i in 0..R {
                 let r = r0 + i;
                 // SAFETY: the header holds TILE f32 scales; the values (32 per row) follow it.

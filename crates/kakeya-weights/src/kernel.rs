@@ -176,6 +176,24 @@ pub(crate) fn tiles_fused(
     false
 }
 
+/// Streams in the bytes a few blocks ahead of the block at `b` (`block` bytes long) while it
+/// is summed: the next blocks follow it, also across tiles. A prefetch never faults, so the
+/// addresses need not exist.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+#[allow(unsafe_code)]
+pub(crate) fn prefetch_ahead(b: *const u8, block: usize) {
+    use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+    /// Bytes ahead of the block being summed.
+    const AHEAD: usize = 1024;
+    let mut line = 0;
+    while line < block {
+        // SAFETY: SSE is part of x86-64; a prefetch reads nothing and never faults.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(AHEAD + line).cast()) };
+        line += 64;
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 mod simd {
@@ -303,9 +321,6 @@ mod simd {
         }
     }
 
-    /// Bytes ahead of the block being summed that are streamed in (a few blocks).
-    const PREFETCH: usize = 1024;
-
     /// The tile's rows `r0..r0 + R` against `X` input rows (`x`: `[X, cols]`); `ASYM` =
     /// `l.asym` (a constant, so the loop has no branch and the offsets stay in registers).
     #[target_feature(enable = "avx2,fma")]
@@ -317,8 +332,8 @@ mod simd {
         x: &[f32],
     ) -> [[f32; X]; R] {
         use std::arch::x86_64::{
-            _MM_HINT_T0, _mm_loadl_epi64, _mm_prefetch, _mm256_add_ps, _mm256_cvtepi8_epi32,
-            _mm256_cvtepi32_ps, _mm256_mul_ps, _mm256_set1_ps,
+            _mm_loadl_epi64, _mm256_add_ps, _mm256_cvtepi8_epi32, _mm256_cvtepi32_ps,
+            _mm256_mul_ps, _mm256_set1_ps,
         };
         let mut acc = [[_mm256_setzero_ps(); X]; R];
         let (tp, xp, cols) = (tile.as_ptr(), x.as_ptr(), l.cols());
@@ -328,13 +343,7 @@ mod simd {
         for g in 0..l.gpr {
             // SAFETY: block `g` lies inside the tile (`gpr · block` bytes).
             let b = unsafe { tp.add(g * block) };
-            // Stream the blocks ahead in while this one is summed (they follow it, also across
-            // tiles; a prefetch never faults, the address need not exist).
-            let mut line = 0;
-            while line < block {
-                _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(PREFETCH + line).cast());
-                line += 64;
-            }
+            super::prefetch_ahead(b, block);
             for i in 0..R {
                 let r = r0 + i;
                 // SAFETY: the header holds `TILE` scales (and `TILE` offsets) as f32 bytes,

@@ -301,7 +301,15 @@ impl Gemma3Model {
     /// # Shapes
     /// - `h`: `[T, hidden]` (before the final norm) → `[T, vocab]`
     pub fn logits(&self, h: Tensor<2>) -> Tensor<2> {
-        let logits = self.head.forward(self.norm.forward(h));
+        self.head_logits(self.norm.forward(h))
+    }
+
+    /// The head (and soft-cap) over rows already through the final norm.
+    ///
+    /// # Shapes
+    /// - `x`: `[T, hidden]` → `[T, vocab]`
+    fn head_logits(&self, x: Tensor<2>) -> Tensor<2> {
+        let logits = self.head.forward(x);
         match self.config.final_logit_softcapping {
             Some(cap) => logits.div_scalar(cap).tanh().mul_scalar(cap),
             None => logits,
@@ -317,13 +325,13 @@ impl Gemma3Model {
     /// # Shapes
     /// - `h`: `[T, hidden]` (before the final norm) → `T` ids
     pub fn greedy(&self, h: Tensor<2>) -> Vec<u32> {
-        if self.config.final_logit_softcapping.is_none() {
-            let x = self.norm.forward(h.clone());
-            if let Some(ids) = self.head.argmax(&x) {
-                return ids;
-            }
+        let x = self.norm.forward(h);
+        if self.config.final_logit_softcapping.is_none()
+            && let Some(ids) = self.head.argmax(&x)
+        {
+            return ids;
         }
-        argmax_rows(self.logits(h))
+        argmax_rows(self.head_logits(x))
     }
 
     /// Runs a chunk through the model, updating `kv` (one cache per layer, built by the caller

@@ -10,7 +10,7 @@
 
 use std::sync::OnceLock;
 
-use super::{GROUP, Layout, TILE};
+use super::{GROUP, Layout, MAX_X, TileProducts};
 
 /// Whether this machine has what the pass needs.
 pub(super) fn available() -> bool {
@@ -22,9 +22,6 @@ pub(super) fn available() -> bool {
             && is_x86_feature_detected!("fma")
     })
 }
-
-/// Inputs per pass over a tile.
-const MAX_X: usize = 8;
 
 /// [`super::approx_rows`] with AVX-512 VNNI: per tile, the inputs in chunks of up to
 /// [`MAX_X`], against the tile's four rows.
@@ -42,51 +39,29 @@ pub(super) fn approx(
 ) {
     let (cols, gpr) = (l.cols(), l.gpr);
     assert!(
-        l.group == GROUP
-            && !l.asym
-            && tiles.len() >= rows.div_ceil(TILE) * l.tile()
-            && qu.len() >= t * cols
-            && s.len() >= t * gpr
-            && out.len() >= rows * t
-            && available(),
-        "argmax::avx512::approx: bad layout or slices"
+        qu.len() >= t * cols && s.len() >= t * gpr && available(),
+        "argmax::avx512::approx: bad inputs"
     );
-    for k in 0..rows.div_ceil(TILE) {
-        let tile = &tiles[k * l.tile()..(k + 1) * l.tile()];
-        let mut j0 = 0;
-        while j0 < t {
-            let xn = (t - j0).min(MAX_X);
-            let (qs, ss) = (
-                &qu[j0 * cols..(j0 + xn) * cols],
-                &s[j0 * gpr..(j0 + xn) * gpr],
-            );
-            let mut res = [[0.0f32; MAX_X]; TILE];
-            // SAFETY (every arm): the features are available and every slice was checked above.
-            unsafe {
-                match xn {
-                    1 => tile_vnni::<1>(l, tile, qs, ss, &mut res),
-                    2 => tile_vnni::<2>(l, tile, qs, ss, &mut res),
-                    3 => tile_vnni::<3>(l, tile, qs, ss, &mut res),
-                    4 => tile_vnni::<4>(l, tile, qs, ss, &mut res),
-                    5 => tile_vnni::<5>(l, tile, qs, ss, &mut res),
-                    6 => tile_vnni::<6>(l, tile, qs, ss, &mut res),
-                    7 => tile_vnni::<7>(l, tile, qs, ss, &mut res),
-                    _ => tile_vnni::<8>(l, tile, qs, ss, &mut res),
-                }
+    super::each_tile(l, tiles, t, rows, MAX_X, out, |tile, j0, xn, res| {
+        let (qs, ss) = (
+            &qu[j0 * cols..(j0 + xn) * cols],
+            &s[j0 * gpr..(j0 + xn) * gpr],
+        );
+        // SAFETY (every arm): the features are available and every slice was checked above.
+        unsafe {
+            match xn {
+                1 => tile_vnni::<1>(l, tile, qs, ss, res),
+                2 => tile_vnni::<2>(l, tile, qs, ss, res),
+                3 => tile_vnni::<3>(l, tile, qs, ss, res),
+                4 => tile_vnni::<4>(l, tile, qs, ss, res),
+                5 => tile_vnni::<5>(l, tile, qs, ss, res),
+                6 => tile_vnni::<6>(l, tile, qs, ss, res),
+                7 => tile_vnni::<7>(l, tile, qs, ss, res),
+                _ => tile_vnni::<8>(l, tile, qs, ss, res),
             }
-            for (i, r) in res.iter().enumerate() {
-                let row = k * TILE + i;
-                if row < rows {
-                    out[row * t + j0..row * t + j0 + xn].copy_from_slice(&r[..xn]);
-                }
-            }
-            j0 += xn;
         }
-    }
+    });
 }
-
-/// Bytes ahead of the block being summed that are streamed in.
-const PREFETCH: usize = 1024;
 
 /// The tile's four rows against `X` inputs: `res[r][j] = Σ_g s_w · s_x · Σ_k q_w q_x`, the
 /// inner sums in exact integers.
@@ -97,14 +72,13 @@ unsafe fn tile_vnni<const X: usize>(
     tile: &[u8],
     qu: &[u8],
     s: &[f32],
-    res: &mut [[f32; MAX_X]; TILE],
+    res: &mut TileProducts,
 ) {
     use std::arch::x86_64::{
-        _MM_HINT_T0, _mm_loadu_ps, _mm_prefetch, _mm256_loadu_si256, _mm512_broadcast_i64x4,
-        _mm512_castps128_ps512, _mm512_cvtepi32_ps, _mm512_dpbusd_epi32, _mm512_fmadd_ps,
-        _mm512_loadu_si512, _mm512_mul_ps, _mm512_permutexvar_ps, _mm512_set1_epi8, _mm512_set1_ps,
-        _mm512_setr_epi32, _mm512_setzero_ps, _mm512_setzero_si512, _mm512_storeu_ps,
-        _mm512_sub_epi32,
+        _mm_loadu_ps, _mm256_loadu_si256, _mm512_broadcast_i64x4, _mm512_castps128_ps512,
+        _mm512_cvtepi32_ps, _mm512_dpbusd_epi32, _mm512_fmadd_ps, _mm512_loadu_si512,
+        _mm512_mul_ps, _mm512_permutexvar_ps, _mm512_set1_epi8, _mm512_set1_ps, _mm512_setr_epi32,
+        _mm512_setzero_ps, _mm512_setzero_si512, _mm512_storeu_ps, _mm512_sub_epi32,
     };
     let (cols, gpr, block, header) = (l.cols(), l.gpr, l.block(), l.header());
     let excess = _mm512_set1_epi8(-128); // 0x80: 128 as the unsigned operand
@@ -117,11 +91,7 @@ unsafe fn tile_vnni<const X: usize>(
     for g in 0..gpr {
         // SAFETY: block `g` lies inside the tile (checked by the caller); prefetches never fault.
         let b = unsafe { tp.add(g * block) };
-        let mut line = 0;
-        while line < block {
-            _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(PREFETCH + line).cast());
-            line += 64;
-        }
+        crate::kernel::prefetch_ahead(b, block);
         // SAFETY: the header holds the four f32 scales, then the four rows' 32 values each.
         let (sw, w) = unsafe {
             (

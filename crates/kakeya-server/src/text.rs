@@ -110,12 +110,13 @@ impl<'t> TextOut<'t> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kakeya_models::testing::word_level_tokenizer_json;
+    use kakeya_models::testing::{Scratch, word_level_tokenizer_json};
 
-    fn tok() -> Tokenizer {
-        let dir = std::env::temp_dir().join(format!("kakeya-text-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let p = dir.join("tokenizer.json");
+    /// A 20-word tokenizer loaded from its own folder: tests run in parallel threads of one
+    /// process, so each needs its own file (a shared one was read while another test rewrote it).
+    fn tok(test: &str) -> Tokenizer {
+        let dir = Scratch::new(&format!("text-{test}"));
+        let p = dir.0.join("tokenizer.json");
         std::fs::write(&p, word_level_tokenizer_json(20)).unwrap();
         Tokenizer::load(&p, 20).unwrap()
     }
@@ -132,7 +133,7 @@ mod tests {
 
     #[test]
     fn pieces_add_up_to_the_whole_text_without_stops() {
-        let t = tok();
+        let t = tok("pieces");
         let ids = [5, 6, 7, 8];
         let (_, all, stopped) = run(&t, &[], &ids);
         assert_eq!(all, t.decode(&ids).unwrap());
@@ -141,7 +142,7 @@ mod tests {
 
     #[test]
     fn cuts_before_the_first_stop_string_and_never_sends_part_of_it() {
-        let t = tok();
+        let t = tok("stops");
         let ids = [5, 6, 7, 8, 9];
         let whole = t.decode(&ids).unwrap();
         assert_eq!(whole, "w5 w6 w7 w8 w9");

@@ -54,6 +54,11 @@ pub struct BenchArgs {
     /// Tokens in the context before the decode test (llama-bench's `-d`): tg runs at this depth.
     #[arg(long, default_value_t = 0)]
     pub depth: usize,
+    /// Sequences decoded together in the tg test (llama-batched-bench's `-npl`): each step is
+    /// one stacked forward of one token per sequence, as the server batches concurrent
+    /// requests; tg reports their aggregate tokens/s.
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
     #[command(flatten)]
     pub kv: KvArgs,
 }
@@ -96,8 +101,8 @@ fn synthetic_prompt(n: usize, vocab: usize, bos: u32) -> Vec<u32> {
 /// Runs the benchmark.
 pub fn run(a: BenchArgs) -> Result<()> {
     anyhow::ensure!(
-        a.runs > 0 && a.prompt_tokens > 0 && a.gen_tokens > 0,
-        "--runs, --prompt-tokens and --gen-tokens must be positive"
+        a.runs > 0 && a.prompt_tokens > 0 && a.gen_tokens > 0 && a.batch > 0,
+        "--runs, --prompt-tokens, --gen-tokens and --batch must be positive"
     );
     let (model, tok) = a.model.load()?;
     if a.drafter.is_some() || a.replay_drafts || a.draft.is_some() {
@@ -121,18 +126,39 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let t = Instant::now();
         s.prefill(&prompt, a.prompt_tokens)?;
         let pp_rate = a.prompt_tokens as f64 / t.elapsed().as_secs_f64();
-        // Decode: gen_tokens single-token steps after `depth` context tokens, greedy.
-        let mut s = Session::with_kv(&model, kv.setup())?;
-        let mut next = tok.bos;
+        // Decode: gen_tokens steps of `batch` sequences (one token each) after `depth`
+        // context tokens, greedy; the sequences start from different tokens.
         let greedy = Sampler::new(Sampling::Greedy);
-        if a.depth > 0 {
-            next = greedy.pick_scores(&s.prefill_for(&context, 512, &greedy)?, context.len());
+        let mut seqs = Vec::with_capacity(a.batch);
+        let mut next = Vec::with_capacity(a.batch);
+        for b in 0..a.batch {
+            let mut s = Session::with_kv(&model, kv.setup())?;
+            let mut first = tok.bos;
+            if a.depth > 0 || b > 0 {
+                let mut ctx = context.clone();
+                if b > 0 {
+                    ctx.push(4 + b as u32);
+                }
+                first = greedy.pick_scores(&s.prefill_for(&ctx, 512, &greedy)?, ctx.len());
+            }
+            seqs.push(s);
+            next.push(first);
         }
         let t = Instant::now();
         for _ in 0..a.gen_tokens {
-            next = greedy.pick_scores(&s.step_for(next, &greedy)?, s.len());
+            if a.batch == 1 {
+                let s = &mut seqs[0];
+                next[0] = greedy.pick_scores(&s.step_for(next[0], &greedy)?, s.len());
+            } else {
+                let mut refs: Vec<&mut Session<'_>> = seqs.iter_mut().collect();
+                let samplers = vec![&greedy; a.batch];
+                let scores = Session::step_batch(&mut refs, &next, &samplers)?;
+                for ((n, sc), s) in next.iter_mut().zip(&scores).zip(&seqs) {
+                    *n = greedy.pick_scores(sc, s.len());
+                }
+            }
         }
-        let tg_rate = a.gen_tokens as f64 / t.elapsed().as_secs_f64();
+        let tg_rate = (a.batch * a.gen_tokens) as f64 / t.elapsed().as_secs_f64();
         if i >= a.warmup {
             pp.push(pp_rate);
             tg.push(tg_rate);
@@ -153,12 +179,21 @@ pub fn run(a: BenchArgs) -> Result<()> {
             runs_tok_s: pp,
         },
         Figure {
-            test: if a.depth > 0 {
-                format!("tg{} @ d{}", a.gen_tokens, a.depth)
-            } else {
-                format!("tg{}", a.gen_tokens)
-            },
-            tokens: a.gen_tokens,
+            test: format!(
+                "tg{}{}{}",
+                a.gen_tokens,
+                if a.depth > 0 {
+                    format!(" @ d{}", a.depth)
+                } else {
+                    String::new()
+                },
+                if a.batch > 1 {
+                    format!(" × {} sequences (aggregate)", a.batch)
+                } else {
+                    String::new()
+                }
+            ),
+            tokens: a.batch * a.gen_tokens,
             median_tok_s: median(tg.clone()),
             runs_tok_s: tg,
         },

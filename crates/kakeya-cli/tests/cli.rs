@@ -289,6 +289,27 @@ fn bench_prints_the_documented_json() {
             "{test}: the median"
         );
     }
+    // Batched decoding: the tg test steps 3 sequences together and counts all their tokens.
+    let j = json(&run_ok(&[
+        "bench",
+        "--model",
+        mm,
+        "--prompt-tokens",
+        "4",
+        "--gen-tokens",
+        "5",
+        "--runs",
+        "1",
+        "--warmup",
+        "0",
+        "--batch",
+        "3",
+        "--json",
+    ]));
+    let tg = &j["results"][1];
+    assert_eq!(tg["test"], "tg5 × 3 sequences (aggregate)");
+    assert_eq!(tg["tokens"], 15);
+    assert!(tg["median_tok_s"].as_f64().unwrap() > 0.0);
     // The speculative comparison with replayed drafts: every draft is right.
     let prompts = s.0.join("p.jsonl");
     std::fs::write(

@@ -264,28 +264,37 @@ impl QuantMatrix {
                     .collect()
             })
             .collect();
-        // Pass 3: the candidates' exact products; the largest, first on ties.
-        let mut w = vec![0.0f32; TILE * cols];
-        let mut ids = Vec::with_capacity(t);
-        for (j, c) in cands.iter().enumerate() {
-            let xj = &x[j * cols..(j + 1) * cols];
-            let mut loaded = usize::MAX;
-            let mut vals = Vec::with_capacity(c.len());
-            for &r in c {
-                let k = r as usize / TILE;
-                if k != loaded {
-                    l.rebuild(self.tile(k), &mut w);
-                    loaded = k;
+        // Pass 3: the candidates' exact products (the matmul kernel's, so the same bits, a
+        // tile of four rows at a time), the input rows in parallel; the largest, first on ties.
+        let ids: Vec<Option<u32>> = cands
+            .par_iter()
+            .enumerate()
+            .map(|(j, c)| {
+                let xj = &x[j * cols..(j + 1) * cols];
+                let (mut loaded, mut four) = (usize::MAX, [0.0f32; TILE]);
+                let mut w = Vec::new();
+                let mut vals = Vec::with_capacity(c.len());
+                for &r in c {
+                    let k = r as usize / TILE;
+                    if k != loaded {
+                        let n = (rows - k * TILE).min(TILE);
+                        if !kernel::tiles_fused(l, self.tile(k), xj, 1, n, &mut four) {
+                            w.resize(TILE * cols, 0.0);
+                            l.rebuild(self.tile(k), &mut w);
+                            kernel::tile(&w, n, xj, 1, cols, &mut four);
+                        }
+                        loaded = k;
+                    }
+                    let v = four[r as usize % TILE];
+                    if !v.is_finite() {
+                        return None;
+                    }
+                    vals.push(v);
                 }
-                let i = r as usize % TILE;
-                let v = kernel::dot(&w[i * cols..(i + 1) * cols], xj);
-                if !v.is_finite() {
-                    return None;
-                }
-                vals.push(v);
-            }
-            ids.push(c[first_max(&vals)?]);
-        }
+                Some(c[first_max(&vals)?])
+            })
+            .collect();
+        let ids: Vec<u32> = ids.into_iter().collect::<Option<_>>()?;
         tracing::trace!(candidates = ?cands.iter().map(Vec::len).collect::<Vec<_>>(), "certified argmax");
         Some(Argmax {
             ids,

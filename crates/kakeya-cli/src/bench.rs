@@ -56,7 +56,8 @@ pub struct BenchArgs {
     pub depth: usize,
     /// Sequences decoded together in the tg test (llama-batched-bench's `-npl`): each step is
     /// one stacked forward of one token per sequence, as the server batches concurrent
-    /// requests; tg reports their aggregate tokens/s.
+    /// requests (each continues one of the built-in prompts); tg reports their aggregate
+    /// tokens/s.
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
     #[command(flatten)]
@@ -127,17 +128,19 @@ pub fn run(a: BenchArgs) -> Result<()> {
         s.prefill(&prompt, a.prompt_tokens)?;
         let pp_rate = a.prompt_tokens as f64 / t.elapsed().as_secs_f64();
         // Decode: gen_tokens steps of `batch` sequences (one token each) after `depth`
-        // context tokens, greedy; the sequences start from different tokens.
+        // context tokens, greedy. Batched sequences each continue one of the built-in prompts
+        // (after the depth context), as concurrent requests would.
         let greedy = Sampler::new(Sampling::Greedy);
         let mut seqs = Vec::with_capacity(a.batch);
         let mut next = Vec::with_capacity(a.batch);
         for b in 0..a.batch {
             let mut s = Session::with_kv(&model, kv.setup())?;
             let mut first = tok.bos;
-            if a.depth > 0 || b > 0 {
+            if a.depth > 0 || a.batch > 1 {
                 let mut ctx = context.clone();
-                if b > 0 {
-                    ctx.push(4 + b as u32);
+                if a.batch > 1 {
+                    let prompts = &crate::bench_spec::DEFAULT_PROMPTS;
+                    ctx.extend(tok.encode(prompts[b % prompts.len()])?);
                 }
                 first = greedy.pick_scores(&s.prefill_for(&ctx, 512, &greedy)?, ctx.len());
             }

@@ -28,6 +28,10 @@ mod avx512;
 const GROUP: usize = 32;
 /// Weight rows per parallel task of the approximate pass.
 const ROWS_PER_TASK: usize = 256;
+
+/// An input row with more candidates than `rows / FULL_ROW_SHARE` takes every row's exact
+/// product in one streamed pass instead.
+const FULL_ROW_SHARE: usize = 16;
 /// The unit roundoff of f32.
 const U: f64 = f32::EPSILON as f64 / 2.0;
 
@@ -271,6 +275,15 @@ impl QuantMatrix {
             .enumerate()
             .map(|(j, c)| {
                 let xj = &x[j * cols..(j + 1) * cols];
+                if c.len() > rows / FULL_ROW_SHARE {
+                    // A flat row (the bound excludes little): one streamed pass over every
+                    // row is cheaper than this many scattered tiles. The same products.
+                    let all = self.matmul(xj, 1);
+                    if all.iter().any(|v| !v.is_finite()) {
+                        return None;
+                    }
+                    return first_max(&all).map(|b| b as u32);
+                }
                 let (mut loaded, mut four) = (usize::MAX, [0.0f32; TILE]);
                 let mut w = Vec::new();
                 let mut vals = Vec::with_capacity(c.len());
@@ -555,6 +568,31 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn flat_inputs_take_one_full_pass_and_still_choose_exactly() {
+        if !simd::available() {
+            return;
+        }
+        let (ty, rows, cols) = (GgmlType::Q8_0, 403, 512);
+        let m = QuantMatrix::new(ty, rows, cols, &blocks(ty, rows, cols)).unwrap();
+        // Row 0: every product is 0 (all rows tie: the first wins); row 1: tiny values, so
+        // the rounding radius dwarfs the spread and nearly every row stays a candidate; row
+        // 2: ordinary, few candidates. Each takes its own path within one call.
+        let mut x = vec![0.0f32; 3 * cols];
+        for (c, v) in x[cols..2 * cols].iter_mut().enumerate() {
+            *v = if c == 5 { 1e-30 } else { 0.0 };
+        }
+        x[2 * cols..].copy_from_slice(&inputs(&m, 1, 7));
+        let got = m.argmax(&x, 3).unwrap();
+        assert_eq!(got.ids, exact_argmax(&m, &x, 3));
+        assert_eq!(got.ids[0], 0);
+        assert!(
+            got.candidates[0] > rows / FULL_ROW_SHARE,
+            "{:?}",
+            got.candidates
+        );
     }
 
     #[test]

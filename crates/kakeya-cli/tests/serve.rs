@@ -583,3 +583,25 @@ fn a_bounded_kv_mode_serves_what_infer_gives_alone_and_batched() {
         assert!(v["kakeya"]["kv"]["quantised"].as_u64().unwrap() > 0, "{v}");
     }
 }
+
+#[test]
+fn ignore_eos_gives_exactly_max_tokens_even_where_the_loop_guard_would_stop() {
+    let s = Scratch::new("serve-ignore-eos");
+    let (m, _) = tiny(&s);
+    // The loop guard is on (the default); the tiny model's greedy output falls into a loop.
+    let srv = Server::start(&m, &["--no-drafter"]);
+    let mut guarded = 0;
+    for p in ["w9 w10", "w20 w21", "w33", "w50 w51 w52"] {
+        let body = |ignore: bool| json!({"prompt": p, "max_tokens": 300, "temperature": 0, "ignore_eos": ignore});
+        let free = srv.post("/v1/completions", &body(false)).json();
+        let fixed = srv.post("/v1/completions", &body(true)).json();
+        // A fixed-length request (load tests, benchmarks): neither end-of-sequence nor the
+        // guard ends it.
+        assert_eq!(fixed["usage"]["completion_tokens"], 300, "{fixed}");
+        assert_eq!(fixed["choices"][0]["finish_reason"], "length");
+        if free["kakeya"]["stop_reason"] == "runaway" {
+            guarded += 1;
+        }
+    }
+    assert!(guarded > 0, "the guard never fired: the test shows nothing");
+}

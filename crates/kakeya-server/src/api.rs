@@ -75,8 +75,9 @@ pub struct Common {
     pub frequency_penalty: Option<f64>,
     /// Only empty.
     pub logit_bias: Option<BTreeMap<String, f64>>,
-    /// Keep generating past end-of-sequence and end-of-turn tokens (an extension, as vLLM's
-    /// and llama.cpp's: fixed-length outputs for load tests).
+    /// Keep generating past end-of-sequence and end-of-turn tokens, and past the runaway-loop
+    /// guard (an extension, as vLLM's and llama.cpp's: fixed-length outputs for load tests;
+    /// stop strings still apply).
     pub ignore_eos: Option<bool>,
 }
 
@@ -216,7 +217,7 @@ pub struct Params {
     pub stream: bool,
     /// Send a usage chunk at the end of a stream.
     pub include_usage: bool,
-    /// Do not stop on end-of-sequence tokens.
+    /// Do not stop on end-of-sequence tokens or by the loop guard.
     pub ignore_eos: bool,
 }
 

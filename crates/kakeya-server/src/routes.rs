@@ -315,7 +315,9 @@ impl AppState {
                 sampling: p.params.sampling.clone(),
                 stop_tokens: p.stop_tokens.clone(),
                 prefill_chunk: 0,
-                loop_guard: self.cfg.loop_guard.then(RunawayGuard::default),
+                // A fixed-length request is not cut short by the guard either.
+                loop_guard: (self.cfg.loop_guard && !p.params.ignore_eos)
+                    .then(RunawayGuard::default),
             },
             events: tx,
             arrived: Instant::now(),

@@ -56,6 +56,37 @@ pub struct Gemma3Config {
     pub layer_types: Vec<AttentionKind>,
 }
 
+/// Refuses a `config.json` of another model family: its fields would otherwise be read as
+/// Gemma 3's and give a wrong model (a Gemma 4 config has most of Gemma 3's keys). Configs
+/// without a `model_type` (hand-written, older tools) are taken as Gemma 3.
+fn check_model_type(path: &Path, root: &Value, text: &Value) -> Result<()> {
+    let kind = |v: &Value| {
+        v.get("model_type")
+            .and_then(Value::as_str)
+            .map(str::to_string)
+    };
+    for t in [kind(text), kind(root)].into_iter().flatten() {
+        if t.starts_with("gemma4") {
+            return Err(WeightsError::format(
+                path,
+                format!(
+                    "model_type `{t}` is Gemma 4, which Kakeya cannot run yet (only Gemma 3: \
+                     `gemma3`, `gemma3_text`)"
+                ),
+            ));
+        }
+        if t != "gemma3" && t != "gemma3_text" {
+            return Err(WeightsError::format(
+                path,
+                format!(
+                    "model_type `{t}` is not supported (only Gemma 3: `gemma3`, `gemma3_text`)"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Gemma 3's default layer pattern: every sixth layer is global.
 fn default_layer_types(n: usize, pattern: usize) -> Vec<AttentionKind> {
     (0..n)
@@ -79,9 +110,14 @@ impl Gemma3Config {
             .and_then(|v| v.as_str())
             .unwrap_or("");
         if arch != "gemma3" {
+            let why = if arch.starts_with("gemma4") {
+                "Gemma 4, which Kakeya cannot run yet; only `gemma3` is supported"
+            } else {
+                "only `gemma3` is supported"
+            };
             return Err(WeightsError::format(
                 &f.path,
-                format!("general.architecture is `{arch}`, only `gemma3` is supported"),
+                format!("general.architecture is `{arch}`: {why}"),
             ));
         }
         let u = |k: &str| f.req_u64(&format!("gemma3.{k}")).map(|v| v as usize);
@@ -131,6 +167,7 @@ impl Gemma3Config {
         let root: Value = serde_json::from_str(text)
             .map_err(|e| WeightsError::format(path, format!("invalid JSON: {e}")))?;
         let c = root.get("text_config").unwrap_or(&root);
+        check_model_type(path, &root, c)?;
         let missing = |field: &str| WeightsError::MissingField {
             path: path.to_path_buf(),
             field: field.to_string(),
@@ -313,6 +350,38 @@ mod tests {
         assert_eq!(c.layer_types[0], AttentionKind::Sliding);
         let back = Gemma3Config::from_hf_json(Path::new("x"), &c.to_hf_json().to_string()).unwrap();
         assert_eq!(c, back);
+    }
+
+    #[test]
+    fn other_model_families_are_refused_by_name() {
+        // transformers' own Gemma 4 config (tests/fixtures/gemma4, written by its script).
+        let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let p = root.join("tests/fixtures/gemma4/dense/config.json");
+        let g4 = std::fs::read_to_string(&p).unwrap();
+        let e = Gemma3Config::from_hf_json(&p, &g4).unwrap_err().to_string();
+        assert!(
+            e.contains("config.json") && e.contains("`gemma4_text` is Gemma 4"),
+            "{e}"
+        );
+        // Nested, as the multimodal checkpoints have it.
+        let nested = format!(r#"{{"model_type": "gemma4", "text_config": {g4}}}"#);
+        let e = Gemma3Config::from_hf_json(&p, &nested)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("Gemma 4"), "{e}");
+        let llama = TINY.replace("{", r#"{"model_type": "llama", "#);
+        let e = Gemma3Config::from_hf_json(Path::new("c.json"), &llama)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`llama` is not supported"), "{e}");
+        // Gemma 3's own types, and none at all, are read.
+        for t in ["gemma3_text", "gemma3"] {
+            let ok = TINY.replace("{", &format!(r#"{{"model_type": "{t}", "#));
+            assert!(
+                Gemma3Config::from_hf_json(Path::new("c.json"), &ok).is_ok(),
+                "{t}"
+            );
+        }
     }
 
     #[test]

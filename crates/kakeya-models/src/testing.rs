@@ -37,6 +37,7 @@ pub fn tiny_config(window: usize) -> Gemma3Config {
                 }
             })
             .collect(),
+        gemma4: None,
     }
 }
 

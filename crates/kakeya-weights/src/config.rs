@@ -9,6 +9,9 @@ use serde_json::Value;
 use crate::error::{Result, WeightsError};
 use crate::gguf::GgufFile;
 
+mod gemma4;
+pub use gemma4::{Gemma4Extras, MoeConfig};
+
 /// The attention kind of one decoder layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -54,37 +57,37 @@ pub struct Gemma3Config {
     pub final_logit_softcapping: Option<f64>,
     /// Attention kind of each layer, in order.
     pub layer_types: Vec<AttentionKind>,
+    /// What a Gemma 4 text model adds (`None` for Gemma 3).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gemma4: Option<Gemma4Extras>,
 }
 
-/// Refuses a `config.json` of another model family: its fields would otherwise be read as
-/// Gemma 3's and give a wrong model (a Gemma 4 config has most of Gemma 3's keys). Configs
+/// Whether a `config.json` is Gemma 4's (`gemma4` / `gemma4_text`); refuses other model
+/// families, whose fields would otherwise be read as Gemma 3's and give a wrong model. Configs
 /// without a `model_type` (hand-written, older tools) are taken as Gemma 3.
-fn check_model_type(path: &Path, root: &Value, text: &Value) -> Result<()> {
+fn is_gemma4(path: &Path, root: &Value, text: &Value) -> Result<bool> {
     let kind = |v: &Value| {
         v.get("model_type")
             .and_then(Value::as_str)
             .map(str::to_string)
     };
+    let mut g4 = false;
     for t in [kind(text), kind(root)].into_iter().flatten() {
-        if t.starts_with("gemma4") {
-            return Err(WeightsError::format(
-                path,
-                format!(
-                    "model_type `{t}` is Gemma 4, which Kakeya cannot run yet (only Gemma 3: \
-                     `gemma3`, `gemma3_text`)"
-                ),
-            ));
-        }
-        if t != "gemma3" && t != "gemma3_text" {
-            return Err(WeightsError::format(
-                path,
-                format!(
-                    "model_type `{t}` is not supported (only Gemma 3: `gemma3`, `gemma3_text`)"
-                ),
-            ));
+        match t.as_str() {
+            "gemma3" | "gemma3_text" => {}
+            "gemma4" | "gemma4_text" => g4 = true,
+            _ => {
+                return Err(WeightsError::format(
+                    path,
+                    format!(
+                        "model_type `{t}` is not supported (Gemma 3: `gemma3`, `gemma3_text`; \
+                         Gemma 4: `gemma4`, `gemma4_text`)"
+                    ),
+                ));
+            }
         }
     }
-    Ok(())
+    Ok(g4)
 }
 
 /// Gemma 3's default layer pattern: every sixth layer is global.
@@ -157,6 +160,7 @@ impl Gemma3Config {
             max_position_embeddings: u("context_length")?,
             final_logit_softcapping: None,
             layer_types: default_layer_types(n_layers, 6),
+            gemma4: None,
         })
     }
 
@@ -164,10 +168,24 @@ impl Gemma3Config {
     /// `text_config` holds one). Accepts both the legacy `rope_theta` keys and
     /// transformers 5's `rope_parameters`.
     pub fn from_hf_json(path: &Path, text: &str) -> Result<Self> {
+        let c = Self::parse_hf_json(path, text)?;
+        if c.gemma4.is_some() {
+            return Err(WeightsError::format(
+                path,
+                "a Gemma 4 config (read and checked), but Kakeya cannot run Gemma 4 yet: its \
+                 decoder is not built (docs/gemma4.md)",
+            ));
+        }
+        Ok(c)
+    }
+
+    /// Parses an HF `config.json` of Gemma 3 or Gemma 4 (whose additions go to
+    /// [`Self::gemma4`]); [`Self::from_hf_json`] is this for the models Kakeya runs.
+    pub fn parse_hf_json(path: &Path, text: &str) -> Result<Self> {
         let root: Value = serde_json::from_str(text)
             .map_err(|e| WeightsError::format(path, format!("invalid JSON: {e}")))?;
         let c = root.get("text_config").unwrap_or(&root);
-        check_model_type(path, &root, c)?;
+        let g4 = is_gemma4(path, &root, c)?;
         let missing = |field: &str| WeightsError::MissingField {
             path: path.to_path_buf(),
             field: field.to_string(),
@@ -228,6 +246,11 @@ impl Gemma3Config {
                     .unwrap_or(6) as usize,
             ),
         };
+        let mut layer_types = layer_types;
+        if g4 && let Some(last) = layer_types.last_mut() {
+            // transformers makes Gemma 4's last layer global whatever the config says.
+            *last = AttentionKind::Full;
+        }
         if layer_types.len() != n_layers {
             return Err(WeightsError::format(
                 path,
@@ -250,11 +273,61 @@ impl Gemma3Config {
             rope_local_base_freq,
             rope_scaling_factor,
             sliding_window: int("sliding_window")?,
-            query_pre_attn_scalar: num("query_pre_attn_scalar")?,
+            // Gemma 4 scales attention scores by 1 (its q/k norms do the scaling).
+            query_pre_attn_scalar: if g4 {
+                1.0
+            } else {
+                num("query_pre_attn_scalar")?
+            },
             max_position_embeddings: int("max_position_embeddings")?,
             final_logit_softcapping: c.get("final_logit_softcapping").and_then(Value::as_f64),
+            gemma4: if g4 {
+                Some(gemma4::parse(path, c, &layer_types)?)
+            } else {
+                None
+            },
             layer_types,
         })
+    }
+
+    /// Head width of layer `i`.
+    pub fn head_dim_of(&self, i: usize) -> usize {
+        match (&self.gemma4, self.layer_types[i]) {
+            (Some(g), AttentionKind::Full) => g.global_head_dim,
+            _ => self.head_dim,
+        }
+    }
+
+    /// Key/value heads of layer `i`.
+    pub fn kv_heads_of(&self, i: usize) -> usize {
+        match (&self.gemma4, self.layer_types[i]) {
+            (Some(g), AttentionKind::Full) => g.global_kv_heads,
+            _ => self.num_key_value_heads,
+        }
+    }
+
+    /// For a layer that shares K/V (Gemma 4's last `num_kv_shared_layers`): the layer whose
+    /// K/V it reads, the last earlier non-sharing layer of its kind; `None` for layers with
+    /// their own.
+    pub fn kv_source(&self, i: usize) -> Option<usize> {
+        let g = self.gemma4.as_ref()?;
+        let first = self.num_hidden_layers - g.num_kv_shared_layers;
+        if i < first {
+            return None;
+        }
+        (0..first)
+            .rev()
+            .find(|&j| self.layer_types[j] == self.layer_types[i])
+    }
+
+    /// Dense MLP width of layer `i`.
+    pub fn mlp_width_of(&self, i: usize) -> usize {
+        match &self.gemma4 {
+            Some(g) if g.double_wide_mlp && self.kv_source(i).is_some() => {
+                2 * self.intermediate_size
+            }
+            _ => self.intermediate_size,
+        }
     }
 
     /// Writes the config as an HF `Gemma3TextConfig` `config.json` (legacy RoPE keys, which
@@ -352,23 +425,24 @@ mod tests {
         assert_eq!(c, back);
     }
 
+    /// transformers' own Gemma 4 text config `name` (tests/fixtures/gemma4, written by its
+    /// script) and its path.
+    fn gemma4_fixture(name: &str) -> (std::path::PathBuf, String) {
+        let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let p = root.join(format!("tests/fixtures/gemma4/{name}/config.json"));
+        let text = std::fs::read_to_string(&p).unwrap();
+        (p, text)
+    }
+
     #[test]
     fn other_model_families_are_refused_by_name() {
-        // transformers' own Gemma 4 config (tests/fixtures/gemma4, written by its script).
-        let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-        let p = root.join("tests/fixtures/gemma4/dense/config.json");
-        let g4 = std::fs::read_to_string(&p).unwrap();
+        // Gemma 4 is read and checked, then refused until its decoder exists.
+        let (p, g4) = gemma4_fixture("dense");
         let e = Gemma3Config::from_hf_json(&p, &g4).unwrap_err().to_string();
         assert!(
-            e.contains("config.json") && e.contains("`gemma4_text` is Gemma 4"),
+            e.contains("config.json") && e.contains("cannot run Gemma 4 yet"),
             "{e}"
         );
-        // Nested, as the multimodal checkpoints have it.
-        let nested = format!(r#"{{"model_type": "gemma4", "text_config": {g4}}}"#);
-        let e = Gemma3Config::from_hf_json(&p, &nested)
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("Gemma 4"), "{e}");
         let llama = TINY.replace("{", r#"{"model_type": "llama", "#);
         let e = Gemma3Config::from_hf_json(Path::new("c.json"), &llama)
             .unwrap_err()
@@ -382,6 +456,115 @@ mod tests {
                 "{t}"
             );
         }
+    }
+
+    #[test]
+    fn gemma4_geometry_follows_transformers_rules() {
+        // dense: layers 2 and 5 full (head dim 32, 1 KV head through k_eq_v), 4 and 5 share.
+        let (p, text) = gemma4_fixture("dense");
+        let c = Gemma3Config::parse_hf_json(&p, &text).unwrap();
+        let g = c.gemma4.clone().unwrap();
+        assert_eq!((g.global_head_dim, g.global_kv_heads), (32, 1));
+        assert_eq!(g.global_partial_rotary, 0.25);
+        assert!(g.attention_k_eq_v && g.double_wide_mlp && g.moe.is_none());
+        assert_eq!((g.per_layer_input_size, g.per_layer_vocab), (8, 128));
+        assert_eq!(c.query_pre_attn_scalar, 1.0);
+        let geometry: Vec<(usize, usize)> = (0..6)
+            .map(|i| (c.head_dim_of(i), c.kv_heads_of(i)))
+            .collect();
+        assert_eq!(
+            geometry,
+            [(16, 2), (16, 2), (32, 1), (16, 2), (16, 2), (32, 1)]
+        );
+        // The last earlier layer of the same kind, not `i - first_shared`.
+        let sources: Vec<Option<usize>> = (0..6).map(|i| c.kv_source(i)).collect();
+        assert_eq!(sources, [None, None, None, None, Some(3), Some(2)]);
+        let widths: Vec<usize> = (0..6).map(|i| c.mlp_width_of(i)).collect();
+        assert_eq!(widths, [96, 96, 96, 96, 192, 192]);
+        // Nested in a multimodal config, the same.
+        let nested = format!(r#"{{"model_type": "gemma4", "text_config": {text}}}"#);
+        assert_eq!(Gemma3Config::parse_hf_json(&p, &nested).unwrap(), c);
+        // Without k_eq_v, full layers keep the sliding layers' KV-head count.
+        let (p, text) = gemma4_fixture("dense-kv");
+        let c = Gemma3Config::parse_hf_json(&p, &text).unwrap();
+        assert_eq!((c.head_dim_of(5), c.kv_heads_of(5)), (32, 2));
+        // The MoE model.
+        let (p, text) = gemma4_fixture("moe");
+        let c = Gemma3Config::parse_hf_json(&p, &text).unwrap();
+        let g = c.gemma4.unwrap();
+        assert_eq!(
+            g.moe,
+            Some(MoeConfig {
+                experts: 4,
+                top_k: 2,
+                intermediate: 32
+            })
+        );
+        assert_eq!((g.num_kv_shared_layers, g.per_layer_input_size), (0, 0));
+        // transformers forces the last layer global; older keys give the full-layer geometry.
+        let legacy = TINY.replace(
+            "{",
+            r#"{"model_type": "gemma4_text", "global_head_dim": 24, "attention_k_eq_v": true,
+                "num_global_key_value_heads": 1, "layer_types": ["sliding_attention",
+                "sliding_attention", "sliding_attention", "sliding_attention",
+                "sliding_attention", "sliding_attention"], "rope_parameters": {
+                "sliding_attention": {"rope_theta": 10000.0},
+                "full_attention": {"rope_type": "proportional", "rope_theta": 1e6}}, "#,
+        );
+        let c = Gemma3Config::parse_hf_json(Path::new("c.json"), &legacy).unwrap();
+        assert_eq!(c.layer_types[5], AttentionKind::Full);
+        assert_eq!(
+            (c.head_dim_of(5), c.kv_heads_of(5), c.head_dim_of(0)),
+            (24, 1, 8)
+        );
+    }
+
+    #[test]
+    fn unsupported_gemma4_configs_are_refused_with_the_reason() {
+        let (p, text) = gemma4_fixture("dense");
+        let mut v: Value = serde_json::from_str(&text).unwrap();
+        let cases: [(&str, Value, &str); 6] = [
+            ("attention_bias", Value::Bool(true), "attention_bias"),
+            (
+                "use_bidirectional_attention",
+                Value::from("all"),
+                "use_bidirectional_attention",
+            ),
+            ("num_kv_shared_layers", Value::from(6), "leaves no layer"),
+            (
+                "hidden_activation",
+                Value::from("silu"),
+                "hidden_activation",
+            ),
+            ("enable_moe_block", Value::Bool(true), "needs num_experts"),
+            (
+                "rope_parameters",
+                serde_json::json!({"full_attention": {"rope_theta": 1.0}}),
+                "rope_parameters.sliding_attention is missing",
+            ),
+        ];
+        for (key, value, want) in cases {
+            let old = v[key].clone();
+            v[key] = value;
+            let e = Gemma3Config::parse_hf_json(&p, &v.to_string())
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("config.json") && e.contains(want), "{key}: {e}");
+            v[key] = old;
+        }
+        // Shared layers of a kind no earlier layer has.
+        v["layer_types"] = serde_json::json!([
+            "sliding_attention",
+            "sliding_attention",
+            "sliding_attention",
+            "sliding_attention",
+            "full_attention",
+            "full_attention"
+        ]);
+        let e = Gemma3Config::parse_hf_json(&p, &v.to_string())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no layer before 4 is of its kind"), "{e}");
     }
 
     #[test]

@@ -1,0 +1,200 @@
+//! What a Gemma 4 text config adds to Gemma 3's fields (`docs/gemma4.md` §1): per-layer-kind
+//! attention geometry, proportional RoPE on full layers, values from `k_proj`, KV sharing,
+//! per-layer inputs, the MoE branch. Parsed from transformers' `Gemma4TextConfig` JSON (alone,
+//! or as the `text_config` of a multimodal `gemma4` config); its rules are transformers 5.24's.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::AttentionKind;
+use crate::error::{Result, WeightsError};
+
+/// The MoE branch of every layer (26B-A4B): a router choosing `top_k` of `experts` expert
+/// MLPs of width `intermediate`, summed with the dense MLP.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MoeConfig {
+    /// Experts per layer.
+    pub experts: usize,
+    /// Experts each token uses.
+    pub top_k: usize,
+    /// Inner width of one expert.
+    pub intermediate: usize,
+}
+
+/// Gemma 4's additions to the Gemma 3 configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Gemma4Extras {
+    /// Head width of full-attention layers (sliding layers use `head_dim`).
+    pub global_head_dim: usize,
+    /// Key/value heads of full-attention layers.
+    pub global_kv_heads: usize,
+    /// Share of a full layer's rotary frequencies that are non-zero ("proportional" RoPE:
+    /// frequencies `i < ⌊p·d/2⌋` of the usual `d`-wide table, the rest 0).
+    pub global_partial_rotary: f64,
+    /// Full layers take their values from the raw `k_proj` output (no `v_proj`).
+    pub attention_k_eq_v: bool,
+    /// The last this many layers compute only queries and read the K/V of the last earlier
+    /// layer of their kind.
+    pub num_kv_shared_layers: usize,
+    /// KV-shared layers have a twice-as-wide MLP.
+    pub double_wide_mlp: bool,
+    /// Width of the per-layer input embeddings (0: none).
+    pub per_layer_input_size: usize,
+    /// Rows of the per-layer input embedding table.
+    pub per_layer_vocab: usize,
+    /// The MoE branch, when the checkpoint has one.
+    pub moe: Option<MoeConfig>,
+}
+
+/// The Gemma 4 parts of a text config `c` with `layer_types` already read (the last layer
+/// forced to full attention, as transformers does), or a clear error for what Kakeya does not
+/// support.
+pub(super) fn parse(path: &Path, c: &Value, layer_types: &[AttentionKind]) -> Result<Gemma4Extras> {
+    let bad = |msg: String| Err(WeightsError::format(path, msg));
+    let int = |k: &str| c.get(k).and_then(Value::as_u64).map(|v| v as usize);
+    let flag = |k: &str| c.get(k).and_then(Value::as_bool).unwrap_or(false);
+    if flag("attention_bias") {
+        return bad(
+            "attention_bias = true is not supported (Gemma 4 checkpoints have none)".into(),
+        );
+    }
+    match c.get("use_bidirectional_attention").and_then(Value::as_str) {
+        None | Some("vision") => {} // "vision" changes image tokens' masks only
+        Some(other) => {
+            return bad(format!(
+                "use_bidirectional_attention = \"{other}\" is not supported (a causal text model only)"
+            ));
+        }
+    }
+    if let Some(act) = c.get("hidden_activation").and_then(Value::as_str)
+        && act != "gelu_pytorch_tanh"
+    {
+        return bad(format!(
+            "hidden_activation `{act}` is not supported (only gelu_pytorch_tanh)"
+        ));
+    }
+    let head_dim = int("head_dim").unwrap_or(256);
+    let kv_heads = int("num_key_value_heads").unwrap_or(4);
+    let k_eq_v = flag("attention_k_eq_v");
+    // A full layer's geometry: `per_layer_config` (written by transformers >= 5.24) wins over
+    // the `global_head_dim` / `num_global_key_value_heads` keys it is made from.
+    let full = layer_types.iter().position(|&k| k == AttentionKind::Full);
+    let from_per_layer = |key: &str| -> Option<usize> {
+        let per = c.get("per_layer_config")?.as_object()?;
+        let i = full?;
+        let entry = per
+            .iter()
+            .find(|(k, _)| k.trim_start_matches('0').parse::<usize>().ok().unwrap_or(0) == i)?;
+        entry.1.get(key)?.as_u64().map(|v| v as usize)
+    };
+    let has_per_layer = c.get("per_layer_config").is_some_and(|v| !v.is_null());
+    let global_head_dim = if has_per_layer {
+        from_per_layer("head_dim").unwrap_or(head_dim)
+    } else {
+        int("global_head_dim").unwrap_or(512)
+    };
+    let global_kv_heads = if has_per_layer {
+        from_per_layer("num_key_value_heads").unwrap_or(kv_heads)
+    } else {
+        match int("num_global_key_value_heads") {
+            Some(n) if k_eq_v => n,
+            _ => kv_heads,
+        }
+    };
+    let rope = |kind: &str| c.get("rope_parameters").and_then(|p| p.get(kind));
+    let mut global_partial_rotary = 1.0;
+    for kind in ["sliding_attention", "full_attention"] {
+        let Some(p) = rope(kind) else {
+            return bad(format!("rope_parameters.{kind} is missing"));
+        };
+        if p.get("rope_theta").and_then(Value::as_f64).is_none() {
+            return bad(format!("rope_parameters.{kind}.rope_theta is missing"));
+        }
+        let ty = p
+            .get("rope_type")
+            .and_then(Value::as_str)
+            .unwrap_or("default");
+        match (kind, ty) {
+            (_, "default") => {}
+            ("full_attention", "proportional") => {
+                global_partial_rotary = p
+                    .get("partial_rotary_factor")
+                    .and_then(Value::as_f64)
+                    .unwrap_or(1.0);
+                if p.get("factor").and_then(Value::as_f64).unwrap_or(1.0) != 1.0 {
+                    return bad("a proportional RoPE `factor` other than 1 is not supported".into());
+                }
+            }
+            _ => {
+                return bad(format!(
+                    "rope_parameters.{kind}.rope_type `{ty}` is not supported"
+                ));
+            }
+        }
+    }
+    if !(0.0..=1.0).contains(&global_partial_rotary) {
+        return bad(format!(
+            "partial_rotary_factor {global_partial_rotary} is not in [0, 1]"
+        ));
+    }
+    let n = layer_types.len();
+    let shared = int("num_kv_shared_layers").unwrap_or(0);
+    if shared >= n {
+        return bad(format!(
+            "num_kv_shared_layers {shared} leaves no layer to share from ({n} layers)"
+        ));
+    }
+    // Every kind among the shared layers needs an earlier layer of that kind to read.
+    for (i, &kind) in layer_types.iter().enumerate().skip(n - shared) {
+        if !layer_types[..n - shared].contains(&kind) {
+            return bad(format!(
+                "layer {i} shares K/V, but no layer before {} is of its kind ({kind:?})",
+                n - shared
+            ));
+        }
+    }
+    let ple = int("hidden_size_per_layer_input").unwrap_or(256);
+    let moe = if flag("enable_moe_block") {
+        let (Some(experts), Some(top_k), Some(intermediate)) = (
+            int("num_experts"),
+            int("top_k_experts"),
+            int("moe_intermediate_size"),
+        ) else {
+            return bad(
+                "enable_moe_block needs num_experts, top_k_experts and moe_intermediate_size"
+                    .into(),
+            );
+        };
+        if top_k == 0 || top_k > experts {
+            return bad(format!("top_k_experts {top_k} must be in 1..={experts}"));
+        }
+        Some(MoeConfig {
+            experts,
+            top_k,
+            intermediate,
+        })
+    } else {
+        None
+    };
+    for (what, v) in [
+        ("global_head_dim", global_head_dim),
+        ("global key/value heads", global_kv_heads),
+    ] {
+        if v == 0 {
+            return bad(format!("{what} must be positive"));
+        }
+    }
+    Ok(Gemma4Extras {
+        global_head_dim,
+        global_kv_heads,
+        global_partial_rotary,
+        attention_k_eq_v: k_eq_v,
+        num_kv_shared_layers: shared,
+        double_wide_mlp: flag("use_double_wide_mlp"),
+        per_layer_input_size: ple,
+        per_layer_vocab: int("vocab_size_per_layer_input").unwrap_or(262_144),
+        moe,
+    })
+}

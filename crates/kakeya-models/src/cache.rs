@@ -22,14 +22,25 @@ pub enum CacheSpec {
         /// Attention window.
         window: usize,
     },
+    /// Nothing: the layer attends over layer `source`'s K/V (Gemma 4's KV sharing).
+    Shared {
+        /// The layer whose cache holds the K/V.
+        source: usize,
+        /// Its attention window (`None`: full attention).
+        window: Option<usize>,
+    },
 }
 
 impl CacheSpec {
     /// The oldest position a query at `q` can attend to.
     pub fn oldest_needed(&self, q: usize) -> usize {
         match *self {
-            CacheSpec::Full => 0,
-            CacheSpec::Sliding { window } => (q + 1).saturating_sub(window),
+            CacheSpec::Full | CacheSpec::Shared { window: None, .. } => 0,
+            CacheSpec::Sliding { window }
+            | CacheSpec::Shared {
+                window: Some(window),
+                ..
+            } => (q + 1).saturating_sub(window),
         }
     }
 }

@@ -23,6 +23,19 @@ impl Rope {
         Self { inv_freq }
     }
 
+    /// Gemma 4's "proportional" RoPE: the first `⌊share · d/2⌋` frequencies of [`Self::new`]'s
+    /// table (exponents over the whole `d`), the rest 0 — those pairs `(i, i + d/2)` are not
+    /// rotated.
+    pub fn proportional(head_dim: usize, base: f64, share: f64) -> Self {
+        let mut rope = Self::new(head_dim, base, 1.0);
+        let rotated = (share * head_dim as f64 / 2.0).floor() as usize;
+        rope.inv_freq
+            .iter_mut()
+            .skip(rotated)
+            .for_each(|f| *f = 0.0);
+        rope
+    }
+
     /// Cosine and sine tables for `positions`, each `[T, d/2]`.
     pub fn tables(&self, positions: &[usize], device: &Device) -> (Tensor<2>, Tensor<2>) {
         let half = self.inv_freq.len();

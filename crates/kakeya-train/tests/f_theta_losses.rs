@@ -628,7 +628,10 @@ export = "unused"
             "layer {l}"
         );
         assert!(
-            same(data1(&fr.k_norm.scale), data1(&layer.attn.k_norm.scale)),
+            same(
+                data1(&fr.k_norm.scale),
+                data1(&layer.attn.k_norm.as_ref().unwrap().scale)
+            ),
             "layer {l}"
         );
     }

@@ -100,10 +100,9 @@ fn hf_canonical(name: &str) -> Option<String> {
     name.starts_with("model.").then_some(name)
 }
 
-/// Every tensor a Gemma 3 text model needs, with its shape.
+/// Every tensor a Gemma 3 (or Gemma 4) text model needs, with its shape.
 pub fn expected_tensors(c: &Gemma3Config) -> Vec<(String, Vec<usize>)> {
-    let (h, hd) = (c.hidden_size, c.head_dim);
-    let (q, kv) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
+    let h = c.hidden_size;
     let mut v = vec![
         (
             "model.embed_tokens.weight".to_string(),
@@ -111,23 +110,80 @@ pub fn expected_tensors(c: &Gemma3Config) -> Vec<(String, Vec<usize>)> {
         ),
         ("model.norm.weight".to_string(), vec![h]),
     ];
-    for i in 0..c.num_hidden_layers {
+    let g4 = c.gemma4.as_ref();
+    let layers = c.num_hidden_layers;
+    if let Some(g) = g4.filter(|g| g.per_layer_input_size > 0) {
+        let lp = layers * g.per_layer_input_size;
+        v.extend([
+            (
+                "model.embed_tokens_per_layer.weight".to_string(),
+                vec![g.per_layer_vocab, lp],
+            ),
+            (
+                "model.per_layer_model_projection.weight".to_string(),
+                vec![lp, h],
+            ),
+            (
+                "model.per_layer_projection_norm.weight".to_string(),
+                vec![g.per_layer_input_size],
+            ),
+        ]);
+    }
+    for i in 0..layers {
         let p = |s: &str| format!("model.layers.{i}.{s}");
+        let hd = c.head_dim_of(i);
+        let (q, kv) = (c.num_attention_heads * hd, c.kv_heads_of(i) * hd);
+        let width = c.mlp_width_of(i);
         v.extend([
             (p("self_attn.q_proj.weight"), vec![q, h]),
-            (p("self_attn.k_proj.weight"), vec![kv, h]),
-            (p("self_attn.v_proj.weight"), vec![kv, h]),
             (p("self_attn.o_proj.weight"), vec![h, q]),
             (p("self_attn.q_norm.weight"), vec![hd]),
-            (p("self_attn.k_norm.weight"), vec![hd]),
             (p("input_layernorm.weight"), vec![h]),
             (p("post_attention_layernorm.weight"), vec![h]),
             (p("pre_feedforward_layernorm.weight"), vec![h]),
             (p("post_feedforward_layernorm.weight"), vec![h]),
-            (p("mlp.gate_proj.weight"), vec![c.intermediate_size, h]),
-            (p("mlp.up_proj.weight"), vec![c.intermediate_size, h]),
-            (p("mlp.down_proj.weight"), vec![h, c.intermediate_size]),
+            (p("mlp.gate_proj.weight"), vec![width, h]),
+            (p("mlp.up_proj.weight"), vec![width, h]),
+            (p("mlp.down_proj.weight"), vec![h, width]),
         ]);
+        // A layer reading another's K/V has no key/value weights of its own; with k_eq_v a
+        // full layer's values are its raw keys.
+        if c.kv_source(i).is_none() {
+            v.extend([
+                (p("self_attn.k_proj.weight"), vec![kv, h]),
+                (p("self_attn.k_norm.weight"), vec![hd]),
+            ]);
+            let k_eq_v = g4.is_some_and(|g| g.attention_k_eq_v)
+                && c.layer_types[i] == crate::AttentionKind::Full;
+            if !k_eq_v {
+                v.push((p("self_attn.v_proj.weight"), vec![kv, h]));
+            }
+        }
+        let Some(g) = g4 else { continue };
+        v.push((p("layer_scalar"), vec![1]));
+        if g.per_layer_input_size > 0 {
+            let ps = g.per_layer_input_size;
+            v.extend([
+                (p("per_layer_input_gate.weight"), vec![ps, h]),
+                (p("per_layer_projection.weight"), vec![h, ps]),
+                (p("post_per_layer_input_norm.weight"), vec![h]),
+            ]);
+        }
+        if let Some(m) = &g.moe {
+            v.extend([
+                (p("router.proj.weight"), vec![m.experts, h]),
+                (p("router.scale"), vec![h]),
+                (p("router.per_expert_scale"), vec![m.experts]),
+                (
+                    p("experts.gate_up_proj"),
+                    vec![m.experts, 2 * m.intermediate, h],
+                ),
+                (p("experts.down_proj"), vec![m.experts, h, m.intermediate]),
+                (p("pre_feedforward_layernorm_2.weight"), vec![h]),
+                (p("post_feedforward_layernorm_1.weight"), vec![h]),
+                (p("post_feedforward_layernorm_2.weight"), vec![h]),
+            ]);
+        }
     }
     v
 }
@@ -182,8 +238,10 @@ impl Checkpoint {
         let config = Gemma3Config::from_hf_json(&cfg_path, &text)?;
         config.validate(&cfg_path)?;
         let mut tensors = BTreeMap::new();
+        // Gemma 3 stores norms as `w` for a `1 + w` multiplier; Gemma 4 stores the multiplier.
+        let plus_one = config.gemma4.is_none();
         for file in safetensors_files(dir)? {
-            read_safetensors(&file, &mut tensors)?;
+            read_safetensors(&file, plus_one, &mut tensors)?;
         }
         let ck = Self {
             source: dir.to_path_buf(),
@@ -208,6 +266,12 @@ impl Checkpoint {
     }
 
     fn write_hf_files(&self, dir: &Path) -> Result<()> {
+        if self.config.gemma4.is_some() {
+            return Err(WeightsError::format(
+                &self.source,
+                "writing a Gemma 4 checkpoint as an HF folder is not supported",
+            ));
+        }
         let cfg =
             serde_json::to_string_pretty(&self.config.to_hf_json()).expect("config serialises");
         let cfg_path = dir.join("config.json");
@@ -331,12 +395,17 @@ fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
-/// Reads one safetensors file into `out` (canonical names, f32, norms as multipliers).
-fn read_safetensors(path: &Path, out: &mut BTreeMap<String, HostTensor>) -> Result<()> {
+/// Reads one safetensors file into `out` (canonical names, f32, norms as multipliers: `1 + w`
+/// where `plus_one`, Gemma 3's convention).
+fn read_safetensors(
+    path: &Path,
+    plus_one: bool,
+    out: &mut BTreeMap<String, HostTensor>,
+) -> Result<()> {
     let mut read = BTreeMap::new();
     read_safetensors_as(path, &hf_canonical, &mut read)?;
     for (name, mut t) in read {
-        if is_gemma_norm(&name) {
+        if plus_one && is_gemma_norm(&name) {
             t.data.iter_mut().for_each(|v| *v += 1.0);
         }
         out.insert(name, t);
@@ -445,7 +514,7 @@ mod tests {
         b.extend_from_slice(header);
         b.extend_from_slice(&[0u8; 8]); // only 8 of the 16 bytes
         std::fs::write(&path, &b).unwrap();
-        let e = read_safetensors(&path, &mut BTreeMap::new())
+        let e = read_safetensors(&path, true, &mut BTreeMap::new())
             .unwrap_err()
             .to_string();
         assert!(

@@ -164,24 +164,11 @@ impl Gemma3Config {
         })
     }
 
-    /// Parses an HF `config.json` (a `Gemma3TextConfig`, or a `Gemma3Config` whose
-    /// `text_config` holds one). Accepts both the legacy `rope_theta` keys and
-    /// transformers 5's `rope_parameters`.
+    /// Parses an HF `config.json`: a `Gemma3TextConfig` or a `Gemma4TextConfig` (Gemma 4's
+    /// additions go to [`Self::gemma4`]), alone or as the `text_config` of a multimodal
+    /// config. Accepts both the legacy `rope_theta` keys and transformers 5's
+    /// `rope_parameters`; refuses other model families by name.
     pub fn from_hf_json(path: &Path, text: &str) -> Result<Self> {
-        let c = Self::parse_hf_json(path, text)?;
-        if c.gemma4.is_some() {
-            return Err(WeightsError::format(
-                path,
-                "a Gemma 4 config (read and checked), but Kakeya cannot run Gemma 4 yet: its \
-                 decoder is not built (docs/gemma4.md)",
-            ));
-        }
-        Ok(c)
-    }
-
-    /// Parses an HF `config.json` of Gemma 3 or Gemma 4 (whose additions go to
-    /// [`Self::gemma4`]); [`Self::from_hf_json`] is this for the models Kakeya runs.
-    pub fn parse_hf_json(path: &Path, text: &str) -> Result<Self> {
         let root: Value = serde_json::from_str(text)
             .map_err(|e| WeightsError::format(path, format!("invalid JSON: {e}")))?;
         let c = root.get("text_config").unwrap_or(&root);
@@ -436,13 +423,7 @@ mod tests {
 
     #[test]
     fn other_model_families_are_refused_by_name() {
-        // Gemma 4 is read and checked, then refused until its decoder exists.
-        let (p, g4) = gemma4_fixture("dense");
-        let e = Gemma3Config::from_hf_json(&p, &g4).unwrap_err().to_string();
-        assert!(
-            e.contains("config.json") && e.contains("cannot run Gemma 4 yet"),
-            "{e}"
-        );
+        // (Gemma 4: `gemma4_geometry_follows_transformers_rules`.)
         let llama = TINY.replace("{", r#"{"model_type": "llama", "#);
         let e = Gemma3Config::from_hf_json(Path::new("c.json"), &llama)
             .unwrap_err()
@@ -462,7 +443,7 @@ mod tests {
     fn gemma4_geometry_follows_transformers_rules() {
         // dense: layers 2 and 5 full (head dim 32, 1 KV head through k_eq_v), 4 and 5 share.
         let (p, text) = gemma4_fixture("dense");
-        let c = Gemma3Config::parse_hf_json(&p, &text).unwrap();
+        let c = Gemma3Config::from_hf_json(&p, &text).unwrap();
         let g = c.gemma4.clone().unwrap();
         assert_eq!((g.global_head_dim, g.global_kv_heads), (32, 1));
         assert_eq!(g.global_partial_rotary, 0.25);
@@ -483,14 +464,14 @@ mod tests {
         assert_eq!(widths, [96, 96, 96, 96, 192, 192]);
         // Nested in a multimodal config, the same.
         let nested = format!(r#"{{"model_type": "gemma4", "text_config": {text}}}"#);
-        assert_eq!(Gemma3Config::parse_hf_json(&p, &nested).unwrap(), c);
+        assert_eq!(Gemma3Config::from_hf_json(&p, &nested).unwrap(), c);
         // Without k_eq_v, full layers keep the sliding layers' KV-head count.
         let (p, text) = gemma4_fixture("dense-kv");
-        let c = Gemma3Config::parse_hf_json(&p, &text).unwrap();
+        let c = Gemma3Config::from_hf_json(&p, &text).unwrap();
         assert_eq!((c.head_dim_of(5), c.kv_heads_of(5)), (32, 2));
         // The MoE model.
         let (p, text) = gemma4_fixture("moe");
-        let c = Gemma3Config::parse_hf_json(&p, &text).unwrap();
+        let c = Gemma3Config::from_hf_json(&p, &text).unwrap();
         let g = c.gemma4.unwrap();
         assert_eq!(
             g.moe,
@@ -511,7 +492,7 @@ mod tests {
                 "sliding_attention": {"rope_theta": 10000.0},
                 "full_attention": {"rope_type": "proportional", "rope_theta": 1e6}}, "#,
         );
-        let c = Gemma3Config::parse_hf_json(Path::new("c.json"), &legacy).unwrap();
+        let c = Gemma3Config::from_hf_json(Path::new("c.json"), &legacy).unwrap();
         assert_eq!(c.layer_types[5], AttentionKind::Full);
         assert_eq!(
             (c.head_dim_of(5), c.kv_heads_of(5), c.head_dim_of(0)),
@@ -546,7 +527,7 @@ mod tests {
         for (key, value, want) in cases {
             let old = v[key].clone();
             v[key] = value;
-            let e = Gemma3Config::parse_hf_json(&p, &v.to_string())
+            let e = Gemma3Config::from_hf_json(&p, &v.to_string())
                 .unwrap_err()
                 .to_string();
             assert!(e.contains("config.json") && e.contains(want), "{key}: {e}");
@@ -561,7 +542,7 @@ mod tests {
             "full_attention",
             "full_attention"
         ]);
-        let e = Gemma3Config::parse_hf_json(&p, &v.to_string())
+        let e = Gemma3Config::from_hf_json(&p, &v.to_string())
             .unwrap_err()
             .to_string();
         assert!(e.contains("no layer before 4 is of its kind"), "{e}");

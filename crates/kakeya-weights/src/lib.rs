@@ -17,7 +17,7 @@ pub mod tokenizer;
 
 pub use argmax::Argmax;
 pub use checkpoint::{Checkpoint, HostTensor};
-pub use config::{AttentionKind, Gemma3Config};
+pub use config::{AttentionKind, Gemma3Config, Gemma4Extras, MoeConfig};
 pub use dflash::{DFlashConfig, DraftCheckpoint, StoreDtype};
 pub use error::{Result, WeightsError};
 pub use ftheta::{FThetaCheckpoint, FThetaConfig};

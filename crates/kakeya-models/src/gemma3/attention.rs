@@ -33,16 +33,25 @@ pub struct AttentionCapture {
 pub struct Attention {
     /// `[heads · head_dim, hidden]`.
     pub q_proj: Linear,
-    /// `[kv_heads · head_dim, hidden]`.
-    pub k_proj: Linear,
-    /// `[kv_heads · head_dim, hidden]`.
-    pub v_proj: Linear,
+    /// `[kv_heads · head_dim, hidden]`; `None` on a layer that reads another layer's K/V
+    /// ([`Self::kv_source`]).
+    pub k_proj: Option<Linear>,
+    /// `[kv_heads · head_dim, hidden]`; `None` where the values are the raw `k_proj` output
+    /// (Gemma 4's `attention_k_eq_v`) or come from another layer.
+    pub v_proj: Option<Linear>,
     /// `[hidden, heads · head_dim]`.
     pub o_proj: Linear,
     /// Per-head query norm over `head_dim`.
     pub q_norm: RmsNorm,
-    /// Per-head key norm over `head_dim`.
-    pub k_norm: RmsNorm,
+    /// Per-head key norm over `head_dim` (`None` with [`Self::kv_source`]).
+    pub k_norm: Option<RmsNorm>,
+    /// Gemma 4's weightless per-head value norm (a multiplier of ones); `None` for Gemma 3.
+    pub v_norm: Option<RmsNorm>,
+    /// The earlier layer whose K/V this layer attends over (Gemma 4's KV sharing); it then
+    /// computes only queries, and its own cache holds nothing.
+    pub kv_source: Option<usize>,
+    /// Whether a later layer reads this layer's K/V ([`Self::kv_source`]).
+    pub shares_kv: bool,
     /// Query heads.
     pub heads: usize,
     /// Key/value heads.
@@ -76,8 +85,29 @@ impl Attention {
         device: &Device,
     ) -> Tensor<3> {
         let (cos, sin) = self.rope.tables(positions, device);
-        let k = self.k_norm.forward(self.heads_first(k_raw, self.kv_heads));
+        let k = self
+            .own_k_norm()
+            .forward(self.heads_first(k_raw, self.kv_heads));
         Rope::apply(k, &cos, &sin)
+    }
+
+    fn own_k_norm(&self) -> &RmsNorm {
+        self.k_norm
+            .as_ref()
+            .expect("only a layer with its own keys computes keys")
+    }
+
+    /// Values from raw v_proj (or, with k_eq_v, k_proj) rows: heads first, then Gemma 4's
+    /// value norm.
+    ///
+    /// # Shapes
+    /// - `v_raw`: `[n, kv_heads · head_dim]` → `[kv_heads, n, head_dim]`
+    fn values_from_raw(&self, v_raw: Tensor<2>) -> Tensor<3> {
+        let v = self.heads_first(v_raw, self.kv_heads);
+        match &self.v_norm {
+            Some(n) => n.forward(v),
+            None => v,
+        }
     }
 
     /// May a query at `q` attend to a key at `k`?
@@ -122,7 +152,7 @@ impl Attention {
             SegmentKv::Ready { k, v } => (k.clone(), v.clone()),
             SegmentKv::Raw { k, v } => (
                 self.keys_from_raw(k.clone(), &seg.positions, device),
-                self.heads_first(v.clone(), self.kv_heads),
+                self.values_from_raw(v.clone()),
             ),
             SegmentKv::Deferred => unreachable!("deferred segments are read tile by tile"),
         }
@@ -139,7 +169,7 @@ impl Attention {
         match (tile, part) {
             (DeferredKv::Ready(x), _) => x,
             (DeferredKv::Raw(k), KvPart::K) => self.keys_from_raw(k, positions, device),
-            (DeferredKv::Raw(v), KvPart::V) => self.heads_first(v, self.kv_heads),
+            (DeferredKv::Raw(v), KvPart::V) => self.values_from_raw(v),
         }
     }
 
@@ -221,12 +251,15 @@ impl Attention {
     /// Attends chunks of several sequences stacked row-wise: the projections, norms and RoPE
     /// run over all rows at once; each span's K/V go to cache `layer` of its own
     /// [`KvLayers`], and each span attends only over what its cache returns. `rope` holds this
-    /// layer kind's cos/sin tables for every row (built once per forward by the model).
+    /// layer kind's cos/sin tables for every row (built once per forward by the model). A
+    /// layer that [`Self::shares_kv`] leaves each span's segments in `shared` under its index;
+    /// a layer with a [`Self::kv_source`] attends over the source's instead of computing K/V.
     ///
     /// # Shapes
     /// - `x`: `[R, hidden]` (after input_layernorm) → `[R, hidden]` (after o_proj)
     /// - `spans`: per sequence, its first absolute position and its rows of `x`
     /// - `rope`: cos and sin, each `[R, head_dim/2]`
+    #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
         x: Tensor<2>,
@@ -234,38 +267,78 @@ impl Attention {
         rope: &(Tensor<2>, Tensor<2>),
         (kvs, layer): (&mut [&mut dyn KvLayers], usize),
         capture: bool,
+        shared: &mut SharedKv,
     ) -> Result<(Tensor<2>, Vec<AttentionCapture>)> {
         let device = x.device();
         let (cos, sin) = rope;
         let q_raw = self.q_proj.forward(x.clone());
-        let k_raw = self.k_proj.forward(x.clone());
-        let v_raw = self.v_proj.forward(x);
         let q = Rope::apply(
             self.q_norm
                 .forward(self.heads_first(q_raw.clone(), self.heads)),
             cos,
             sin,
         );
-        let k = Rope::apply(
-            self.k_norm
-                .forward(self.heads_first(k_raw.clone(), self.kv_heads)),
-            cos,
-            sin,
-        );
-        let v = self.heads_first(v_raw.clone(), self.kv_heads);
+        // Own keys and values: keys normed and rotated; values (v_proj's, or with k_eq_v the
+        // raw keys) through the value norm.
+        let own = match &self.k_proj {
+            Some(k_proj) => {
+                let k_raw = k_proj.forward(x.clone());
+                let v_raw = match &self.v_proj {
+                    Some(v_proj) => v_proj.forward(x),
+                    None => k_raw.clone(),
+                };
+                let k = Rope::apply(
+                    self.own_k_norm()
+                        .forward(self.heads_first(k_raw.clone(), self.kv_heads)),
+                    cos,
+                    sin,
+                );
+                let v = self.values_from_raw(v_raw.clone());
+                Some((k_raw, v_raw, k, v))
+            }
+            None => None,
+        };
+        if capture && own.is_none() {
+            return Err(ModelError::Input(format!(
+                "layer {layer} reads another layer's K/V: capture does not support it"
+            )));
+        }
         let rows_of = |t: &Tensor<3>, r: &std::ops::Range<usize>| {
             let [h, _, d] = t.dims();
             t.clone().slice([0..h, r.clone(), 0..d])
         };
         let mut outs = Vec::with_capacity(spans.len());
-        for (span, caches) in spans.iter().zip(kvs.iter_mut()) {
+        let mut mine = Vec::new();
+        for (s, (span, caches)) in spans.iter().zip(kvs.iter_mut()).enumerate() {
             let r = &span.rows;
+            let (segments, read_layer) = match (&own, self.kv_source) {
+                (Some((_, _, k, v)), _) => {
+                    let segs = caches.update(layer, rows_of(k, r), rows_of(v, r), span.start)?;
+                    if self.shares_kv {
+                        mine.push(segs.clone());
+                    }
+                    (segs, layer)
+                }
+                (None, Some(src)) => {
+                    let segs = shared.get(&src).and_then(|per| per.get(s)).ok_or_else(|| {
+                        ModelError::Cache(format!(
+                            "layer {layer} reads layer {src}'s K/V, which this forward did not keep"
+                        ))
+                    })?;
+                    (segs.clone(), src)
+                }
+                (None, None) => unreachable!("a layer without keys reads another's"),
+            };
             outs.push(self.attend(
-                (rows_of(&q, r), rows_of(&k, r), rows_of(&v, r)),
+                rows_of(&q, r),
                 span.start,
-                (&mut **caches, layer),
+                segments,
+                (&mut **caches, read_layer),
                 &device,
             )?);
+        }
+        if self.shares_kv {
+            shared.insert(layer, mine);
         }
         let attn = if outs.len() == 1 {
             outs.pop().expect("one span")
@@ -273,41 +346,42 @@ impl Attention {
             Tensor::cat(outs, 0)
         };
         let out = self.o_proj.forward(attn);
-        let caps = if capture {
-            let cols = |t: &Tensor<2>, r: &std::ops::Range<usize>| {
-                let w = t.dims()[1];
-                t.clone().slice([r.clone(), 0..w])
-            };
-            spans
-                .iter()
-                .map(|s| AttentionCapture {
-                    q_raw: cols(&q_raw, &s.rows),
-                    k_raw: cols(&k_raw, &s.rows),
-                    v_raw: cols(&v_raw, &s.rows),
-                    out: cols(&out, &s.rows),
-                })
-                .collect()
-        } else {
-            Vec::new()
+        let caps = match own {
+            Some((k_raw, v_raw, _, _)) if capture => {
+                let cols = |t: &Tensor<2>, r: &std::ops::Range<usize>| {
+                    let w = t.dims()[1];
+                    t.clone().slice([r.clone(), 0..w])
+                };
+                spans
+                    .iter()
+                    .map(|s| AttentionCapture {
+                        q_raw: cols(&q_raw, &s.rows),
+                        k_raw: cols(&k_raw, &s.rows),
+                        v_raw: cols(&v_raw, &s.rows),
+                        out: cols(&out, &s.rows),
+                    })
+                    .collect()
+            }
+            _ => Vec::new(),
         };
         Ok((out, caps))
     }
 
-    /// One sequence's chunk of `T` positions `start..start+T`: its K/V go to cache `layer`,
-    /// which returns the tiers attention reads.
+    /// One sequence's chunk of `T` queries at positions `start..start+T` over the segments
+    /// its cache (layer `layer`, or the layer it shares K/V with) returned.
     ///
     /// # Shapes
-    /// - `q`: `[heads, T, head_dim]`; `k`, `v`: `[kv_heads, T, head_dim]` (normed, RoPE'd)
+    /// - `q`: `[heads, T, head_dim]` (normed, RoPE'd)
     /// - returns `[T, heads · head_dim]` (before o_proj)
     fn attend(
         &self,
-        (q, k, v): (Tensor<3>, Tensor<3>, Tensor<3>),
+        q: Tensor<3>,
         start: usize,
+        segments: Vec<KvSegment>,
         (caches, layer): (&mut dyn KvLayers, usize),
         device: &Device,
     ) -> Result<Tensor<2>> {
         let t = q.dims()[1];
-        let segments = caches.update(layer, k, v, start)?;
         let (deferred, ready): (Vec<KvSegment>, Vec<KvSegment>) = segments
             .into_iter()
             .filter(|s| !s.is_empty())
@@ -328,6 +402,9 @@ impl Attention {
         Ok(grouped_attention(q, k, v, self.scale, mask))
     }
 }
+
+/// Per layer that shares its K/V, the segments each span's cache returned in this forward.
+pub type SharedKv = std::collections::BTreeMap<usize, Vec<Vec<KvSegment>>>;
 
 /// One sequence's rows in a stacked forward.
 #[derive(Debug, Clone)]

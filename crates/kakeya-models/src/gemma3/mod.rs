@@ -2,6 +2,7 @@
 
 pub mod attention;
 pub mod model;
+pub mod per_layer;
 
 pub use attention::AttentionCapture;
 pub use model::{ForwardOutput, ForwardRequest, Gemma3Model, Logits};

@@ -3,7 +3,8 @@
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use kakeya_weights::{AttentionKind, Checkpoint, Gemma3Config, HostTensor};
 
-use super::attention::{Attention, AttentionCapture, Span};
+use super::attention::{Attention, AttentionCapture, SharedKv, Span};
+use super::per_layer::{PerLayerEmbed, PerLayerGate};
 use crate::activation::gelu_tanh;
 use crate::cache::{CacheSpec, KvLayers};
 use crate::error::{ModelError, Result};
@@ -120,12 +121,18 @@ pub struct DecoderLayer {
     pub up_proj: Linear,
     /// `[hidden, intermediate]`.
     pub down_proj: Linear,
+    /// Gemma 4's per-layer input branch.
+    pub per_layer: Option<PerLayerGate>,
+    /// Gemma 4's multiplier of the whole residual stream after the layer.
+    pub layer_scalar: Option<f32>,
 }
 
 impl DecoderLayer {
     /// # Shapes
     /// - `x`: `[R, hidden]` (the spans' rows stacked) → `[R, hidden]`; see
     ///   [`Attention::forward`]
+    /// - `per_layer_input`: `[R, P]` (Gemma 4 with per-layer inputs)
+    #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         x: Tensor<2>,
@@ -133,15 +140,29 @@ impl DecoderLayer {
         rope: &(Tensor<2>, Tensor<2>),
         kv: (&mut [&mut dyn KvLayers], usize),
         capture: bool,
+        per_layer_input: Option<Tensor<2>>,
+        shared: &mut SharedKv,
     ) -> Result<(Tensor<2>, Vec<AttentionCapture>)> {
-        let (a, cap) =
-            self.attn
-                .forward(self.input_norm.forward(x.clone()), spans, rope, kv, capture)?;
+        let (a, cap) = self.attn.forward(
+            self.input_norm.forward(x.clone()),
+            spans,
+            rope,
+            kv,
+            capture,
+            shared,
+        )?;
         let h = x + self.post_attn_norm.forward(a);
         let m = self.pre_ffn_norm.forward(h.clone());
         let m = gelu_tanh(self.gate_proj.forward(m.clone())) * self.up_proj.forward(m);
         let m = self.down_proj.forward(m);
-        Ok((h + self.post_ffn_norm.forward(m), cap))
+        let mut out = h + self.post_ffn_norm.forward(m);
+        if let (Some(gate), Some(input)) = (&self.per_layer, per_layer_input) {
+            out = gate.forward(out, input);
+        }
+        if let Some(s) = self.layer_scalar {
+            out = out.mul_scalar(s);
+        }
+        Ok((out, cap))
     }
 }
 
@@ -158,6 +179,8 @@ pub struct Gemma3Model {
     pub layers: Vec<DecoderLayer>,
     /// Final norm.
     pub norm: RmsNorm,
+    /// Gemma 4's per-layer input embeddings.
+    pub per_layer: Option<PerLayerEmbed>,
     device: Device,
 }
 
@@ -198,6 +221,14 @@ impl Loader<'_> {
         })
     }
 
+    /// A weightless norm (Gemma 4's value norm): a multiplier of ones.
+    fn ones(&self, dim: usize, eps: f64) -> RmsNorm {
+        RmsNorm {
+            scale: Tensor::ones([dim], self.device),
+            eps,
+        }
+    }
+
     fn norm(&mut self, name: &str, eps: f64) -> Result<RmsNorm> {
         let t = self.take(name)?;
         let n = t.data.len();
@@ -218,29 +249,64 @@ impl Gemma3Model {
             ck: &mut ck,
             device,
         };
+        let g4 = c.gemma4.clone();
+        if g4.as_ref().is_some_and(|g| g.moe.is_some()) {
+            return Err(ModelError::Input(format!(
+                "{}: Gemma 4's MoE branch is not supported yet",
+                ck.source.display()
+            )));
+        }
         let global_rope = Rope::new(c.head_dim, c.rope_theta, c.rope_scaling_factor);
         let local_rope = Rope::new(c.head_dim, c.rope_local_base_freq, 1.0);
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for (i, &kind) in c.layer_types.iter().enumerate() {
             let p = |s: &str| format!("model.layers.{i}.{s}");
+            let hd = c.head_dim_of(i);
+            let source = c.kv_source(i);
+            let k_eq_v =
+                g4.as_ref().is_some_and(|g| g.attention_k_eq_v) && kind == AttentionKind::Full;
+            let own = source.is_none();
             let attn = Attention {
                 q_proj: l.lin(&p("self_attn.q_proj.weight"))?,
-                k_proj: l.lin(&p("self_attn.k_proj.weight"))?,
-                v_proj: l.lin(&p("self_attn.v_proj.weight"))?,
+                k_proj: own
+                    .then(|| l.lin(&p("self_attn.k_proj.weight")))
+                    .transpose()?,
+                v_proj: (own && !k_eq_v)
+                    .then(|| l.lin(&p("self_attn.v_proj.weight")))
+                    .transpose()?,
                 o_proj: l.lin(&p("self_attn.o_proj.weight"))?,
                 q_norm: l.norm(&p("self_attn.q_norm.weight"), eps)?,
-                k_norm: l.norm(&p("self_attn.k_norm.weight"), eps)?,
+                k_norm: own
+                    .then(|| l.norm(&p("self_attn.k_norm.weight"), eps))
+                    .transpose()?,
+                v_norm: g4.as_ref().map(|_| l.ones(hd, eps)),
+                kv_source: source,
+                shares_kv: (0..c.num_hidden_layers).any(|j| c.kv_source(j) == Some(i)),
                 heads: c.num_attention_heads,
-                kv_heads: c.num_key_value_heads,
-                head_dim: c.head_dim,
+                kv_heads: c.kv_heads_of(i),
+                head_dim: hd,
                 scale: c.query_pre_attn_scalar.powf(-0.5),
                 kind,
                 window: c.sliding_window,
-                rope: if kind == AttentionKind::Full {
-                    global_rope.clone()
-                } else {
-                    local_rope.clone()
+                rope: match (kind, &g4) {
+                    (AttentionKind::Full, Some(g)) => {
+                        Rope::proportional(hd, c.rope_theta, g.global_partial_rotary)
+                    }
+                    (AttentionKind::Full, None) => global_rope.clone(),
+                    (AttentionKind::Sliding, _) => local_rope.clone(),
                 },
+            };
+            let per_layer = match &g4 {
+                Some(g) if g.per_layer_input_size > 0 => Some(PerLayerGate {
+                    gate: l.lin(&p("per_layer_input_gate.weight"))?,
+                    proj: l.lin(&p("per_layer_projection.weight"))?,
+                    norm: l.norm(&p("post_per_layer_input_norm.weight"), eps)?,
+                }),
+                _ => None,
+            };
+            let layer_scalar = match &g4 {
+                Some(_) => Some(l.take(&p("layer_scalar"))?.data[0]),
+                None => None,
             };
             layers.push(DecoderLayer {
                 attn,
@@ -251,8 +317,20 @@ impl Gemma3Model {
                 gate_proj: l.lin(&p("mlp.gate_proj.weight"))?,
                 up_proj: l.lin(&p("mlp.up_proj.weight"))?,
                 down_proj: l.lin(&p("mlp.down_proj.weight"))?,
+                per_layer,
+                layer_scalar,
             });
         }
+        let per_layer = match &g4 {
+            Some(g) if g.per_layer_input_size > 0 => Some(PerLayerEmbed {
+                embed: l.t2("model.embed_tokens_per_layer.weight")?,
+                proj: l.lin("model.per_layer_model_projection.weight")?,
+                norm: l.norm("model.per_layer_projection_norm.weight", eps)?,
+                layers: c.num_hidden_layers,
+                size: g.per_layer_input_size,
+            }),
+            _ => None,
+        };
         let head = l.lin("model.embed_tokens.weight")?;
         let embed = head.weight.clone();
         let norm = l.norm("model.norm.weight", eps)?;
@@ -262,6 +340,7 @@ impl Gemma3Model {
             head,
             layers,
             norm,
+            per_layer,
             device: device.clone(),
         })
     }
@@ -273,14 +352,17 @@ impl Gemma3Model {
 
     /// The cache each layer needs, in layer order (the caller builds and owns the caches).
     pub fn cache_specs(&self) -> Vec<CacheSpec> {
-        self.config
-            .layer_types
+        let c = &self.config;
+        c.layer_types
             .iter()
-            .map(|k| match k {
-                AttentionKind::Full => CacheSpec::Full,
-                AttentionKind::Sliding => CacheSpec::Sliding {
-                    window: self.config.sliding_window,
-                },
+            .enumerate()
+            .map(|(i, k)| {
+                let window = (*k == AttentionKind::Sliding).then_some(c.sliding_window);
+                match (c.kv_source(i), window) {
+                    (Some(source), _) => CacheSpec::Shared { source, window },
+                    (None, None) => CacheSpec::Full,
+                    (None, Some(window)) => CacheSpec::Sliding { window },
+                }
             })
             .collect()
     }
@@ -398,6 +480,11 @@ impl Gemma3Model {
             });
         }
         let mut x = self.embed_tokens(&tokens);
+        let per_layer = self
+            .per_layer
+            .as_ref()
+            .map(|p| (p, p.inputs(&tokens, x.clone())));
+        let mut shared = SharedKv::new();
         let hidden_after = first.hidden_after;
         let mut hidden = vec![None; hidden_after.len()];
         let mut attention: Vec<Vec<AttentionCapture>> = vec![Vec::new(); reqs.len()];
@@ -407,8 +494,15 @@ impl Gemma3Model {
             let kind = usize::from(layer.attn.kind == AttentionKind::Sliding);
             let rope = rope_tables[kind]
                 .get_or_insert_with(|| layer.attn.rope.tables(&positions, &self.device));
-            let (y, caps) =
-                layer.forward(x, &spans, rope, (&mut *kvs, i), first.capture_attention)?;
+            let (y, caps) = layer.forward(
+                x,
+                &spans,
+                rope,
+                (&mut *kvs, i),
+                first.capture_attention,
+                per_layer.as_ref().map(|(p, all)| p.of_layer(all, i)),
+                &mut shared,
+            )?;
             x = y;
             for (per_seq, cap) in attention.iter_mut().zip(caps) {
                 per_seq.push(cap);

@@ -112,11 +112,13 @@ impl<'r> SequenceKv<'r> {
             .iter()
             .enumerate()
             .map(|(i, &spec)| match policy.plan(spec) {
+                _ if matches!(spec, CacheSpec::Shared { .. }) => LayerKv::Native(KvCache::Shared),
                 LayerPlan::Native => LayerKv::Native(match spec {
                     CacheSpec::Full => KvCache::Full(FullCache::default()),
                     CacheSpec::Sliding { window } => {
                         KvCache::Ring(RingCache::native(window, slack))
                     }
+                    CacheSpec::Shared { .. } => KvCache::Shared,
                 }),
                 LayerPlan::Bounded(ev) => LayerKv::Tiered(TieredCache::new(
                     i,
@@ -208,6 +210,7 @@ impl<'r> SequenceKv<'r> {
             .map(|s| match *s {
                 CacheSpec::Full => len,
                 CacheSpec::Sliding { window } => len.min(window),
+                CacheSpec::Shared { .. } => 0,
             })
             .sum::<usize>()
             * 2

@@ -370,6 +370,8 @@ pub enum KvCache {
     Full(FullCache),
     /// Sliding ring.
     Ring(RingCache),
+    /// A layer that reads another layer's K/V ([`CacheSpec::Shared`]): holds nothing.
+    Shared,
 }
 
 impl KvCache {
@@ -381,6 +383,7 @@ impl KvCache {
             .map(|s| match *s {
                 CacheSpec::Full => KvCache::Full(FullCache::default()),
                 CacheSpec::Sliding { window } => KvCache::Ring(RingCache::native(window, slack)),
+                CacheSpec::Shared { .. } => KvCache::Shared,
             })
             .collect()
     }
@@ -390,6 +393,7 @@ impl KvCache {
         match self {
             KvCache::Full(c) => c.held(),
             KvCache::Ring(r) => r.held(),
+            KvCache::Shared => None,
         }
     }
 }
@@ -404,13 +408,18 @@ impl LayerCache for KvCache {
         match self {
             KvCache::Full(c) => c.update(k, v, start),
             KvCache::Ring(r) => r.update(k, v, start),
+            KvCache::Shared => Err(ModelError::Cache(format!(
+                "a layer sharing another's K/V holds none (asked to write positions {start}..)"
+            ))),
         }
     }
 
     fn len(&self) -> usize {
+        // A sharing layer counts nothing of its own; the sequence's length is layer 0's.
         match self {
             KvCache::Full(c) => c.len,
             KvCache::Ring(r) => r.len,
+            KvCache::Shared => 0,
         }
     }
 
@@ -418,6 +427,7 @@ impl LayerCache for KvCache {
         match self {
             KvCache::Full(c) => c.truncate(len),
             KvCache::Ring(r) => r.truncate(len),
+            KvCache::Shared => Ok(()),
         }
     }
 
@@ -425,6 +435,7 @@ impl LayerCache for KvCache {
         match self {
             KvCache::Full(c) => c.nbytes(),
             KvCache::Ring(r) => r.nbytes(),
+            KvCache::Shared => 0,
         }
     }
 }

@@ -127,14 +127,18 @@ impl LayerFrozen {
     /// training; they never require gradients).
     pub fn from_attention(a: &Attention, device: &Device) -> Self {
         let to1 = |t: &Tensor<1>| Tensor::<1>::from_data(t.to_data(), device);
+        let k_norm = a
+            .k_norm
+            .as_ref()
+            .expect("f_θ runs on Gemma 3 verifiers, whose layers all have their own keys");
         Self {
             q_norm: RmsNorm {
                 scale: to1(&a.q_norm.scale),
                 eps: a.q_norm.eps,
             },
             k_norm: RmsNorm {
-                scale: to1(&a.k_norm.scale),
-                eps: a.k_norm.eps,
+                scale: to1(&k_norm.scale),
+                eps: k_norm.eps,
             },
             o_proj: Tensor::from_data(a.o_proj.weight.to_data(), device),
             heads: a.heads,

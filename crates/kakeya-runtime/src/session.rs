@@ -116,6 +116,12 @@ impl<'m> Session<'m> {
         let c = &model.config;
         setup.policy.check(c.max_position_embeddings, 1)?;
         let mode = setup.policy.mode;
+        if c.gemma4.is_some() && mode != crate::KvMode::Full {
+            // The bounded modes size one K/V row for every layer; Gemma 4's differ.
+            return Err(RuntimeError::Input(format!(
+                "KV mode {mode} is not supported on Gemma 4 yet (use full)"
+            )));
+        }
         if mode.restores() {
             let r = setup.restorer.ok_or_else(|| {
                 RuntimeError::Input(format!(

@@ -172,3 +172,24 @@ fn speculation_on_gemma4_equals_greedy_decoding() {
         }
     }
 }
+
+/// What is not built for Gemma 4 yet is refused with the reason, not run wrongly: the
+/// bounded KV modes (one K/V row width for every layer) and the MoE branch.
+#[test]
+fn unsupported_gemma4_uses_are_refused() {
+    use kakeya_runtime::{KvMode, KvPolicy, KvSetup};
+    let m = load("dense");
+    for mode in [KvMode::SinkWindow, KvMode::Quant8] {
+        let e = Session::with_kv(&m, KvSetup::new(KvPolicy::new(mode)))
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(e.contains("not supported on Gemma 4"), "{mode}: {e}");
+    }
+    let ck = Checkpoint::from_hf_dir(&fixtures().join("moe")).unwrap();
+    let e = Gemma3Model::from_checkpoint(ck, &Device::flex())
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(e.contains("MoE branch is not supported yet"), "{e}");
+}

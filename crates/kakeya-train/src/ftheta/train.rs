@@ -268,6 +268,14 @@ pub fn train_f_theta(
     opts: &TrainOptions,
     on_event: &mut dyn FnMut(FEvent),
 ) -> Result<FThetaReport> {
+    if verifier.config.gemma4.is_some() {
+        // Its layers' K/V differ in width, some share another's, and v_norm joins the
+        // attention losses: not built yet.
+        return Err(kakeya_models::ModelError::Input(
+            "f_θ training on a Gemma 4 verifier is not supported yet".into(),
+        )
+        .into());
+    }
     let device = opts.device.clone();
     let ad = device.clone().autodiff();
     let Setup {

@@ -1,7 +1,9 @@
 //! Gemma 3 text decoder [transformers `models/gemma3/modeling_gemma3.py`].
 
 pub mod attention;
+mod load;
 pub mod model;
+pub mod moe;
 pub mod per_layer;
 
 pub use attention::AttentionCapture;

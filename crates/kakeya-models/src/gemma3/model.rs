@@ -1,16 +1,16 @@
 //! The Gemma 3 text decoder: embedding (× √hidden), decoder layers, final norm, tied LM head.
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use kakeya_weights::{AttentionKind, Checkpoint, Gemma3Config, HostTensor};
+use kakeya_weights::{AttentionKind, Gemma3Config};
 
 use super::attention::{Attention, AttentionCapture, SharedKv, Span};
+use super::moe::Moe;
 use super::per_layer::{PerLayerEmbed, PerLayerGate};
 use crate::activation::gelu_tanh;
 use crate::cache::{CacheSpec, KvLayers};
 use crate::error::{ModelError, Result};
 use crate::linear::Linear;
 use crate::norm::RmsNorm;
-use crate::rope::Rope;
 
 /// Which logits a forward returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -125,6 +125,8 @@ pub struct DecoderLayer {
     pub per_layer: Option<PerLayerGate>,
     /// Gemma 4's multiplier of the whole residual stream after the layer.
     pub layer_scalar: Option<f32>,
+    /// Gemma 4's mixture-of-experts branch beside the dense MLP.
+    pub moe: Option<Moe>,
 }
 
 impl DecoderLayer {
@@ -154,7 +156,10 @@ impl DecoderLayer {
         let h = x + self.post_attn_norm.forward(a);
         let m = self.pre_ffn_norm.forward(h.clone());
         let m = gelu_tanh(self.gate_proj.forward(m.clone())) * self.up_proj.forward(m);
-        let m = self.down_proj.forward(m);
+        let mut m = self.down_proj.forward(m);
+        if let Some(moe) = &self.moe {
+            m = moe.forward(h.clone(), m, self.post_ffn_norm.eps);
+        }
         let mut out = h + self.post_ffn_norm.forward(m);
         if let (Some(gate), Some(input)) = (&self.per_layer, per_layer_input) {
             out = gate.forward(out, input);
@@ -181,170 +186,10 @@ pub struct Gemma3Model {
     pub norm: RmsNorm,
     /// Gemma 4's per-layer input embeddings.
     pub per_layer: Option<PerLayerEmbed>,
-    device: Device,
-}
-
-struct Loader<'a> {
-    ck: &'a mut Checkpoint,
-    device: &'a Device,
-}
-
-impl Loader<'_> {
-    fn take(&mut self, name: &str) -> Result<HostTensor> {
-        self.ck.tensors.remove(name).ok_or_else(|| {
-            ModelError::Weights(kakeya_weights::WeightsError::MissingTensor {
-                path: self.ck.source.clone(),
-                tensor: name.into(),
-            })
-        })
-    }
-
-    fn t2(&mut self, name: &str) -> Result<Tensor<2>> {
-        let t = self.take(name)?;
-        Ok(Tensor::from_data(
-            TensorData::new(t.data, [t.shape[0], t.shape[1]]),
-            self.device,
-        ))
-    }
-
-    fn lin(&mut self, name: &str) -> Result<Linear> {
-        // The block kernel runs on host memory: only worth it when the model is on the CPU.
-        let quant = self
-            .ck
-            .quantized
-            .remove(name)
-            .filter(|_| *self.device == Device::flex())
-            .map(std::sync::Arc::new);
-        Ok(Linear {
-            weight: self.t2(name)?,
-            quant,
-        })
-    }
-
-    /// A weightless norm (Gemma 4's value norm): a multiplier of ones.
-    fn ones(&self, dim: usize, eps: f64) -> RmsNorm {
-        RmsNorm {
-            scale: Tensor::ones([dim], self.device),
-            eps,
-        }
-    }
-
-    fn norm(&mut self, name: &str, eps: f64) -> Result<RmsNorm> {
-        let t = self.take(name)?;
-        let n = t.data.len();
-        Ok(RmsNorm {
-            scale: Tensor::from_data(TensorData::new(t.data, [n]), self.device),
-            eps,
-        })
-    }
+    pub(super) device: Device,
 }
 
 impl Gemma3Model {
-    /// Builds the model from a checkpoint (consumed: tensors move to the device).
-    pub fn from_checkpoint(mut ck: Checkpoint, device: &Device) -> Result<Self> {
-        ck.check_tensors()?;
-        let c = ck.config.clone();
-        let eps = c.rms_norm_eps;
-        let mut l = Loader {
-            ck: &mut ck,
-            device,
-        };
-        let g4 = c.gemma4.clone();
-        if g4.as_ref().is_some_and(|g| g.moe.is_some()) {
-            return Err(ModelError::Input(format!(
-                "{}: Gemma 4's MoE branch is not supported yet",
-                ck.source.display()
-            )));
-        }
-        let global_rope = Rope::new(c.head_dim, c.rope_theta, c.rope_scaling_factor);
-        let local_rope = Rope::new(c.head_dim, c.rope_local_base_freq, 1.0);
-        let mut layers = Vec::with_capacity(c.num_hidden_layers);
-        for (i, &kind) in c.layer_types.iter().enumerate() {
-            let p = |s: &str| format!("model.layers.{i}.{s}");
-            let hd = c.head_dim_of(i);
-            let source = c.kv_source(i);
-            let k_eq_v =
-                g4.as_ref().is_some_and(|g| g.attention_k_eq_v) && kind == AttentionKind::Full;
-            let own = source.is_none();
-            let attn = Attention {
-                q_proj: l.lin(&p("self_attn.q_proj.weight"))?,
-                k_proj: own
-                    .then(|| l.lin(&p("self_attn.k_proj.weight")))
-                    .transpose()?,
-                v_proj: (own && !k_eq_v)
-                    .then(|| l.lin(&p("self_attn.v_proj.weight")))
-                    .transpose()?,
-                o_proj: l.lin(&p("self_attn.o_proj.weight"))?,
-                q_norm: l.norm(&p("self_attn.q_norm.weight"), eps)?,
-                k_norm: own
-                    .then(|| l.norm(&p("self_attn.k_norm.weight"), eps))
-                    .transpose()?,
-                v_norm: g4.as_ref().map(|_| l.ones(hd, eps)),
-                kv_source: source,
-                shares_kv: (0..c.num_hidden_layers).any(|j| c.kv_source(j) == Some(i)),
-                heads: c.num_attention_heads,
-                kv_heads: c.kv_heads_of(i),
-                head_dim: hd,
-                scale: c.query_pre_attn_scalar.powf(-0.5),
-                kind,
-                window: c.sliding_window,
-                rope: match (kind, &g4) {
-                    (AttentionKind::Full, Some(g)) => {
-                        Rope::proportional(hd, c.rope_theta, g.global_partial_rotary)
-                    }
-                    (AttentionKind::Full, None) => global_rope.clone(),
-                    (AttentionKind::Sliding, _) => local_rope.clone(),
-                },
-            };
-            let per_layer = match &g4 {
-                Some(g) if g.per_layer_input_size > 0 => Some(PerLayerGate {
-                    gate: l.lin(&p("per_layer_input_gate.weight"))?,
-                    proj: l.lin(&p("per_layer_projection.weight"))?,
-                    norm: l.norm(&p("post_per_layer_input_norm.weight"), eps)?,
-                }),
-                _ => None,
-            };
-            let layer_scalar = match &g4 {
-                Some(_) => Some(l.take(&p("layer_scalar"))?.data[0]),
-                None => None,
-            };
-            layers.push(DecoderLayer {
-                attn,
-                input_norm: l.norm(&p("input_layernorm.weight"), eps)?,
-                post_attn_norm: l.norm(&p("post_attention_layernorm.weight"), eps)?,
-                pre_ffn_norm: l.norm(&p("pre_feedforward_layernorm.weight"), eps)?,
-                post_ffn_norm: l.norm(&p("post_feedforward_layernorm.weight"), eps)?,
-                gate_proj: l.lin(&p("mlp.gate_proj.weight"))?,
-                up_proj: l.lin(&p("mlp.up_proj.weight"))?,
-                down_proj: l.lin(&p("mlp.down_proj.weight"))?,
-                per_layer,
-                layer_scalar,
-            });
-        }
-        let per_layer = match &g4 {
-            Some(g) if g.per_layer_input_size > 0 => Some(PerLayerEmbed {
-                embed: l.t2("model.embed_tokens_per_layer.weight")?,
-                proj: l.lin("model.per_layer_model_projection.weight")?,
-                norm: l.norm("model.per_layer_projection_norm.weight", eps)?,
-                layers: c.num_hidden_layers,
-                size: g.per_layer_input_size,
-            }),
-            _ => None,
-        };
-        let head = l.lin("model.embed_tokens.weight")?;
-        let embed = head.weight.clone();
-        let norm = l.norm("model.norm.weight", eps)?;
-        Ok(Self {
-            config: c,
-            embed,
-            head,
-            layers,
-            norm,
-            per_layer,
-            device: device.clone(),
-        })
-    }
-
     /// The device the weights live on.
     pub fn device(&self) -> &Device {
         &self.device

@@ -90,6 +90,20 @@ fn is_gemma4(path: &Path, root: &Value, text: &Value) -> Result<bool> {
     Ok(g4)
 }
 
+/// Most decoder layers a config may declare: far above any Gemma (62), low enough that a
+/// corrupt count cannot size per-layer tables beyond memory before the tensors are checked.
+const MAX_LAYERS: usize = 1024;
+
+fn check_layers(path: &Path, n: usize) -> Result<usize> {
+    if n == 0 || n > MAX_LAYERS {
+        return Err(WeightsError::format(
+            path,
+            format!("{n} decoder layers: expected 1..={MAX_LAYERS}"),
+        ));
+    }
+    Ok(n)
+}
+
 /// Gemma 3's default layer pattern: every sixth layer is global.
 fn default_layer_types(n: usize, pattern: usize) -> Vec<AttentionKind> {
     (0..n)
@@ -124,7 +138,7 @@ impl Gemma3Config {
             ));
         }
         let u = |k: &str| f.req_u64(&format!("gemma3.{k}")).map(|v| v as usize);
-        let n_layers = u("block_count")?;
+        let n_layers = check_layers(&f.path, u("block_count")?)?;
         let head_dim = u("attention.key_length")?;
         let vocab_size = match f.info("token_embd.weight") {
             Some(t) => t.torch_shape()[0],
@@ -184,7 +198,7 @@ impl Gemma3Config {
                 .map(|v| v as usize)
                 .ok_or_else(|| missing(k))
         };
-        let n_layers = int("num_hidden_layers")?;
+        let n_layers = check_layers(path, int("num_hidden_layers")?)?;
         let rope_params = c.get("rope_parameters");
         let rope_of = |kind: &str| rope_params.and_then(|p| p.get(kind));
         let rope_theta = match c.get("rope_theta").and_then(Value::as_f64) {
@@ -546,6 +560,21 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("no layer before 4 is of its kind"), "{e}");
+    }
+
+    #[test]
+    fn an_absurd_layer_count_is_refused_before_per_layer_tables() {
+        // Found by examples/fuzz_loaders.rs: a corrupt count sized per-layer tables.
+        for n in ["0", "1000000000"] {
+            let text = TINY.replace(
+                "\"num_hidden_layers\": 6",
+                &format!("\"num_hidden_layers\": {n}"),
+            );
+            let e = Gemma3Config::from_hf_json(Path::new("c.json"), &text)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("decoder layers: expected 1..=1024"), "{e}");
+        }
     }
 
     #[test]

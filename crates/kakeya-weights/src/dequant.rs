@@ -142,10 +142,14 @@ impl GgmlType {
         }
     }
 
-    /// Bytes that `n` elements occupy, or `None` when `n` is not a whole number of blocks.
+    /// Bytes that `n` elements occupy, or `None` when `n` is not a whole number of blocks or
+    /// the byte count overflows (a corrupt header's dims).
     pub fn bytes_for(self, n: usize) -> Option<usize> {
         let be = self.block_elems();
-        n.is_multiple_of(be).then(|| n / be * self.block_bytes())
+        if !n.is_multiple_of(be) {
+            return None;
+        }
+        (n / be).checked_mul(self.block_bytes())
     }
 }
 

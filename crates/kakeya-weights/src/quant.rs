@@ -178,8 +178,12 @@ impl QuantMatrix {
     /// quantised one, a row is not a whole number of blocks, or the byte count is wrong.
     pub fn new(ty: GgmlType, rows: usize, cols: usize, data: &[u8]) -> Option<Self> {
         let row_bytes = ty.bytes_for(cols)?;
-        if matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16)
-            || data.len() != rows * row_bytes
+        // An empty matrix is refused before anything is sized from the other dimension (a
+        // corrupt header's `0 × 2⁴⁰` has no bytes to check it against).
+        if rows == 0
+            || cols == 0
+            || matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16)
+            || Some(data.len()) != rows.checked_mul(row_bytes)
         {
             return None;
         }
@@ -455,6 +459,15 @@ pub(crate) mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn refuses_empty_and_overflowing_shapes_before_sizing_anything() {
+        // Found by examples/fuzz_loaders.rs: a corrupt GGUF's `0 × 2⁴⁰` tensor has no bytes
+        // to contradict it, and sized a 2⁴⁰-byte row buffer.
+        assert!(QuantMatrix::new(GgmlType::Q8_0, 0, 1 << 40, &[]).is_none());
+        assert!(QuantMatrix::new(GgmlType::Q8_0, 3, 0, &[]).is_none());
+        assert_eq!(GgmlType::Q8_0.bytes_for(usize::MAX / 32 * 32), None);
     }
 
     #[test]

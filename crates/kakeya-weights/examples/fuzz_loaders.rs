@@ -189,11 +189,11 @@ fn gguf_seed(model: &Path, r: &mut Rng) -> Vec<u8> {
             t.ty.bytes_for(dims.iter().product::<u64>() as usize)
                 .unwrap();
         data.extend((0..n).map(|_| (r.next() >> 56) as u8 & 0x3f));
-        while data.len() % 32 != 0 {
+        while !data.len().is_multiple_of(32) {
             data.push(0);
         }
     }
-    while b.len() % 32 != 0 {
+    while !b.len().is_multiple_of(32) {
         b.push(0);
     }
     b.extend_from_slice(&data);

@@ -128,7 +128,8 @@ impl Gemma3Config {
             .unwrap_or("");
         if arch != "gemma3" {
             let why = if arch.starts_with("gemma4") {
-                "Gemma 4, which Kakeya cannot run yet; only `gemma3` is supported"
+                "Gemma 4 GGUF files are not read yet (Gemma 4 runs from Hugging Face folders); \
+                 only `gemma3` is supported"
             } else {
                 "only `gemma3` is supported"
             };
@@ -547,7 +548,41 @@ mod tests {
             assert!(e.contains("config.json") && e.contains(want), "{key}: {e}");
             v[key] = old;
         }
+        // One geometry per layer kind: per-layer overrides that differ are refused.
+        let (p2, t2) = gemma4_fixture("dense");
+        let mut w: Value = serde_json::from_str(&t2).unwrap();
+        for (key, value, want) in [
+            (
+                "5",
+                serde_json::json!({"head_dim": 64}),
+                "different geometries",
+            ),
+            (
+                "1",
+                serde_json::json!({"head_dim": 32}),
+                "overrides sliding layer 1",
+            ),
+            (
+                "x",
+                serde_json::json!({"head_dim": 32}),
+                "key `x` is not a layer index",
+            ),
+        ] {
+            let old = w["per_layer_config"].clone();
+            w["per_layer_config"][key] = value;
+            let e = Gemma3Config::from_hf_json(&p2, &w.to_string())
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(want), "{key}: {e}");
+            w["per_layer_config"] = old;
+        }
+        w["per_layer_config"].as_object_mut().unwrap().remove("5");
+        let e = Gemma3Config::from_hf_json(&p2, &w.to_string())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("different geometries"), "{e}");
         // Shared layers of a kind no earlier layer has.
+        v["per_layer_config"] = Value::Null;
         v["layer_types"] = serde_json::json!([
             "sliding_attention",
             "sliding_attention",

@@ -158,7 +158,7 @@ impl DecoderLayer {
         let m = gelu_tanh(self.gate_proj.forward(m.clone())) * self.up_proj.forward(m);
         let mut m = self.down_proj.forward(m);
         if let Some(moe) = &self.moe {
-            m = moe.forward(h.clone(), m, self.post_ffn_norm.eps);
+            m = moe.forward(h.clone(), m);
         }
         let mut out = h + self.post_ffn_norm.forward(m);
         if let (Some(gate), Some(input)) = (&self.per_layer, per_layer_input) {

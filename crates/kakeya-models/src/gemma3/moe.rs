@@ -80,7 +80,7 @@ impl Moe {
     /// # Shapes
     /// - `h`: `[R, hidden]` (the residual stream before the feed-forward norms); `dense`:
     ///   `[R, hidden]` (the dense MLP's output) → `[R, hidden]`
-    pub fn forward(&self, h: Tensor<2>, dense: Tensor<2>, eps: f64) -> Tensor<2> {
+    pub fn forward(&self, h: Tensor<2>, dense: Tensor<2>) -> Tensor<2> {
         let [rows, hidden] = h.dims();
         let device: Device = h.device();
         let x = self.pre_norm.forward(h.clone());
@@ -88,7 +88,8 @@ impl Moe {
             .into_data()
             .try_into_vec::<f32>()
             .expect("f32 activations");
-        let routes = self.route(&host, hidden, eps);
+        // The router's weightless norm has the model's epsilon, as every norm here.
+        let routes = self.route(&host, hidden, self.pre_norm.eps);
         let mut out = vec![0.0f32; rows * hidden];
         for (j, expert) in self.experts.iter().enumerate() {
             let picks: Vec<(usize, f32)> = routes

@@ -82,68 +82,67 @@ pub(super) fn parse(path: &Path, c: &Value, layer_types: &[AttentionKind]) -> Re
     // layer indices such as "05") wins over the `global_head_dim` /
     // `num_global_key_value_heads` keys it is made from. Kakeya runs one geometry per layer
     // kind: overrides on sliding layers, or full layers that differ, are refused.
-    let (global_head_dim, global_kv_heads) = match c
-        .get("per_layer_config")
-        .filter(|v| !v.is_null())
-    {
-        Some(per) => {
-            let Some(per) = per.as_object() else {
-                return bad("per_layer_config is not an object".into());
-            };
-            let mut full_geometry = None;
-            for (key, entry) in per {
-                let Some(i) = key.parse::<usize>().ok().filter(|&i| i < layer_types.len()) else {
-                    return bad(format!("per_layer_config key `{key}` is not a layer index"));
+    let (global_head_dim, global_kv_heads) =
+        match c.get("per_layer_config").filter(|v| !v.is_null()) {
+            Some(per) => {
+                let Some(per) = per.as_object() else {
+                    return bad("per_layer_config is not an object".into());
                 };
-                let get = |k: &str, default: usize| {
-                    entry
-                        .get(k)
-                        .and_then(Value::as_u64)
-                        .map_or(default, |v| v as usize)
-                };
-                let geometry = (
-                    get("head_dim", head_dim),
-                    get("num_key_value_heads", kv_heads),
-                );
-                if layer_types[i] != AttentionKind::Full {
-                    return bad(format!(
-                        "per_layer_config overrides sliding layer {i}: not supported"
-                    ));
-                }
-                if full_geometry.is_some_and(|g| g != geometry) {
-                    return bad(
+                let mut full_geometry = None;
+                for (key, entry) in per {
+                    let Some(i) = key.parse::<usize>().ok().filter(|&i| i < layer_types.len())
+                    else {
+                        return bad(format!("per_layer_config key `{key}` is not a layer index"));
+                    };
+                    let get = |k: &str, default: usize| {
+                        entry
+                            .get(k)
+                            .and_then(Value::as_u64)
+                            .map_or(default, |v| v as usize)
+                    };
+                    let geometry = (
+                        get("head_dim", head_dim),
+                        get("num_key_value_heads", kv_heads),
+                    );
+                    if layer_types[i] != AttentionKind::Full {
+                        return bad(format!(
+                            "per_layer_config overrides sliding layer {i}: not supported"
+                        ));
+                    }
+                    if full_geometry.is_some_and(|g| g != geometry) {
+                        return bad(
                         "per_layer_config gives full layers different geometries: not supported"
                             .into(),
                     );
+                    }
+                    full_geometry = Some(geometry);
                 }
-                full_geometry = Some(geometry);
-            }
-            let plain = (head_dim, kv_heads);
-            let covered = per.len();
-            let fulls = layer_types
-                .iter()
-                .filter(|&&k| k == AttentionKind::Full)
-                .count();
-            match full_geometry {
-                // A full layer without an entry keeps the plain geometry.
-                Some(g) if g != plain && covered < fulls => {
-                    return bad(
+                let plain = (head_dim, kv_heads);
+                let covered = per.len();
+                let fulls = layer_types
+                    .iter()
+                    .filter(|&&k| k == AttentionKind::Full)
+                    .count();
+                match full_geometry {
+                    // A full layer without an entry keeps the plain geometry.
+                    Some(g) if g != plain && covered < fulls => {
+                        return bad(
                         "per_layer_config gives full layers different geometries: not supported"
                             .into(),
                     );
+                    }
+                    Some(g) => g,
+                    None => plain,
                 }
-                Some(g) => g,
-                None => plain,
             }
-        }
-        None => (
-            int("global_head_dim").unwrap_or(512),
-            match int("num_global_key_value_heads") {
-                Some(n) if k_eq_v => n,
-                _ => kv_heads,
-            },
-        ),
-    };
+            None => (
+                int("global_head_dim").unwrap_or(512),
+                match int("num_global_key_value_heads") {
+                    Some(n) if k_eq_v => n,
+                    _ => kv_heads,
+                },
+            ),
+        };
     let rope = |kind: &str| c.get("rope_parameters").and_then(|p| p.get(kind));
     let mut global_partial_rotary = 1.0;
     for kind in ["sliding_attention", "full_attention"] {

@@ -112,16 +112,22 @@ def isa_options() -> tuple[str, list[str]]:
     return "-".join(on) or "generic", opts
 
 
+def source() -> Path:
+    """The llama.cpp tree vendored in the pinned sdist (fetched and unpacked once)."""
+    src = WORK / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp"
+    if not src.is_dir():
+        with tarfile.open(sdist()) as t:
+            t.extractall(WORK, filter="data")
+    return src
+
+
 def build() -> Path:
     tag, isa = isa_options()
     out = WORK / f"build-{tag}"
     exe = out / "bin" / "llama-bench"
     if exe.is_file():
         return exe
-    src = WORK / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp"
-    if not src.is_dir():
-        with tarfile.open(sdist()) as t:
-            t.extractall(WORK, filter="data")
+    src = source()
     tool = cmake()
     print(f"bench_llama_cpp: building llama-bench in {out} with {' '.join(isa)}", file=sys.stderr)
     subprocess.run(

@@ -21,9 +21,29 @@ fn reference() -> Value {
     serde_json::from_str(&text).unwrap()
 }
 
+/// Where a fixture is read from: its HF folder, or the GGUF llama.cpp's converter made of it
+/// (`make_gemma4_gguf.py`).
+#[derive(Clone, Copy, Debug)]
+enum Source {
+    Hf,
+    Gguf,
+}
+
+fn checkpoint(name: &str, src: Source) -> Checkpoint {
+    let dir = fixtures().join(name);
+    match src {
+        Source::Hf => Checkpoint::load(&dir),
+        Source::Gguf => Checkpoint::load(dir.join("model-f32.gguf")),
+    }
+    .unwrap()
+}
+
 fn load(name: &str) -> Gemma3Model {
-    let ck = Checkpoint::from_hf_dir(&fixtures().join(name)).unwrap();
-    Gemma3Model::from_checkpoint(ck, &Device::flex()).unwrap()
+    load_from(name, Source::Hf)
+}
+
+fn load_from(name: &str, src: Source) -> Gemma3Model {
+    Gemma3Model::from_checkpoint(checkpoint(name, src), &Device::flex()).unwrap()
 }
 
 fn rows(t: Tensor<2>) -> Vec<Vec<f32>> {
@@ -51,10 +71,16 @@ fn ids(v: &Value) -> Vec<u32> {
 /// cached step per token) is transformers'; and each cached step's logits equal one full
 /// forward's over the same tokens.
 fn matches_transformers(name: &str) {
+    matches_transformers_from(name, Source::Hf);
+}
+
+fn matches_transformers_from(name: &str, src: Source) {
+    let name_src = format!("{name} ({src:?})");
+    let name = name_src.as_str();
     let r = reference();
     let prompt = ids(&r["prompt"]);
-    let want = &r["configs"][name];
-    let m = load(name);
+    let want = &r["configs"][name.split(' ').next().unwrap()];
+    let m = load_from(name.split(' ').next().unwrap(), src);
     let mut caches = KvCache::for_specs(&m.cache_specs(), 0);
     let got = rows(
         m.forward(&ForwardRequest::new(&prompt, 0, Logits::All), &mut caches)
@@ -133,6 +159,28 @@ fn dense_gemma4_without_k_eq_v_matches_transformers() {
 /// A tiny DFlash drafter (random weights) on a Gemma 4 verifier: speculative decoding over
 /// several prompts and block sizes gives exactly plain greedy decoding's tokens — with KV
 /// sharing, k_eq_v, per-layer inputs and a sliding window of 4 that the rings wrap.
+/// llama.cpp's converter output reads back as the same model: every config field and tensor
+/// equals the HF folder's (its norms are Gemma 4's plain multipliers, its per-layer arrays,
+/// `rope_freqs` and missing `attn_v` give the same geometry), and the logits match
+/// transformers'.
+#[test]
+fn gemma4_gguf_from_llama_cpp_is_the_same_model() {
+    for name in ["dense", "dense-kv", "moe"] {
+        let (hf, mut gguf) = (checkpoint(name, Source::Hf), checkpoint(name, Source::Gguf));
+        // GGUF stores the epsilon as an f32.
+        let eps = |c: &Checkpoint| c.config.rms_norm_eps as f32;
+        assert_eq!(eps(&gguf), eps(&hf), "{name}: epsilon");
+        gguf.config.rms_norm_eps = hf.config.rms_norm_eps;
+        assert_eq!(gguf.config, hf.config, "{name}: config");
+        let names = |c: &Checkpoint| c.tensors.keys().cloned().collect::<Vec<_>>();
+        assert_eq!(names(&gguf), names(&hf), "{name}: tensor names");
+        for (t, want) in &hf.tensors {
+            assert_eq!(&gguf.tensors[t], want, "{name}: {t}");
+        }
+        matches_transformers_from(name, Source::Gguf);
+    }
+}
+
 #[test]
 fn speculation_on_gemma4_equals_greedy_decoding() {
     use kakeya_models::DFlashDrafter;

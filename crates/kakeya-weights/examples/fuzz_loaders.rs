@@ -5,8 +5,10 @@
 //! `model.safetensors` through `Checkpoint::from_hf_dir`).
 //!
 //! Seeds come from real headers: the default model's GGUF metadata (arrays cut to 8 entries)
-//! and tensor infos (dims shrunk, random data), and transformers' Gemma 4 fixtures (its
-//! configs; its safetensors header names, dtypes and layout on small shapes). Each input gets
+//! and tensor infos (dims shrunk, random data); llama.cpp's GGUF conversions of the tiny
+//! Gemma 4 fixtures (whole loadable files; 7 in 8 mutations hit their headers); and
+//! transformers' Gemma 4 fixtures (its configs; its safetensors header names, dtypes and
+//! layout on small shapes). Each input gets
 //! 1–4 mutations (bit flips, random or boundary integers, inserted, deleted or repeated
 //! runs, truncation) and is loaded once. A run fails on a panic, on a load slower than 2 s,
 //! or on a single allocation above 16 × the input's size + 1 MiB (dequantising to f32 grows
@@ -69,11 +71,16 @@ impl Rng {
     }
 }
 
-/// Applies 1–4 random mutations.
-fn mutate(seed: &[u8], r: &mut Rng) -> Vec<u8> {
+/// Applies 1–4 random mutations, 7 in 8 of them within the first `hot` bytes (a file's
+/// header, where a mutation reaches more code than in tensor data).
+fn mutate(seed: &[u8], hot: usize, r: &mut Rng) -> Vec<u8> {
     let mut b = seed.to_vec();
     for _ in 0..1 + r.below(4) {
-        let at = r.below(b.len());
+        let at = if r.below(8) < 7 {
+            r.below(hot.min(b.len()))
+        } else {
+            r.below(b.len())
+        };
         match r.below(7) {
             0 if !b.is_empty() => b[at] ^= 1 << r.below(8),
             1 if !b.is_empty() => b[at] = r.next() as u8,
@@ -304,10 +311,22 @@ fn main() {
     let scratch = std::env::temp_dir().join(format!("kakeya-fuzz-{}", std::process::id()));
     std::fs::create_dir_all(&scratch).unwrap();
     let fixtures = root.join("tests/fixtures/gemma4");
-    let gguf = gguf_seed(
+    // GGUF seeds: the default model's header on small tensors, and llama.cpp's conversions of
+    // the tiny Gemma 4 fixtures (loadable: mutations reach dequantisation and the model checks).
+    let mut ggufs: Vec<(Vec<u8>, usize)> = ["dense", "moe"]
+        .iter()
+        .map(|n| {
+            let p = fixtures.join(n).join("model-f32.gguf");
+            let header = GgufFile::open(&p).unwrap().data_start();
+            (std::fs::read(&p).unwrap(), header)
+        })
+        .collect();
+    let g3 = gguf_seed(
         &root.join("models/gemma-3-270m/gemma-3-270m-q4_k_m.gguf"),
         &mut r,
     );
+    let g3_len = g3.len();
+    ggufs.push((g3, g3_len));
     let configs: Vec<Vec<u8>> = ["dense", "dense-kv", "moe"]
         .iter()
         .map(|n| std::fs::read(fixtures.join(n).join("config.json")).unwrap())
@@ -325,7 +344,8 @@ fn main() {
     std::fs::create_dir_all(&dir).unwrap();
     for i in 0..total {
         if i % 2 == 0 {
-            let input = mutate(&gguf, &mut r);
+            let (seed, hot) = &ggufs[r.below(ggufs.len())];
+            let input = mutate(seed, *hot, &mut r);
             std::fs::write(&gguf_path, &input).unwrap();
             check(
                 &mut tg,
@@ -339,9 +359,9 @@ fn main() {
             let cfg = &configs[r.below(configs.len())];
             let st = &sts[r.below(2)];
             let (c, s) = match r.below(3) {
-                0 => (mutate(cfg, &mut r), st.clone()),
-                1 => (cfg.clone(), mutate(st, &mut r)),
-                _ => (configs[0].clone(), mutate(&sts[0], &mut r)),
+                0 => (mutate(cfg, cfg.len(), &mut r), st.clone()),
+                1 => (cfg.clone(), mutate(st, st.len(), &mut r)),
+                _ => (configs[0].clone(), mutate(&sts[0], sts[0].len(), &mut r)),
             };
             std::fs::write(dir.join("config.json"), &c).unwrap();
             std::fs::write(dir.join("model.safetensors"), &s).unwrap();

@@ -42,7 +42,7 @@ pub struct Checkpoint {
     pub quantized: BTreeMap<String, QuantMatrix>,
 }
 
-/// GGUF → HF name remap for Gemma 3: the one table of checkpoint names.
+/// GGUF → HF name remap for Gemma 3 and 4: the one table of checkpoint names.
 /// Per-layer names (`blk.N.<gguf>` → `model.layers.N.<hf>`):
 const LAYER_NAMES: &[(&str, &str)] = &[
     ("attn_q.weight", "self_attn.q_proj.weight"),
@@ -62,11 +62,46 @@ const LAYER_NAMES: &[(&str, &str)] = &[
     ("ffn_gate.weight", "mlp.gate_proj.weight"),
     ("ffn_up.weight", "mlp.up_proj.weight"),
     ("ffn_down.weight", "mlp.down_proj.weight"),
+    // Gemma 4 (llama.cpp's `gemma4` names).
+    ("layer_output_scale.weight", "layer_scalar"),
+    ("inp_gate.weight", "per_layer_input_gate.weight"),
+    ("proj.weight", "per_layer_projection.weight"),
+    ("post_norm.weight", "post_per_layer_input_norm.weight"),
+    ("ffn_gate_inp.weight", "router.proj.weight"),
+    ("ffn_gate_inp.scale", "router.scale"),
+    ("ffn_down_exps.scale", "router.per_expert_scale"),
+    ("ffn_gate_up_exps.weight", "experts.gate_up_proj"),
+    ("ffn_down_exps.weight", "experts.down_proj"),
+    (
+        "pre_ffw_norm_2.weight",
+        "pre_feedforward_layernorm_2.weight",
+    ),
+    (
+        "post_ffw_norm_1.weight",
+        "post_feedforward_layernorm_1.weight",
+    ),
+    (
+        "post_ffw_norm_2.weight",
+        "post_feedforward_layernorm_2.weight",
+    ),
 ];
 /// Whole-model names.
 const GLOBAL_NAMES: &[(&str, &str)] = &[
     ("token_embd.weight", "model.embed_tokens.weight"),
     ("output_norm.weight", "model.norm.weight"),
+    // Gemma 4's per-layer inputs.
+    (
+        "per_layer_token_embd.weight",
+        "model.embed_tokens_per_layer.weight",
+    ),
+    (
+        "per_layer_model_proj.weight",
+        "model.per_layer_model_projection.weight",
+    ),
+    (
+        "per_layer_proj_norm.weight",
+        "model.per_layer_projection_norm.weight",
+    ),
 ];
 
 /// Is this canonical tensor a Gemma (1 + w) RMSNorm weight?
@@ -203,7 +238,8 @@ impl Checkpoint {
         }
     }
 
-    /// Loads and dequantises a Gemma 3 GGUF file.
+    /// Loads and dequantises a Gemma 3 or Gemma 4 GGUF file (norms as stored: llama.cpp's
+    /// converter writes Gemma 3's as `1 + w` and Gemma 4's, already multipliers, unchanged).
     pub fn from_gguf(path: &Path) -> Result<Self> {
         let f = GgufFile::open(path)?;
         let config = Gemma3Config::from_gguf(&f)?;

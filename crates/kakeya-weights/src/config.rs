@@ -7,9 +7,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::error::{Result, WeightsError};
-use crate::gguf::GgufFile;
 
 mod gemma4;
+mod gguf;
 pub use gemma4::{Gemma4Extras, MoeConfig};
 
 /// The attention kind of one decoder layer.
@@ -94,7 +94,7 @@ fn is_gemma4(path: &Path, root: &Value, text: &Value) -> Result<bool> {
 /// corrupt count cannot size per-layer tables beyond memory before the tensors are checked.
 const MAX_LAYERS: usize = 1024;
 
-fn check_layers(path: &Path, n: usize) -> Result<usize> {
+pub(crate) fn check_layers(path: &Path, n: usize) -> Result<usize> {
     if n == 0 || n > MAX_LAYERS {
         return Err(WeightsError::format(
             path,
@@ -105,7 +105,7 @@ fn check_layers(path: &Path, n: usize) -> Result<usize> {
 }
 
 /// Gemma 3's default layer pattern: every sixth layer is global.
-fn default_layer_types(n: usize, pattern: usize) -> Vec<AttentionKind> {
+pub(crate) fn default_layer_types(n: usize, pattern: usize) -> Vec<AttentionKind> {
     (0..n)
         .map(|i| {
             if (i + 1) % pattern == 0 {
@@ -118,67 +118,6 @@ fn default_layer_types(n: usize, pattern: usize) -> Vec<AttentionKind> {
 }
 
 impl Gemma3Config {
-    /// Reads the `gemma3.*` metadata of a GGUF file. GGUF does not store a few Gemma 3
-    /// constants; they are filled in as llama.cpp does (local RoPE base 1e4, a global layer
-    /// every 6th, `query_pre_attn_scalar = key_length`).
-    pub fn from_gguf(f: &GgufFile) -> Result<Self> {
-        let arch = f
-            .get("general.architecture")
-            .and_then(|v| v.as_str())
-            .unwrap_or("");
-        if arch != "gemma3" {
-            let why = if arch.starts_with("gemma4") {
-                "Gemma 4 GGUF files are not read yet (Gemma 4 runs from Hugging Face folders); \
-                 only `gemma3` is supported"
-            } else {
-                "only `gemma3` is supported"
-            };
-            return Err(WeightsError::format(
-                &f.path,
-                format!("general.architecture is `{arch}`: {why}"),
-            ));
-        }
-        let u = |k: &str| f.req_u64(&format!("gemma3.{k}")).map(|v| v as usize);
-        let n_layers = check_layers(&f.path, u("block_count")?)?;
-        let head_dim = u("attention.key_length")?;
-        let vocab_size = match f.info("token_embd.weight") {
-            Some(t) => t.torch_shape()[0],
-            None => {
-                return Err(WeightsError::MissingTensor {
-                    path: f.path.clone(),
-                    tensor: "token_embd.weight".into(),
-                });
-            }
-        };
-        let scaling = f
-            .get("gemma3.rope.scaling.type")
-            .and_then(|v| v.as_str())
-            .unwrap_or("none");
-        let rope_scaling_factor = match scaling {
-            "linear" => f.req_f64("gemma3.rope.scaling.factor")?,
-            _ => 1.0,
-        };
-        Ok(Self {
-            vocab_size,
-            hidden_size: u("embedding_length")?,
-            intermediate_size: u("feed_forward_length")?,
-            num_hidden_layers: n_layers,
-            num_attention_heads: u("attention.head_count")?,
-            num_key_value_heads: u("attention.head_count_kv")?,
-            head_dim,
-            rms_norm_eps: f.req_f64("gemma3.attention.layer_norm_rms_epsilon")?,
-            rope_theta: f.req_f64("gemma3.rope.freq_base")?,
-            rope_local_base_freq: 10_000.0,
-            rope_scaling_factor,
-            sliding_window: u("attention.sliding_window")?,
-            query_pre_attn_scalar: head_dim as f64,
-            max_position_embeddings: u("context_length")?,
-            final_logit_softcapping: None,
-            layer_types: default_layer_types(n_layers, 6),
-            gemma4: None,
-        })
-    }
-
     /// Parses an HF `config.json`: a `Gemma3TextConfig` or a `Gemma4TextConfig` (Gemma 4's
     /// additions go to [`Self::gemma4`]), alone or as the `text_config` of a multimodal
     /// config. Accepts both the legacy `rope_theta` keys and transformers 5's

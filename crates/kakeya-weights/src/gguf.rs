@@ -306,6 +306,12 @@ impl GgufFile {
         }
     }
 
+    /// Where the tensor data starts: the header (metadata, tensor infos, padding) is the
+    /// bytes before it.
+    pub fn data_start(&self) -> usize {
+        self.data_start
+    }
+
     /// The tensor info called `name`.
     pub fn info(&self, name: &str) -> Option<&GgufTensorInfo> {
         self.tensors.iter().find(|t| t.name == name)

@@ -42,7 +42,7 @@ pub struct Gemma4Extras {
     pub double_wide_mlp: bool,
     /// Width of the per-layer input embeddings (0: none).
     pub per_layer_input_size: usize,
-    /// Rows of the per-layer input embedding table.
+    /// Rows of the per-layer input embedding table (0 without per-layer inputs).
     pub per_layer_vocab: usize,
     /// The MoE branch, when the checkpoint has one.
     pub moe: Option<MoeConfig>,
@@ -234,7 +234,12 @@ pub(super) fn parse(path: &Path, c: &Value, layer_types: &[AttentionKind]) -> Re
         num_kv_shared_layers: shared,
         double_wide_mlp: flag("use_double_wide_mlp"),
         per_layer_input_size: ple,
-        per_layer_vocab: int("vocab_size_per_layer_input").unwrap_or(262_144),
+        // Meaningless without per-layer inputs: 0 then, as from a GGUF file.
+        per_layer_vocab: if ple > 0 {
+            int("vocab_size_per_layer_input").unwrap_or(262_144)
+        } else {
+            0
+        },
         moe,
     })
 }

@@ -116,10 +116,11 @@ impl<'m> Session<'m> {
         let c = &model.config;
         setup.policy.check(c.max_position_embeddings, 1)?;
         let mode = setup.policy.mode;
-        if c.gemma4.is_some() && mode != crate::KvMode::Full {
-            // The bounded modes size one K/V row for every layer; Gemma 4's differ.
+        if c.gemma4.is_some() && mode.restores() {
+            // f_θ is trained for one K/V width on every layer; Gemma 4's layers differ.
             return Err(RuntimeError::Input(format!(
-                "KV mode {mode} is not supported on Gemma 4 yet (use full)"
+                "KV mode {mode} rebuilds K/V through f_θ, which is not supported on Gemma 4 yet \
+                 (the dropping and quantising modes are)"
             )));
         }
         if mode.restores() {
@@ -142,7 +143,9 @@ impl<'m> Session<'m> {
             policy: setup.policy,
             kv: SequenceKv::new(
                 &model.cache_specs(),
-                c.num_key_value_heads * c.head_dim,
+                &(0..c.num_hidden_layers)
+                    .map(|i| c.kv_width_of(i))
+                    .collect::<Vec<_>>(),
                 &setup.policy,
                 setup.slack,
                 store,

@@ -138,6 +138,13 @@ fn put_value(b: &mut Vec<u8>, v: &GgufValue) {
             o.extend_from_slice(s.as_bytes());
             (8, o)
         }
+        // A long array: 8 empty strings in its place (the seed keeps short arrays).
+        GgufValue::Skipped { .. } => {
+            let mut o = 8u32.to_le_bytes().to_vec();
+            o.extend_from_slice(&8u64.to_le_bytes());
+            o.extend(std::iter::repeat_n(0u8, 8 * 8));
+            (9, o)
+        }
         GgufValue::Array(items) => {
             let items = &items[..items.len().min(8)];
             let mut o = Vec::new();

@@ -247,6 +247,11 @@ impl Gemma3Config {
         }
     }
 
+    /// Width of layer `i`'s K (and V) rows: key/value heads × head width.
+    pub fn kv_width_of(&self, i: usize) -> usize {
+        self.kv_heads_of(i) * self.head_dim_of(i)
+    }
+
     /// For a layer that shares K/V (Gemma 4's last `num_kv_shared_layers`): the layer whose
     /// K/V it reads, the last earlier non-sharing layer of its kind; `None` for layers with
     /// their own.

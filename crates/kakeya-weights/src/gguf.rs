@@ -28,6 +28,30 @@ pub enum GgufValue {
     String(String),
     /// Array of values.
     Array(Vec<GgufValue>),
+    /// An array longer than [`MAX_DECODED_ARRAY`] (a tokenizer's vocabulary, scores or
+    /// merges: Kakeya reads the tokenizer from `tokenizer.json`), checked to lie inside the
+    /// file and skipped, not decoded: decoded, each 1-byte element would take 32 bytes.
+    Skipped {
+        /// GGUF type id of the elements.
+        elem_type: u32,
+        /// Number of elements.
+        len: usize,
+    },
+}
+
+/// Longest metadata array decoded into values: far above any per-layer table (Gemma: 62).
+pub const MAX_DECODED_ARRAY: usize = 1 << 16;
+
+/// Bytes one element of GGUF value type `ty` takes in the file (at least: a string is its
+/// 8-byte length and then its bytes), or `None` for an unknown type or a nested array.
+fn elem_size(ty: u32) -> Option<usize> {
+    Some(match ty {
+        0 | 1 | 7 => 1,
+        2 | 3 => 2,
+        4..=6 => 4,
+        8 | 10..=12 => 8,
+        _ => return None,
+    })
 }
 
 impl GgufValue {
@@ -158,6 +182,20 @@ impl<'a> Cursor<'a> {
         Ok(String::from_utf8_lossy(self.take(n, what)?).into_owned())
     }
 
+    /// Moves past `n` elements of type `ty` without decoding them.
+    fn skip_array(&mut self, ty: u32, n: usize) -> Result<()> {
+        if ty == 8 {
+            for _ in 0..n {
+                let len = self.count(1, "string length")?;
+                self.take(len, "string")?;
+            }
+        } else {
+            let size = elem_size(ty).expect("checked by the caller");
+            self.take(n * size, "array")?;
+        }
+        Ok(())
+    }
+
     fn value(&mut self, ty: u32, depth: usize) -> Result<GgufValue> {
         Ok(match ty {
             0 => GgufValue::UInt(self.array::<1>("u8")?[0] as u64),
@@ -171,8 +209,17 @@ impl<'a> Cursor<'a> {
             8 => GgufValue::String(self.string("string length")?),
             9 if depth == 0 => {
                 let ety = self.u32("array type")?;
-                let n = self.count(1, "array length")?;
-                let mut v = Vec::with_capacity(n.min(1 << 20));
+                let size = elem_size(ety)
+                    .ok_or_else(|| self.err(&format!("array of unsupported type {ety}")))?;
+                let n = self.count(size, "array length")?;
+                if n > MAX_DECODED_ARRAY {
+                    self.skip_array(ety, n)?;
+                    return Ok(GgufValue::Skipped {
+                        elem_type: ety,
+                        len: n,
+                    });
+                }
+                let mut v = Vec::with_capacity(n);
                 for _ in 0..n {
                     v.push(self.value(ety, depth + 1)?);
                 }
@@ -364,17 +411,26 @@ mod tests {
 
     /// Builds a minimal GGUF image with one metadata string and one F32 tensor.
     pub(crate) fn tiny_gguf(type_id: u32) -> Vec<u8> {
+        image(&[], type_id)
+    }
+
+    /// `general.architecture = gemma3`, then the encoded key/value pairs `extra`, and one
+    /// 4-element tensor `w` of type `type_id`.
+    fn image(extra: &[Vec<u8>], type_id: u32) -> Vec<u8> {
         let mut b = Vec::new();
         b.extend_from_slice(b"GGUF");
         b.extend_from_slice(&3u32.to_le_bytes());
         b.extend_from_slice(&1u64.to_le_bytes()); // tensors
-        b.extend_from_slice(&1u64.to_le_bytes()); // kv
+        b.extend_from_slice(&(1 + extra.len() as u64).to_le_bytes()); // kv
         let key = b"general.architecture";
         b.extend_from_slice(&(key.len() as u64).to_le_bytes());
         b.extend_from_slice(key);
         b.extend_from_slice(&8u32.to_le_bytes());
         b.extend_from_slice(&6u64.to_le_bytes());
         b.extend_from_slice(b"gemma3");
+        for kv in extra {
+            b.extend_from_slice(kv);
+        }
         let name = b"w";
         b.extend_from_slice(&(name.len() as u64).to_le_bytes());
         b.extend_from_slice(name);
@@ -389,6 +445,66 @@ mod tests {
             b.extend_from_slice(&v.to_le_bytes());
         }
         b
+    }
+
+    /// A metadata key holding an array of `n` elements of type `ty` (`elem`: each one's
+    /// bytes), and the offset of its length field within the encoding.
+    fn array_kv(ty: u32, n: u64, elem: &[u8]) -> (Vec<u8>, usize) {
+        let mut kv = Vec::new();
+        let key = b"tokenizer.ggml.tokens";
+        kv.extend_from_slice(&(key.len() as u64).to_le_bytes());
+        kv.extend_from_slice(key);
+        kv.extend_from_slice(&9u32.to_le_bytes());
+        kv.extend_from_slice(&ty.to_le_bytes());
+        let len_at = kv.len();
+        kv.extend_from_slice(&n.to_le_bytes());
+        for _ in 0..n {
+            kv.extend_from_slice(elem);
+        }
+        (kv, len_at)
+    }
+
+    fn with_array(ty: u32, n: usize, elem: &[u8]) -> Vec<u8> {
+        image(&[array_kv(ty, n as u64, elem).0], 0)
+    }
+
+    #[test]
+    fn long_metadata_arrays_are_skipped_not_decoded() {
+        // Short: decoded. Long (u8s, or strings): checked and skipped; the keys after them
+        // still read.
+        let short = GgufFile::parse(Path::new("t.gguf"), with_array(0, 3, &[7])).unwrap();
+        assert_eq!(
+            short.get("tokenizer.ggml.tokens"),
+            Some(&GgufValue::Array(vec![GgufValue::UInt(7); 3]))
+        );
+        let n = MAX_DECODED_ARRAY + 1;
+        let mut string = 2u64.to_le_bytes().to_vec();
+        string.extend_from_slice(b"ab");
+        for (ty, elem) in [(0u32, vec![7u8]), (8, string)] {
+            let f = GgufFile::parse(Path::new("t.gguf"), with_array(ty, n, &elem)).unwrap();
+            assert_eq!(
+                f.get("tokenizer.ggml.tokens"),
+                Some(&GgufValue::Skipped {
+                    elem_type: ty,
+                    len: n
+                })
+            );
+            assert_eq!(
+                f.get("general.architecture").and_then(|v| v.as_str()),
+                Some("gemma3")
+            );
+            assert_eq!(f.tensor_f32("w").unwrap().1, vec![1.0, 2.0, 3.0, 4.0]);
+        }
+        // An array longer than the bytes left is refused before anything is allocated.
+        let (mut kv, len_at) = array_kv(4, 3, &[0; 4]);
+        kv[len_at..len_at + 8].copy_from_slice(&(1u64 << 40).to_le_bytes());
+        let e = GgufFile::parse(Path::new("t.gguf"), image(&[kv], 0))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("array length 1099511627776 exceeds the file"),
+            "{e}"
+        );
     }
 
     #[test]

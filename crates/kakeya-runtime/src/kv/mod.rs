@@ -88,7 +88,7 @@ pub struct KvBytes {
 #[derive(Debug)]
 pub struct SequenceKv<'r> {
     specs: Vec<CacheSpec>,
-    kv_width: usize,
+    kv_widths: Vec<usize>,
     layers: Vec<LayerKv>,
     store: Option<CompactStore>,
     restorer: Option<&'r dyn Restorer>,
@@ -97,12 +97,13 @@ pub struct SequenceKv<'r> {
 }
 
 impl<'r> SequenceKv<'r> {
-    /// Caches for layers declared `specs` (K/V rows `kv_width` wide) under `policy`; every
+    /// Caches for layers declared `specs` (layer `i`'s K/V rows `kv_widths[i]` wide: Gemma 4's
+    /// full and sliding layers differ) under `policy`; every
     /// cache can roll back `slack` positions exactly. `store` is the compact store (needed by
     /// a drafter or restoration), `restorer` the restorer of the restored modes.
     pub fn new(
         specs: &[CacheSpec],
-        kv_width: usize,
+        kv_widths: &[usize],
         policy: &KvPolicy,
         slack: usize,
         store: Option<CompactStore>,
@@ -125,16 +126,16 @@ impl<'r> SequenceKv<'r> {
                     spec,
                     (policy.sink, policy.window, slack),
                     ev,
-                    kv_width,
+                    kv_widths[i],
                 )),
                 LayerPlan::QuantAll(bits) => {
-                    LayerKv::QuantAll(QuantAllCache::new(spec, bits, kv_width))
+                    LayerKv::QuantAll(QuantAllCache::new(spec, bits, kv_widths[i]))
                 }
             })
             .collect();
         Self {
             specs: specs.to_vec(),
-            kv_width,
+            kv_widths: kv_widths.to_vec(),
             layers,
             store,
             restorer,
@@ -207,14 +208,17 @@ impl<'r> SequenceKv<'r> {
         let full_f16 = self
             .specs
             .iter()
-            .map(|s| match *s {
-                CacheSpec::Full => len,
-                CacheSpec::Sliding { window } => len.min(window),
-                CacheSpec::Shared { .. } => 0,
+            .zip(&self.kv_widths)
+            .map(|(s, &width)| {
+                let held = match *s {
+                    CacheSpec::Full => len,
+                    CacheSpec::Sliding { window } => len.min(window),
+                    CacheSpec::Shared { .. } => 0,
+                };
+                held * width
             })
             .sum::<usize>()
             * 2
-            * self.kv_width
             * 2;
         KvBytes {
             exact,

@@ -85,6 +85,13 @@ pub fn greedy_cfg(max_tokens: usize, prefill_chunk: usize) -> GenerationConfig {
     }
 }
 
+/// A tiny random Gemma 4 of `tests/fixtures/gemma4` (`dense`, `dense-kv`, `moe`; written by
+/// its `make_gemma4.py` with transformers) from its HF folder, on the CPU.
+pub fn gemma4(name: &str) -> Gemma3Model {
+    let ck = Checkpoint::load(root().join("tests/fixtures/gemma4").join(name)).unwrap();
+    Gemma3Model::from_checkpoint(ck, &Device::flex()).unwrap()
+}
+
 /// Prompt `i` of the tiny models: `len` ids below 97.
 pub fn tiny_prompt(i: usize, len: usize) -> Vec<u32> {
     (0..len)

@@ -1,0 +1,172 @@
+//! The bounded KV modes on Gemma 4 (tests/fixtures/gemma4: transformers' tiny dense model with
+//! full layers of their own K/V width and KV sharing, the same without k_eq_v, and the MoE
+//! model): a window covering the context equals the native caches; with windows that evict,
+//! speculative decoding equals plain decoding in the same mode and the evicted tiers change
+//! the logits; every layer's bytes are measured (a sharing layer holds none); the modes that
+//! rebuild K/V through f_θ are refused.
+
+mod common;
+
+use common::{gemma4, greedy_cfg, tiny_prompt};
+use kakeya_models::testing::{drafter_config, random_drafter};
+use kakeya_models::{DFlashDrafter, Gemma3Model};
+use kakeya_runtime::kv::{KvMode, KvPolicy, LayerKv};
+use kakeya_runtime::{
+    DFlashProposer, Generation, KvSetup, Session, SpecConfig, Verifier, generate,
+    speculative_generate,
+};
+
+const MODELS: [&str; 3] = ["dense", "dense-kv", "moe"];
+
+/// The modes that keep, drop or quantise K/V (no f_θ).
+fn modes() -> impl Iterator<Item = KvMode> {
+    KvMode::ALL.into_iter().filter(|m| !m.restores())
+}
+
+fn policy(mode: KvMode, sink: usize, window: usize) -> KvPolicy {
+    KvPolicy { mode, sink, window }
+}
+
+fn plain(v: &Gemma3Model, s: KvSetup<'_>, p: &[u32], n: usize) -> Generation {
+    let mut session = Session::with_kv(v, s).unwrap();
+    generate(&mut session, p, &greedy_cfg(n, 5), &mut |_| {}).unwrap()
+}
+
+/// Logits of the prompt's last position and of every step feeding `tokens`.
+fn trace(v: &Gemma3Model, s: KvSetup<'_>, p: &[u32], tokens: &[u32]) -> Vec<Vec<f32>> {
+    let mut session = Session::with_kv(v, s).unwrap();
+    let mut out = vec![session.prefill(p, 5).unwrap()];
+    for &t in tokens {
+        out.push(session.step(t).unwrap());
+    }
+    out
+}
+
+fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    a.iter()
+        .zip(b)
+        .flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| (p - q).abs()))
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn a_window_covering_the_context_equals_the_native_caches() {
+    for name in MODELS {
+        let v = gemma4(name);
+        let p = tiny_prompt(1, 20);
+        let full = plain(&v, KvSetup::full(0), &p, 24);
+        let reference = trace(&v, KvSetup::full(0), &p, &full.tokens);
+        for mode in modes().filter(|m| m.windowed()) {
+            let s = KvSetup::new(policy(mode, 2, 100));
+            assert_eq!(plain(&v, s, &p, 24).tokens, full.tokens, "{name} {mode}");
+            let d = max_diff(&trace(&v, s, &p, &full.tokens), &reference);
+            assert!(d <= 1e-5, "{name} {mode}: max |Δlogit| {d}");
+        }
+    }
+}
+
+#[test]
+fn bounded_modes_decode_speculatively_as_they_do_plainly() {
+    for name in MODELS {
+        let v = gemma4(name);
+        for block in [4, 8] {
+            let d = DFlashDrafter::from_checkpoint(
+                random_drafter(&drafter_config(&v.config, 2, block), 7 + block as u64),
+                &v,
+            )
+            .unwrap();
+            for mode in modes() {
+                // Sink 2 + window 8 of 20–33 prompt tokens + 30 generated: the full layers
+                // evict, and the windows wrap mid-block.
+                let s = KvSetup::new(policy(mode, 2, 8)).drafter(&d);
+                for i in 0..2 {
+                    let p = tiny_prompt(i, 20 + 13 * i);
+                    let want = plain(&v, s, &p, 30);
+                    let mut ver = Verifier::new(&v, s, block).unwrap();
+                    let got = speculative_generate(
+                        &mut ver,
+                        &mut DFlashProposer::new(&d),
+                        &p,
+                        &greedy_cfg(30, 5),
+                        SpecConfig::fixed(block),
+                        &mut |_| {},
+                    )
+                    .unwrap();
+                    assert_eq!(
+                        got.tokens, want.tokens,
+                        "{name} {mode} block {block} prompt {i}"
+                    );
+                    assert_eq!(got.stats.kv_mode, Some(mode));
+                    if block == 4 && i == 0 {
+                        // The evicted tiers are in play: every mode but `full` computes other
+                        // logits than the native caches — but `exact-global`, whose bounded
+                        // sliding layers keep more (8) than their native window (4).
+                        let full = plain(&v, KvSetup::full(0), &p, 30);
+                        let diff = max_diff(
+                            &trace(&v, s, &p, &full.tokens),
+                            &trace(&v, KvSetup::full(0), &p, &full.tokens),
+                        );
+                        let same = matches!(mode, KvMode::Full | KvMode::ExactGlobal);
+                        assert_eq!(diff > 0.0, !same, "{name} {mode}: {diff}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn bytes_are_measured_per_layer_and_sharing_layers_hold_none() {
+    let v = gemma4("dense");
+    let c = &v.config;
+    let p = tiny_prompt(2, 200);
+    let full = plain(&v, KvSetup::full(0), &p, 20).stats.kv;
+    assert_eq!(full.total, full.exact);
+    // The 16-bit reference counts each layer at its own width: layers 2 (full, 1 head × 32)
+    // and 0, 1, 3 (sliding, 2 × 16, window 4); 4 and 5 share.
+    let len = p.len() + 20 - 1; // the last token is not fed back
+    let w = |i: usize| c.kv_width_of(i);
+    assert_eq!((w(0), w(2)), (32, 32));
+    let want_f16 = (len * w(2) + 3 * 4 * w(0)) * 2 * 2;
+    assert_eq!(full.full_f16, want_f16);
+    for mode in modes().filter(|&m| m != KvMode::Full) {
+        let mut session = Session::with_kv(&v, KvSetup::new(policy(mode, 2, 6))).unwrap();
+        generate(&mut session, &p, &greedy_cfg(20, 5), &mut |_| {}).unwrap();
+        let kv = session.kv_bytes();
+        assert_eq!(
+            kv.total,
+            kv.exact + kv.quantised + kv.store + kv.transient_peak
+        );
+        assert_eq!(kv.full_f16, full.full_f16, "{mode}: same reference");
+        // (`exact-global` bounds only sliding layers, here to sink 2 + window 6: more than
+        // their native window of 4, so it holds more than the native caches.)
+        if mode != KvMode::ExactGlobal {
+            assert!(
+                kv.total < full.total,
+                "{mode}: {} of {}",
+                kv.total,
+                full.total
+            );
+        }
+        for (i, layer) in session.kv().layers().iter().enumerate() {
+            if c.kv_source(i).is_some() {
+                assert!(
+                    matches!(layer, LayerKv::Native(kakeya_runtime::KvCache::Shared)),
+                    "{mode}: layer {i} shares"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn modes_that_rebuild_kv_through_f_theta_are_refused() {
+    let v = gemma4("dense");
+    for mode in KvMode::ALL.into_iter().filter(|m| m.restores()) {
+        let Err(e) = Session::with_kv(&v, KvSetup::new(policy(mode, 2, 8))) else {
+            panic!("{mode}: not refused");
+        };
+        let e = e.to_string();
+        assert!(e.contains("not supported on Gemma 4"), "{mode}: {e}");
+    }
+}

@@ -17,6 +17,7 @@ use crate::config::Gemma3Config;
 use crate::dequant::GgmlType;
 use crate::error::{Result, WeightsError};
 use crate::gguf::GgufFile;
+use crate::mapped::{Mapped, available_host_memory, check_fits};
 use crate::quant::QuantMatrix;
 
 /// A dense f32 tensor on the host.
@@ -228,22 +229,49 @@ pub fn expected_tensors(c: &Gemma3Config) -> Vec<(String, Vec<usize>)> {
 }
 
 impl Checkpoint {
-    /// Loads a `.gguf` file or an HF folder, by what `path` is.
+    /// Loads a `.gguf` file or an HF folder, by what `path` is; refuses, before converting
+    /// anything, a model whose f32 weights would not fit in the host memory available now.
     pub fn load(path: impl AsRef<Path>) -> Result<Self> {
+        Self::load_within(path, available_host_memory())
+    }
+
+    /// [`Self::load`] with `available` bytes of host memory (`None`: not checked).
+    pub fn load_within(path: impl AsRef<Path>, available: Option<u64>) -> Result<Self> {
         let path = path.as_ref();
         if path.is_dir() {
-            Self::from_hf_dir(path)
+            Self::from_hf_dir_within(path, available)
         } else {
-            Self::from_gguf(path)
+            Self::from_gguf_within(path, available)
         }
     }
 
     /// Loads and dequantises a Gemma 3 or Gemma 4 GGUF file (norms as stored: llama.cpp's
     /// converter writes Gemma 3's as `1 + w` and Gemma 4's, already multipliers, unchanged).
     pub fn from_gguf(path: &Path) -> Result<Self> {
+        Self::from_gguf_within(path, available_host_memory())
+    }
+
+    fn from_gguf_within(path: &Path, available: Option<u64>) -> Result<Self> {
         let f = GgufFile::open(path)?;
         let config = Gemma3Config::from_gguf(&f)?;
         config.validate(path)?;
+        // What the loop below allocates: every tensor as f32, and the quantised matrices' blocks.
+        let need: u64 = f
+            .tensors
+            .iter()
+            .filter(|t| gguf_to_hf(&t.name).is_some())
+            .map(|t| {
+                let quantised = !matches!(t.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16)
+                    && t.dims.len() == 2;
+                let blocks = if quantised {
+                    f.raw(t).map_or(0, <[u8]>::len)
+                } else {
+                    0
+                };
+                4 * t.elems() as u64 + blocks as u64
+            })
+            .sum();
+        check_fits(path, need, available)?;
         let mut tensors = BTreeMap::new();
         let mut quantized = BTreeMap::new();
         for t in &f.tensors {
@@ -272,6 +300,10 @@ impl Checkpoint {
     /// Loads an HF folder: `config.json` + `model.safetensors`, or shards listed in
     /// `model.safetensors.index.json`; f32, f16 or bf16.
     pub fn from_hf_dir(dir: &Path) -> Result<Self> {
+        Self::from_hf_dir_within(dir, available_host_memory())
+    }
+
+    fn from_hf_dir_within(dir: &Path, available: Option<u64>) -> Result<Self> {
         let cfg_path = dir.join("config.json");
         let text =
             std::fs::read_to_string(&cfg_path).map_err(|e| WeightsError::io(&cfg_path, e))?;
@@ -280,7 +312,13 @@ impl Checkpoint {
         let mut tensors = BTreeMap::new();
         // Gemma 3 stores norms as `w` for a `1 + w` multiplier; Gemma 4 stores the multiplier.
         let plus_one = config.gemma4.is_none();
-        for file in safetensors_files(dir)? {
+        let files = safetensors_files(dir)?;
+        let mut need = 0;
+        for file in &files {
+            need += f32_bytes_of(file, &hf_canonical)?;
+        }
+        check_fits(dir, need, available)?;
+        for file in files {
             read_safetensors(&file, plus_one, &mut tensors)?;
         }
         let ck = Self {
@@ -453,6 +491,19 @@ fn read_safetensors(
     Ok(())
 }
 
+/// Bytes the tensors of one safetensors file that `rename` keeps take as f32.
+fn f32_bytes_of(path: &Path, rename: &dyn Fn(&str) -> Option<String>) -> Result<u64> {
+    let bytes = Mapped::open(path)?;
+    let st = SafeTensors::deserialize(&bytes)
+        .map_err(|e| WeightsError::format(path, format!("invalid safetensors: {e}")))?;
+    Ok(st
+        .tensors()
+        .iter()
+        .filter(|(name, _)| rename(name).is_some())
+        .map(|(_, v)| 4 * v.shape().iter().product::<usize>() as u64)
+        .sum())
+}
+
 /// Writes f32 tensors to one safetensors file (not atomically: write into a folder that
 /// [`write_dir_atomically`] renames into place).
 pub fn write_safetensors_f32(path: &Path, tensors: &BTreeMap<String, HostTensor>) -> Result<()> {
@@ -477,7 +528,7 @@ pub fn read_safetensors_as(
     rename: &dyn Fn(&str) -> Option<String>,
     out: &mut BTreeMap<String, HostTensor>,
 ) -> Result<()> {
-    let bytes = std::fs::read(path).map_err(|e| WeightsError::io(path, e))?;
+    let bytes = Mapped::open(path)?;
     let st = SafeTensors::deserialize(&bytes)
         .map_err(|e| WeightsError::format(path, format!("invalid safetensors: {e}")))?;
     for (name, view) in st.tensors() {
@@ -521,6 +572,25 @@ pub fn read_safetensors_as(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_model_that_does_not_fit_is_refused_before_converting() {
+        // The tiny Gemma 4 as an HF folder and as llama.cpp's GGUF: ~250k parameters, ~1 MB.
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/gemma4/dense");
+        for path in [dir.clone(), dir.join("model-f32.gguf")] {
+            let e = Checkpoint::load_within(&path, Some(500_000))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("does not fit in host memory"), "{e}");
+            assert!(
+                e.contains(&path.display().to_string()),
+                "names the model: {e}"
+            );
+            let ck = Checkpoint::load_within(&path, Some(2_000_000)).unwrap();
+            assert_eq!(ck.config.num_hidden_layers, 6);
+        }
+    }
 
     #[test]
     fn remap_covers_layers_and_globals() {

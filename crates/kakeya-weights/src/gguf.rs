@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 
 use crate::dequant::{GgmlType, dequantize};
 use crate::error::{Result, WeightsError};
+use crate::mapped::Mapped;
 
 const MAGIC: &[u8; 4] = b"GGUF";
 const DEFAULT_ALIGNMENT: u64 = 32;
@@ -119,7 +120,7 @@ pub struct GgufFile {
     pub metadata: BTreeMap<String, GgufValue>,
     /// Tensor infos, in file order.
     pub tensors: Vec<GgufTensorInfo>,
-    bytes: Vec<u8>,
+    bytes: Mapped,
     data_start: usize,
 }
 
@@ -234,16 +235,20 @@ impl<'a> Cursor<'a> {
 }
 
 impl GgufFile {
-    /// Reads and validates `path`: magic, version, metadata, tensor infos and that every
-    /// tensor's bytes lie inside the file.
+    /// Maps `path` into memory and validates it: magic, version, metadata, tensor infos and
+    /// that every tensor's bytes lie inside the file. Tensor data is read from the mapping
+    /// when asked for (nothing is copied up front).
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|e| WeightsError::io(path, e))?;
-        Self::parse(path, bytes)
+        Self::parse_mapped(path, Mapped::open(path)?)
     }
 
     /// Parses an in-memory GGUF image; `path` is used in messages only.
     pub fn parse(path: &Path, bytes: Vec<u8>) -> Result<Self> {
+        Self::parse_mapped(path, Mapped::Owned(bytes))
+    }
+
+    fn parse_mapped(path: &Path, bytes: Mapped) -> Result<Self> {
         let mut c = Cursor {
             buf: &bytes,
             pos: 0,

@@ -12,6 +12,7 @@ pub mod fsio;
 pub mod ftheta;
 pub mod gguf;
 mod kernel;
+pub mod mapped;
 pub mod quant;
 pub mod tokenizer;
 

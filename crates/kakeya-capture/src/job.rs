@@ -143,8 +143,10 @@ pub fn resolve(
     let c = &m.verifier.config;
     let n = c.num_hidden_layers;
     let bad = |msg: String| Err(CaptureError::config(cfg_path, msg));
+    // Gemma 4's KV-sharing layers compute no K/V of their own: "all" skips them.
+    let own_kv = |l: usize| c.kv_source(l).is_none();
     let verifier_layers: Vec<usize> = match &cfg.tensors.verifier_layers {
-        LayerSet::All(_) => (0..n).collect(),
+        LayerSet::All(_) => (0..n).filter(|&l| own_kv(l)).collect(),
         LayerSet::List(l) => l.clone(),
     };
     let aux_layers = match (&cfg.tensors.aux_layers, m.drafter) {
@@ -161,6 +163,15 @@ pub fn resolve(
                 "tensors.{what}: layer {l} does not exist (the verifier has {n} layers)"
             ));
         }
+    }
+    if !cfg.tensors.verifier.is_empty()
+        && let Some(&l) = verifier_layers.iter().find(|&&l| !own_kv(l))
+    {
+        return bad(format!(
+            "tensors.verifier_layers: layer {l} reads layer {}'s K/V (Gemma 4 KV sharing) and \
+             has no attention tensors of its own to capture",
+            c.kv_source(l).unwrap_or(l)
+        ));
     }
     let drafter_layers: Vec<usize> = match (cfg.tensors.drafter_kv, m.drafter) {
         (true, Some(d)) => (0..d.config.num_hidden_layers).collect(),
@@ -184,9 +195,10 @@ pub fn resolve(
     for &l in &sel.verifier_layers {
         for &t in &sel.verifier_tensors {
             let dim = match t {
-                crate::config::VerifierTensor::QRaw => c.num_attention_heads * c.head_dim,
+                // Per layer: Gemma 4's full layers have their own head width and KV heads.
+                crate::config::VerifierTensor::QRaw => c.num_attention_heads * c.head_dim_of(l),
                 crate::config::VerifierTensor::KRaw | crate::config::VerifierTensor::VRaw => {
-                    c.num_key_value_heads * c.head_dim
+                    c.kv_width_of(l)
                 }
                 crate::config::VerifierTensor::AttnOut => c.hidden_size,
             };

@@ -3,10 +3,11 @@
 use std::sync::Arc;
 
 use burn::tensor::{Tensor, TensorData};
-use kakeya_weights::QuantMatrix;
+use kakeya_weights::{DenseMatrix, QuantMatrix};
 
 /// Inputs of at most this many rows (decode steps, small verify blocks) use the block kernel
-/// when the model runs on the CPU; longer chunks (prefill) use the dense f32 matmul.
+/// (or, for non-quantised weights, the row-order kernel) when the model runs on the CPU;
+/// longer chunks (prefill) use the dense f32 matmul.
 pub const QUANT_MAX_ROWS: usize = 16;
 
 /// Inputs of fewer rows take the exact products for their greedy choice: one row is
@@ -24,6 +25,10 @@ pub struct Linear {
     /// The same weight repacked from its GGML blocks, when quantised in the checkpoint and
     /// the weight lives on the CPU (the kernel reads host memory).
     pub quant: Option<Arc<QuantMatrix>>,
+    /// The same weight for the row-order kernel, when not quantised and on the CPU (the
+    /// verifier's f32/bf16 weights): inputs of up to [`QUANT_MAX_ROWS`] rows then give each
+    /// row the same bits however many run together, as the block kernel does.
+    pub rows: Option<Arc<DenseMatrix>>,
 }
 
 impl Linear {
@@ -32,7 +37,24 @@ impl Linear {
         Self {
             weight,
             quant: None,
+            rows: None,
         }
+    }
+
+    /// A dense linear map that also keeps its values (`weight`'s, `[out, in]` row-major) for
+    /// the row-order kernel: the verifier's non-quantised weights on the CPU.
+    pub fn dense_rows(weight: Tensor<2>, values: &[f32]) -> Self {
+        let [out, inp] = weight.dims();
+        Self {
+            weight,
+            quant: None,
+            rows: Some(Arc::new(DenseMatrix::new(out, inp, values))),
+        }
+    }
+
+    /// Bytes of the kernels' own copies of the weight (blocks or rows), beyond `weight`.
+    pub fn kernel_bytes(&self) -> usize {
+        self.quant.as_ref().map_or(0, |q| q.nbytes()) + self.rows.as_ref().map_or(0, |r| r.nbytes())
     }
 
     /// The block kernel's matrix when it takes this input (`t` rows).
@@ -48,6 +70,11 @@ impl Linear {
             let device = x.device();
             let y = q.matmul(&host_rows(x), t);
             return Tensor::from_data(TensorData::new(y, [t, q.rows()]), &device);
+        }
+        if let Some(d) = self.rows.as_deref().filter(|_| t <= QUANT_MAX_ROWS) {
+            let device = x.device();
+            let y = d.matmul(&host_rows(x), t);
+            return Tensor::from_data(TensorData::new(y, [t, d.rows()]), &device);
         }
         x.matmul(self.weight.clone().transpose())
     }

@@ -2,6 +2,8 @@
 //! `tests/fixtures/gemma4/make_gemma4.py` (transformers' Gemma4ForCausalLM, eager, f32) with
 //! its logits at every prompt position and its 16-token greedy continuation.
 
+mod common;
+
 use burn::tensor::{Device, Tensor};
 use kakeya_models::LayerCache;
 use kakeya_models::{ForwardRequest, Gemma3Model, Logits};
@@ -222,6 +224,18 @@ fn speculation_on_gemma4_equals_greedy_decoding() {
             .unwrap();
             assert_eq!(got.tokens, want, "block {block}, prompt {i}");
             assert!(got.spec.unwrap().blocks > 0);
+        }
+    }
+}
+
+/// Lossless speculation rests on this: a verify block's rows are bit for bit the logits of
+/// single decode steps (the dense f32 weights through the row-order kernel, attention one row
+/// at a time over exactly its keys).
+#[test]
+fn a_blocks_rows_equal_single_steps_bit_for_bit() {
+    for name in ["dense", "dense-kv", "moe"] {
+        for src in [Source::Hf, Source::Gguf] {
+            common::assert_blocks_equal_steps(&load_from(name, src), &format!("{name} ({src:?})"));
         }
     }
 }

@@ -1,6 +1,8 @@
 //! Tiny random-weight Gemma 3 tests: incremental decoding equals one full forward, the ring
 //! cache is exact across wraps and truncation, externally supplied K/V reproduce the cache.
 
+mod common;
+
 use burn::tensor::{Device, Tensor};
 use kakeya_models::testing::{random_checkpoint, tiny_config};
 use kakeya_models::{ForwardRequest, Gemma3Model, KvSegment, LayerCache, Logits, Reach, SegmentKv};
@@ -250,5 +252,22 @@ fn greedy_choices_equal_the_argmax_of_the_logits() {
             full_forward(&m, &b).last().unwrap(),
             "mixed batch logits",
         );
+    }
+}
+
+/// A verify block's rows are bit for bit single decode steps — the tiny Gemma 3 with GGUF
+/// blocks (the block kernel) and with dense f32 weights (the row-order kernel), windows that
+/// wrap within the block and one that does not.
+#[test]
+fn a_blocks_rows_equal_single_steps_bit_for_bit() {
+    use kakeya_models::testing::random_quantized_checkpoint;
+    for window in [4, 64] {
+        let q = Gemma3Model::from_checkpoint(
+            random_quantized_checkpoint(&tiny_config(window), 3),
+            &Device::flex(),
+        )
+        .unwrap();
+        common::assert_blocks_equal_steps(&q, &format!("quantised, window {window}"));
+        common::assert_blocks_equal_steps(&model(window), &format!("dense, window {window}"));
     }
 }

@@ -194,6 +194,64 @@ pub(crate) fn prefetch_ahead(b: *const u8, block: usize) {
     }
 }
 
+/// The rows of a dense matrix, `[rows, cols]` row-major: f32, or bf16 (each widened to f32
+/// exactly, by a 16-bit shift).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum DenseRows<'a> {
+    /// f32 values.
+    F32(&'a [f32]),
+    /// bf16 bit patterns.
+    Bf16(&'a [u16]),
+}
+
+/// `out[r · t + j] = dot(w_r, x_j)` for the `rows` dense weight rows in `w` and the `t` input
+/// rows in `x` (`[t, cols]`), in [`dot`]'s canonical order: a row's result is the same bits
+/// whatever `t` — the property the quantised kernel gives GGUF blocks, for f32/bf16 weights
+/// (HF checkpoints), where a GEMM's sums depend on how many rows it multiplies.
+pub(crate) fn dense_tile(
+    w: DenseRows<'_>,
+    rows: usize,
+    x: &[f32],
+    t: usize,
+    cols: usize,
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if simd::available() {
+        simd::dense(w, rows, x, t, cols, out);
+        return;
+    }
+    let mut widened = vec![0.0f32; cols];
+    for r in 0..rows {
+        let wr: &[f32] = match w {
+            DenseRows::F32(v) => &v[r * cols..(r + 1) * cols],
+            DenseRows::Bf16(v) => {
+                for (d, &b) in widened.iter_mut().zip(&v[r * cols..(r + 1) * cols]) {
+                    *d = f32::from_bits(u32::from(b) << 16);
+                }
+                &widened
+            }
+        };
+        for j in 0..t {
+            out[r * t + j] = dot(wr, &x[j * cols..(j + 1) * cols]);
+        }
+    }
+}
+
+/// Products laid out `[rows, t]` (per weight row) → `[t, rows]` (per input row).
+pub(crate) fn by_input(by_row: Vec<f32>, rows: usize, t: usize) -> Vec<f32> {
+    if t == 1 {
+        return by_row;
+    }
+    let mut y = vec![0.0f32; t * rows];
+    for r in 0..rows {
+        for j in 0..t {
+            y[j * rows + r] = by_row[r * t + j];
+        }
+    }
+    y
+}
+
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 mod simd {
@@ -386,5 +444,125 @@ mod simd {
             }
         }
         res
+    }
+
+    /// [`super::dense_tile`] with AVX2+FMA: each weight row is loaded once per chunk of up to
+    /// [`super::FUSED_INPUTS`] input rows; lane `l` of each accumulator takes the columns
+    /// `k ≡ l (mod 8)` in ascending order (one 8-wide FMA per 8 columns), the tail past the last
+    /// whole 8 goes lane by lane, then the canonical reduction — [`super::dot`]'s bits.
+    pub(super) fn dense(
+        w: super::DenseRows<'_>,
+        rows: usize,
+        x: &[f32],
+        t: usize,
+        cols: usize,
+        out: &mut [f32],
+    ) {
+        let wlen = match w {
+            super::DenseRows::F32(v) => v.len(),
+            super::DenseRows::Bf16(v) => v.len(),
+        };
+        assert!(
+            wlen >= rows * cols && x.len() >= t * cols && out.len() >= rows * t,
+            "kernel::dense: slices too short"
+        );
+        for r in 0..rows {
+            let mut j0 = 0;
+            while j0 < t {
+                let xn = (t - j0).min(super::FUSED_INPUTS);
+                let xs = &x[j0 * cols..(j0 + xn) * cols];
+                let o = &mut out[r * t + j0..r * t + j0 + xn];
+                // SAFETY (all arms): AVX2 and FMA are available (the caller checked
+                // `available`), and row `r` and the inputs lie inside the slices checked above.
+                unsafe {
+                    match (w, xn) {
+                        (super::DenseRows::F32(v), 1) => {
+                            dense_row::<1, false>(v.as_ptr().cast(), r, cols, xs, o)
+                        }
+                        (super::DenseRows::F32(v), 2) => {
+                            dense_row::<2, false>(v.as_ptr().cast(), r, cols, xs, o)
+                        }
+                        (super::DenseRows::F32(v), 3) => {
+                            dense_row::<3, false>(v.as_ptr().cast(), r, cols, xs, o)
+                        }
+                        (super::DenseRows::F32(v), _) => {
+                            dense_row::<4, false>(v.as_ptr().cast(), r, cols, xs, o)
+                        }
+                        (super::DenseRows::Bf16(v), 1) => {
+                            dense_row::<1, true>(v.as_ptr().cast(), r, cols, xs, o)
+                        }
+                        (super::DenseRows::Bf16(v), 2) => {
+                            dense_row::<2, true>(v.as_ptr().cast(), r, cols, xs, o)
+                        }
+                        (super::DenseRows::Bf16(v), 3) => {
+                            dense_row::<3, true>(v.as_ptr().cast(), r, cols, xs, o)
+                        }
+                        (super::DenseRows::Bf16(v), _) => {
+                            dense_row::<4, true>(v.as_ptr().cast(), r, cols, xs, o)
+                        }
+                    }
+                }
+                j0 += xn;
+            }
+        }
+    }
+
+    /// Weight row `r` (f32, or bf16 when `BF16`, at `w`) against `X` input rows (`x`:
+    /// `[X, cols]`) into `out[..X]`.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn dense_row<const X: usize, const BF16: bool>(
+        w: *const u8,
+        r: usize,
+        cols: usize,
+        x: &[f32],
+        out: &mut [f32],
+    ) {
+        use std::arch::x86_64::{
+            __m128i, _mm_loadu_si128, _mm256_castsi256_ps, _mm256_cvtepu16_epi32,
+            _mm256_slli_epi32, _mm256_storeu_ps,
+        };
+        let weight = |k: usize| -> f32 {
+            // SAFETY: `k < cols`, inside row `r` (checked by the caller).
+            unsafe {
+                if BF16 {
+                    f32::from_bits(u32::from(*w.cast::<u16>().add(r * cols + k)) << 16)
+                } else {
+                    *w.cast::<f32>().add(r * cols + k)
+                }
+            }
+        };
+        let mut acc = [_mm256_setzero_ps(); X];
+        let body = cols / LANES * LANES;
+        let xp = x.as_ptr();
+        let mut k = 0;
+        while k < body {
+            // SAFETY: columns `k..k + 8` lie inside row `r` and inside each input row.
+            unsafe {
+                let wv = if BF16 {
+                    let h = _mm_loadu_si128(w.cast::<u16>().add(r * cols + k).cast::<__m128i>());
+                    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+                } else {
+                    _mm256_loadu_ps(w.cast::<f32>().add(r * cols + k))
+                };
+                for (j, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xp.add(j * cols + k)), *a);
+                }
+            }
+            k += LANES;
+        }
+        for (j, a) in acc.iter().enumerate() {
+            out[j] = if body == cols {
+                reduce_avx(*a)
+            } else {
+                let mut lanes = [0.0f32; LANES];
+                // SAFETY: `lanes` holds eight f32.
+                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *a) };
+                for kk in body..cols {
+                    lanes[kk % LANES] = weight(kk).mul_add(x[j * cols + kk], lanes[kk % LANES]);
+                }
+                super::reduce(lanes)
+            };
+        }
     }
 }

@@ -5,6 +5,7 @@
 pub mod argmax;
 pub mod checkpoint;
 pub mod config;
+pub mod dense;
 pub mod dequant;
 pub mod dflash;
 pub mod error;
@@ -19,6 +20,7 @@ pub mod tokenizer;
 pub use argmax::Argmax;
 pub use checkpoint::{Checkpoint, HostTensor};
 pub use config::{AttentionKind, Gemma3Config, Gemma4Extras, MoeConfig};
+pub use dense::DenseMatrix;
 pub use dflash::{DFlashConfig, DraftCheckpoint, StoreDtype};
 pub use error::{Result, WeightsError};
 pub use ftheta::{FThetaCheckpoint, FThetaConfig};

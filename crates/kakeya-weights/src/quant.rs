@@ -288,16 +288,7 @@ impl QuantMatrix {
             .par_chunks_mut(ROWS_PER_TASK * t)
             .enumerate()
             .for_each(|(task, out)| rows_dispatch(self, task * ROWS_PER_TASK, out, x, t));
-        if t == 1 {
-            return by_row;
-        }
-        let mut y = vec![0.0f32; t * self.rows];
-        for r in 0..self.rows {
-            for tt in 0..t {
-                y[tt * self.rows + r] = by_row[r * t + tt];
-            }
-        }
-        y
+        kernel::by_input(by_row, self.rows, t)
     }
 
     /// The dense values (for tests): must equal [`crate::dequant::dequantize`] bit for bit.

@@ -1,12 +1,12 @@
 //! Gemma 3 self-attention: q/k/v projections, per-head q_norm/k_norm, half-split RoPE,
 //! grouped-query attention with a causal or sliding mask, o_proj.
 
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{Device, Int, Tensor, TensorData};
 use kakeya_weights::AttentionKind;
 
 use crate::cache::{DeferredKv, KvLayers, KvPart, KvSegment, Reach, SegmentKv};
 use crate::error::{ModelError, Result};
-use crate::linear::Linear;
+use crate::linear::{Linear, QUANT_MAX_ROWS};
 use crate::norm::RmsNorm;
 use crate::rope::Rope;
 use crate::sdpa::{group_queries, grouped_attention, merge_heads, scores};
@@ -298,11 +298,6 @@ impl Attention {
             }
             None => None,
         };
-        if capture && own.is_none() {
-            return Err(ModelError::Input(format!(
-                "layer {layer} reads another layer's K/V: capture does not support it"
-            )));
-        }
         let rows_of = |t: &Tensor<3>, r: &std::ops::Range<usize>| {
             let [h, _, d] = t.dims();
             t.clone().slice([0..h, r.clone(), 0..d])
@@ -320,7 +315,7 @@ impl Attention {
                     (segs, layer)
                 }
                 (None, Some(src)) => {
-                    let segs = shared.get(&src).and_then(|per| per.get(s)).ok_or_else(|| {
+                    let segs = shared.segments.get(&src).and_then(|per| per.get(s)).ok_or_else(|| {
                         ModelError::Cache(format!(
                             "layer {layer} reads layer {src}'s K/V, which this forward did not keep"
                         ))
@@ -338,7 +333,10 @@ impl Attention {
             )?);
         }
         if self.shares_kv {
-            shared.insert(layer, mine);
+            shared.segments.insert(layer, mine);
+            if let Some((k_raw, v_raw, _, _)) = own.as_ref().filter(|_| capture) {
+                shared.raw.insert(layer, (k_raw.clone(), v_raw.clone()));
+            }
         }
         let attn = if outs.len() == 1 {
             outs.pop().expect("one span")
@@ -346,8 +344,19 @@ impl Attention {
             Tensor::cat(outs, 0)
         };
         let out = self.o_proj.forward(attn);
-        let caps = match own {
-            Some((k_raw, v_raw, _, _)) if capture => {
+        // A sharing layer reports its source's raw K/V: what it attends over.
+        let raw = match (own, self.kv_source) {
+            (Some((k_raw, v_raw, _, _)), _) => Some((k_raw, v_raw)),
+            (None, Some(src)) => shared.raw.get(&src).cloned(),
+            (None, None) => None,
+        };
+        if capture && raw.is_none() {
+            return Err(ModelError::Cache(format!(
+                "layer {layer}: the raw K/V it reads were not kept in this forward"
+            )));
+        }
+        let caps = match raw {
+            Some((k_raw, v_raw)) if capture => {
                 let cols = |t: &Tensor<2>, r: &std::ops::Range<usize>| {
                     let w = t.dims()[1];
                     t.clone().slice([r.clone(), 0..w])
@@ -397,14 +406,90 @@ impl Attention {
             )));
         }
         let (k, v) = (Tensor::cat(ks, 1), Tensor::cat(vs, 1));
+        if t <= QUANT_MAX_ROWS {
+            return Ok(self.attend_rows(q, start, &ready, k, v, device));
+        }
         let groups = self.heads / self.kv_heads;
         let mask = self.mask(start, t, &ready, groups, device);
         Ok(grouped_attention(q, k, v, self.scale, mask))
     }
+
+    /// Each query row alone, over exactly the keys it sees in position order: a row's result
+    /// is then the same bits whether it is a decode step or a row of a verify block (one
+    /// [`grouped_attention`] over all rows lets the matmuls' sums depend on the row count,
+    /// and a causal mask makes the softmax and the value sums run over other lengths). Keys
+    /// that form one run of the concatenated segments are a view; others are gathered.
+    ///
+    /// # Shapes
+    /// - `q`: `[heads, T, head_dim]`; `k`, `v`: `[kv_heads, S, head_dim]` (the segments' keys
+    ///   in order) → `[T, heads · head_dim]`
+    fn attend_rows(
+        &self,
+        q: Tensor<3>,
+        start: usize,
+        segments: &[KvSegment],
+        k: Tensor<3>,
+        v: Tensor<3>,
+        device: &Device,
+    ) -> Tensor<2> {
+        let [heads, t, d] = q.dims();
+        let [kvh, s, _] = k.dims();
+        let keys: Vec<(usize, Reach)> = segments
+            .iter()
+            .flat_map(|seg| seg.positions.iter().map(move |&p| (p, seg.reach)))
+            .collect();
+        let rows = (0..t).map(|i| {
+            let at = start + i;
+            let mut seen: Vec<(usize, usize)> = keys
+                .iter()
+                .enumerate()
+                .filter(|&(_, &(p, reach))| self.visible(at, p) && reach.allows(at, p))
+                .map(|(j, &(p, _))| (p, j))
+                .collect();
+            seen.sort_unstable();
+            let (first, last) = (seen[0].1, seen[seen.len() - 1].1);
+            let run =
+                last + 1 - first == seen.len() && seen.windows(2).all(|w| w[1].1 == w[0].1 + 1);
+            let (ki, vi) = if run && first == 0 && last + 1 == s {
+                (k.clone(), v.clone())
+            } else if run {
+                let r = first..last + 1;
+                (
+                    k.clone().slice([0..kvh, r.clone(), 0..d]),
+                    v.clone().slice([0..kvh, r, 0..d]),
+                )
+            } else {
+                let ids: Vec<i64> = seen.iter().map(|&(_, j)| j as i64).collect();
+                let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [seen.len()]), device);
+                (k.clone().select(1, ids.clone()), v.clone().select(1, ids))
+            };
+            let qi = if t == 1 {
+                q.clone()
+            } else {
+                q.clone().slice([0..heads, i..i + 1, 0..d])
+            };
+            grouped_attention(qi, ki, vi, self.scale, None)
+        });
+        Tensor::cat(rows.collect(), 0)
+    }
 }
 
-/// Per layer that shares its K/V, the segments each span's cache returned in this forward.
-pub type SharedKv = std::collections::BTreeMap<usize, Vec<Vec<KvSegment>>>;
+/// What the layers that share their K/V leave for the layers that read it, in one forward.
+#[derive(Debug, Default)]
+pub struct SharedKv {
+    /// Per source layer, the segments each span's cache returned.
+    segments: std::collections::BTreeMap<usize, Vec<Vec<KvSegment>>>,
+    /// Per source layer, its raw K and V `[T, kv_heads · head_dim]` (when capturing: a
+    /// sharing layer's capture reports the raw K/V it attends over).
+    raw: std::collections::BTreeMap<usize, (Tensor<2>, Tensor<2>)>,
+}
+
+impl SharedKv {
+    /// Nothing shared yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
 
 /// One sequence's rows in a stacked forward.
 #[derive(Debug, Clone)]

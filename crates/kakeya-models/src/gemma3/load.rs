@@ -37,17 +37,38 @@ impl Loader<'_> {
     }
 
     fn lin(&mut self, name: &str) -> Result<Linear> {
-        // The block kernel runs on host memory: only worth it when the model is on the CPU.
+        // The kernels run on host memory: only worth it when the model is on the CPU. A
+        // quantised weight gets the block kernel, any other the row-order one.
+        let cpu = *self.device == Device::flex();
         let quant = self
             .ck
             .quantized
             .remove(name)
-            .filter(|_| *self.device == Device::flex())
+            .filter(|_| cpu)
             .map(std::sync::Arc::new);
-        Ok(Linear {
-            weight: self.t2(name)?,
-            quant,
-        })
+        if quant.is_some() || !cpu {
+            return Ok(Linear {
+                weight: self.t2(name)?,
+                quant,
+                rows: None,
+            });
+        }
+        let t = self.take(name)?;
+        Ok(self.host_lin(t.data, [t.shape[0], t.shape[1]]))
+    }
+
+    /// A non-quantised weight `[out, in]` as a linear map (with the row-order kernel's copy
+    /// on the CPU).
+    fn host_lin(&self, data: Vec<f32>, shape: [usize; 2]) -> Linear {
+        if *self.device != Device::flex() {
+            return Linear::dense(Tensor::from_data(TensorData::new(data, shape), self.device));
+        }
+        let rows = kakeya_weights::DenseMatrix::new(shape[0], shape[1], &data);
+        Linear {
+            weight: Tensor::from_data(TensorData::new(data, shape), self.device),
+            quant: None,
+            rows: Some(std::sync::Arc::new(rows)),
+        }
     }
 
     /// Layer `i`'s MoE branch.
@@ -59,17 +80,14 @@ impl Loader<'_> {
             gate_up.data.len() / mc.experts,
             down.data.len() / mc.experts,
         );
-        let t2 = |data: &[f32], shape: [usize; 2]| {
-            Tensor::<2>::from_data(TensorData::new(data.to_vec(), shape), self.device)
-        };
         let experts = (0..mc.experts)
             .map(|e| Expert {
-                gate_up: t2(
-                    &gate_up.data[e * gu_n..(e + 1) * gu_n],
+                gate_up: self.host_lin(
+                    gate_up.data[e * gu_n..(e + 1) * gu_n].to_vec(),
                     [gate_up.shape[1], gate_up.shape[2]],
                 ),
-                down: t2(
-                    &down.data[e * d_n..(e + 1) * d_n],
+                down: self.host_lin(
+                    down.data[e * d_n..(e + 1) * d_n].to_vec(),
                     [down.shape[1], down.shape[2]],
                 ),
             })

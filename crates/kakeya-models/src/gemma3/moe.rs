@@ -5,15 +5,16 @@
 use burn::tensor::{Device, Int, Tensor, TensorData};
 
 use crate::activation::gelu_tanh;
+use crate::linear::Linear;
 use crate::norm::RmsNorm;
 
 /// One expert MLP: `down(gelu(gate(x)) · up(x))`.
 #[derive(Debug, Clone)]
 pub struct Expert {
     /// `[2 · inner, hidden]`: the gate rows, then the up rows.
-    pub gate_up: Tensor<2>,
+    pub gate_up: Linear,
     /// `[hidden, inner]`.
-    pub down: Tensor<2>,
+    pub down: Linear,
 }
 
 /// The router and the experts of one layer.
@@ -103,12 +104,12 @@ impl Moe {
             let ids: Vec<i64> = picks.iter().map(|&(r, _)| r as i64).collect();
             let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [picks.len()]), &device);
             let xs = x.clone().select(0, ids);
-            let gu = xs.matmul(expert.gate_up.clone().transpose());
+            let gu = expert.gate_up.forward(xs);
             let inner = gu.dims()[1] / 2;
             let n = picks.len();
             let act =
                 gelu_tanh(gu.clone().slice([0..n, 0..inner])) * gu.slice([0..n, inner..2 * inner]);
-            let y = act.matmul(expert.down.clone().transpose());
+            let y = expert.down.forward(act);
             let y = y
                 .into_data()
                 .try_into_vec::<f32>()

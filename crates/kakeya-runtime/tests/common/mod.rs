@@ -92,6 +92,38 @@ pub fn gemma4(name: &str) -> Gemma3Model {
     Gemma3Model::from_checkpoint(ck, &Device::flex()).unwrap()
 }
 
+/// Checks that a verify block's rows are bit for bit the logits of single decode steps over
+/// the same tokens (blocks of 2, 4, 8 and 16 after a 9-token prompt), the property lossless
+/// speculation rests on; `what` names the model in messages. Token ids are below 90.
+pub fn assert_blocks_equal_steps(m: &Gemma3Model, what: &str) {
+    let prompt: Vec<u32> = (0..9u32).map(|j| (j * 37 + 5) % 90).collect();
+    let block: Vec<u32> = (0..16u32).map(|j| (j * 29 + 11) % 90).collect();
+    let mut steps = kakeya_runtime::Session::new(m, 0);
+    steps.prefill(&prompt, 4).unwrap();
+    let single: Vec<Vec<f32>> = block.iter().map(|&t| steps.step(t).unwrap()).collect();
+    for t in [2, 4, 8, 16] {
+        let mut s = kakeya_runtime::Session::new(m, 0);
+        s.prefill(&prompt, 4).unwrap();
+        let out = s
+            .forward(&block[..t], kakeya_models::Logits::All, &[])
+            .unwrap();
+        let flat = out
+            .logits
+            .unwrap()
+            .into_data()
+            .try_into_vec::<f32>()
+            .unwrap();
+        for (i, want) in single.iter().take(t).enumerate() {
+            let got = &flat[i * want.len()..(i + 1) * want.len()];
+            let differ = got.iter().zip(want).filter(|(a, b)| a != b).count();
+            assert_eq!(
+                differ, 0,
+                "{what}: row {i} of a {t}-row block: {differ} logits differ from its step"
+            );
+        }
+    }
+}
+
 /// Prompt `i` of the tiny models: `len` ids below 97.
 pub fn tiny_prompt(i: usize, len: usize) -> Vec<u32> {
     (0..len)

@@ -139,6 +139,7 @@ pub fn drafter_config(verifier: &Gemma3Config, layers: usize, block_size: usize)
         ),
         num_target_layers: verifier.num_hidden_layers,
         draft_vocab_size: None,
+        layer_windows: vec![None; layers],
     }
 }
 

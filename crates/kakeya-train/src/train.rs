@@ -153,6 +153,7 @@ pub fn prepare(
         target_layer_ids: targets,
         num_target_layers: v.num_hidden_layers,
         draft_vocab_size: d2t.as_ref().map(Vec::len),
+        layer_windows: vec![None; m.layers],
     };
     let shards: Vec<&str> = ds
         .manifest()

@@ -3,141 +3,29 @@
 //! above 1), only drafter weights move, resuming is bit-for-bit, bad datasets are refused
 //! before training.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 mod drafter_heldout;
+mod tiny_data;
 
 use drafter_heldout::{read_captured, runtime_heldout_acceptance, split};
+use tiny_data::{SHA, capture, train_config};
 
 use burn::tensor::{Device, Tensor, TensorData};
-use kakeya_capture::schema::ModelInfo;
-use kakeya_capture::{CaptureConfig, Models, RunOptions};
 use kakeya_models::testing::Scratch;
-use kakeya_models::testing::{random_checkpoint, tiny_config, word_level_tokenizer_json};
+use kakeya_models::testing::{random_checkpoint, tiny_config};
 use kakeya_models::{DFlashDrafter, DraftRequest, Gemma3Model};
 use kakeya_runtime::CompactStore;
 use kakeya_train::data::Sequence;
 use kakeya_train::drafter::{Batch, DrafterParams, Frozen};
 use kakeya_train::train::EvalRecord;
-use kakeya_train::{DrafterTrainConfig, TrainError, TrainOptions, prepare, train_drafter};
-use kakeya_weights::{DraftCheckpoint, Tokenizer};
+use kakeya_train::{TrainError, TrainOptions, prepare, train_drafter};
+use kakeya_weights::DraftCheckpoint;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-const SHA: &str = "5ha5ha5ha5ha5ha5ha5ha5ha5ha5ha5ha5ha5ha5ha5ha5ha5ha5ha5ha5ha5ha5";
-
 fn verifier() -> Gemma3Model {
     Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(64), 11), &Device::flex()).unwrap()
-}
-
-/// Captures `n` random-word prompts continued greedily by `v` (aux layers 1, 3, 4; f32).
-fn capture(dir: &Path, v: &Gemma3Model, n: usize, gen_len: usize, aux: &str) -> PathBuf {
-    std::fs::write(dir.join("tokenizer.json"), word_level_tokenizer_json(97)).unwrap();
-    let tok = Tokenizer::load(&dir.join("tokenizer.json"), 97).unwrap();
-    let mut rng = StdRng::seed_from_u64(5);
-    let mut lines = String::new();
-    for _ in 0..n {
-        let len = rng.random_range(2..7);
-        let words: Vec<String> = (0..len)
-            .map(|_| format!("w{}", rng.random_range(5..97)))
-            .collect();
-        lines.push_str(&format!("{{\"text\": \"{}\"}}\n", words.join(" ")));
-    }
-    let prompts = dir.join("prompts.jsonl");
-    std::fs::write(&prompts, lines).unwrap();
-    let out = dir.join(format!("ds-{}", aux.replace([',', ' '], "")));
-    let cfg: CaptureConfig = toml::from_str(&format!(
-        r#"
-[model]
-verifier = "tiny"
-[output]
-dir = "{}"
-dtype = "f32"
-sequences_per_shard = 16
-[generation]
-gen_len = {gen_len}
-max_prompt_tokens = 64
-chunk = 64
-[tensors]
-verifier = []
-aux_layers = [{aux}]
-[[sources]]
-kind = "jsonl"
-path = "{}"
-"#,
-        out.display(),
-        prompts.display()
-    ))
-    .unwrap();
-    let info = |s: &str| ModelInfo {
-        path: "tiny".into(),
-        sha256: s.into(),
-    };
-    let models = Models {
-        verifier: v,
-        tokenizer: &tok,
-        drafter: None,
-        verifier_info: info(SHA),
-        tokenizer_info: info(SHA),
-        drafter_info: None,
-    };
-    kakeya_capture::run(
-        &cfg,
-        Path::new("capture.toml"),
-        &models,
-        RunOptions {
-            shard: (0, 1),
-            resume: false,
-        },
-        &mut |_| {},
-    )
-    .unwrap();
-    out
-}
-
-fn train_config(dataset: &Path, run: &Path, steps: usize, vocab: usize) -> DrafterTrainConfig {
-    DrafterTrainConfig::parse(
-        Path::new("train.toml"),
-        &format!(
-            r#"
-[data]
-dataset = "{}"
-heldout_every = 5
-[model]
-verifier = "tiny"
-layers = 1
-heads = 4
-kv_heads = 2
-head_dim = 8
-intermediate = 64
-block_size = 4
-target_layers = [1, 3, 4]
-draft_vocab = {vocab}
-mask_token = 4
-[train]
-steps = {steps}
-sequences_per_step = 4
-anchors_per_sequence = 8
-lr = 3e-3
-min_lr = 3e-4
-warmup_steps = 10
-weight_decay = 0.01
-grad_clip = 1.0
-gamma = 4.0
-seed = 3
-[output]
-dir = "{}"
-export = "{}"
-checkpoint_every = 4
-eval_every = 20
-eval_anchors = 200
-"#,
-            dataset.display(),
-            run.display(),
-            run.join("drafter").display()
-        ),
-    )
-    .unwrap()
 }
 
 fn opts() -> TrainOptions {
@@ -154,13 +42,37 @@ fn host(t: Tensor<2>) -> Vec<f32> {
 
 #[test]
 fn training_forward_equals_the_runtime_drafter_block_by_block() {
-    let s = Scratch::new("train-fwd");
+    let full = training_vs_runtime(false);
+    // A sliding first layer (z-lab's Gemma 4 drafters have them) composes its window with the
+    // trainer's anchor masks exactly as the runtime applies it alone, and it changes the
+    // drafts (the test can tell).
+    let sliding = training_vs_runtime(true);
+    let d = full
+        .iter()
+        .zip(&sliding)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max);
+    assert!(d > 1e-3, "a window of 3 changed nothing ({d})");
+}
+
+/// The runtime drafter's logits of every picked block, after checking that the training
+/// forward gives them too; `sliding`: the first drafter layer sees 3 positions back.
+fn training_vs_runtime(sliding: bool) -> Vec<f32> {
+    let s = Scratch::new(if sliding {
+        "train-fwd-win"
+    } else {
+        "train-fwd"
+    });
     let v = verifier();
     let ds = capture(&s.0, &v, 6, 10, "1, 3, 4");
     let cfg = train_config(&ds, &s.0.join("run"), 1, 40);
     let prep = prepare(&cfg, &v, SHA).unwrap();
     let d2t = prep.d2t.clone().unwrap();
-    let mut params = DrafterParams::init(prep.config.clone(), 9, &Device::flex());
+    let mut config = prep.config.clone();
+    if sliding {
+        config.layer_windows[0] = Some(3);
+    }
+    let mut params = DrafterParams::init(config, 9, &Device::flex());
     // Norm multipliers away from 1 so that a swapped norm cannot pass.
     let mut rng = StdRng::seed_from_u64(1);
     for (_, shape, t) in &mut params.tensors {
@@ -193,6 +105,7 @@ fn training_forward_equals_the_runtime_drafter_block_by_block() {
     let vd = d2t.len();
     let mut block_index = 0;
     let mut worst = 0f32;
+    let mut all = Vec::new();
     for (s, anchors) in &picks {
         for &a in anchors {
             let width = prep.data.width;
@@ -219,10 +132,12 @@ fn training_forward_equals_the_runtime_drafter_block_by_block() {
             for (x, y) in got_b.iter().zip(&want) {
                 worst = worst.max((x - y).abs());
             }
+            all.extend(want);
             block_index += 1;
         }
     }
     assert!(worst < 1e-4, "training vs runtime logits differ by {worst}");
+    all
 }
 
 #[test]

@@ -51,6 +51,10 @@ pub struct DFlashConfig {
     pub num_target_layers: usize,
     /// Size of the reduced draft vocabulary, when one is used.
     pub draft_vocab_size: Option<usize>,
+    /// Per layer: `None` for full attention, `Some(w)` for a sliding layer whose queries see
+    /// context keys fewer than `w` positions back (z-lab's Gemma 4 drafters: four sliding
+    /// layers of 2048, then a full one).
+    pub layer_windows: Vec<Option<usize>>,
 }
 
 /// z-lab's default choice of verifier layers: `D` layers spread evenly over `1..=T-3`,
@@ -87,14 +91,45 @@ impl DFlashConfig {
                 "attention_bias = true is not supported (DFlash drafters have no biases)",
             ));
         }
-        if let Some(types) = c.get("layer_types").and_then(Value::as_array)
-            && types.iter().any(|t| t.as_str() != Some("full_attention"))
-        {
-            return Err(WeightsError::format(
-                path,
-                "only full-attention drafter layers are supported (layer_types has others)",
-            ));
-        }
+        let n_layers = int("num_hidden_layers")?;
+        let layer_windows = match c.get("layer_types").and_then(Value::as_array) {
+            None => vec![None; n_layers],
+            Some(types) => {
+                let window = c
+                    .get("sliding_window")
+                    .and_then(Value::as_u64)
+                    .filter(|&w| w > 0);
+                let mut out = Vec::with_capacity(types.len());
+                for t in types {
+                    out.push(match (t.as_str(), window) {
+                        (Some("full_attention"), _) => None,
+                        (Some("sliding_attention"), Some(w)) => Some(w as usize),
+                        (Some("sliding_attention"), None) => {
+                            return Err(WeightsError::format(
+                                path,
+                                "layer_types has sliding layers but sliding_window is not a positive integer",
+                            ));
+                        }
+                        (other, _) => {
+                            return Err(WeightsError::format(
+                                path,
+                                format!("unknown drafter layer type {other:?} in layer_types"),
+                            ));
+                        }
+                    });
+                }
+                if out.len() != n_layers {
+                    return Err(WeightsError::format(
+                        path,
+                        format!(
+                            "layer_types has {} entries but num_hidden_layers is {n_layers}",
+                            out.len()
+                        ),
+                    ));
+                }
+                out
+            }
+        };
         if let Some(kind) = c
             .get("rope_scaling")
             .filter(|v| !v.is_null())
@@ -115,7 +150,6 @@ impl DFlashConfig {
             .and_then(Value::as_u64)
             .ok_or_else(|| missing("dflash_config.mask_token_id"))?
             as u32;
-        let n_layers = int("num_hidden_layers")?;
         let heads = int("num_attention_heads")?;
         let hidden = int("hidden_size")?;
         let num_target_layers = int("num_target_layers")?;
@@ -151,7 +185,11 @@ impl DFlashConfig {
             rope_theta,
             vocab_size: int("vocab_size")?,
             max_position_embeddings: int("max_position_embeddings")?,
-            block_size: int("block_size")?,
+            // Top level in z-lab's first exports, inside dflash_config in later ones.
+            block_size: match c.get("block_size").or_else(|| dflash.get("block_size")) {
+                Some(v) => v.as_u64().ok_or_else(|| missing("block_size"))? as usize,
+                None => return Err(missing("block_size")),
+            },
             mask_token_id,
             target_layer_ids,
             num_target_layers,
@@ -159,6 +197,7 @@ impl DFlashConfig {
                 .get("draft_vocab_size")
                 .and_then(Value::as_u64)
                 .map(|v| v as usize),
+            layer_windows,
         };
         cfg.validate(path)?;
         Ok(cfg)
@@ -185,6 +224,13 @@ impl DFlashConfig {
         }
         if self.block_size < 2 {
             return bad(format!("block_size {} must be at least 2", self.block_size));
+        }
+        if self.layer_windows.len() != self.num_hidden_layers {
+            return bad(format!(
+                "{} layer windows for {} layers",
+                self.layer_windows.len(),
+                self.num_hidden_layers
+            ));
         }
         if self.target_layer_ids.is_empty() {
             return bad("dflash_config.target_layer_ids is empty".into());
@@ -226,8 +272,13 @@ impl DFlashConfig {
             "attention_bias": false,
             "attention_dropout": 0.0,
             "tie_word_embeddings": false,
-            "use_sliding_window": false,
-            "layer_types": vec!["full_attention"; self.num_hidden_layers],
+            "use_sliding_window": self.layer_windows.iter().any(Option::is_some),
+            "sliding_window": self.layer_windows.iter().flatten().next(),
+            "layer_types": self
+                .layer_windows
+                .iter()
+                .map(|w| if w.is_some() { "sliding_attention" } else { "full_attention" })
+                .collect::<Vec<_>>(),
             "block_size": self.block_size,
             "num_target_layers": self.num_target_layers,
             "dflash_config": {
@@ -510,6 +561,7 @@ mod tests {
             target_layer_ids: vec![1, 3],
             num_target_layers: 6,
             draft_vocab_size: Some(40),
+            layer_windows: vec![Some(16), None],
         };
         let p = Path::new("x/config.json");
         let text = cfg.to_json().to_string();
@@ -526,5 +578,63 @@ mod tests {
             err.contains("x/config.json") && err.contains("mask_token_id"),
             "{err}"
         );
+    }
+
+    /// The shape of z-lab's drafter for Gemma 4 26B-A4B (`z-lab/gemma-4-26B-A4B-it-DFlash`,
+    /// its config as third-party ports quote it — not downloaded here): four sliding layers of
+    /// 2048 and a full one, block 16, six target layers; later exports move `block_size` into
+    /// `dflash_config` and RoPE into `rope_parameters`.
+    #[test]
+    fn z_labs_gemma4_drafter_config_is_read() {
+        let text = r#"{"architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+            "hidden_size": 2816, "num_hidden_layers": 5, "intermediate_size": 5632,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+            "vocab_size": 262144, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
+            "max_position_embeddings": 262144, "block_size": 16, "num_target_layers": 30,
+            "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention",
+                            "sliding_attention", "full_attention"],
+            "sliding_window": 2048, "tie_word_embeddings": false,
+            "dflash_config": {"target_layer_ids": [1, 6, 11, 17, 22, 27], "mask_token_id": 4}}"#;
+        let p = Path::new("d/config.json");
+        let c = DFlashConfig::from_json(p, text).unwrap();
+        assert_eq!(
+            c.layer_windows,
+            vec![Some(2048), Some(2048), Some(2048), Some(2048), None]
+        );
+        assert_eq!((c.block_size, c.head_dim, c.mask_token_id), (16, 128, 4));
+        assert_eq!(c.target_layer_ids, vec![1, 6, 11, 17, 22, 27]);
+        // The later export: block size in dflash_config, RoPE under rope_parameters.
+        let mut v: Value = serde_json::from_str(text).unwrap();
+        let top = v.as_object_mut().unwrap();
+        let block = top.remove("block_size").unwrap();
+        top.remove("rope_theta");
+        top.insert(
+            "rope_parameters".into(),
+            json!({"rope_type": "default", "rope_theta": 1e6}),
+        );
+        v["dflash_config"]["block_size"] = block;
+        assert_eq!(DFlashConfig::from_json(p, &v.to_string()).unwrap(), c);
+        // Sliding layers without a window, or a layer count that disagrees: refused.
+        let bad = |f: &dyn Fn(&mut Value)| {
+            let mut v: Value = serde_json::from_str(text).unwrap();
+            f(&mut v);
+            DFlashConfig::from_json(p, &v.to_string())
+                .unwrap_err()
+                .to_string()
+        };
+        let e = bad(&|v| {
+            v.as_object_mut().unwrap().remove("sliding_window");
+        });
+        assert!(
+            e.contains("sliding_window is not a positive integer"),
+            "{e}"
+        );
+        let e = bad(&|v| v["num_hidden_layers"] = json!(4));
+        assert!(
+            e.contains("layer_types has 5 entries but num_hidden_layers is 4"),
+            "{e}"
+        );
+        let e = bad(&|v| v["layer_types"][0] = json!("chunked_attention"));
+        assert!(e.contains("unknown drafter layer type"), "{e}");
     }
 }

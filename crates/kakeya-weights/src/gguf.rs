@@ -40,6 +40,9 @@ pub enum GgufValue {
     },
 }
 
+/// Longest tensor name accepted (ggml's own limit is 64 bytes).
+const MAX_TENSOR_NAME: usize = 256;
+
 /// Longest metadata array decoded into values: far above any per-layer table (Gemma: 62).
 pub const MAX_DECODED_ARRAY: usize = 1 << 16;
 
@@ -280,6 +283,15 @@ impl GgufFile {
         let mut tensors = Vec::with_capacity(n_tensors);
         for _ in 0..n_tensors {
             let name = c.string("tensor name")?;
+            if name.len() > MAX_TENSOR_NAME {
+                return Err(WeightsError::format(
+                    path,
+                    format!(
+                        "a tensor name of {} bytes (at most {MAX_TENSOR_NAME}): corrupt tensor infos",
+                        name.len()
+                    ),
+                ));
+            }
             let n_dims = c.u32("tensor rank")? as usize;
             if n_dims > 4 {
                 return Err(WeightsError::format(

@@ -189,7 +189,33 @@ impl DraftWeights {
         let (n, rows) = (ctx_pos.len(), blk_pos.len());
         let kv = hkv * hd;
         let scale = (hd as f64).powf(-0.5);
+        // Sliding layers: each group's mask with the window's (one per distinct window).
+        let mut windowed: Vec<(usize, Vec<Option<Tensor<3>>>)> = Vec::new();
+        for w in c.layer_windows.iter().flatten() {
+            if windowed.iter().any(|(x, _)| x == w) {
+                continue;
+            }
+            let masks = groups
+                .iter()
+                .map(|g| {
+                    let win = window_mask(
+                        &ctx_pos[g.context.clone()],
+                        &blk_pos[g.rows.clone()],
+                        *w,
+                        hq / hkv,
+                        &device,
+                    );
+                    match (g.mask.clone(), win) {
+                        (Some(a), Some(b)) => Some(a + b),
+                        (a, b) => a.or(b),
+                    }
+                })
+                .collect();
+            windowed.push((*w, masks));
+        }
         for (i, l) in self.layers.iter().enumerate() {
+            let masks: Option<&Vec<Option<Tensor<3>>>> = c.layer_windows[i]
+                .and_then(|w| windowed.iter().find(|(x, _)| *x == w).map(|(_, m)| m));
             let kc = ck.clone().slice([0..n, i * kv..(i + 1) * kv]);
             let kc = Rope::apply(heads_first(kc, hkv, hd), &ctx_cos, &ctx_sin);
             let vc = heads_first(cv.clone().slice([0..n, i * kv..(i + 1) * kv]), hkv, hd);
@@ -205,7 +231,8 @@ impl DraftWeights {
             let vb = heads_first(l.v_proj.forward(h), hkv, hd);
             let outs: Vec<Tensor<2>> = groups
                 .iter()
-                .map(|g| {
+                .enumerate()
+                .map(|(gi, g)| {
                     let (c, r) = (g.context.clone(), g.rows.clone());
                     let q_g = q.clone().slice([0..hq, r.clone(), 0..hd]);
                     let k = Tensor::cat(
@@ -222,7 +249,8 @@ impl DraftWeights {
                         ],
                         1,
                     );
-                    grouped_attention(q_g, k, v, scale, g.mask.clone())
+                    let mask = masks.map_or_else(|| g.mask.clone(), |m| m[gi].clone());
+                    grouped_attention(q_g, k, v, scale, mask)
                 })
                 .collect();
             let attn = if outs.len() == 1 {
@@ -362,6 +390,49 @@ pub fn accepted_drafts(drafts: &[u32], truth: &[u32]) -> usize {
 }
 
 /// `[n, heads · head_dim]` → `[heads, n, head_dim]`.
+/// The additive mask of a sliding drafter layer over `[context ; block]` keys: a query at
+/// position `q` sees a context key at `k` when `q - k < window` — flash-attention's window
+/// `(w - 1, w - 1)`, which z-lab's drafters run with (their eager path ignores the window) —
+/// and every key of its own block; `None` when every key is in reach.
+///
+/// # Shapes
+/// - returns `[1, G · rows, context + rows]`, rows group-major
+fn window_mask(
+    ctx_pos: &[usize],
+    blk_pos: &[usize],
+    window: usize,
+    groups: usize,
+    device: &burn::tensor::Device,
+) -> Option<Tensor<3>> {
+    let out_of_reach = |q: usize, k: usize| k + window <= q;
+    if !blk_pos
+        .iter()
+        .any(|&q| ctx_pos.iter().any(|&k| out_of_reach(q, k)))
+    {
+        return None;
+    }
+    let keys = ctx_pos.len() + blk_pos.len();
+    let row = |q: usize| {
+        ctx_pos
+            .iter()
+            .map(move |&k| {
+                if out_of_reach(q, k) {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+            .chain(std::iter::repeat_n(0.0, blk_pos.len()))
+    };
+    let data: Vec<f32> = (0..groups)
+        .flat_map(|_| blk_pos.iter().flat_map(move |&q| row(q)))
+        .collect();
+    Some(Tensor::from_data(
+        TensorData::new(data, [1, groups * blk_pos.len(), keys]),
+        device,
+    ))
+}
+
 fn heads_first(x: Tensor<2>, heads: usize, head_dim: usize) -> Tensor<3> {
     let n = x.dims()[0];
     x.reshape([n, heads, head_dim]).swap_dims(0, 1)
@@ -369,7 +440,23 @@ fn heads_first(x: Tensor<2>, heads: usize, head_dim: usize) -> Tensor<3> {
 
 #[cfg(test)]
 mod tests {
-    use super::accepted_drafts;
+    use super::{accepted_drafts, window_mask};
+
+    #[test]
+    fn a_sliding_layer_sees_context_fewer_than_window_positions_back_and_its_whole_block() {
+        let dev = burn::tensor::Device::flex();
+        // Context 0..5, block 5..7, window 3: query 5 sees context 3, 4; query 6 sees 4.
+        let m = window_mask(&[0, 1, 2, 3, 4], &[5, 6], 3, 2, &dev).unwrap();
+        assert_eq!(m.dims(), [1, 4, 7]);
+        let v = m.into_data().try_into_vec::<f32>().unwrap();
+        let seen: Vec<bool> = v.iter().map(|x| x.is_finite()).collect();
+        let (t, f) = (true, false);
+        let q5 = [f, f, f, t, t, t, t];
+        let q6 = [f, f, f, f, t, t, t];
+        assert_eq!(seen, [q5, q6, q5, q6].concat(), "rows group-major");
+        // Everything in reach: no mask at all.
+        assert!(window_mask(&[4], &[5, 6], 3, 2, &dev).is_none());
+    }
 
     #[test]
     fn accepted_drafts_stop_at_the_first_mismatch_or_the_end_of_the_truth() {

@@ -270,6 +270,9 @@ pub fn run(a: InferArgs) -> Result<()> {
         prefill_chunk: a.prefill_chunk,
         loop_guard: (!a.no_loop_guard).then(RunawayGuard::default),
     };
+    if a.chat || a.chat_file.is_some() {
+        chat::check_template(&model.config)?;
+    }
     if a.chat {
         let mut chat = ChatSession::new(&model, &RunawayGuard::default());
         return chat_loop(&mut chat, &tok, &cfg);

@@ -55,6 +55,21 @@ pub enum ChatError {
     /// The last message is the model's: there is nothing to answer.
     #[error("the conversation ends with a model turn; it must end with a user message to answer")]
     EndsWithModel,
+    /// The model's chat template is not the one built in (Gemma 3's).
+    #[error(
+        "the chat template built into Kakeya is Gemma 3's; a Gemma 4 model's turns follow its \
+         tokenizer's own template, which is not built in (and could not be checked here): send \
+         the prompt already formatted, as a completion (`--prompt`, `/v1/completions`)"
+    )]
+    OtherTemplate,
+}
+
+/// Whether [`format_chat`]'s turns are `config`'s model's own: Gemma 3's, not Gemma 4's.
+pub fn check_template(config: &kakeya_weights::Gemma3Config) -> std::result::Result<(), ChatError> {
+    if config.gemma4.is_some() {
+        return Err(ChatError::OtherTemplate);
+    }
+    Ok(())
 }
 
 /// The text of one turn, opened and closed (without `<bos>`); `content` is trimmed.

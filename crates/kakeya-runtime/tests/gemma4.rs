@@ -239,3 +239,18 @@ fn a_blocks_rows_equal_single_steps_bit_for_bit() {
         }
     }
 }
+
+/// Chat on a Gemma 4 model is refused with the reason (its turns are its tokenizer's own
+/// template, not the Gemma 3 one built in), not rendered wrongly; Gemma 3 passes.
+#[test]
+fn chat_on_gemma4_is_refused_not_formatted_with_gemma3s_template() {
+    use kakeya_runtime::chat::{ChatError, check_template};
+    let e = check_template(&load("dense").config).unwrap_err();
+    assert_eq!(e, ChatError::OtherTemplate);
+    assert!(
+        e.to_string().contains("send the prompt already formatted"),
+        "{e}"
+    );
+    let g3 = kakeya_models::testing::tiny_config(4);
+    assert!(check_template(&g3).is_ok());
+}

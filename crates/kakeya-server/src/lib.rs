@@ -79,6 +79,9 @@ pub fn serve(
         engine: Mutex::new(tx.clone()),
         waiting: waiting.clone(),
         context: parts.model.config.max_position_embeddings,
+        chat_refusal: kakeya_runtime::chat::check_template(&parts.model.config)
+            .err()
+            .map(|e| e.to_string()),
         next_id: AtomicU64::new(0),
         created: SystemTime::now()
             .duration_since(UNIX_EPOCH)

@@ -51,6 +51,8 @@ pub struct AppState {
     pub(crate) engine: Mutex<Sender<Command>>,
     pub(crate) waiting: Arc<AtomicUsize>,
     pub(crate) context: usize,
+    /// Why chat requests are refused for this model (its template is not built in).
+    pub(crate) chat_refusal: Option<String>,
     pub(crate) next_id: AtomicU64,
     pub(crate) created: u64,
 }
@@ -277,6 +279,9 @@ impl AppState {
             &self.cfg.limits,
             self.fresh_seed(),
         )?;
+        if let Some(why) = &self.chat_refusal {
+            return Err(ApiError::invalid(why.clone(), Some("messages")));
+        }
         let messages = req.messages()?;
         let text = format_chat(&messages)
             .map_err(|e| ApiError::invalid(e.to_string(), Some("messages")))?;

@@ -41,22 +41,6 @@ impl Linear {
         }
     }
 
-    /// A dense linear map that also keeps its values (`weight`'s, `[out, in]` row-major) for
-    /// the row-order kernel: the verifier's non-quantised weights on the CPU.
-    pub fn dense_rows(weight: Tensor<2>, values: &[f32]) -> Self {
-        let [out, inp] = weight.dims();
-        Self {
-            weight,
-            quant: None,
-            rows: Some(Arc::new(DenseMatrix::new(out, inp, values))),
-        }
-    }
-
-    /// Bytes of the kernels' own copies of the weight (blocks or rows), beyond `weight`.
-    pub fn kernel_bytes(&self) -> usize {
-        self.quant.as_ref().map_or(0, |q| q.nbytes()) + self.rows.as_ref().map_or(0, |r| r.nbytes())
-    }
-
     /// The block kernel's matrix when it takes this input (`t` rows).
     fn quant_for(&self, t: usize) -> Option<&QuantMatrix> {
         self.quant.as_deref().filter(|_| t <= QUANT_MAX_ROWS)

@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{gemma4, greedy_cfg, tiny_prompt};
+use common::{gemma4, greedy_cfg, max_diff, tiny_prompt};
 use kakeya_models::testing::{drafter_config, random_drafter};
 use kakeya_models::{DFlashDrafter, Gemma3Model};
 use kakeya_runtime::kv::{KvMode, KvPolicy, LayerKv};
@@ -34,19 +34,7 @@ fn plain(v: &Gemma3Model, s: KvSetup<'_>, p: &[u32], n: usize) -> Generation {
 
 /// Logits of the prompt's last position and of every step feeding `tokens`.
 fn trace(v: &Gemma3Model, s: KvSetup<'_>, p: &[u32], tokens: &[u32]) -> Vec<Vec<f32>> {
-    let mut session = Session::with_kv(v, s).unwrap();
-    let mut out = vec![session.prefill(p, 5).unwrap()];
-    for &t in tokens {
-        out.push(session.step(t).unwrap());
-    }
-    out
-}
-
-fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
-    a.iter()
-        .zip(b)
-        .flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| (p - q).abs()))
-        .fold(0.0, f32::max)
+    common::trace(v, s, 5, p, tokens)
 }
 
 #[test]

@@ -7,7 +7,7 @@
 mod common;
 
 use burn::tensor::Device;
-use common::{NoisyReplay, greedy_cfg, tiny_prompt};
+use common::{NoisyReplay, greedy_cfg, max_diff, tiny_prompt};
 use kakeya_models::testing::{
     drafter_config, f_theta_config, random_checkpoint, random_drafter, random_f_theta, tiny_config,
 };
@@ -95,19 +95,7 @@ fn spec(
 
 /// Logits of the prompt's last position and of every step feeding `tokens`.
 fn trace(v: &Gemma3Model, s: KvSetup<'_>, p: &[u32], tokens: &[u32]) -> Vec<Vec<f32>> {
-    let mut session = Session::with_kv(v, s).unwrap();
-    let mut out = vec![session.prefill(p, 16).unwrap()];
-    for &t in tokens {
-        out.push(session.step(t).unwrap());
-    }
-    out
-}
-
-fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
-    a.iter()
-        .zip(b)
-        .flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| (p - q).abs()))
-        .fold(0.0, f32::max)
+    common::trace(v, s, 16, p, tokens)
 }
 
 /// The verifier's own raw K/V of every position of `seq`, per layer.

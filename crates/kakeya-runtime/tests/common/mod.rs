@@ -92,6 +92,31 @@ pub fn gemma4(name: &str) -> Gemma3Model {
     Gemma3Model::from_checkpoint(ck, &Device::flex()).unwrap()
 }
 
+/// Logits of the prompt's last position (prefilled in chunks of `chunk`) and of every step
+/// feeding `tokens`, under `setup`.
+pub fn trace(
+    v: &Gemma3Model,
+    setup: KvSetup<'_>,
+    chunk: usize,
+    p: &[u32],
+    tokens: &[u32],
+) -> Vec<Vec<f32>> {
+    let mut session = kakeya_runtime::Session::with_kv(v, setup).unwrap();
+    let mut out = vec![session.prefill(p, chunk).unwrap()];
+    for &t in tokens {
+        out.push(session.step(t).unwrap());
+    }
+    out
+}
+
+/// Largest absolute difference between two traces.
+pub fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    a.iter()
+        .zip(b)
+        .flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| (p - q).abs()))
+        .fold(0.0, f32::max)
+}
+
 /// Checks that a verify block's rows are bit for bit the logits of single decode steps over
 /// the same tokens (blocks of 2, 4, 8 and 16 after a 9-token prompt), the property lossless
 /// speculation rests on; `what` names the model in messages. Token ids are below 90.

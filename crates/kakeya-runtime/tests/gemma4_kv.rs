@@ -126,9 +126,11 @@ fn bytes_are_measured_per_layer_and_sharing_layers_hold_none() {
             kv.exact + kv.quantised + kv.store + kv.transient_peak
         );
         assert_eq!(kv.full_f16, full.full_f16, "{mode}: same reference");
-        // (`exact-global` bounds only sliding layers, here to sink 2 + window 6: more than
-        // their native window of 4, so it holds more than the native caches.)
-        if mode != KvMode::ExactGlobal {
+        // The sliding layers' own window (4) fits in the kept one (6): they keep their native
+        // rings, so `exact-global` holds exactly the native caches and every other mode less.
+        if mode == KvMode::ExactGlobal {
+            assert_eq!(kv.total, full.total, "{mode}");
+        } else {
             assert!(
                 kv.total < full.total,
                 "{mode}: {} of {}",
@@ -141,6 +143,11 @@ fn bytes_are_measured_per_layer_and_sharing_layers_hold_none() {
                 assert!(
                     matches!(layer, LayerKv::Native(kakeya_runtime::KvCache::Shared)),
                     "{mode}: layer {i} shares"
+                );
+            } else if c.layer_types[i] == kakeya_weights::AttentionKind::Sliding {
+                assert!(
+                    matches!(layer, LayerKv::Native(_) | LayerKv::QuantAll(_)),
+                    "{mode}: sliding layer {i} keeps its native ring"
                 );
             }
         }

@@ -189,21 +189,28 @@ impl KvPolicy {
             .map_err(|e| RuntimeError::Input(format!("{}: {}", path.display(), e.message())))
     }
 
-    /// What a layer with `spec` keeps.
+    /// What a layer with `spec` keeps. A sliding layer whose own window fits in the kept
+    /// recent window keeps its native ring under every windowed mode: it never reads a
+    /// position the policy would evict (Gemma 4's small tiny-test windows; Gemma 3/4's 512 or
+    /// 1024 against a 64-position policy window are bounded as before).
     pub fn plan(&self, spec: CacheSpec) -> LayerPlan {
         let global = spec == CacheSpec::Full;
+        let bounded = |ev| match spec {
+            CacheSpec::Sliding { window } if window <= self.window => LayerPlan::Native,
+            _ => LayerPlan::Bounded(ev),
+        };
         match self.mode {
             KvMode::Full => LayerPlan::Native,
-            KvMode::SinkWindow => LayerPlan::Bounded(Evicted::Drop),
+            KvMode::SinkWindow => bounded(Evicted::Drop),
             KvMode::ExactGlobal if global => LayerPlan::Native,
-            KvMode::ExactGlobal => LayerPlan::Bounded(Evicted::Drop),
+            KvMode::ExactGlobal => bounded(Evicted::Drop),
             KvMode::RestoredSliding if global => LayerPlan::Native,
             KvMode::Restored
             | KvMode::RestoredSliding
             | KvMode::RestoredQ8
-            | KvMode::RestoredQ4 => LayerPlan::Bounded(Evicted::Restore),
-            KvMode::Quant8 => LayerPlan::Bounded(Evicted::Quantise(Bits::B8)),
-            KvMode::Quant4 => LayerPlan::Bounded(Evicted::Quantise(Bits::B4)),
+            | KvMode::RestoredQ4 => bounded(Evicted::Restore),
+            KvMode::Quant8 => bounded(Evicted::Quantise(Bits::B8)),
+            KvMode::Quant4 => bounded(Evicted::Quantise(Bits::B4)),
             KvMode::Quant8All => LayerPlan::QuantAll(Bits::B8),
             KvMode::Quant4All => LayerPlan::QuantAll(Bits::B4),
         }

@@ -87,8 +87,9 @@ fn bounded_modes_decode_speculatively_as_they_do_plainly() {
                     assert_eq!(got.stats.kv_mode, Some(mode));
                     if block == 4 && i == 0 {
                         // The evicted tiers are in play: every mode but `full` computes other
-                        // logits than the native caches — but `exact-global`, whose bounded
-                        // sliding layers keep more (8) than their native window (4).
+                        // logits than the native caches — but `exact-global`: its sliding
+                        // layers' own window (4) fits in the kept one (8), so they keep their
+                        // native rings, and its full layers are native too.
                         let full = plain(&v, KvSetup::full(0), &p, 30);
                         let diff = max_diff(
                             &trace(&v, s, &p, &full.tokens),

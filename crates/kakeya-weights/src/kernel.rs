@@ -458,9 +458,9 @@ mod simd {
         cols: usize,
         out: &mut [f32],
     ) {
-        let wlen = match w {
-            super::DenseRows::F32(v) => v.len(),
-            super::DenseRows::Bf16(v) => v.len(),
+        let (w, wlen, bf16) = match w {
+            super::DenseRows::F32(v) => (v.as_ptr().cast::<u8>(), v.len(), false),
+            super::DenseRows::Bf16(v) => (v.as_ptr().cast::<u8>(), v.len(), true),
         };
         assert!(
             wlen >= rows * cols && x.len() >= t * cols && out.len() >= rows * t,
@@ -472,37 +472,37 @@ mod simd {
                 let xn = (t - j0).min(super::FUSED_INPUTS);
                 let xs = &x[j0 * cols..(j0 + xn) * cols];
                 let o = &mut out[r * t + j0..r * t + j0 + xn];
-                // SAFETY (all arms): AVX2 and FMA are available (the caller checked
-                // `available`), and row `r` and the inputs lie inside the slices checked above.
+                // SAFETY: AVX2 and FMA are available (the caller checked `available`), and
+                // row `r` and the inputs lie inside the slices checked above.
                 unsafe {
-                    match (w, xn) {
-                        (super::DenseRows::F32(v), 1) => {
-                            dense_row::<1, false>(v.as_ptr().cast(), r, cols, xs, o)
-                        }
-                        (super::DenseRows::F32(v), 2) => {
-                            dense_row::<2, false>(v.as_ptr().cast(), r, cols, xs, o)
-                        }
-                        (super::DenseRows::F32(v), 3) => {
-                            dense_row::<3, false>(v.as_ptr().cast(), r, cols, xs, o)
-                        }
-                        (super::DenseRows::F32(v), _) => {
-                            dense_row::<4, false>(v.as_ptr().cast(), r, cols, xs, o)
-                        }
-                        (super::DenseRows::Bf16(v), 1) => {
-                            dense_row::<1, true>(v.as_ptr().cast(), r, cols, xs, o)
-                        }
-                        (super::DenseRows::Bf16(v), 2) => {
-                            dense_row::<2, true>(v.as_ptr().cast(), r, cols, xs, o)
-                        }
-                        (super::DenseRows::Bf16(v), 3) => {
-                            dense_row::<3, true>(v.as_ptr().cast(), r, cols, xs, o)
-                        }
-                        (super::DenseRows::Bf16(v), _) => {
-                            dense_row::<4, true>(v.as_ptr().cast(), r, cols, xs, o)
-                        }
+                    if bf16 {
+                        dense_chunk::<true>(w, r, cols, xs, o);
+                    } else {
+                        dense_chunk::<false>(w, r, cols, xs, o);
                     }
                 }
                 j0 += xn;
+            }
+        }
+    }
+
+    /// [`dense_row`] for the `out.len()` (1 to 4) input rows of `x`.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn dense_chunk<const BF16: bool>(
+        w: *const u8,
+        r: usize,
+        cols: usize,
+        x: &[f32],
+        out: &mut [f32],
+    ) {
+        // SAFETY (all arms): as the caller's.
+        unsafe {
+            match out.len() {
+                1 => dense_row::<1, BF16>(w, r, cols, x, out),
+                2 => dense_row::<2, BF16>(w, r, cols, x, out),
+                3 => dense_row::<3, BF16>(w, r, cols, x, out),
+                _ => dense_row::<4, BF16>(w, r, cols, x, out),
             }
         }
     }

@@ -389,7 +389,6 @@ pub fn accepted_drafts(drafts: &[u32], truth: &[u32]) -> usize {
     drafts.iter().zip(truth).take_while(|(d, t)| d == t).count()
 }
 
-/// `[n, heads · head_dim]` → `[heads, n, head_dim]`.
 /// The additive mask of a sliding drafter layer over `[context ; block]` keys: a query at
 /// position `q` sees a context key at `k` when `q - k < window` — flash-attention's window
 /// `(w - 1, w - 1)`, which z-lab's drafters run with (their eager path ignores the window) —
@@ -433,6 +432,7 @@ fn window_mask(
     ))
 }
 
+/// `[n, heads · head_dim]` → `[heads, n, head_dim]`.
 fn heads_first(x: Tensor<2>, heads: usize, head_dim: usize) -> Tensor<3> {
     let n = x.dims()[0];
     x.reshape([n, heads, head_dim]).swap_dims(0, 1)

@@ -115,6 +115,11 @@ impl Attention {
         k <= q && (self.kind == AttentionKind::Full || q - k < self.window)
     }
 
+    /// May a query at `q` attend to `key` (a position and its segment's reach)?
+    fn sees(&self, q: usize, (k, reach): (usize, Reach)) -> bool {
+        self.visible(q, k) && reach.allows(q, k)
+    }
+
     /// Additive mask `[1, G·T, S]` (rows ordered group-major) over the keys of `segments` in
     /// order, or `None` when every key is visible to every query.
     fn mask(
@@ -125,17 +130,19 @@ impl Attention {
         groups: usize,
         device: &Device,
     ) -> Option<Tensor<3>> {
-        let keys: Vec<(usize, Reach)> = segments
-            .iter()
-            .flat_map(|s| s.positions.iter().map(move |&k| (k, s.reach)))
-            .collect();
-        let seen = |q: usize, (k, reach): (usize, Reach)| self.visible(q, k) && reach.allows(q, k);
-        if (0..t).all(|i| keys.iter().all(|&key| seen(start + i, key))) {
+        let keys = segment_keys(segments);
+        if (0..t).all(|i| keys.iter().all(|&key| self.sees(start + i, key))) {
             return None;
         }
         let row: Vec<f32> = (0..t)
             .flat_map(|i| keys.iter().map(move |&key| (start + i, key)))
-            .map(|(q, key)| if seen(q, key) { 0.0 } else { f32::NEG_INFINITY })
+            .map(|(q, key)| {
+                if self.sees(q, key) {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
             .collect();
         let s = keys.len();
         let data: Vec<f32> = (0..groups).flat_map(|_| row.iter().copied()).collect();
@@ -434,22 +441,17 @@ impl Attention {
     ) -> Tensor<2> {
         let [heads, t, d] = q.dims();
         let [kvh, s, _] = k.dims();
-        let keys: Vec<(usize, Reach)> = segments
-            .iter()
-            .flat_map(|seg| seg.positions.iter().map(move |&p| (p, seg.reach)))
-            .collect();
+        let keys = segment_keys(segments);
         let rows = (0..t).map(|i| {
-            let at = start + i;
             let mut seen: Vec<(usize, usize)> = keys
                 .iter()
                 .enumerate()
-                .filter(|&(_, &(p, reach))| self.visible(at, p) && reach.allows(at, p))
+                .filter(|&(_, &key)| self.sees(start + i, key))
                 .map(|(j, &(p, _))| (p, j))
                 .collect();
             seen.sort_unstable();
             let (first, last) = (seen[0].1, seen[seen.len() - 1].1);
-            let run =
-                last + 1 - first == seen.len() && seen.windows(2).all(|w| w[1].1 == w[0].1 + 1);
+            let run = seen.windows(2).all(|w| w[1].1 == w[0].1 + 1);
             let (ki, vi) = if run && first == 0 && last + 1 == s {
                 (k.clone(), v.clone())
             } else if run {
@@ -472,6 +474,14 @@ impl Attention {
         });
         Tensor::cat(rows.collect(), 0)
     }
+}
+
+/// Every key of `segments`, in order: its position and its segment's reach.
+fn segment_keys(segments: &[KvSegment]) -> Vec<(usize, Reach)> {
+    segments
+        .iter()
+        .flat_map(|s| s.positions.iter().map(move |&k| (k, s.reach)))
+        .collect()
 }
 
 /// What the layers that share their K/V leave for the layers that read it, in one forward.

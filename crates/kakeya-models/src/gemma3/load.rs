@@ -39,14 +39,13 @@ impl Loader<'_> {
     fn lin(&mut self, name: &str) -> Result<Linear> {
         // The kernels run on host memory: only worth it when the model is on the CPU. A
         // quantised weight gets the block kernel, any other the row-order one.
-        let cpu = *self.device == Device::flex();
         let quant = self
             .ck
             .quantized
             .remove(name)
-            .filter(|_| cpu)
+            .filter(|_| *self.device == Device::flex())
             .map(std::sync::Arc::new);
-        if quant.is_some() || !cpu {
+        if quant.is_some() {
             return Ok(Linear {
                 weight: self.t2(name)?,
                 quant,

@@ -83,17 +83,13 @@ pub fn load_f_theta(
     let dsha = sha256_path(drafter_dir)?;
     ck.check_pair(dir, &vsha, &dsha)?;
     let f = FTheta::from_checkpoint(&ck, model.device())?;
-    let c = &model.config;
-    if ck.config.verifier_layers != c.num_hidden_layers
-        || ck.config.verifier_kv_dim != c.num_key_value_heads * c.head_dim
-    {
+    let own = model.config.own_kv_widths();
+    if ck.config.layer_widths() != own {
         bail!(
-            "{}: f_θ predicts {} layers of width {}, the model has {} of width {}",
+            "{}: f_θ predicts layers of K/V widths {:?}, the model's layers with K/V of their own have {:?}",
             dir.display(),
-            ck.config.verifier_layers,
-            ck.config.verifier_kv_dim,
-            c.num_hidden_layers,
-            c.num_key_value_heads * c.head_dim
+            ck.config.layer_widths(),
+            own
         );
     }
     FThetaRestorer::new(&f, drafter.num_layers(), drafter.context_width())

@@ -339,6 +339,7 @@ pub fn f_theta_config(
         rank,
         verifier_layers,
         verifier_kv_dim,
+        verifier_kv_dims: Vec::new(),
         bias: true,
         loss: "mse".into(),
     }

@@ -116,13 +116,6 @@ impl<'m> Session<'m> {
         let c = &model.config;
         setup.policy.check(c.max_position_embeddings, 1)?;
         let mode = setup.policy.mode;
-        if c.gemma4.is_some() && mode.restores() {
-            // f_θ is trained for one K/V width on every layer; Gemma 4's layers differ.
-            return Err(RuntimeError::Input(format!(
-                "KV mode {mode} rebuilds K/V through f_θ, which is not supported on Gemma 4 yet \
-                 (the dropping and quantising modes are)"
-            )));
-        }
         if mode.restores() {
             let r = setup.restorer.ok_or_else(|| {
                 RuntimeError::Input(format!(

@@ -2,19 +2,22 @@
 //! full layers of their own K/V width and KV sharing, the same without k_eq_v, and the MoE
 //! model): a window covering the context equals the native caches; with windows that evict,
 //! speculative decoding equals plain decoding in the same mode and the evicted tiers change
-//! the logits; every layer's bytes are measured (a sharing layer holds none); the modes that
-//! rebuild K/V through f_θ are refused.
+//! the logits; every layer's bytes are measured (a sharing layer holds none). The modes that
+//! rebuild K/V through f_θ: with an oracle restorer (the verifier's own raw K/V) they equal the
+//! native caches — a sharing layer reads its source's rebuilt keys through the source's k_norm
+//! — and with a random f_θ of the model's per-layer widths speculative decoding equals plain.
 
 mod common;
 
 use common::{gemma4, greedy_cfg, max_diff, tiny_prompt};
-use kakeya_models::testing::{drafter_config, random_drafter};
-use kakeya_models::{DFlashDrafter, Gemma3Model};
-use kakeya_runtime::kv::{KvMode, KvPolicy, LayerKv};
+use kakeya_models::testing::{drafter_config, f_theta_config, random_drafter, random_f_theta};
+use kakeya_models::{DFlashDrafter, FTheta, ForwardRequest, Gemma3Model, Logits};
+use kakeya_runtime::kv::{FThetaRestorer, KvMode, KvPolicy, LayerKv, OracleRestorer};
 use kakeya_runtime::{
     DFlashProposer, Generation, KvSetup, Session, SpecConfig, Verifier, generate,
     speculative_generate,
 };
+use kakeya_weights::ftheta::FThetaInputs;
 
 const MODELS: [&str; 3] = ["dense", "dense-kv", "moe"];
 
@@ -155,14 +158,135 @@ fn bytes_are_measured_per_layer_and_sharing_layers_hold_none() {
     }
 }
 
+/// The verifier's own raw K/V of every position of `seq`, per layer (a sharing layer's entry is
+/// its source's: the restorer is only asked for layers with K/V of their own).
+fn oracle(v: &Gemma3Model, seq: &[u32]) -> OracleRestorer {
+    let mut req = ForwardRequest::new(seq, 0, Logits::None);
+    req.capture_attention = true;
+    let mut caches = kakeya_runtime::KvCache::for_specs(&v.cache_specs(), 0);
+    let out = v.forward(&req, &mut caches).unwrap();
+    OracleRestorer {
+        layers: out
+            .attention
+            .into_iter()
+            .map(|c| (c.k_raw, c.v_raw))
+            .collect(),
+    }
+}
+
+/// A random f_θ for `v` and `d` with one decoder per layer with K/V of its own, each at that
+/// layer's width.
+fn f_theta(v: &Gemma3Model, d: &DFlashDrafter) -> FThetaRestorer {
+    let widths = v.config.own_kv_widths();
+    let cfg = f_theta_config(
+        d.num_layers(),
+        d.context_width() / d.num_layers(),
+        FThetaInputs::Own,
+        16,
+        widths.len(),
+        widths[0],
+    )
+    .with_layer_widths(&widths);
+    let f = FTheta::from_checkpoint(&random_f_theta(&cfg, 3), v.device()).unwrap();
+    FThetaRestorer::new(&f, d.num_layers(), d.context_width()).unwrap()
+}
+
 #[test]
-fn modes_that_rebuild_kv_through_f_theta_are_refused() {
-    let v = gemma4("dense");
-    for mode in KvMode::ALL.into_iter().filter(|m| m.restores()) {
-        let Err(e) = Session::with_kv(&v, KvSetup::new(policy(mode, 2, 8))) else {
-            panic!("{mode}: not refused");
-        };
-        let e = e.to_string();
-        assert!(e.contains("not supported on Gemma 4"), "{mode}: {e}");
+fn restored_with_an_oracle_restorer_equals_the_native_caches() {
+    for name in MODELS {
+        let v = gemma4(name);
+        let p = tiny_prompt(3, 26);
+        let full = plain(&v, KvSetup::full(0), &p, 24);
+        let mut seq = p.clone();
+        seq.extend(&full.tokens);
+        let o = oracle(&v, &seq);
+        let reference = trace(&v, KvSetup::full(0), &p, &full.tokens);
+        // Window 3 is below the sliding layers' own 4: every layer with K/V of its own evicts
+        // into the restored tier, and the sharing layers read their sources' rebuilt keys.
+        for (sink, window) in [(2, 3), (0, 1), (1, 6)] {
+            let s = KvSetup::new(policy(KvMode::Restored, sink, window)).restorer(&o);
+            assert_eq!(
+                plain(&v, s, &p, 24).tokens,
+                full.tokens,
+                "{name}: sink {sink}, window {window}"
+            );
+            let d = max_diff(&trace(&v, s, &p, &full.tokens), &reference);
+            assert!(
+                d <= 1e-5,
+                "{name}: sink {sink}, window {window}: max |Δlogit| {d}"
+            );
+        }
+        // The same machinery with the tier dropped differs: the test can tell.
+        let dropped = trace(
+            &v,
+            KvSetup::new(policy(KvMode::SinkWindow, 2, 3)),
+            &p,
+            &full.tokens,
+        );
+        assert!(max_diff(&dropped, &reference) > 1e-3, "{name}");
+    }
+}
+
+#[test]
+fn restored_modes_decode_speculatively_as_they_do_plainly() {
+    for name in MODELS {
+        let v = gemma4(name);
+        let c = &v.config;
+        for block in [2, 4, 8] {
+            let d = DFlashDrafter::from_checkpoint(
+                random_drafter(&drafter_config(c, 2, block), 7 + block as u64),
+                &v,
+            )
+            .unwrap();
+            let r = f_theta(&v, &d);
+            // The exact window holds at least a block; below the sliding layers' own window
+            // (4, with block 2) they restore as well, from 4 on they keep their native rings.
+            let window = block.max(3);
+            for mode in KvMode::ALL.into_iter().filter(|m| m.restores()) {
+                let s = KvSetup::new(policy(mode, 2, window))
+                    .drafter(&d)
+                    .restorer(&r);
+                let p = tiny_prompt(4, 22);
+                let want = plain(&v, s, &p, 30);
+                let mut ver = Verifier::new(&v, s, block).unwrap();
+                let got = speculative_generate(
+                    &mut ver,
+                    &mut DFlashProposer::new(&d),
+                    &p,
+                    &greedy_cfg(30, 5),
+                    SpecConfig::fixed(block),
+                    &mut |_| {},
+                )
+                .unwrap();
+                assert_eq!(got.tokens, want.tokens, "{name} {mode} block {block}");
+                assert_eq!(got.stats.kv_mode, Some(mode));
+                if block > 2 {
+                    continue;
+                }
+                let mut session = Session::with_kv(&v, s).unwrap();
+                generate(&mut session, &p, &greedy_cfg(30, 5), &mut |_| {}).unwrap();
+                for (i, layer) in session.kv().layers().iter().enumerate() {
+                    let sliding = c.layer_types[i] == kakeya_weights::AttentionKind::Sliding;
+                    if c.kv_source(i).is_some() {
+                        assert!(
+                            matches!(layer, LayerKv::Native(kakeya_runtime::KvCache::Shared)),
+                            "{name} {mode}: layer {i} shares"
+                        );
+                    } else if sliding || mode != KvMode::RestoredSliding {
+                        assert!(
+                            matches!(layer, LayerKv::Tiered(_)),
+                            "{name} {mode}: layer {i} restores"
+                        );
+                    }
+                }
+                // f_θ's rebuilt K/V are in play: the logits differ from the native caches'.
+                let full = plain(&v, KvSetup::full(0), &p, 30);
+                let diff = max_diff(
+                    &trace(&v, s, &p, &full.tokens),
+                    &trace(&v, KvSetup::full(0), &p, &full.tokens),
+                );
+                assert!(diff > 0.0, "{name} {mode}: {diff}");
+            }
+        }
     }
 }

@@ -1,7 +1,9 @@
-//! f_θ's losses and gradients (with and without `normalize_attention`) and five of the
-//! trainer's own steps (its loss, global clip, AdamW and schedule) against the PyTorch reference
-//! (`tests/fixtures/f_theta/make_f_theta.py` → `f_theta.json`; losses, terms and gradients
-//! 1e-4, weights after the steps 1e-5), plus the properties DESIGN §7 asks of them: identical
+//! f_θ's losses and gradients (with and without `normalize_attention`; on a Gemma 3-shaped
+//! verifier and on a Gemma 4-shaped one: per-layer K/V geometry, proportional RoPE, scale 1,
+//! v_norm) and five of the trainer's own steps (its loss, global clip, AdamW and schedule)
+//! against the PyTorch reference (`tests/fixtures/f_theta/make_f_theta.py [--gemma4]` →
+//! `f_theta.json`, `f_theta_gemma4.json`; losses, terms and gradients 1e-4, weights after the
+//! steps 1e-5), plus the properties DESIGN §7 asks of them: identical
 //! K/V give zero loss, the hybrid loss exceeds attn_distill when directions differ, and the
 //! trainer's step reaches f_θ only, never the verifier's weights.
 
@@ -33,10 +35,35 @@ const KINDS: [LossKind; 5] = [
     LossKind::AttnDistillHybrid,
 ];
 
-fn fixture() -> Value {
-    let p =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/f_theta/f_theta.json");
+/// `tests/fixtures/f_theta/<name>`.
+fn fixture_named(name: &str) -> Value {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/f_theta")
+        .join(name);
     serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap()
+}
+
+/// The Gemma 3-shaped fixture (with the trainer's steps).
+fn fixture() -> Value {
+    fixture_named("f_theta.json")
+}
+
+/// Both fixtures, named: Gemma 3's layers, and Gemma 4's (per-layer K/V geometry, proportional
+/// RoPE on the full layer, scale 1, v_norm).
+fn fixtures() -> [(&'static str, Value); 2] {
+    [
+        ("gemma3", fixture()),
+        ("gemma4", fixture_named("f_theta_gemma4.json")),
+    ]
+}
+
+/// Layer `l`'s value of the per-layer list `key` in the fixture's dims, or the shared `shared`
+/// (the Gemma 3 fixture has only the shared ones).
+fn per_layer(dims: &Value, key: &str, shared: &str, l: usize) -> usize {
+    match dims[key].as_array() {
+        Some(a) => usize_of(&a[l]),
+        None => usize_of(&dims[shared]),
+    }
 }
 
 fn floats(v: &Value) -> Vec<f32> {
@@ -69,26 +96,32 @@ struct Case {
 fn frozen(f: &Value, d: &Device) -> Vec<LayerFrozen> {
     let dims = &f["dims"];
     let layers = usize_of(&dims["layers"]);
-    let hd = usize_of(&dims["head_dim"]);
     let hidden = usize_of(&dims["hidden"]);
     let bases = floats(&dims["rope_bases"]);
+    let eps = dims["rms_eps"].as_f64().unwrap();
     (0..layers)
         .map(|l| {
+            let hd = per_layer(dims, "layer_head_dims", "head_dim", l);
             let global = dims["global_layers"][l].as_bool().unwrap();
-            let norm = |k: &str| RmsNorm {
-                scale: Tensor::<1>::from_data(TensorData::new(floats(&f["frozen"][k][l]), [hd]), d),
-                eps: dims["rms_eps"].as_f64().unwrap(),
+            let norm = |scale: Vec<f32>| RmsNorm {
+                scale: Tensor::<1>::from_data(TensorData::new(scale, [hd]), d),
+                eps,
             };
+            let base = f64::from(bases[usize::from(global)]);
             LayerFrozen {
-                q_norm: norm("q_norm"),
-                k_norm: norm("k_norm"),
+                q_norm: norm(floats(&f["frozen"]["q_norm"][l])),
+                k_norm: norm(floats(&f["frozen"]["k_norm"][l])),
+                v_norm: (dims["v_norm"] == true).then(|| norm(vec![1.0; hd])),
                 o_proj: t2(&f["frozen"]["o_proj"][l], hidden, d),
                 heads: usize_of(&dims["heads"]),
-                kv_heads: usize_of(&dims["kv_heads"]),
+                kv_heads: per_layer(dims, "layer_kv_heads", "kv_heads", l),
                 head_dim: hd,
                 scale: dims["scale"].as_f64().unwrap(),
                 window: (!global).then(|| usize_of(&dims["window"])),
-                rope: Rope::new(hd, f64::from(bases[usize::from(global)]), 1.0),
+                rope: match dims["partial_rotary"].as_f64() {
+                    Some(share) if global => Rope::proportional(hd, base, share),
+                    _ => Rope::new(hd, base, 1.0),
+                },
             }
         })
         .collect()
@@ -97,7 +130,13 @@ fn frozen(f: &Value, d: &Device) -> Vec<LayerFrozen> {
 /// The fixture's initial f_θ on `d`.
 fn params(f: &Value, d: &Device) -> FThetaParams {
     let dims = &f["dims"];
-    let hd = usize_of(&dims["head_dim"]);
+    let layers = usize_of(&dims["layers"]);
+    let widths: Vec<usize> = (0..layers)
+        .map(|l| {
+            per_layer(dims, "layer_kv_heads", "kv_heads", l)
+                * per_layer(dims, "layer_head_dims", "head_dim", l)
+        })
+        .collect();
     let config = FThetaConfig {
         loss: "attn_distill_hybrid".into(),
         ..f_theta_config(
@@ -105,9 +144,10 @@ fn params(f: &Value, d: &Device) -> FThetaParams {
             usize_of(&dims["drafter_kv"]),
             FThetaInputs::Own,
             usize_of(&dims["rank"]),
-            usize_of(&dims["layers"]),
-            usize_of(&dims["kv_heads"]) * hd,
+            layers,
+            widths[0],
         )
+        .with_layer_widths(&widths)
     };
     let mut host: BTreeMap<String, HostTensor> = f["params"]
         .as_object()
@@ -205,9 +245,14 @@ fn close(a: f64, b: f64, tol: f64) -> bool {
 
 #[test]
 fn every_loss_and_term_matches_the_pytorch_reference() {
-    let f = fixture();
+    for (name, f) in fixtures() {
+        losses_and_terms_match(name, &f);
+    }
+}
+
+fn losses_and_terms_match(name: &str, f: &Value) {
     let d = Device::flex();
-    let c = case(&f, &d);
+    let c = case(f, &d);
     let model = c.params.model(&weights(&c.params));
     let terms = all_terms(&c, &model);
     let mut worst: f64 = 0.0;
@@ -218,12 +263,12 @@ fn every_loss_and_term_matches_the_pytorch_reference() {
             worst = worst.max((got - want).abs() / want.abs().max(1.0));
             assert!(
                 close(got, want, 1e-4),
-                "{} (normalize_attention {normalize}): {got} vs {want}",
+                "{name}: {} (normalize_attention {normalize}): {got} vs {want}",
                 kind.name()
             );
         }
     }
-    eprintln!("losses: largest relative deviation from torch {worst:.2e}");
+    eprintln!("{name} losses: largest relative deviation from torch {worst:.2e}");
     for (l, t) in terms.iter().enumerate() {
         let r = &f["terms"][l];
         let pairs = [
@@ -234,19 +279,23 @@ fn every_loss_and_term_matches_the_pytorch_reference() {
             ("mag_k", &t.mag_k),
             ("mag_v", &t.mag_v),
             ("kdir", &t.kdir),
+            ("vdir", &t.vdir),
             ("kmag", &t.kmag),
             ("vmag", &t.vmag),
             ("mse_o", t.mse_o.as_ref().unwrap()),
         ];
-        for (name, got) in pairs {
-            let (got, want) = (value(got.clone()), r[name].as_f64().unwrap());
-            assert!(close(got, want, 1e-4), "layer {l} {name}: {got} vs {want}");
+        for (term, got) in pairs {
+            let (got, want) = (value(got.clone()), r[term].as_f64().unwrap());
+            assert!(
+                close(got, want, 1e-4),
+                "{name} layer {l} {term}: {got} vs {want}"
+            );
         }
         // normalize_attention's divisor: the layer's mean(O_tgt²) at the query positions.
         let want = f["normalized"]["o_sq"][l].as_f64().unwrap();
         assert!(
             close(t.o_sq, want, 1e-4),
-            "layer {l} o_sq: {} vs {want}",
+            "{name} layer {l} o_sq: {} vs {want}",
             t.o_sq
         );
     }
@@ -254,9 +303,14 @@ fn every_loss_and_term_matches_the_pytorch_reference() {
 
 #[test]
 fn identical_kv_give_zero_for_every_loss_and_hybrid_exceeds_attn_distill_when_directions_differ() {
-    let f = fixture();
+    for (name, f) in fixtures() {
+        zero_and_direction_properties_hold(name, &f);
+    }
+}
+
+fn zero_and_direction_properties_hold(name: &str, f: &Value) {
     let d = Device::flex();
-    let c = case(&f, &d);
+    let c = case(f, &d);
     let exact: Vec<Terms> = c
         .frozen
         .iter()
@@ -266,7 +320,7 @@ fn identical_kv_give_zero_for_every_loss_and_hybrid_exceeds_attn_distill_when_di
     for kind in KINDS {
         for normalize in [false, true] {
             let v = value(mean_loss(kind, normalize, &exact));
-            assert!(v.abs() < 1e-6, "{} ({normalize}): {v}", kind.name());
+            assert!(v.abs() < 1e-6, "{name} {} ({normalize}): {v}", kind.name());
         }
     }
     // Same magnitudes, other directions: each head vector's elements reversed. The magnitude
@@ -290,28 +344,36 @@ fn identical_kv_give_zero_for_every_loss_and_hybrid_exceeds_attn_distill_when_di
     let attn = value(mean_loss(LossKind::AttnDistill, false, &flipped));
     let dirs: f64 = flipped
         .iter()
-        .map(|t| value(t.kdir.clone()) + value(t.cos_v.clone()))
+        .map(|t| value(t.kdir.clone()) + value(t.vdir.clone()))
         .sum::<f64>()
         / flipped.len() as f64;
-    assert!(dirs > 0.1, "reversed head vectors point elsewhere: {dirs}");
+    assert!(
+        dirs > 0.1,
+        "{name}: reversed head vectors point elsewhere: {dirs}"
+    );
     assert!(
         hybrid > attn + 0.1,
-        "hybrid {hybrid} vs attn_distill {attn}"
+        "{name}: hybrid {hybrid} vs attn_distill {attn}"
     );
     assert!(
         close(hybrid - attn, dirs, 1e-3),
-        "the difference is the direction terms"
+        "{name}: the difference is the direction terms"
     );
 }
 
 #[test]
 fn hybrid_gradients_match_the_reference_with_and_without_normalize_attention() {
-    let f = fixture();
+    for (name, f) in fixtures() {
+        hybrid_gradients_match(name, &f);
+    }
+}
+
+fn hybrid_gradients_match(name: &str, f: &Value) {
     let d = Device::flex();
     let ad = d.clone().autodiff();
-    let c = case(&f, &ad);
+    let c = case(f, &ad);
     let mut worst: f64 = 0.0;
-    for (normalize, want) in [(false, &f), (true, &f["normalized"])] {
+    for (normalize, want) in [(false, f), (true, &f["normalized"])] {
         let leaves: Vec<Tensor<2>> = c
             .params
             .tensors
@@ -326,14 +388,14 @@ fn hybrid_gradients_match_the_reference_with_and_without_normalize_attention() {
         );
         let grads = loss.backward();
         let grads: Vec<Tensor<2>> = leaves.iter().map(|l| l.grad(&grads).unwrap()).collect();
-        for ((name, _, _), g) in c.params.tensors.iter().zip(&grads) {
-            let want = floats(&want["hybrid_grads"][name]);
+        for ((tensor, _, _), g) in c.params.tensors.iter().zip(&grads) {
+            let want = floats(&want["hybrid_grads"][tensor]);
             let scale = want.iter().fold(1e-3f32, |m, x| m.max(x.abs()));
             for (a, b) in host(g).iter().zip(&want) {
                 worst = worst.max(f64::from((a - b).abs() / scale));
                 assert!(
                     (a - b).abs() <= 1e-4 * scale,
-                    "{name} (normalize_attention {normalize}): grad {a} vs {b}"
+                    "{name} {tensor} (normalize_attention {normalize}): grad {a} vs {b}"
                 );
             }
         }
@@ -341,10 +403,10 @@ fn hybrid_gradients_match_the_reference_with_and_without_normalize_attention() {
         let want_norm = want["grad_norm"].as_f64().unwrap();
         assert!(
             close(norm, want_norm, 1e-4),
-            "normalize_attention {normalize}: {norm} vs {want_norm}"
+            "{name} normalize_attention {normalize}: {norm} vs {want_norm}"
         );
     }
-    eprintln!("gradients: largest deviation from torch {worst:.2e} of the tensor's largest");
+    eprintln!("{name} gradients: largest deviation from torch {worst:.2e} of the tensor's largest");
 }
 
 /// The fixture's step config: the trainer's schedule, AdamW and clip, the normalised hybrid
@@ -628,10 +690,7 @@ export = "unused"
             "layer {l}"
         );
         assert!(
-            same(
-                data1(&fr.k_norm.scale),
-                data1(&layer.attn.k_norm.as_ref().unwrap().scale)
-            ),
+            same(data1(&fr.k_norm.scale), data1(&layer.attn.k_norm.scale)),
             "layer {l}"
         );
     }

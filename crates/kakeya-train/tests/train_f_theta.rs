@@ -14,13 +14,18 @@ use kakeya_models::testing::{
     drafter_config, random_checkpoint, random_drafter, tiny_config, word_level_tokenizer_json,
 };
 use kakeya_models::{DFlashDrafter, FTheta, Gemma3Model};
+use kakeya_runtime::kv::{FThetaRestorer, KvMode, KvPolicy};
+use kakeya_runtime::{
+    DFlashProposer, GenerationConfig, KvSetup, Sampling, Session, SpecConfig, Verifier, generate,
+    speculative_generate,
+};
 use kakeya_train::ftheta::config::FThetaInit;
 use kakeya_train::ftheta::data::SeqData;
 use kakeya_train::ftheta::step::{evaluate, frozen_layers};
 use kakeya_train::ftheta::train::FEval;
 use kakeya_train::ftheta::{FEvent, FThetaReport, FThetaTrainConfig, prepare, train_f_theta};
 use kakeya_train::{TrainError, TrainOptions};
-use kakeya_weights::{FThetaCheckpoint, Tokenizer};
+use kakeya_weights::{Checkpoint, FThetaCheckpoint, Tokenizer};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -33,10 +38,11 @@ fn verifier() -> Gemma3Model {
 }
 
 /// Captures `n` random-word prompts (10–30 words) + 8 greedy tokens with `tensors` kept for
-/// every verifier layer and, with `drafter`, a random 2-layer drafter's context K/V.
+/// every verifier layer and, with `drafter`, the context K/V of [`tiny_drafter`].
 fn capture(dir: &Path, v: &Gemma3Model, n: usize, tensors: &str, drafter: bool) -> PathBuf {
-    std::fs::write(dir.join("tokenizer.json"), word_level_tokenizer_json(97)).unwrap();
-    let tok = Tokenizer::load(&dir.join("tokenizer.json"), 97).unwrap();
+    let vocab = v.config.vocab_size;
+    std::fs::write(dir.join("tokenizer.json"), word_level_tokenizer_json(vocab)).unwrap();
+    let tok = Tokenizer::load(&dir.join("tokenizer.json"), vocab).unwrap();
     let mut rng = StdRng::seed_from_u64(5);
     let mut lines = String::new();
     for _ in 0..n {
@@ -79,8 +85,7 @@ path = "{}"
         prompts.display()
     ))
     .unwrap();
-    let d = DFlashDrafter::from_checkpoint(random_drafter(&drafter_config(&v.config, 2, 4), 2), v)
-        .unwrap();
+    let d = tiny_drafter(v);
     let info = |s: &str| ModelInfo {
         path: "tiny".into(),
         sha256: s.into(),
@@ -105,6 +110,11 @@ path = "{}"
     )
     .unwrap();
     out
+}
+
+/// The random 2-layer drafter (block 4) whose K/V [`capture`] records.
+fn tiny_drafter(v: &Gemma3Model) -> DFlashDrafter {
+    DFlashDrafter::from_checkpoint(random_drafter(&drafter_config(&v.config, 2, 4), 2), v).unwrap()
 }
 
 const ALL: &str = r#""q_raw", "k_raw", "v_raw", "attn_out""#;
@@ -501,4 +511,106 @@ fn datasets_without_the_needed_columns_are_refused_before_training() {
     let e = prepare(&cfg, &v, VSHA, VSHA).err().unwrap().to_string();
     assert!(e.contains("recapture with this drafter"), "{e}");
     assert!(!run.exists());
+}
+
+#[test]
+fn f_theta_trains_on_gemma4_verifiers_and_restores_their_kv() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    // transformers' tiny Gemma 4s: sliding layers 2 × 16 wide; full layers 1 × 32 with k_eq_v
+    // (`dense`) or 2 × 32 (`dense-kv`) and proportional RoPE; scale 1, v_norm; layers 4 and
+    // 5 share layer 3's and 2's K/V.
+    for (name, widths) in [("dense", [32, 32, 32, 32]), ("dense-kv", [32, 32, 64, 32])] {
+        let s = Scratch::new(&format!("ftheta-g4-{name}"));
+        let ck = Checkpoint::load(root.join("tests/fixtures/gemma4").join(name)).unwrap();
+        let v = Gemma3Model::from_checkpoint(ck, &Device::flex()).unwrap();
+        let ds = capture(&s.0, &v, 25, ALL, true);
+        // The least-squares start: one fit over every layer's columns, split into per-layer
+        // decoders at their own widths and offsets.
+        let cfg = config(&ds, &s.0.join("lstsq"), 6, "");
+        let setup = prepare(&cfg, &v, VSHA, DSHA).unwrap();
+        // One decoder per layer with K/V of its own, at its width; none for the sharing ones.
+        assert_eq!(setup.f_theta.layer_widths(), widths, "{name}");
+        let report = train_f_theta(&cfg, &v, setup, &opts(), &mut |_| {}).unwrap();
+        let start = &report.evals[0].per_layer;
+        let mean = |f: &dyn Fn(&kakeya_train::ftheta::Diagnostics) -> f64| {
+            start.iter().map(f).sum::<f64>() / start.len() as f64
+        };
+        let (k_rel, v_rel) = (mean(&|d| d.k_rel_mse), mean(&|d| d.v_rel_mse));
+        eprintln!("{name}: least-squares start, held-out K/V relative MSE {k_rel:.3} / {v_rel:.3}");
+        assert!(k_rel < 0.8 && v_rel < 0.8, "{name}: {k_rel} / {v_rel}");
+        // The loss's attention (v_norm, proportional RoPE, scale 1, per-layer heads) recomputes
+        // the captured outputs from the captured raw Q/K/V: it is the model's attention.
+        let floor = report.floor.as_ref().unwrap();
+        for (l, d) in floor.per_layer.iter().enumerate() {
+            assert!(
+                d.mse_o_ratio < 1e-8,
+                "{name} layer {l}: floor {}",
+                d.mse_o_ratio
+            );
+        }
+        // From a random start, the optimiser's own learning.
+        let run = s.0.join("run");
+        let mut cfg = config(&ds, &run, 200, "");
+        cfg.model.init = FThetaInit::Random;
+        let setup = prepare(&cfg, &v, VSHA, DSHA).unwrap();
+        let report = train_f_theta(&cfg, &v, setup, &opts(), &mut |_| {}).unwrap();
+        let ratio = |e: &FEval| {
+            e.per_layer.iter().map(|d| d.mse_o_ratio).sum::<f64>() / e.per_layer.len() as f64
+        };
+        let (first, last) = (&report.evals[0], report.evals.last().unwrap());
+        eprintln!(
+            "{name}: held-out mseO ratio {:.4} → {:.4}",
+            ratio(first),
+            ratio(last)
+        );
+        assert!(
+            ratio(last) < 0.6 * ratio(first),
+            "{name}: held-out attention error {} → {}",
+            ratio(first),
+            ratio(last)
+        );
+        // The export restores the verifier's evicted K/V: speculative decoding in the restored
+        // modes equals plain decoding in the same mode.
+        let d = tiny_drafter(&v);
+        let f = FThetaCheckpoint::read_dir(&run.join("export")).unwrap();
+        assert_eq!(f.config.layer_widths(), v.config.own_kv_widths());
+        let f = FTheta::from_checkpoint(&f, v.device()).unwrap();
+        let r = FThetaRestorer::new(&f, d.num_layers(), d.context_width()).unwrap();
+        let greedy = GenerationConfig {
+            max_tokens: 20,
+            sampling: Sampling::Greedy,
+            stop_tokens: vec![],
+            prefill_chunk: 0,
+            loop_guard: None,
+        };
+        let p: Vec<u32> = (0..24u32).map(|j| (j * 41 + 7) % 120).collect();
+        for mode in [KvMode::Restored, KvMode::RestoredSliding] {
+            let kv = KvSetup::new(KvPolicy {
+                mode,
+                sink: 2,
+                window: 4,
+            })
+            .drafter(&d)
+            .restorer(&r);
+            let want = generate(
+                &mut Session::with_kv(&v, kv).unwrap(),
+                &p,
+                &greedy,
+                &mut |_| {},
+            )
+            .unwrap()
+            .tokens;
+            let mut ver = Verifier::new(&v, kv, 4).unwrap();
+            let got = speculative_generate(
+                &mut ver,
+                &mut DFlashProposer::new(&d),
+                &p,
+                &greedy,
+                SpecConfig::fixed(4),
+                &mut |_| {},
+            )
+            .unwrap();
+            assert_eq!(got.tokens, want, "{name} {mode}");
+        }
+    }
 }

@@ -266,6 +266,15 @@ impl Gemma3Config {
             .find(|&j| self.layer_types[j] == self.layer_types[i])
     }
 
+    /// The K/V row widths of the layers with K/V of their own, `0..n − num_kv_shared_layers`
+    /// in order (Gemma 4's sharing layers come last): what f_θ predicts and capture records.
+    pub fn own_kv_widths(&self) -> Vec<usize> {
+        (0..self.num_hidden_layers)
+            .take_while(|&i| self.kv_source(i).is_none())
+            .map(|i| self.kv_width_of(i))
+            .collect()
+    }
+
     /// Dense MLP width of layer `i`.
     pub fn mlp_width_of(&self, i: usize) -> usize {
         match &self.gemma4 {

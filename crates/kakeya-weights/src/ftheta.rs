@@ -70,10 +70,16 @@ pub struct FThetaConfig {
     pub inputs: FThetaInputs,
     /// Encoder width.
     pub rank: usize,
-    /// Verifier layers (one decoder each, in this order).
+    /// Verifier layers (one decoder each, in this order): the layers with K/V of their own,
+    /// `0..verifier_layers` (Gemma 4's KV-sharing layers come last and read these).
     pub verifier_layers: usize,
-    /// Verifier KV width (`kv_heads · head_dim`) of every layer.
+    /// Verifier KV width (`kv_heads · head_dim`) of every layer, unless
+    /// [`Self::verifier_kv_dims`] gives each layer its own.
     pub verifier_kv_dim: usize,
+    /// Each verifier layer's KV width where the layers differ (Gemma 4's full and sliding
+    /// layers); empty when every layer is [`Self::verifier_kv_dim`] wide.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub verifier_kv_dims: Vec<usize>,
     /// Whether the linear maps have biases.
     pub bias: bool,
     /// The loss it was trained with (informational).
@@ -91,6 +97,37 @@ impl FThetaConfig {
         }
     }
 
+    /// Verifier layer `layer`'s KV width (the width of its decoder's output).
+    pub fn kv_dim_of(&self, layer: usize) -> usize {
+        self.verifier_kv_dims
+            .get(layer)
+            .copied()
+            .unwrap_or(self.verifier_kv_dim)
+    }
+
+    /// Every verifier layer's KV width, in order.
+    pub fn layer_widths(&self) -> Vec<usize> {
+        (0..self.verifier_layers)
+            .map(|l| self.kv_dim_of(l))
+            .collect()
+    }
+
+    /// The same config predicting layers of these widths (one decoder each): a config with
+    /// equal widths records one [`Self::verifier_kv_dim`], as before per-layer widths existed.
+    ///
+    /// # Panics
+    /// When `widths` is empty.
+    pub fn with_layer_widths(mut self, widths: &[usize]) -> Self {
+        self.verifier_layers = widths.len();
+        self.verifier_kv_dim = widths[0];
+        self.verifier_kv_dims = if widths.iter().all(|&w| w == widths[0]) {
+            Vec::new()
+        } else {
+            widths.to_vec()
+        };
+        self
+    }
+
     /// Every tensor name with its PyTorch shape, K path first.
     pub fn expected_tensors(&self) -> Vec<(String, Vec<usize>)> {
         let mut v = Vec::new();
@@ -100,12 +137,10 @@ impl FThetaConfig {
                 v.push((format!("{p}_enc.bias"), vec![self.rank]));
             }
             for l in 0..self.verifier_layers {
-                v.push((
-                    format!("{p}_dec.{l}.weight"),
-                    vec![self.verifier_kv_dim, self.rank],
-                ));
+                let kv = self.kv_dim_of(l);
+                v.push((format!("{p}_dec.{l}.weight"), vec![kv, self.rank]));
                 if self.bias {
-                    v.push((format!("{p}_dec.{l}.bias"), vec![self.verifier_kv_dim]));
+                    v.push((format!("{p}_dec.{l}.bias"), vec![kv]));
                 }
             }
         }
@@ -133,6 +168,15 @@ impl FThetaConfig {
             || self.verifier_kv_dim == 0
         {
             return bad("rank, drafter and verifier dims must all be positive".into());
+        }
+        if !self.verifier_kv_dims.is_empty()
+            && (self.verifier_kv_dims.len() != self.verifier_layers
+                || self.verifier_kv_dims.contains(&0))
+        {
+            return bad(format!(
+                "verifier_kv_dims must give a positive width for each of the {} verifier layers, got {:?}",
+                self.verifier_layers, self.verifier_kv_dims
+            ));
         }
         Ok(())
     }
@@ -263,9 +307,14 @@ mod tests {
             rank: 4,
             verifier_layers: 2,
             verifier_kv_dim: 5,
+            verifier_kv_dims: Vec::new(),
             bias: true,
             loss: "mse".into(),
         };
+        with_tensors(config)
+    }
+
+    fn with_tensors(config: FThetaConfig) -> FThetaCheckpoint {
         let tensors = config
             .expected_tensors()
             .into_iter()
@@ -311,6 +360,41 @@ mod tests {
         let e = bad.write_dir(&root.join("g")).unwrap_err().to_string();
         assert!(e.contains("v_dec.1.weight"), "{e}");
         assert!(!root.join("g").exists());
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn per_layer_widths_round_trip_and_equal_widths_keep_the_old_layout() {
+        let root = std::env::temp_dir().join(format!("kakeya-ftheta-w-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        // Gemma 4: sliding layers 2 × 16 wide, full layers 1 × 64; three decoders.
+        let ck = with_tensors(tiny().config.with_layer_widths(&[32, 32, 64]));
+        assert_eq!(ck.config.layer_widths(), vec![32, 32, 64]);
+        assert_eq!(ck.tensors["k_dec.2.weight"].shape, vec![64, 4]);
+        assert_eq!(ck.tensors["v_dec.1.bias"].shape, vec![32]);
+        ck.write_dir(&root.join("f")).unwrap();
+        assert_eq!(FThetaCheckpoint::read_dir(&root.join("f")).unwrap(), ck);
+        // Equal widths: no per-layer list, the config reads as before.
+        let same = tiny().config.with_layer_widths(&[5, 5]);
+        assert_eq!(same, tiny().config);
+        let json = serde_json::to_string(&same).unwrap();
+        assert!(!json.contains("verifier_kv_dims"), "{json}");
+        // A width list that does not match the layers is refused, naming the file.
+        let mut bad = ck.clone();
+        bad.config.verifier_kv_dims.pop();
+        bad.write_files(&{
+            let d = root.join("g");
+            std::fs::create_dir_all(&d).unwrap();
+            d
+        })
+        .unwrap();
+        let e = FThetaCheckpoint::read_dir(&root.join("g"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("config.json") && e.contains("verifier_kv_dims"),
+            "{e}"
+        );
         std::fs::remove_dir_all(&root).unwrap();
     }
 }

@@ -43,8 +43,9 @@ pub struct Attention {
     pub o_proj: Linear,
     /// Per-head query norm over `head_dim`.
     pub q_norm: RmsNorm,
-    /// Per-head key norm over `head_dim` (`None` with [`Self::kv_source`]).
-    pub k_norm: Option<RmsNorm>,
+    /// Per-head key norm over `head_dim`; a layer with a [`Self::kv_source`] holds its
+    /// source's (it turns the source's raw keys into keys when a restorer rebuilds them).
+    pub k_norm: RmsNorm,
     /// Gemma 4's weightless per-head value norm (a multiplier of ones); `None` for Gemma 3.
     pub v_norm: Option<RmsNorm>,
     /// The earlier layer whose K/V this layer attends over (Gemma 4's KV sharing); it then
@@ -85,16 +86,8 @@ impl Attention {
         device: &Device,
     ) -> Tensor<3> {
         let (cos, sin) = self.rope.tables(positions, device);
-        let k = self
-            .own_k_norm()
-            .forward(self.heads_first(k_raw, self.kv_heads));
+        let k = self.k_norm.forward(self.heads_first(k_raw, self.kv_heads));
         Rope::apply(k, &cos, &sin)
-    }
-
-    fn own_k_norm(&self) -> &RmsNorm {
-        self.k_norm
-            .as_ref()
-            .expect("only a layer with its own keys computes keys")
     }
 
     /// Values from raw v_proj (or, with k_eq_v, k_proj) rows: heads first, then Gemma 4's
@@ -295,7 +288,7 @@ impl Attention {
                     None => k_raw.clone(),
                 };
                 let k = Rope::apply(
-                    self.own_k_norm()
+                    self.k_norm
                         .forward(self.heads_first(k_raw.clone(), self.kv_heads)),
                     cos,
                     sin,

@@ -134,7 +134,7 @@ impl Gemma3Model {
         let g4 = c.gemma4.clone();
         let global_rope = Rope::new(c.head_dim, c.rope_theta, c.rope_scaling_factor);
         let local_rope = Rope::new(c.head_dim, c.rope_local_base_freq, 1.0);
-        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        let mut layers: Vec<DecoderLayer> = Vec::with_capacity(c.num_hidden_layers);
         for (i, &kind) in c.layer_types.iter().enumerate() {
             let p = |s: &str| format!("model.layers.{i}.{s}");
             let hd = c.head_dim_of(i);
@@ -152,9 +152,12 @@ impl Gemma3Model {
                     .transpose()?,
                 o_proj: l.lin(&p("self_attn.o_proj.weight"))?,
                 q_norm: l.norm(&p("self_attn.q_norm.weight"), eps)?,
-                k_norm: own
-                    .then(|| l.norm(&p("self_attn.k_norm.weight"), eps))
-                    .transpose()?,
+                // A sharing layer turns its source's raw keys (evicted positions rebuilt by a
+                // restorer) into keys with the source's k_norm, as the source computed them.
+                k_norm: match source {
+                    None => l.norm(&p("self_attn.k_norm.weight"), eps)?,
+                    Some(src) => layers[src].attn.k_norm.clone(),
+                },
                 v_norm: g4.as_ref().map(|_| l.ones(hd, eps)),
                 kv_source: source,
                 shares_kv: (0..c.num_hidden_layers).any(|j| c.kv_source(j) == Some(i)),

@@ -21,8 +21,8 @@ pub struct DataInfo {
     pub drafter_kv_dim: usize,
     /// Verifier layers.
     pub layers: usize,
-    /// Verifier KV width.
-    pub kv_dim: usize,
+    /// Each verifier layer's raw K (and V) width.
+    pub kv_dims: Vec<usize>,
     /// Whether Q_raw and the attention output are read.
     pub attention: bool,
     /// Training sequence ids.
@@ -57,7 +57,7 @@ pub struct SeqData {
 pub struct LayerData {
     /// Raw queries, `[len, heads · head_dim]` (empty without attention).
     pub q: Vec<f32>,
-    /// Raw keys, `[len, kv_dim]`.
+    /// Raw keys, `[len, kv_dim]` (the layer's own width).
     pub k: Vec<f32>,
     /// Raw values, `[len, kv_dim]`.
     pub v: Vec<f32>,
@@ -67,15 +67,19 @@ pub struct LayerData {
 
 const F16_MAX: f32 = 65504.0;
 
-/// Row `r` of the result is row `r` of every part, in order.
+/// Row `r` of the result is row `r` of every part, in order (parts may differ in width).
 ///
 /// # Shapes
-/// - `parts`: each `[rows, width]` → `[rows, parts · width]` (row-major)
-pub(crate) fn side_by_side<P: AsRef<[f32]>>(parts: &[P], rows: usize, width: usize) -> Vec<f32> {
-    let mut out = Vec::with_capacity(rows * width * parts.len());
+/// - `parts`: part `i` `[rows, width_i]` → `[rows, Σ width_i]` (row-major)
+pub(crate) fn side_by_side<P: AsRef<[f32]>>(parts: &[P], rows: usize) -> Vec<f32> {
+    let widths: Vec<usize> = parts
+        .iter()
+        .map(|p| p.as_ref().len() / rows.max(1))
+        .collect();
+    let mut out = Vec::with_capacity(rows * widths.iter().sum::<usize>());
     for r in 0..rows {
-        for p in parts {
-            out.extend_from_slice(&p.as_ref()[r * width..(r + 1) * width]);
+        for (p, &w) in parts.iter().zip(&widths) {
+            out.extend_from_slice(&p.as_ref()[r * w..(r + 1) * w]);
         }
     }
     out
@@ -175,7 +179,9 @@ pub fn check(
             .map_or(0, |c| c.dim)
     };
     let drafter_kv_dim = dim(&drafter_column(m.drafter_layers[0], true));
-    let kv_dim = dim(&verifier_column(0, VerifierTensor::KRaw));
+    let kv_dims = (0..layers)
+        .map(|l| dim(&verifier_column(l, VerifierTensor::KRaw)))
+        .collect();
     let mut done: Vec<usize> = m
         .shards
         .iter()
@@ -200,7 +206,7 @@ pub fn check(
         drafter_layers: m.drafter_layers.clone(),
         drafter_kv_dim,
         layers,
-        kv_dim,
+        kv_dims,
         attention,
         train,
         heldout,
@@ -259,8 +265,8 @@ impl DataInfo {
         let nd = self.drafter_layers.len();
         let dks: Vec<Vec<f32>> = (0..nd).map(|_| next(&mut cols)).collect();
         let dvs: Vec<Vec<f32>> = (0..nd).map(|_| next(&mut cols)).collect();
-        let dk = side_by_side(&dks, len, self.drafter_kv_dim);
-        let dv = side_by_side(&dvs, len, self.drafter_kv_dim);
+        let dk = side_by_side(&dks, len);
+        let dv = side_by_side(&dvs, len);
         let mut layers = Vec::with_capacity(self.layers);
         for _ in 0..self.layers {
             let k = next(&mut cols);

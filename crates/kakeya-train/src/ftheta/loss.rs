@@ -5,10 +5,12 @@
 //! `|x| = sqrt(Σx² + 1e-12)`, `cos(a, b) = a·b / (|a||b|)`.
 //! - `mse_k = mean((K̂−K)²)`; `cos_k = mean(1 − cos(K̂_h, K_h))`; `mag_k = mean((|K̂_h| − |K_h|)²)`
 //! - `kdir = mean(1 − cos(k_norm K̂_h, k_norm K_h))`; `kmag = mag_k / mean(|K_h|²)`
-//! - the same for V; Gemma 3 has no v_norm, so `vdir = cos_v`
-//! - `mse_o = mean((O − O_tgt)²)` where `O = o_proj(softmax(Q·K̂'ᵀ·s + mask)·V̂)`,
-//!   `Q = RoPE(q_norm(Q_raw))`, `K̂' = RoPE(k_norm(K̂))` at the original positions, the layer's
-//!   causal or sliding mask, GQA.
+//! - the same for V, with `vdir = mean(1 − cos(v_norm V̂_h, v_norm V_h))` (Gemma 3 has no
+//!   v_norm: `vdir = cos_v`)
+//! - `mse_o = mean((O − O_tgt)²)` where `O = o_proj(softmax(Q·K̂'ᵀ·s + mask)·V̂')`,
+//!   `Q = RoPE(q_norm(Q_raw))`, `K̂' = RoPE(k_norm(K̂))` at the original positions,
+//!   `V̂' = v_norm(V̂)` (Gemma 4; the identity for Gemma 3), the layer's causal or sliding mask,
+//!   GQA, the layer's RoPE (Gemma 4's full layers: proportional) and score scale.
 //!
 //! Losses: `mse = mse_k + mse_v`; `cos_mag = cos_k + mag_k + cos_v + mag_v`;
 //! `combined = cos_mag + 0.1·mse`; `attn_distill = mse_o`;
@@ -106,6 +108,8 @@ pub struct LayerFrozen {
     pub q_norm: RmsNorm,
     /// Per-head key RMSNorm.
     pub k_norm: RmsNorm,
+    /// Gemma 4's weightless per-head value RMSNorm (`None`: Gemma 3, values as projected).
+    pub v_norm: Option<RmsNorm>,
     /// `o_proj` weight, `[hidden, heads · head_dim]`.
     pub o_proj: Tensor<2>,
     /// Query heads.
@@ -127,19 +131,14 @@ impl LayerFrozen {
     /// training; they never require gradients).
     pub fn from_attention(a: &Attention, device: &Device) -> Self {
         let to1 = |t: &Tensor<1>| Tensor::<1>::from_data(t.to_data(), device);
-        let k_norm = a
-            .k_norm
-            .as_ref()
-            .expect("f_θ runs on Gemma 3 verifiers, whose layers all have their own keys");
+        let copy = |n: &RmsNorm| RmsNorm {
+            scale: to1(&n.scale),
+            eps: n.eps,
+        };
         Self {
-            q_norm: RmsNorm {
-                scale: to1(&a.q_norm.scale),
-                eps: a.q_norm.eps,
-            },
-            k_norm: RmsNorm {
-                scale: to1(&k_norm.scale),
-                eps: k_norm.eps,
-            },
+            q_norm: copy(&a.q_norm),
+            k_norm: copy(&a.k_norm),
+            v_norm: a.v_norm.as_ref().map(copy),
             o_proj: Tensor::from_data(a.o_proj.weight.to_data(), device),
             heads: a.heads,
             kv_heads: a.kv_heads,
@@ -162,6 +161,14 @@ impl LayerFrozen {
     fn head_vectors(&self, x: Tensor<2>, heads: usize) -> Tensor<3> {
         let n = x.dims()[0];
         x.reshape([n, heads, self.head_dim])
+    }
+
+    /// Value head vectors as attention reads them (v_norm where the model has one).
+    fn values(&self, v: Tensor<3>) -> Tensor<3> {
+        match &self.v_norm {
+            Some(n) => n.forward(v),
+            None => v,
+        }
     }
 
     /// The attention output (after o_proj) at `q_pos` over keys/values at positions
@@ -191,7 +198,9 @@ impl LayerFrozen {
             .k_norm
             .forward(self.head_vectors(k_raw, self.kv_heads))
             .swap_dims(0, 1);
-        let v = self.head_vectors(v_raw, self.kv_heads).swap_dims(0, 1);
+        let v = self
+            .values(self.head_vectors(v_raw, self.kv_heads))
+            .swap_dims(0, 1);
         let q = Rope::apply(q, &qc, &qs);
         let k = Rope::apply(k, &kc, &ks);
         let groups = self.heads / self.kv_heads;
@@ -234,7 +243,7 @@ pub struct Terms {
     pub mse_v: Tensor<1>,
     /// `mean(1 − cos(K̂_h, K_h))`.
     pub cos_k: Tensor<1>,
-    /// `mean(1 − cos(V̂_h, V_h))` (= vdir in Gemma 3).
+    /// `mean(1 − cos(V̂_h, V_h))`.
     pub cos_v: Tensor<1>,
     /// `mean((|K̂_h| − |K_h|)²)`.
     pub mag_k: Tensor<1>,
@@ -242,6 +251,8 @@ pub struct Terms {
     pub mag_v: Tensor<1>,
     /// `mean(1 − cos(k_norm K̂_h, k_norm K_h))`.
     pub kdir: Tensor<1>,
+    /// `mean(1 − cos(v_norm V̂_h, v_norm V_h))` (`cos_v` without a v_norm).
+    pub vdir: Tensor<1>,
     /// `mag_k / mean(|K_h|²)`.
     pub kmag: Tensor<1>,
     /// `mag_v / mean(|V_h|²)`.
@@ -290,12 +301,16 @@ pub fn layer_terms(
     let cos_k = one_minus_cos(hk.clone(), tk.clone());
     let cos_v = one_minus_cos(hv.clone(), tv.clone());
     let (nk, ntk) = (norms(hk.clone()), norms(tk.clone()));
-    let (nv, ntv) = (norms(hv), norms(tv));
+    let (nv, ntv) = (norms(hv.clone()), norms(tv.clone()));
     let k_hsq = scalar(&ntk.clone().square().mean());
     let v_hsq = scalar(&ntv.clone().square().mean());
     let mag_k = (nk - ntk).square().mean();
     let mag_v = (nv - ntv).square().mean();
     let kdir = one_minus_cos(fr.k_norm.forward(hk), fr.k_norm.forward(tk));
+    let vdir = match fr.v_norm {
+        Some(_) => one_minus_cos(fr.values(hv), fr.values(tv)),
+        None => cos_v.clone(),
+    };
     let kmag = mag_k.clone().div_scalar(k_hsq.max(1e-30));
     let vmag = mag_v.clone().div_scalar(v_hsq.max(1e-30));
     let (mse_o, o_sq) = match (&tg.q_raw, &tg.o) {
@@ -314,6 +329,7 @@ pub fn layer_terms(
         mag_k,
         mag_v,
         kdir,
+        vdir,
         kmag,
         vmag,
         mse_o,
@@ -350,7 +366,7 @@ pub fn layer_loss(kind: LossKind, l: &Lambdas, normalize_attention: bool, t: &Te
         LossKind::AttnDistillHybrid => {
             mse_o()
                 + t.kdir.clone().mul_scalar(l.kdir)
-                + t.cos_v.clone().mul_scalar(l.vdir)
+                + t.vdir.clone().mul_scalar(l.vdir)
                 + t.kmag.clone().mul_scalar(l.kmag)
                 + t.vmag.clone().mul_scalar(l.vmag)
         }
@@ -385,7 +401,7 @@ impl Terms {
                 .as_ref()
                 .map_or(0.0, |m| scalar(m) / self.o_sq.max(1e-30)),
             kdir: scalar(&self.kdir),
-            vdir: scalar(&self.cos_v),
+            vdir: scalar(&self.vdir),
             kmag: scalar(&self.kmag),
             vmag: scalar(&self.vmag),
             k_rel_mse: scalar(&self.mse_k) / self.k_sq.max(1e-30),

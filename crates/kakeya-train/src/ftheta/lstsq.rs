@@ -375,8 +375,18 @@ pub fn params_from_fits(
     v: &Factored,
     device: &Device,
 ) -> FThetaParams {
-    let (rank, inp, kv) = (config.rank, config.in_dim(), config.verifier_kv_dim);
-    let out = config.verifier_layers * kv;
+    let (rank, inp) = (config.rank, config.in_dim());
+    // Layer `l`'s outputs are columns `offsets[l]..offsets[l] + width` of the fits.
+    let widths = config.layer_widths();
+    let offsets: Vec<usize> = widths
+        .iter()
+        .scan(0, |o, &w| {
+            let at = *o;
+            *o += w;
+            Some(at)
+        })
+        .collect();
+    let out: usize = widths.iter().sum();
     debug_assert!(k.rank == rank && v.rank == rank);
     let tensors = config
         .expected_tensors()
@@ -396,13 +406,14 @@ pub fn params_from_fits(
                     .nth(1)
                     .and_then(|s| s.parse().ok())
                     .expect("decoder names carry their layer");
+                let (at, kv) = (offsets[layer], widths[layer]);
                 if name.ends_with(".weight") {
                     // [kv, rank]
                     (0..kv)
-                        .flat_map(|r| (0..rank).map(move |c| fit.dec[c * out + layer * kv + r]))
+                        .flat_map(|r| (0..rank).map(move |c| fit.dec[c * out + at + r]))
                         .collect()
                 } else {
-                    fit.dec_b[layer * kv..(layer + 1) * kv].to_vec()
+                    fit.dec_b[at..at + kv].to_vec()
                 }
             };
             let dims = match shape[..] {

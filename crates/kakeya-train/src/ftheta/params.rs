@@ -62,24 +62,21 @@ impl FThetaParams {
         let c = &ck.config;
         if c.rank != config.rank
             || c.in_dim() != config.in_dim()
-            || c.verifier_layers != config.verifier_layers
-            || c.verifier_kv_dim != config.verifier_kv_dim
+            || c.layer_widths() != config.layer_widths()
             || c.bias != config.bias
             || c.inputs != config.inputs
         {
             return Err(TrainError::invalid(
                 &dir.join("config.json"),
                 format!(
-                    "init_from has rank {}, input {}, {} layers × {}, bias {}; this run needs rank {}, input {}, {} layers × {}, bias {}",
+                    "init_from has rank {}, input {}, layers of widths {:?}, bias {}; this run needs rank {}, input {}, layers of widths {:?}, bias {}",
                     c.rank,
                     c.in_dim(),
-                    c.verifier_layers,
-                    c.verifier_kv_dim,
+                    c.layer_widths(),
                     c.bias,
                     config.rank,
                     config.in_dim(),
-                    config.verifier_layers,
-                    config.verifier_kv_dim,
+                    config.layer_widths(),
                     config.bias
                 ),
             ));

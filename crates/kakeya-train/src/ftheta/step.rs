@@ -125,12 +125,14 @@ fn sequence_loss(
     )
 }
 
-/// The verifier's frozen attention pieces of every layer on `device` (the autodiff twin when
-/// training: they never require gradients).
+/// The verifier's frozen attention pieces of every layer f_θ predicts (those with K/V of
+/// their own: Gemma 4's KV-sharing layers, the last ones, are left out) on `device` (the
+/// autodiff twin when training: they never require gradients).
 pub fn frozen_layers(verifier: &Gemma3Model, device: &Device) -> Vec<LayerFrozen> {
     verifier
         .layers
         .iter()
+        .take_while(|l| l.attn.kv_source.is_none())
         .map(|l| LayerFrozen::from_attention(&l.attn, device))
         .collect()
 }

@@ -108,24 +108,24 @@ pub fn prepare(
     verifier_sha: &str,
     drafter_sha: &str,
 ) -> Result<Setup> {
-    let v = &verifier.config;
-    let layers = v.num_hidden_layers;
-    let kv = v.num_key_value_heads * v.head_dim;
+    // f_θ predicts the layers with K/V of their own (all of Gemma 3's; Gemma 4's KV-sharing
+    // layers read their source's), each at its own width.
+    let widths = verifier.config.own_kv_widths();
     let ds = Dataset::open(&cfg.data.dataset)?;
     let info = data::check(
         &ds,
         verifier_sha,
         drafter_sha,
-        layers,
+        widths.len(),
         cfg.loss.kind.needs_attention(),
         cfg.data.heldout_every,
     )?;
-    if info.kv_dim != kv {
+    if info.kv_dims != widths {
         return Err(TrainError::invalid(
             &info.dir,
             format!(
-                "the dataset's raw K width is {}, the verifier's is {kv}",
-                info.kv_dim
+                "the dataset's raw K widths per layer are {:?}, the verifier's are {widths:?}",
+                info.kv_dims
             ),
         ));
     }
@@ -144,11 +144,13 @@ pub fn prepare(
         drafter_kv_dim: info.drafter_kv_dim,
         inputs: cfg.model.inputs,
         rank: cfg.rank(),
-        verifier_layers: layers,
-        verifier_kv_dim: kv,
+        verifier_layers: 0,
+        verifier_kv_dim: 0,
+        verifier_kv_dims: Vec::new(),
         bias: cfg.model.bias,
         loss: cfg.loss.kind.name().into(),
-    };
+    }
+    .with_layer_widths(&widths);
     if let Some(p) = &cfg.model.init_from {
         FThetaParams::from_dir(f_theta.clone(), p, &Device::flex())?;
     }
@@ -205,10 +207,7 @@ fn least_squares(
         attention: false,
         ..info.clone()
     };
-    let (inp, out) = (
-        f_theta.in_dim(),
-        f_theta.verifier_layers * f_theta.verifier_kv_dim,
-    );
+    let (inp, out) = (f_theta.in_dim(), f_theta.layer_widths().iter().sum());
     let mut nk = Normal::new(inp, out, f_theta.bias);
     let mut nv = Normal::new(inp, out, f_theta.bias);
     let total = info.train.len();
@@ -221,8 +220,8 @@ fn least_squares(
                 .collect()
         };
         let (yk, yv) = (
-            data::side_by_side(&rows_of(true), s.len, f_theta.verifier_kv_dim),
-            data::side_by_side(&rows_of(false), s.len, f_theta.verifier_kv_dim),
+            data::side_by_side(&rows_of(true), s.len),
+            data::side_by_side(&rows_of(false), s.len),
         );
         match f_theta.inputs {
             FThetaInputs::Own => {
@@ -230,8 +229,7 @@ fn least_squares(
                 nv.add(&s.dv, &yv, s.len, device);
             }
             FThetaInputs::Both => {
-                let w = f_theta.drafter_layers.len() * f_theta.drafter_kv_dim;
-                let x = data::side_by_side(&[&s.dk, &s.dv], s.len, w);
+                let x = data::side_by_side(&[&s.dk, &s.dv], s.len);
                 nk.add(&x, &yk, s.len, device);
                 nv.add(&x, &yv, s.len, device);
             }
@@ -268,14 +266,6 @@ pub fn train_f_theta(
     opts: &TrainOptions,
     on_event: &mut dyn FnMut(FEvent),
 ) -> Result<FThetaReport> {
-    if verifier.config.gemma4.is_some() {
-        // Its layers' K/V differ in width, some share another's, and v_norm joins the
-        // attention losses: not built yet.
-        return Err(kakeya_models::ModelError::Input(
-            "f_θ training on a Gemma 4 verifier is not supported yet".into(),
-        )
-        .into());
-    }
     let device = opts.device.clone();
     let ad = device.clone().autodiff();
     let Setup {

@@ -10,7 +10,9 @@ use common::{fails, run_ok, tiny_model_dir};
 use kakeya_capture::job::sha256_path;
 use kakeya_models::testing::{
     Scratch, drafter_config, f_theta_config, random_drafter, random_f_theta, tiny_config,
+    word_level_tokenizer_json,
 };
+use kakeya_weights::Checkpoint;
 use kakeya_weights::ftheta::FThetaInputs;
 
 fn json(stdout: &str) -> serde_json::Value {
@@ -194,6 +196,80 @@ fn bad_kv_settings_fail_cleanly() {
         s(&f),
     ]);
     assert!(e.contains("f_theta.safetensors"), "{e}");
+}
+
+#[test]
+fn restored_modes_run_on_gemma4_and_an_f_theta_of_other_widths_is_refused() {
+    let sc = Scratch::new("kv-cli-g4");
+    // transformers' tiny Gemma 4 (sliding layers 2 × 16 wide, full layers 2 × 32; layers 4
+    // and 5 share K/V), with a word-level tokenizer of its 128 tokens.
+    let fixture =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/gemma4/dense-kv");
+    let m = sc.0.join("gemma4");
+    std::fs::create_dir_all(&m).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture.join(f), m.join(f)).unwrap();
+    }
+    std::fs::write(m.join("tokenizer.json"), word_level_tokenizer_json(128)).unwrap();
+    let c = Checkpoint::load(&m).unwrap().config;
+    let d = sc.0.join("drafter");
+    let dc = drafter_config(&c, 2, 4);
+    random_drafter(&dc, 4).write_dir(&d).unwrap();
+    let make = |name: &str, widths: &[usize]| {
+        let mut fc = f_theta_config(
+            2,
+            dc.num_key_value_heads * dc.head_dim,
+            FThetaInputs::Own,
+            16,
+            widths.len(),
+            widths[0],
+        )
+        .with_layer_widths(widths);
+        fc.verifier.sha256 = sha256_path(&m).unwrap();
+        fc.drafter.sha256 = sha256_path(&d).unwrap();
+        let f = sc.0.join(name);
+        random_f_theta(&fc, 5).write_dir(&f).unwrap();
+        f
+    };
+    assert_eq!(c.own_kv_widths(), vec![32, 32, 64, 32]);
+    let f = make("f-theta", &c.own_kv_widths());
+    let prompt = words(30, 3);
+    let args = |f: &Path| {
+        [
+            "infer",
+            "--model",
+            s(&m),
+            "--prompt",
+            &prompt,
+            "--max-tokens",
+            "16",
+            "--json",
+            "--kv-mode",
+            "restored",
+            "--kv-sink",
+            "2",
+            "--kv-window",
+            "3",
+            "--drafter",
+            s(&d),
+            "--f-theta",
+            s(f),
+            "--block-size",
+            "2",
+            "--compare-ar",
+        ]
+        .map(str::to_string)
+    };
+    let v = json(&run_ok(&args(&f).each_ref().map(String::as_str)));
+    assert_eq!(v["stats"]["kv_mode"], "restored");
+    assert_eq!(v["stats"]["identical_to_ar"], true, "speculative == plain");
+    // The same pair, but an f_θ of one width for every layer (Gemma 3's shape).
+    let wrong = make("f-theta-uniform", &[32, 32, 32, 32]);
+    let e = fails(&args(&wrong).each_ref().map(String::as_str));
+    assert!(
+        e.contains("f-theta-uniform") && e.contains("K/V widths [32, 32, 32, 32]"),
+        "{e}"
+    );
 }
 
 fn prompts_file(dir: &Path) -> PathBuf {

@@ -1,0 +1,223 @@
+//! The tiny-model equivalences on the wgpu device (Vulkan, Metal, DX12 — run here on Mesa's
+//! lavapipe, a Vulkan driver on the CPU, by `scripts/test_wgpu.sh`; built only with
+//! `--features wgpu`): the tiny Gemma 3 (dense and quantised weights) against the CPU path, the
+//! Gemma 4 fixtures against transformers, and speculative decoding against plain decoding on the
+//! device, in the native caches and in the bounded KV modes. A verify block's rows need not be
+//! bit for bit single decode steps on a GPU (its matmuls are not batch-invariant): the drift is
+//! measured and printed, and the speculative output must still equal plain decoding's.
+#![cfg(feature = "wgpu")]
+
+mod common;
+
+use burn::tensor::{Device, Tensor};
+use common::{greedy_cfg, max_diff, tiny_prompt};
+use kakeya_models::testing::{
+    drafter_config, f_theta_config, random_checkpoint, random_drafter, random_f_theta,
+    random_quantized_checkpoint, tiny_config,
+};
+use kakeya_models::{DFlashDrafter, FTheta, ForwardRequest, Gemma3Model, Logits};
+use kakeya_runtime::kv::{FThetaRestorer, KvMode, KvPolicy};
+use kakeya_runtime::{
+    DFlashProposer, KvCache, KvSetup, Session, SpecConfig, Verifier, generate, speculative_generate,
+};
+use kakeya_weights::ftheta::FThetaInputs;
+use kakeya_weights::{Checkpoint, Gemma3Config};
+use serde_json::Value;
+
+/// Largest absolute logit difference allowed between the device and the CPU, or transformers
+/// (f32 everywhere; the sums run in other orders).
+const TOL: f32 = 1e-4;
+
+fn gpu() -> Device {
+    let d = Device::wgpu(Default::default());
+    assert_ne!(d, Device::flex(), "the wgpu device, not the CPU");
+    d
+}
+
+fn rows(t: Tensor<2>) -> Vec<Vec<f32>> {
+    let [n, v] = t.dims();
+    let flat = t.into_data().try_into_vec::<f32>().unwrap();
+    (0..n).map(|i| flat[i * v..(i + 1) * v].to_vec()).collect()
+}
+
+/// Logits of every position of `toks` from one forward.
+fn forward_all(m: &Gemma3Model, toks: &[u32]) -> Vec<Vec<f32>> {
+    let mut caches = KvCache::for_specs(&m.cache_specs(), 0);
+    rows(
+        m.forward(&ForwardRequest::new(toks, 0, Logits::All), &mut caches)
+            .unwrap()
+            .logits
+            .unwrap(),
+    )
+}
+
+fn tiny() -> Gemma3Config {
+    tiny_config(8)
+}
+
+#[test]
+fn tiny_gemma3_on_wgpu_matches_the_cpu() {
+    for (what, ck) in [
+        ("dense", random_checkpoint(&tiny(), 11) as Checkpoint),
+        ("quantised", random_quantized_checkpoint(&tiny(), 11)),
+    ] {
+        let cpu = Gemma3Model::from_checkpoint(ck.clone(), &Device::flex()).unwrap();
+        let dev = Gemma3Model::from_checkpoint(ck, &gpu()).unwrap();
+        let p = tiny_prompt(1, 30);
+        let d = max_diff(&forward_all(&dev, &p), &forward_all(&cpu, &p));
+        eprintln!("{what}: full forward, max |Δlogit| wgpu vs CPU {d:.2e}");
+        assert!(d <= TOL, "{what}: {d}");
+        let cfg = greedy_cfg(40, 7);
+        let a = generate(&mut Session::new(&dev, 0), &p, &cfg, &mut |_| {}).unwrap();
+        let b = generate(&mut Session::new(&cpu, 0), &p, &cfg, &mut |_| {}).unwrap();
+        assert_eq!(a.tokens, b.tokens, "{what}: greedy decoding, wgpu vs CPU");
+    }
+}
+
+#[test]
+fn gemma4_fixtures_on_wgpu_match_transformers() {
+    let root =
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/gemma4");
+    let r: Value =
+        serde_json::from_str(&std::fs::read_to_string(root.join("gemma4.json")).unwrap()).unwrap();
+    let ids = |v: &Value| -> Vec<u32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let prompt = ids(&r["prompt"]);
+    for name in ["dense", "dense-kv", "moe"] {
+        let want = &r["configs"][name];
+        let m = Gemma3Model::from_checkpoint(Checkpoint::load(root.join(name)).unwrap(), &gpu())
+            .unwrap();
+        let got = forward_all(&m, &prompt);
+        let want_logits: Vec<Vec<f32>> = want["logits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|w| {
+                w.as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.as_f64().unwrap() as f32)
+                    .collect()
+            })
+            .collect();
+        assert_eq!(got.len(), want_logits.len(), "{name}: one row per position");
+        let worst = max_diff(&got, &want_logits);
+        eprintln!("{name}: max |Δlogit| wgpu vs transformers {worst:.2e}");
+        assert!(worst <= TOL, "{name}: {worst}");
+        let n = want["greedy"].as_array().unwrap().len();
+        let out = generate(
+            &mut Session::new(&m, 0),
+            &prompt,
+            &greedy_cfg(n, 5),
+            &mut |_| {},
+        )
+        .unwrap();
+        assert_eq!(
+            out.tokens,
+            ids(&want["greedy"]),
+            "{name}: greedy continuation"
+        );
+    }
+}
+
+/// How far a verify block's rows are from the single decode steps they stand for, on `m`'s
+/// device: the largest |Δlogit| over blocks of 2, 4 and 8 rows after a 9-token prompt.
+fn block_drift(m: &Gemma3Model) -> f32 {
+    let prompt = tiny_prompt(2, 9);
+    let block: Vec<u32> = (0..8u32).map(|j| (j * 29 + 11) % 90).collect();
+    let mut worst: f32 = 0.0;
+    for b in [2, 4, 8] {
+        let mut steps = Session::new(m, 0);
+        steps.prefill(&prompt, 0).unwrap();
+        let singles: Vec<Vec<f32>> = block[..b].iter().map(|&t| steps.step(t).unwrap()).collect();
+        let mut caches = KvCache::for_specs(&m.cache_specs(), 0);
+        let mut seq = prompt.clone();
+        seq.extend(&block[..b]);
+        let all = rows(
+            m.forward(&ForwardRequest::new(&seq, 0, Logits::All), &mut caches)
+                .unwrap()
+                .logits
+                .unwrap(),
+        );
+        worst = worst.max(max_diff(&singles, &all[prompt.len()..]));
+    }
+    worst
+}
+
+#[test]
+fn speculative_decoding_on_wgpu_equals_plain_decoding() {
+    let v = Gemma3Model::from_checkpoint(random_checkpoint(&tiny(), 11), &gpu()).unwrap();
+    eprintln!(
+        "verify block rows vs single decode steps on wgpu: max |Δlogit| {:.2e}",
+        block_drift(&v)
+    );
+    for block in [4, 8] {
+        let d = DFlashDrafter::from_checkpoint(
+            random_drafter(&drafter_config(&v.config, 2, block), 5),
+            &v,
+        )
+        .unwrap();
+        for i in 0..2 {
+            let p = tiny_prompt(i, 20 + 15 * i);
+            let cfg = greedy_cfg(40, 16);
+            let want = generate(&mut Session::new(&v, 0), &p, &cfg, &mut |_| {}).unwrap();
+            let mut ver = Verifier::new(&v, KvSetup::full(0).drafter(&d), block).unwrap();
+            let got = speculative_generate(
+                &mut ver,
+                &mut DFlashProposer::new(&d),
+                &p,
+                &cfg,
+                SpecConfig::fixed(block),
+                &mut |_| {},
+            )
+            .unwrap();
+            assert_eq!(got.tokens, want.tokens, "block {block}, prompt {i}");
+        }
+    }
+}
+
+#[test]
+fn bounded_kv_modes_on_wgpu_decode_speculatively_as_plainly() {
+    let v = Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(24), 11), &gpu()).unwrap();
+    let d = DFlashDrafter::from_checkpoint(random_drafter(&drafter_config(&v.config, 2, 4), 5), &v)
+        .unwrap();
+    let c = &v.config;
+    let fc = f_theta_config(
+        d.num_layers(),
+        d.context_width() / d.num_layers(),
+        FThetaInputs::Own,
+        16,
+        c.num_hidden_layers,
+        c.num_key_value_heads * c.head_dim,
+    );
+    let f = FTheta::from_checkpoint(&random_f_theta(&fc, 3), v.device()).unwrap();
+    let r = FThetaRestorer::new(&f, d.num_layers(), d.context_width()).unwrap();
+    for mode in KvMode::ALL {
+        let s = KvSetup::new(KvPolicy {
+            mode,
+            sink: 2,
+            window: 8,
+        })
+        .drafter(&d)
+        .restorer(&r);
+        let p = tiny_prompt(0, 40);
+        let cfg = greedy_cfg(30, 16);
+        let want = generate(&mut Session::with_kv(&v, s).unwrap(), &p, &cfg, &mut |_| {}).unwrap();
+        let mut ver = Verifier::new(&v, s, 4).unwrap();
+        let got = speculative_generate(
+            &mut ver,
+            &mut DFlashProposer::new(&d),
+            &p,
+            &cfg,
+            SpecConfig::fixed(4),
+            &mut |_| {},
+        )
+        .unwrap();
+        assert_eq!(got.tokens, want.tokens, "{mode}");
+    }
+}

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The tiny-model equivalences on the wgpu device over Mesa's lavapipe (a Vulkan driver that runs
+# on the CPU): no GPU needed. Installs the driver when missing (Debian/Ubuntu, as root), builds
+# kakeya-runtime's tests with `--features wgpu` and runs `tests/wgpu_device.rs`, writing the
+# output to runs/wgpu/lavapipe-<date>.log. Not part of scripts/test.sh (the wgpu build is slow;
+# CI keeps `cargo check --features wgpu`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! ls /usr/share/vulkan/icd.d/lvp_icd*.json >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        DEBIAN_FRONTEND=noninteractive apt-get install -y mesa-vulkan-drivers libvulkan1
+    else
+        echo "test_wgpu: Mesa's lavapipe is missing: apt-get install mesa-vulkan-drivers libvulkan1" >&2
+        exit 1
+    fi
+fi
+# lavapipe only, even where a GPU driver is installed too.
+export VK_ICD_FILENAMES
+VK_ICD_FILENAMES=$(ls /usr/share/vulkan/icd.d/lvp_icd*.json | head -n 1)
+python3 scripts/fetch_default_model.py >/dev/null
+mkdir -p runs/wgpu
+log="runs/wgpu/lavapipe-$(date -u +%Y%m%dT%H%M%SZ).log"
+{
+    echo "# $(date -u) $(uname -m); VK_ICD_FILENAMES=$VK_ICD_FILENAMES"
+    grep -m1 "model name" /proc/cpuinfo || true
+    cargo test -p kakeya-runtime --features wgpu --locked --test wgpu_device -- --nocapture --test-threads 1
+} 2>&1 | tee "$log"
+echo "test_wgpu: log in $log"

@@ -87,11 +87,24 @@ pub struct ForwardOutput {
     pub attention: Vec<AttentionCapture>,
 }
 
-/// The first largest entry of every row.
+/// The first largest entry of every row. On the CPU the logits are read in place; on another
+/// device the argmax runs there and only the `T` ids come back, so a greedy step copies no
+/// logits to the host (on exact ties the device's kernel picks; the CPU takes the first).
 ///
 /// # Shapes
 /// - `logits`: `[T, vocab]` → `T` ids
 fn argmax_rows(logits: Tensor<2>) -> Vec<u32> {
+    if logits.device() != burn::tensor::Device::flex() {
+        return logits
+            .argmax(1)
+            .into_data()
+            .convert::<i64>()
+            .try_into_vec::<i64>()
+            .expect("argmax ids are integers")
+            .into_iter()
+            .map(|i| i as u32)
+            .collect();
+    }
     let v = logits.dims()[1];
     let host = logits
         .into_data()
@@ -247,7 +260,8 @@ impl Gemma3Model {
     /// [`Self::logits`]'s rows. On the CPU with a quantised head (GGUF Q8_0) and no soft-cap
     /// (whose tanh could round distinct logits to a tie), the certified search of
     /// [`Linear::argmax`] finds it computing only the few exact logits its error bound cannot
-    /// exclude; otherwise the logits are computed and searched on the host.
+    /// exclude; otherwise the logits are computed and searched (`argmax_rows`: on the host on
+    /// the CPU, on the device elsewhere).
     ///
     /// # Shapes
     /// - `h`: `[T, hidden]` (before the final norm) → `T` ids

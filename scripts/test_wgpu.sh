@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The tiny-model equivalences on the wgpu device over Mesa's lavapipe (a Vulkan driver that runs
-# on the CPU): no GPU needed. Installs the driver when missing (Debian/Ubuntu, as root), builds
-# kakeya-runtime's tests with `--features wgpu` and runs `tests/wgpu_device.rs`, writing the
-# output to runs/wgpu/lavapipe-<date>.log. Not part of scripts/test.sh (the wgpu build is slow;
-# CI keeps `cargo check --features wgpu`).
+# on the CPU): no GPU needed. Installs the driver when missing (Debian/Ubuntu, as root), then
+# runs kakeya-runtime's `tests/wgpu_device.rs` (inference, speculative decoding, KV modes) and
+# the trainer tests of kakeya-train with training on the device (`KAKEYA_TEST_DEVICE=wgpu`),
+# both built with `--features wgpu`, writing the output to runs/wgpu/lavapipe-<date>.log. Not
+# part of scripts/test.sh (the wgpu builds take ≈ 20 min; CI keeps `cargo check --features
+# wgpu`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,5 +27,7 @@ log="runs/wgpu/lavapipe-$(date -u +%Y%m%dT%H%M%SZ).log"
     echo "# $(date -u) $(uname -m); VK_ICD_FILENAMES=$VK_ICD_FILENAMES"
     grep -m1 "model name" /proc/cpuinfo || true
     cargo test -p kakeya-runtime --features wgpu --locked --test wgpu_device -- --nocapture --test-threads 1
+    KAKEYA_TEST_DEVICE=wgpu cargo test -p kakeya-train --features wgpu --locked \
+        --test train_f_theta --test train_drafter --test gemma4_drafter -- --test-threads 1
 } 2>&1 | tee "$log"
 echo "test_wgpu: log in $log"

@@ -10,6 +10,16 @@ use kakeya_weights::{
     HostTensor, QuantMatrix,
 };
 
+/// The device tests train on: the CPU, or with the `wgpu` feature and `KAKEYA_TEST_DEVICE=wgpu`
+/// the wgpu device (scripts/test_wgpu.sh runs the trainer tests there, on Mesa's lavapipe).
+pub fn test_device() -> burn::tensor::Device {
+    #[cfg(feature = "wgpu")]
+    if std::env::var("KAKEYA_TEST_DEVICE").as_deref() == Ok("wgpu") {
+        return burn::tensor::Device::wgpu(Default::default());
+    }
+    burn::tensor::Device::flex()
+}
+
 /// A small Gemma 3 config: 6 layers (layer 5 global), window `window`.
 pub fn tiny_config(window: usize) -> Gemma3Config {
     Gemma3Config {

@@ -208,7 +208,12 @@ pub fn train_drafter(
     }
     let mut trainer = DrafterRun {
         cfg,
-        frozen: Frozen::new(verifier.embed.clone(), config.hidden_size, d2t.as_deref()),
+        // On the training device (the verifier may sit on another: the CPU that captured).
+        frozen: Frozen::new(
+            verifier.embed.clone().to_device(&device),
+            config.hidden_size,
+            d2t.as_deref(),
+        ),
         data: &data,
     };
     let cadence = Cadence {

@@ -34,7 +34,7 @@ fn a_drafter_trains_on_a_gemma4_verifier_and_drafts_losslessly_for_it() {
     );
     let opts = TrainOptions {
         resume: false,
-        device: Device::flex(),
+        device: kakeya_models::testing::test_device(),
         stop_after: None,
     };
     let report = train_drafter(&cfg, &v, prep, &opts, &mut |_| {}).unwrap();

@@ -31,7 +31,7 @@ fn verifier() -> Gemma3Model {
 fn opts() -> TrainOptions {
     TrainOptions {
         resume: false,
-        device: Device::flex(),
+        device: kakeya_models::testing::test_device(),
         stop_after: None,
     }
 }

@@ -172,7 +172,7 @@ fn train_quietly(cfg: &FThetaTrainConfig, v: &Gemma3Model) -> FThetaReport {
 fn opts() -> TrainOptions {
     TrainOptions {
         resume: false,
-        device: Device::flex(),
+        device: kakeya_models::testing::test_device(),
         stop_after: None,
     }
 }
@@ -351,7 +351,8 @@ fn the_reloaded_export_reproduces_the_reports_heldout_figures() {
         "{dtypes:?}"
     );
     let ck = FThetaCheckpoint::read_dir(&dir).unwrap();
-    let d = Device::flex();
+    // On the device that trained and evaluated it (the same kernels give the same bits).
+    let d = kakeya_models::testing::test_device();
     let model = FTheta::from_checkpoint(&ck, &d).unwrap();
     let frozen = frozen_layers(&v, &d);
     let data = Dataset::open(&ds).unwrap();

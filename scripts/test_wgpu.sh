@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The tiny-model equivalences on the wgpu device over Mesa's lavapipe (a Vulkan driver that runs
 # on the CPU): no GPU needed. Installs the driver when missing (Debian/Ubuntu, as root), then
-# runs kakeya-runtime's `tests/wgpu_device.rs` (inference, speculative decoding, KV modes) and
-# the trainer tests of kakeya-train with training on the device (`KAKEYA_TEST_DEVICE=wgpu`),
+# runs kakeya-runtime's `tests/wgpu_device.rs` (inference, speculative decoding, KV modes), the
+# trainer tests of kakeya-train with training on the device and kakeya-capture's capture tests
+# with the verifier on the device (`KAKEYA_TEST_DEVICE=wgpu`),
 # both built with `--features wgpu`, writing the output to runs/wgpu/lavapipe-<date>.log. Not
 # part of scripts/test.sh (the wgpu builds take ≈ 20 min; CI keeps `cargo check --features
 # wgpu`).
@@ -29,5 +30,8 @@ log="runs/wgpu/lavapipe-$(date -u +%Y%m%dT%H%M%SZ).log"
     cargo test -p kakeya-runtime --features wgpu --locked --test wgpu_device -- --nocapture --test-threads 1
     KAKEYA_TEST_DEVICE=wgpu cargo test -p kakeya-train --features wgpu --locked \
         --test train_f_theta --test train_drafter --test gemma4_drafter -- --test-threads 1
+    # Capture with the verifier on the device (the batch-invariance tests stay on the CPU).
+    KAKEYA_TEST_DEVICE=wgpu cargo test -p kakeya-capture --features wgpu --locked \
+        --test gemma4 --test roundtrip -- --test-threads 1 values_read_back sampled_positions gemma4
 } 2>&1 | tee "$log"
 echo "test_wgpu: log in $log"

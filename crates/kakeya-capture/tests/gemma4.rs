@@ -58,7 +58,8 @@ fn gemma4_capture_reads_back_what_the_model_computes() {
     let s = Scratch::new("cap-g4");
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let ck = Checkpoint::load(root.join("tests/fixtures/gemma4/dense")).unwrap();
-    let v = Gemma3Model::from_checkpoint(ck, &Device::flex()).unwrap();
+    // On the test device (scripts/test_wgpu.sh: wgpu).
+    let v = Gemma3Model::from_checkpoint(ck, &kakeya_models::testing::test_device()).unwrap();
     let vocab = v.config.vocab_size;
     std::fs::write(s.0.join("tokenizer.json"), word_level_tokenizer_json(vocab)).unwrap();
     let tok = Tokenizer::load(&s.0.join("tokenizer.json"), vocab).unwrap();

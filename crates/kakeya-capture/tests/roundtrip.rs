@@ -11,8 +11,8 @@ use kakeya_capture::schema::ModelInfo;
 use kakeya_capture::{CaptureConfig, Dataset, Models, Query, RunOptions};
 use kakeya_models::testing::Scratch;
 use kakeya_models::testing::{
-    drafter_config, random_checkpoint, random_drafter, random_quantized_checkpoint, tiny_config,
-    word_level_tokenizer_json,
+    drafter_config, random_checkpoint, random_drafter, random_quantized_checkpoint, test_device,
+    tiny_config, word_level_tokenizer_json,
 };
 use kakeya_models::{DFlashDrafter, DraftRequest, ForwardRequest, Gemma3Model, Logits};
 use kakeya_runtime::KvCache;
@@ -128,7 +128,8 @@ fn host(t: Tensor<2>) -> Vec<f32> {
 #[test]
 fn values_read_back_equal_what_the_models_produce() {
     let s = Scratch::new("cap-rt");
-    let v = Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(4), 8), &Device::flex())
+    // The verifier (and so the capture) on the test device (scripts/test_wgpu.sh: wgpu).
+    let v = Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(4), 8), &test_device())
         .unwrap();
     let d = drafter(&v);
     let tok = tokenizer(&s.0);
@@ -248,7 +249,8 @@ fn values_read_back_equal_what_the_models_produce() {
 #[test]
 fn sampled_positions_and_projection() {
     let s = Scratch::new("cap-sample");
-    let v = Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(4), 8), &Device::flex())
+    // The verifier (and so the capture) on the test device (scripts/test_wgpu.sh: wgpu).
+    let v = Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(4), 8), &test_device())
         .unwrap();
     let tok = tokenizer(&s.0);
     let prompts = s.0.join("p.jsonl");

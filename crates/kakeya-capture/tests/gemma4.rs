@@ -5,7 +5,7 @@
 
 use std::path::Path;
 
-use burn::tensor::{Device, Tensor};
+use burn::tensor::Tensor;
 use kakeya_capture::schema::ModelInfo;
 use kakeya_capture::{CaptureConfig, Dataset, Models, Query, RunOptions};
 use kakeya_models::testing::{Scratch, drafter_config, random_drafter, word_level_tokenizer_json};

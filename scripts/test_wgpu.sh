@@ -29,7 +29,8 @@ log="runs/wgpu/lavapipe-$(date -u +%Y%m%dT%H%M%SZ).log"
     grep -m1 "model name" /proc/cpuinfo || true
     cargo test -p kakeya-runtime --features wgpu --locked --test wgpu_device -- --nocapture --test-threads 1
     KAKEYA_TEST_DEVICE=wgpu cargo test -p kakeya-train --features wgpu --locked \
-        --test train_f_theta --test train_drafter --test gemma4_drafter -- --test-threads 1
+        --test train_f_theta --test gemma4_f_theta --test train_drafter --test gemma4_drafter \
+        -- --test-threads 1
     # Capture with the verifier on the device (the batch-invariance tests stay on the CPU).
     KAKEYA_TEST_DEVICE=wgpu cargo test -p kakeya-capture --features wgpu --locked \
         --test gemma4 --test roundtrip -- --test-threads 1 values_read_back sampled_positions gemma4

@@ -4,157 +4,27 @@
 //! weights, resuming is bit-for-bit, a NaN loss stops training with its step and keeps the last
 //! good checkpoint, and datasets without the needed columns are refused before training.
 
-use std::path::{Path, PathBuf};
+mod f_theta_data;
+
+use std::path::Path;
 
 use burn::tensor::Device;
-use kakeya_capture::schema::ModelInfo;
-use kakeya_capture::{CaptureConfig, Dataset, Models, RunOptions};
+use f_theta_data::{ALL, DSHA, VSHA, capture, config, opts};
+use kakeya_capture::Dataset;
 use kakeya_models::testing::Scratch;
-use kakeya_models::testing::{
-    drafter_config, random_checkpoint, random_drafter, tiny_config, word_level_tokenizer_json,
-};
-use kakeya_models::{DFlashDrafter, FTheta, Gemma3Model};
-use kakeya_runtime::kv::{FThetaRestorer, KvMode, KvPolicy};
-use kakeya_runtime::{
-    DFlashProposer, GenerationConfig, KvSetup, Sampling, Session, SpecConfig, Verifier, generate,
-    speculative_generate,
-};
+use kakeya_models::testing::{random_checkpoint, tiny_config};
+use kakeya_models::{FTheta, Gemma3Model};
+use kakeya_train::TrainError;
 use kakeya_train::ftheta::config::FThetaInit;
 use kakeya_train::ftheta::data::SeqData;
 use kakeya_train::ftheta::step::{evaluate, frozen_layers};
 use kakeya_train::ftheta::train::FEval;
 use kakeya_train::ftheta::{FEvent, FThetaReport, FThetaTrainConfig, prepare, train_f_theta};
-use kakeya_train::{TrainError, TrainOptions};
-use kakeya_weights::{Checkpoint, FThetaCheckpoint, Tokenizer};
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
-
-const VSHA: &str = "7e57ed7e57ed7e57ed7e57ed7e57ed7e57ed7e57ed7e57ed7e57ed7e57ed7e57";
-const DSHA: &str = "d4af7e4d4af7e4d4af7e4d4af7e4d4af7e4d4af7e4d4af7e4d4af7e4d4af7e4d";
+use kakeya_weights::FThetaCheckpoint;
 
 fn verifier() -> Gemma3Model {
     // Window 8: the sliding layers' masks cut into these 20–40-position sequences.
     Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(8), 11), &Device::flex()).unwrap()
-}
-
-/// Captures `n` random-word prompts (10–30 words) + 8 greedy tokens with `tensors` kept for
-/// every verifier layer and, with `drafter`, the context K/V of [`tiny_drafter`].
-fn capture(dir: &Path, v: &Gemma3Model, n: usize, tensors: &str, drafter: bool) -> PathBuf {
-    let vocab = v.config.vocab_size;
-    std::fs::write(dir.join("tokenizer.json"), word_level_tokenizer_json(vocab)).unwrap();
-    let tok = Tokenizer::load(&dir.join("tokenizer.json"), vocab).unwrap();
-    let mut rng = StdRng::seed_from_u64(5);
-    let mut lines = String::new();
-    for _ in 0..n {
-        let len = rng.random_range(10..30);
-        let words: Vec<String> = (0..len)
-            .map(|_| format!("w{}", rng.random_range(5..97)))
-            .collect();
-        lines.push_str(&format!("{{\"text\": \"{}\"}}\n", words.join(" ")));
-    }
-    let prompts = dir.join("prompts.jsonl");
-    std::fs::write(&prompts, lines).unwrap();
-    let out = dir.join(format!("ds-{}-{drafter}", tensors.len()));
-    let cfg: CaptureConfig = toml::from_str(&format!(
-        r#"
-[model]
-verifier = "tiny"
-{}
-[output]
-dir = "{}"
-dtype = "f32"
-sequences_per_shard = 8
-[generation]
-gen_len = 8
-max_prompt_tokens = 64
-chunk = 64
-[tensors]
-verifier = [{tensors}]
-verifier_layers = "all"
-drafter_kv = {drafter}
-[[sources]]
-kind = "jsonl"
-path = "{}"
-"#,
-        if drafter {
-            "drafter = \"tiny-drafter\""
-        } else {
-            ""
-        },
-        out.display(),
-        prompts.display()
-    ))
-    .unwrap();
-    let d = tiny_drafter(v);
-    let info = |s: &str| ModelInfo {
-        path: "tiny".into(),
-        sha256: s.into(),
-    };
-    let models = Models {
-        verifier: v,
-        tokenizer: &tok,
-        drafter: drafter.then_some(&d),
-        verifier_info: info(VSHA),
-        tokenizer_info: info(VSHA),
-        drafter_info: drafter.then(|| info(DSHA)),
-    };
-    kakeya_capture::run(
-        &cfg,
-        Path::new("capture.toml"),
-        &models,
-        RunOptions {
-            shard: (0, 1),
-            resume: false,
-        },
-        &mut |_| {},
-    )
-    .unwrap();
-    out
-}
-
-/// The random 2-layer drafter (block 4) whose K/V [`capture`] records.
-fn tiny_drafter(v: &Gemma3Model) -> DFlashDrafter {
-    DFlashDrafter::from_checkpoint(random_drafter(&drafter_config(&v.config, 2, 4), 2), v).unwrap()
-}
-
-const ALL: &str = r#""q_raw", "k_raw", "v_raw", "attn_out""#;
-
-fn config(dataset: &Path, run: &Path, steps: usize, extra: &str) -> FThetaTrainConfig {
-    FThetaTrainConfig::parse(
-        Path::new("f-theta.toml"),
-        &format!(
-            r#"
-[data]
-dataset = "{}"
-heldout_every = 5
-[model]
-verifier = "tiny"
-drafter = "tiny-drafter"
-rank = 32
-[loss]
-kind = "attn_distill_hybrid"
-queries_per_sequence = 16
-normalize_attention = true
-[train]
-steps = {steps}
-sequences_per_step = 2
-lr = 1e-2
-warmup_steps = 5
-seed = 3
-{extra}
-[output]
-dir = "{}"
-export = "{}"
-checkpoint_every = 5
-eval_every = 20
-eval_queries = 16
-"#,
-            dataset.display(),
-            run.display(),
-            run.join("export").display()
-        ),
-    )
-    .unwrap()
 }
 
 /// Prepares and trains `cfg` on `v` with the default options, ignoring progress events.
@@ -167,14 +37,6 @@ fn train_quietly(cfg: &FThetaTrainConfig, v: &Gemma3Model) -> FThetaReport {
         &mut |_| {},
     )
     .unwrap()
-}
-
-fn opts() -> TrainOptions {
-    TrainOptions {
-        resume: false,
-        device: kakeya_models::testing::test_device(),
-        stop_after: None,
-    }
 }
 
 #[test]
@@ -512,106 +374,4 @@ fn datasets_without_the_needed_columns_are_refused_before_training() {
     let e = prepare(&cfg, &v, VSHA, VSHA).err().unwrap().to_string();
     assert!(e.contains("recapture with this drafter"), "{e}");
     assert!(!run.exists());
-}
-
-#[test]
-fn f_theta_trains_on_gemma4_verifiers_and_restores_their_kv() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    // transformers' tiny Gemma 4s: sliding layers 2 × 16 wide; full layers 1 × 32 with k_eq_v
-    // (`dense`) or 2 × 32 (`dense-kv`) and proportional RoPE; scale 1, v_norm; layers 4 and
-    // 5 share layer 3's and 2's K/V.
-    for (name, widths) in [("dense", [32, 32, 32, 32]), ("dense-kv", [32, 32, 64, 32])] {
-        let s = Scratch::new(&format!("ftheta-g4-{name}"));
-        let ck = Checkpoint::load(root.join("tests/fixtures/gemma4").join(name)).unwrap();
-        let v = Gemma3Model::from_checkpoint(ck, &Device::flex()).unwrap();
-        let ds = capture(&s.0, &v, 25, ALL, true);
-        // The least-squares start: one fit over every layer's columns, split into per-layer
-        // decoders at their own widths and offsets.
-        let cfg = config(&ds, &s.0.join("lstsq"), 6, "");
-        let setup = prepare(&cfg, &v, VSHA, DSHA).unwrap();
-        // One decoder per layer with K/V of its own, at its width; none for the sharing ones.
-        assert_eq!(setup.f_theta.layer_widths(), widths, "{name}");
-        let report = train_f_theta(&cfg, &v, setup, &opts(), &mut |_| {}).unwrap();
-        let start = &report.evals[0].per_layer;
-        let mean = |f: &dyn Fn(&kakeya_train::ftheta::Diagnostics) -> f64| {
-            start.iter().map(f).sum::<f64>() / start.len() as f64
-        };
-        let (k_rel, v_rel) = (mean(&|d| d.k_rel_mse), mean(&|d| d.v_rel_mse));
-        eprintln!("{name}: least-squares start, held-out K/V relative MSE {k_rel:.3} / {v_rel:.3}");
-        assert!(k_rel < 0.8 && v_rel < 0.8, "{name}: {k_rel} / {v_rel}");
-        // The loss's attention (v_norm, proportional RoPE, scale 1, per-layer heads) recomputes
-        // the captured outputs from the captured raw Q/K/V: it is the model's attention.
-        let floor = report.floor.as_ref().unwrap();
-        for (l, d) in floor.per_layer.iter().enumerate() {
-            assert!(
-                d.mse_o_ratio < 1e-8,
-                "{name} layer {l}: floor {}",
-                d.mse_o_ratio
-            );
-        }
-        // From a random start, the optimiser's own learning.
-        let run = s.0.join("run");
-        let mut cfg = config(&ds, &run, 200, "");
-        cfg.model.init = FThetaInit::Random;
-        let setup = prepare(&cfg, &v, VSHA, DSHA).unwrap();
-        let report = train_f_theta(&cfg, &v, setup, &opts(), &mut |_| {}).unwrap();
-        let ratio = |e: &FEval| {
-            e.per_layer.iter().map(|d| d.mse_o_ratio).sum::<f64>() / e.per_layer.len() as f64
-        };
-        let (first, last) = (&report.evals[0], report.evals.last().unwrap());
-        eprintln!(
-            "{name}: held-out mseO ratio {:.4} → {:.4}",
-            ratio(first),
-            ratio(last)
-        );
-        assert!(
-            ratio(last) < 0.6 * ratio(first),
-            "{name}: held-out attention error {} → {}",
-            ratio(first),
-            ratio(last)
-        );
-        // The export restores the verifier's evicted K/V: speculative decoding in the restored
-        // modes equals plain decoding in the same mode.
-        let d = tiny_drafter(&v);
-        let f = FThetaCheckpoint::read_dir(&run.join("export")).unwrap();
-        assert_eq!(f.config.layer_widths(), v.config.own_kv_widths());
-        let f = FTheta::from_checkpoint(&f, v.device()).unwrap();
-        let r = FThetaRestorer::new(&f, d.num_layers(), d.context_width()).unwrap();
-        let greedy = GenerationConfig {
-            max_tokens: 20,
-            sampling: Sampling::Greedy,
-            stop_tokens: vec![],
-            prefill_chunk: 0,
-            loop_guard: None,
-        };
-        let p: Vec<u32> = (0..24u32).map(|j| (j * 41 + 7) % 120).collect();
-        for mode in [KvMode::Restored, KvMode::RestoredSliding] {
-            let kv = KvSetup::new(KvPolicy {
-                mode,
-                sink: 2,
-                window: 4,
-            })
-            .drafter(&d)
-            .restorer(&r);
-            let want = generate(
-                &mut Session::with_kv(&v, kv).unwrap(),
-                &p,
-                &greedy,
-                &mut |_| {},
-            )
-            .unwrap()
-            .tokens;
-            let mut ver = Verifier::new(&v, kv, 4).unwrap();
-            let got = speculative_generate(
-                &mut ver,
-                &mut DFlashProposer::new(&d),
-                &p,
-                &greedy,
-                SpecConfig::fixed(4),
-                &mut |_| {},
-            )
-            .unwrap();
-            assert_eq!(got.tokens, want, "{name} {mode}");
-        }
-    }
 }

@@ -9,15 +9,14 @@
 
 mod common;
 
-use common::{gemma4, greedy_cfg, max_diff, tiny_prompt};
-use kakeya_models::testing::{drafter_config, f_theta_config, random_drafter, random_f_theta};
-use kakeya_models::{DFlashDrafter, FTheta, ForwardRequest, Gemma3Model, Logits};
-use kakeya_runtime::kv::{FThetaRestorer, KvMode, KvPolicy, LayerKv, OracleRestorer};
+use common::{gemma4, greedy_cfg, max_diff, oracle_restorer, random_f_theta_restorer, tiny_prompt};
+use kakeya_models::testing::{drafter_config, random_drafter};
+use kakeya_models::{DFlashDrafter, Gemma3Model};
+use kakeya_runtime::kv::{KvMode, KvPolicy, LayerKv};
 use kakeya_runtime::{
     DFlashProposer, Generation, KvSetup, Session, SpecConfig, Verifier, generate,
     speculative_generate,
 };
-use kakeya_weights::ftheta::FThetaInputs;
 
 const MODELS: [&str; 3] = ["dense", "dense-kv", "moe"];
 
@@ -158,39 +157,6 @@ fn bytes_are_measured_per_layer_and_sharing_layers_hold_none() {
     }
 }
 
-/// The verifier's own raw K/V of every position of `seq`, per layer (a sharing layer's entry is
-/// its source's: the restorer is only asked for layers with K/V of their own).
-fn oracle(v: &Gemma3Model, seq: &[u32]) -> OracleRestorer {
-    let mut req = ForwardRequest::new(seq, 0, Logits::None);
-    req.capture_attention = true;
-    let mut caches = kakeya_runtime::KvCache::for_specs(&v.cache_specs(), 0);
-    let out = v.forward(&req, &mut caches).unwrap();
-    OracleRestorer {
-        layers: out
-            .attention
-            .into_iter()
-            .map(|c| (c.k_raw, c.v_raw))
-            .collect(),
-    }
-}
-
-/// A random f_θ for `v` and `d` with one decoder per layer with K/V of its own, each at that
-/// layer's width.
-fn f_theta(v: &Gemma3Model, d: &DFlashDrafter) -> FThetaRestorer {
-    let widths = v.config.own_kv_widths();
-    let cfg = f_theta_config(
-        d.num_layers(),
-        d.context_width() / d.num_layers(),
-        FThetaInputs::Own,
-        16,
-        widths.len(),
-        widths[0],
-    )
-    .with_layer_widths(&widths);
-    let f = FTheta::from_checkpoint(&random_f_theta(&cfg, 3), v.device()).unwrap();
-    FThetaRestorer::new(&f, d.num_layers(), d.context_width()).unwrap()
-}
-
 #[test]
 fn restored_with_an_oracle_restorer_equals_the_native_caches() {
     for name in MODELS {
@@ -199,7 +165,7 @@ fn restored_with_an_oracle_restorer_equals_the_native_caches() {
         let full = plain(&v, KvSetup::full(0), &p, 24);
         let mut seq = p.clone();
         seq.extend(&full.tokens);
-        let o = oracle(&v, &seq);
+        let o = oracle_restorer(&v, &seq);
         let reference = trace(&v, KvSetup::full(0), &p, &full.tokens);
         // Window 3 is below the sliding layers' own 4: every layer with K/V of its own evicts
         // into the restored tier, and the sharing layers read their sources' rebuilt keys.
@@ -238,7 +204,7 @@ fn restored_modes_decode_speculatively_as_they_do_plainly() {
                 &v,
             )
             .unwrap();
-            let r = f_theta(&v, &d);
+            let r = random_f_theta_restorer(&v, &d);
             // The exact window holds at least a block; below the sliding layers' own window
             // (4, with block 2) they restore as well, from 4 on they keep their native rings.
             let window = block.max(3);

@@ -7,17 +7,16 @@
 mod common;
 
 use burn::tensor::Device;
-use common::{NoisyReplay, greedy_cfg, max_diff, tiny_prompt};
-use kakeya_models::testing::{
-    drafter_config, f_theta_config, random_checkpoint, random_drafter, random_f_theta, tiny_config,
+use common::{
+    NoisyReplay, greedy_cfg, max_diff, oracle_restorer, random_f_theta_restorer, tiny_prompt,
 };
-use kakeya_models::{DFlashDrafter, FTheta, ForwardRequest, Gemma3Model, Logits};
-use kakeya_runtime::kv::{FThetaRestorer, KvMode, KvPolicy, OracleRestorer, Restorer};
+use kakeya_models::testing::{drafter_config, random_checkpoint, random_drafter, tiny_config};
+use kakeya_models::{DFlashDrafter, Gemma3Model};
+use kakeya_runtime::kv::{KvMode, KvPolicy, Restorer};
 use kakeya_runtime::{
     DFlashProposer, Generation, GenerationConfig, KvSetup, Proposer, Session, SpecConfig, Verifier,
     generate, speculative_generate,
 };
-use kakeya_weights::ftheta::FThetaInputs;
 
 /// Native sliding window of the tiny verifier (layer 5 is global).
 const NATIVE: usize = 24;
@@ -30,21 +29,6 @@ fn verifier() -> Gemma3Model {
 fn drafter(v: &Gemma3Model, block: usize) -> DFlashDrafter {
     let c = drafter_config(&v.config, 2, block);
     DFlashDrafter::from_checkpoint(random_drafter(&c, 5), v).unwrap()
-}
-
-/// A random f_θ for the tiny pair, as a restorer.
-fn f_theta(v: &Gemma3Model, d: &DFlashDrafter) -> FThetaRestorer {
-    let c = &v.config;
-    let cfg = f_theta_config(
-        d.num_layers(),
-        d.context_width() / d.num_layers(),
-        FThetaInputs::Own,
-        16,
-        c.num_hidden_layers,
-        c.num_key_value_heads * c.head_dim,
-    );
-    let f = FTheta::from_checkpoint(&random_f_theta(&cfg, 3), v.device()).unwrap();
-    FThetaRestorer::new(&f, d.num_layers(), d.context_width()).unwrap()
 }
 
 fn prompt(i: usize, len: usize) -> Vec<u32> {
@@ -98,26 +82,11 @@ fn trace(v: &Gemma3Model, s: KvSetup<'_>, p: &[u32], tokens: &[u32]) -> Vec<Vec<
     common::trace(v, s, 16, p, tokens)
 }
 
-/// The verifier's own raw K/V of every position of `seq`, per layer.
-fn oracle(v: &Gemma3Model, seq: &[u32]) -> OracleRestorer {
-    let mut req = ForwardRequest::new(seq, 0, Logits::None);
-    req.capture_attention = true;
-    let mut caches = kakeya_runtime::KvCache::for_specs(&v.cache_specs(), 0);
-    let out = v.forward(&req, &mut caches).unwrap();
-    OracleRestorer {
-        layers: out
-            .attention
-            .into_iter()
-            .map(|c| (c.k_raw, c.v_raw))
-            .collect(),
-    }
-}
-
 #[test]
 fn a_window_covering_the_context_equals_full() {
     let v = verifier();
     let d = drafter(&v, 4);
-    let r = f_theta(&v, &d);
+    let r = random_f_theta_restorer(&v, &d);
     let p = prompt(1, 45);
     let full = plain(&v, KvSetup::full(0), &p, 40);
     let reference = trace(&v, KvSetup::full(0), &p, &full.tokens);
@@ -139,7 +108,7 @@ fn restored_with_an_oracle_restorer_equals_full() {
         let full = plain(&v, KvSetup::full(0), &p, 40);
         let mut seq = p.clone();
         seq.extend(&full.tokens);
-        let o = oracle(&v, &seq);
+        let o = oracle_restorer(&v, &seq);
         let reference = trace(&v, KvSetup::full(0), &p, &full.tokens);
         for (sink, window) in [(2, 4), (0, 1), (4, 9)] {
             let s = KvSetup::new(policy(KvMode::Restored, sink, window)).restorer(&o);
@@ -167,7 +136,7 @@ fn every_mode_decodes_speculatively_as_it_does_plainly() {
     let v = verifier();
     for block in [4, 8, 16] {
         let d = drafter(&v, block);
-        let r = f_theta(&v, &d);
+        let r = random_f_theta_restorer(&v, &d);
         for mode in KvMode::ALL {
             let s = setup(policy(mode, 2, 16), &d, &r);
             for i in 0..2 + usize::from(block == 8) {
@@ -196,7 +165,7 @@ fn every_mode_decodes_speculatively_as_it_does_plainly() {
 fn rollback_under_random_accept_counts_never_needs_a_demoted_position() {
     let v = verifier();
     let d = drafter(&v, 16);
-    let r = f_theta(&v, &d);
+    let r = random_f_theta_restorer(&v, &d);
     let mut seed = 1u64;
     for mode in KvMode::ALL.into_iter().filter(|m| *m != KvMode::Full) {
         for (block, window) in [(4, 4), (8, 9), (16, 16)] {
@@ -252,7 +221,7 @@ fn rolling_back_past_the_slack_is_refused_not_wrong() {
 fn bytes_are_measured_and_bounded_modes_hold_less() {
     let v = verifier();
     let d = drafter(&v, 4);
-    let r = f_theta(&v, &d);
+    let r = random_f_theta_restorer(&v, &d);
     let p = prompt(2, 150);
     let full = plain(&v, KvSetup::full(0), &p, 20).stats.kv;
     assert_eq!(full.total, full.exact, "full holds only exact K/V");
@@ -310,7 +279,7 @@ fn bad_settings_are_refused() {
     assert!(e.contains("at least 1 position"), "{e}");
     let e = err(KvSetup::new(policy(KvMode::Restored, 4, 16)), 1);
     assert!(e.contains("needs an f_θ"), "{e}");
-    let r = f_theta(&v, &d);
+    let r = random_f_theta_restorer(&v, &d);
     let e = err(
         KvSetup::new(policy(KvMode::RestoredQ4, 4, 16)).restorer(&r),
         1,

@@ -12,15 +12,13 @@ mod common;
 use burn::tensor::{Device, Tensor};
 use common::{greedy_cfg, max_diff, tiny_prompt};
 use kakeya_models::testing::{
-    drafter_config, f_theta_config, random_checkpoint, random_drafter, random_f_theta,
-    random_quantized_checkpoint, tiny_config,
+    drafter_config, random_checkpoint, random_drafter, random_quantized_checkpoint, tiny_config,
 };
-use kakeya_models::{DFlashDrafter, FTheta, ForwardRequest, Gemma3Model, Logits};
-use kakeya_runtime::kv::{FThetaRestorer, KvMode, KvPolicy};
+use kakeya_models::{DFlashDrafter, ForwardRequest, Gemma3Model, Logits};
+use kakeya_runtime::kv::{KvMode, KvPolicy};
 use kakeya_runtime::{
     DFlashProposer, KvCache, KvSetup, Session, SpecConfig, Verifier, generate, speculative_generate,
 };
-use kakeya_weights::ftheta::FThetaInputs;
 use kakeya_weights::{Checkpoint, Gemma3Config};
 use serde_json::Value;
 
@@ -186,17 +184,7 @@ fn bounded_kv_modes_on_wgpu_decode_speculatively_as_plainly() {
     let v = Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(24), 11), &gpu()).unwrap();
     let d = DFlashDrafter::from_checkpoint(random_drafter(&drafter_config(&v.config, 2, 4), 5), &v)
         .unwrap();
-    let c = &v.config;
-    let fc = f_theta_config(
-        d.num_layers(),
-        d.context_width() / d.num_layers(),
-        FThetaInputs::Own,
-        16,
-        c.num_hidden_layers,
-        c.num_key_value_heads * c.head_dim,
-    );
-    let f = FTheta::from_checkpoint(&random_f_theta(&fc, 3), v.device()).unwrap();
-    let r = FThetaRestorer::new(&f, d.num_layers(), d.context_width()).unwrap();
+    let r = common::random_f_theta_restorer(&v, &d);
     for mode in KvMode::ALL {
         let s = KvSetup::new(KvPolicy {
             mode,

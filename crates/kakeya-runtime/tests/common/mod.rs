@@ -198,3 +198,41 @@ impl Proposer for NoisyReplay {
         Ok(out)
     }
 }
+
+/// The verifier's own raw K/V of every position of `seq`, per layer, as a restorer (restoration
+/// without f_θ's error; a Gemma 4 sharing layer's entry is its source's, and the restorer is
+/// only asked for layers with K/V of their own).
+pub fn oracle_restorer(v: &Gemma3Model, seq: &[u32]) -> kakeya_runtime::kv::OracleRestorer {
+    let mut req = kakeya_models::ForwardRequest::new(seq, 0, kakeya_models::Logits::None);
+    req.capture_attention = true;
+    let mut caches = kakeya_runtime::KvCache::for_specs(&v.cache_specs(), 0);
+    let out = v.forward(&req, &mut caches).unwrap();
+    kakeya_runtime::kv::OracleRestorer {
+        layers: out
+            .attention
+            .into_iter()
+            .map(|c| (c.k_raw, c.v_raw))
+            .collect(),
+    }
+}
+
+/// A random f_θ (rank 16, seed 3) for `v` and `d` as a restorer: one decoder per layer with K/V
+/// of its own, each at that layer's width.
+pub fn random_f_theta_restorer(
+    v: &Gemma3Model,
+    d: &DFlashDrafter,
+) -> kakeya_runtime::kv::FThetaRestorer {
+    let widths = v.config.own_kv_widths();
+    let cfg = kakeya_models::testing::f_theta_config(
+        d.num_layers(),
+        d.context_width() / d.num_layers(),
+        kakeya_weights::ftheta::FThetaInputs::Own,
+        16,
+        widths.len(),
+        widths[0],
+    )
+    .with_layer_widths(&widths);
+    let ck = kakeya_models::testing::random_f_theta(&cfg, 3);
+    let f = kakeya_models::FTheta::from_checkpoint(&ck, v.device()).unwrap();
+    kakeya_runtime::kv::FThetaRestorer::new(&f, d.num_layers(), d.context_width()).unwrap()
+}

@@ -254,3 +254,41 @@ fn chat_on_gemma4_is_refused_not_formatted_with_gemma3s_template() {
     let g3 = kakeya_models::testing::tiny_config(4);
     assert!(check_template(&g3).is_ok());
 }
+
+/// Bad Gemma 4 input fails with an error that names the problem, never a panic: a missing
+/// Gemma 4-only tensor, a full layer's projection of a sliding layer's shape, and a drafter
+/// made for another verifier (the tiny Gemma 3: another width and vocabulary).
+#[test]
+fn missing_or_misshapen_tensors_and_a_foreign_drafter_are_refused() {
+    let mut ck = checkpoint("dense", Source::Hf);
+    ck.tensors.remove("model.layers.3.layer_scalar").unwrap();
+    let e = Gemma3Model::from_checkpoint(ck, &Device::flex())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("model.layers.3.layer_scalar"), "{e}");
+
+    // Layer 2 is full (1 KV head × 32); give its k_proj a sliding layer's 2 × 16 rows of
+    // another input width.
+    let mut ck = checkpoint("dense", Source::Hf);
+    let t = ck
+        .tensors
+        .get_mut("model.layers.2.self_attn.k_proj.weight")
+        .unwrap();
+    t.shape = vec![t.shape[0], t.shape[1] / 2];
+    t.data.truncate(t.shape[0] * t.shape[1]);
+    let e = Gemma3Model::from_checkpoint(ck, &Device::flex())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("model.layers.2.self_attn.k_proj.weight"), "{e}");
+
+    let v = load("dense");
+    let foreign =
+        kakeya_models::testing::drafter_config(&kakeya_models::testing::tiny_config(8), 2, 4);
+    let e = kakeya_models::DFlashDrafter::from_checkpoint(
+        kakeya_models::testing::random_drafter(&foreign, 3),
+        &v,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("hidden_size"), "{e}");
+}

@@ -132,7 +132,7 @@ pub fn frozen_layers(verifier: &Gemma3Model, device: &Device) -> Vec<LayerFrozen
     verifier
         .layers
         .iter()
-        .take_while(|l| l.attn.kv_source.is_none())
+        .take(verifier.config.own_kv_widths().len())
         .map(|l| LayerFrozen::from_attention(&l.attn, device))
         .collect()
 }

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use burn::tensor::Device;
 use clap::{Args, ValueEnum};
+use kakeya_models::linear::Kernel;
 use kakeya_models::{DFlashDrafter, Gemma3Model};
 use kakeya_weights::{Checkpoint, DraftCheckpoint, Tokenizer};
 
@@ -84,6 +85,21 @@ pub struct ModelArgs {
     /// Compute device.
     #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
     pub device: DeviceKind,
+    /// Products of the quantised layer weights on the CPU: `exact` (f32, the model's own
+    /// greedy choices) or `int8` (inputs rounded to int8, integer dot products: faster for
+    /// batches, verify blocks and prefill; outputs move by ≈ 1 %, so greedy text can differ
+    /// from the f32 model's at near-ties). Speculation stays lossless either way.
+    #[arg(long, value_enum, default_value_t = KernelKind::Exact)]
+    pub kernel: KernelKind,
+}
+
+/// `--kernel`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum KernelKind {
+    /// Exact f32 products.
+    Exact,
+    /// Int8 inputs, integer dot products.
+    Int8,
 }
 
 impl ModelArgs {
@@ -122,7 +138,13 @@ impl ModelArgs {
         let ck =
             Checkpoint::load(&path).with_context(|| format!("loading model {}", path.display()))?;
         let tok = Tokenizer::load(&self.tokenizer_path(&path), ck.config.vocab_size)?;
-        let model = Gemma3Model::from_checkpoint(ck, &device)?;
+        let mut model = Gemma3Model::from_checkpoint(ck, &device)?;
+        if self.kernel == KernelKind::Int8 && model.set_kernel(Kernel::Int8) == 0 {
+            bail!(
+                "{}: --kernel int8 needs quantised (GGUF) weights on the CPU, and this model has none there",
+                path.display()
+            );
+        }
         Ok((model, tok))
     }
 }

@@ -29,6 +29,23 @@ pub struct Linear {
     /// verifier's f32/bf16 weights): inputs of up to [`QUANT_MAX_ROWS`] rows then give each
     /// row the same bits however many run together, as the block kernel does.
     pub rows: Option<Arc<DenseMatrix>>,
+    /// Which products the quantised weight takes ([`Kernel`]).
+    pub kernel: Kernel,
+}
+
+/// How a linear map with quantised weights multiplies on the CPU.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Kernel {
+    /// The exact f32 products (the weights rebuilt bit for bit): up to [`QUANT_MAX_ROWS`]
+    /// input rows through the block kernel, longer inputs through the dense matmul. Greedy
+    /// choices are the f32 model's.
+    #[default]
+    Exact,
+    /// Every input row rounded to int8 per weight group, integer dot products
+    /// ([`QuantMatrix::matmul_int8`]), for any number of rows. Faster where several rows run
+    /// together; each output moves by ≈ 1 % of its scale, so greedy choices can differ from
+    /// the f32 model's at near-ties. Still batch-invariant (lossless speculation holds).
+    Int8,
 }
 
 impl Linear {
@@ -38,6 +55,7 @@ impl Linear {
             weight,
             quant: None,
             rows: None,
+            kernel: Kernel::Exact,
         }
     }
 
@@ -50,6 +68,11 @@ impl Linear {
     /// - `x`: `[T, in]` → `[T, out]`
     pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
         let t = x.dims()[0];
+        if let (Some(q), Kernel::Int8) = (self.quant.as_deref(), self.kernel) {
+            let device = x.device();
+            let y = q.matmul_int8(&host_rows(x), t);
+            return Tensor::from_data(TensorData::new(y, [t, q.rows()]), &device);
+        }
         if let Some(q) = self.quant_for(t) {
             let device = x.device();
             let y = q.matmul(&host_rows(x), t);

@@ -1,5 +1,5 @@
 #![allow(clippy::print_stdout)]
-//! Times `QuantMatrix::matmul` (1, 8 and 16 input rows) on every quantised tensor kind of a GGUF
+//! Times `QuantMatrix::matmul` and `matmul_int8` (1, 8 and 16 input rows) on every quantised tensor kind of a GGUF
 //! (best of 10; small matrices stay in cache, the 262k-row head does not), and the certified
 //! argmax where it applies.
 //! Usage: cargo run --release -p kakeya-weights --example qbench -- model.gguf [name-filter] [rows...]
@@ -50,6 +50,20 @@ fn main() {
                 t.name,
                 t.ty,
                 shape,
+                best * 1e3,
+                macs / best / 1e9,
+            );
+            // The int8 kernel (its panels made before timing).
+            std::hint::black_box(q.matmul_int8(&x, t_rows));
+            let mut best = f64::MAX;
+            for _ in 0..10 {
+                let t0 = Instant::now();
+                std::hint::black_box(q.matmul_int8(&x, t_rows));
+                best = best.min(t0.elapsed().as_secs_f64());
+            }
+            println!(
+                "{:>24} int8 kernel t={t_rows:>2}: {:.3} ms ({:.1} GMAC/s)",
+                "",
                 best * 1e3,
                 macs / best / 1e9,
             );

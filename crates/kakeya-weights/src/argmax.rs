@@ -3,8 +3,8 @@
 //!
 //! An approximate pass multiplies the int8 weights by the input rounded to int8 per group of 32
 //! (integer dot products: with AVX2, 32 products in a few instructions; with AVX-512 VNNI, 64
-//! in one `vpdpbusd` — against the exact kernel's int→float rebuild and eight FMAs per eight
-//! products), and bounds each row's error:
+//! in one `vpdpbusd`, through the int8 kernel's panels of [`crate::int8`] — against the exact
+//! kernel's int→float rebuild and eight FMAs per eight products), and bounds each row's error:
 //! with `x̂` the rounded input, `|w·x − w·x̂| ≤ ‖w‖₂·‖x − x̂‖₂` (Cauchy–Schwarz), plus the f32
 //! rounding of both passes, bounded by `κ·‖w‖₂·(‖x‖₂ + ‖x̂‖₂)`. A row whose upper bound is below
 //! the best lower bound cannot be the largest; the few that remain get their exact product —
@@ -21,13 +21,14 @@ use rayon::prelude::*;
 use crate::kernel::{self, Layout, TILE};
 use crate::quant::QuantMatrix;
 
-#[cfg(target_arch = "x86_64")]
-mod avx512;
-
 /// Values per group this path handles.
 const GROUP: usize = 32;
 /// Weight rows per parallel task of the approximate pass.
 const ROWS_PER_TASK: usize = 256;
+const _: () = assert!(
+    ROWS_PER_TASK.is_multiple_of(crate::int8::PANEL),
+    "tasks are whole panels"
+);
 
 /// An input row with more candidates than `rows / FULL_ROW_SHARE` takes every row's exact
 /// product in one streamed pass instead.
@@ -62,8 +63,6 @@ pub fn first_max(values: &[f32]) -> Option<usize> {
 pub(crate) struct Rounded {
     /// `[t, cols]` int8 values.
     pub q: Vec<i8>,
-    /// The same plus 128, as unsigned bytes (the VNNI path's operand).
-    pub qu: Vec<u8>,
     /// `[t, gpr]` group scales (`x̂ = q · s`).
     pub s: Vec<f32>,
     /// `[t]`: the radius `C_j` such that `|approx_r − exact_r| ≤ ‖w_r‖₂ · C_j` for every row `r`
@@ -106,8 +105,7 @@ pub(crate) fn round_inputs(x: &[f32], t: usize, cols: usize) -> Rounded {
         let c = e2.sqrt() * (1.0 + 1e-6) + kappa * (x2.sqrt() + h2.sqrt());
         radius.push((c as f32).next_up());
     }
-    let qu = q.iter().map(|&v| (v as u8) ^ 0x80).collect();
-    Rounded { q, qu, s, radius }
+    Rounded { q, s, radius }
 }
 
 /// `‖w_r‖₂` of every row, rounded up.
@@ -139,16 +137,47 @@ pub(crate) fn applies(m: &QuantMatrix) -> bool {
 }
 
 /// The approximate products `out[r · t + j] ≈ w_r · x_j` of the rows of `tiles` (whole tiles,
-/// `rows` rows used) against the rounded inputs.
+/// `rows` rows used) against the rounded inputs, with AVX2 (machines without AVX-512 VNNI).
 fn approx_rows(l: Layout, tiles: &[u8], xr: &Rounded, t: usize, rows: usize, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if avx512::available() {
-        avx512::approx(l, tiles, &xr.qu, &xr.s, t, rows, out);
-    } else {
-        simd::approx(l, tiles, &xr.q, &xr.s, t, rows, out);
-    }
+    simd::approx(l, tiles, &xr.q, &xr.s, t, rows, out);
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (l, tiles, xr, t, rows, out);
+}
+
+/// With AVX-512 VNNI, the approximate products go through the int8 kernel's panels
+/// ([`crate::int8`]: 64 integer products per instruction, sixteen weight rows per register,
+/// the float steps once per group of sixteen rows). Their f32 rounding — a product and a
+/// fused add per group, summed in one sequence — is within the radius' allowance for the
+/// approximate pass. `None` elsewhere.
+fn panel_inputs<'m>(
+    m: &'m QuantMatrix,
+    xr: &Rounded,
+) -> Option<(&'m crate::int8::Panels, crate::int8::Rounded)> {
+    if !crate::int8::simd_available() {
+        return None;
+    }
+    let p = m.panels();
+    Some((p, p.rounded_from(&xr.q, &xr.s)))
+}
+
+/// [`approx_rows`] through the panels: rows `r0..r0 + rows` (`r0` a multiple of the panel).
+fn approx_panel_rows(
+    (p, pr): &(&crate::int8::Panels, crate::int8::Rounded),
+    t: usize,
+    r0: usize,
+    rows: usize,
+    out: &mut [f32],
+) {
+    use crate::int8::PANEL;
+    let mut buf = vec![0.0f32; rows.div_ceil(PANEL) * t * PANEL];
+    p.panel_products(pr, t, r0 / PANEL, &mut buf);
+    for (i, o) in out.chunks_exact_mut(t).take(rows).enumerate() {
+        let b = &buf[(i / PANEL) * t * PANEL + i % PANEL..];
+        o.iter_mut()
+            .enumerate()
+            .for_each(|(j, v)| *v = b[j * PANEL]);
+    }
 }
 
 /// Inputs one tile pass takes at most.
@@ -159,7 +188,7 @@ const MAX_X: usize = 8;
 #[cfg(target_arch = "x86_64")]
 type TileProducts = [[f32; MAX_X]; TILE];
 
-/// The loop both SIMD passes share: every tile of `tiles` (`rows` rows used) against the `t`
+/// The AVX2 pass's loop: every tile of `tiles` (`rows` rows used) against the `t`
 /// inputs in chunks of at most `chunk` (≤ [`MAX_X`]); `pass(tile, j0, xn, res)` fills the
 /// products of inputs `j0..j0 + xn`, written to `out[r · t + j]`.
 #[cfg(target_arch = "x86_64")]
@@ -219,6 +248,7 @@ impl QuantMatrix {
         let (l, rows, cols) = (self.layout(), self.rows(), self.cols());
         let xr = round_inputs(x, t, cols);
         let norms = self.norms();
+        let panels = panel_inputs(self, &xr);
         // Pass 1, per task of rows: approximate products, the best lower bound of each input
         // row, and the rows whose upper bound reaches it (a superset of the rows that reach
         // the best lower bound over all tasks, which is at least as high).
@@ -229,7 +259,10 @@ impl QuantMatrix {
                 let n = (rows - r0).min(ROWS_PER_TASK);
                 let tiles = &self.data()[r0 / TILE * l.tile()..(r0 + n).div_ceil(TILE) * l.tile()];
                 let mut out = vec![0.0f32; n * t];
-                approx_rows(l, tiles, &xr, t, n, &mut out);
+                match &panels {
+                    Some(p) => approx_panel_rows(p, t, r0, n, &mut out),
+                    None => approx_rows(l, tiles, &xr, t, n, &mut out),
+                }
                 let mut low = vec![f32::NEG_INFINITY; t];
                 for (i, row) in out.chunks_exact(t).enumerate() {
                     for (j, (&a, lo)) in row.iter().zip(&mut low).enumerate() {
@@ -507,42 +540,34 @@ mod tests {
             let xr = round_inputs(&x, t, cols);
             let mut approx = vec![0.0f32; rows * t];
             approx_rows(m.layout(), m.data(), &xr, t, rows, &mut approx);
+            // Both passes: AVX2's (`[r, t]`) and, with VNNI, the int8 panels' (`[t, rows]`).
+            let mut passes = vec![("avx2", approx)];
+            if let Some(p) = panel_inputs(&m, &xr) {
+                let mut by_row = vec![0.0f32; rows * t];
+                approx_panel_rows(&p, t, 0, rows, &mut by_row);
+                passes.push(("int8 panels", by_row));
+            }
             let exact = m.matmul(&x, t);
             let norms = m.norms();
-            let mut worst = 0.0f64;
-            for r in 0..rows {
-                for j in 0..t {
-                    let (a, f) = (approx[r * t + j], exact[j * rows + r]);
-                    let bound = f64::from(norms[r]) * f64::from(xr.radius[j]);
-                    let err = (f64::from(a) - f64::from(f)).abs();
-                    assert!(err <= bound, "{ty:?} [{r},{j}]: |{a} - {f}| > {bound}");
-                    worst = worst.max(err / bound);
+            for (name, approx) in passes {
+                let mut worst = 0.0f64;
+                for r in 0..rows {
+                    for j in 0..t {
+                        let (a, f) = (approx[r * t + j], exact[j * rows + r]);
+                        let bound = f64::from(norms[r]) * f64::from(xr.radius[j]);
+                        let err = (f64::from(a) - f64::from(f)).abs();
+                        assert!(
+                            err <= bound,
+                            "{ty:?} {name} [{r},{j}]: |{a} - {f}| > {bound}"
+                        );
+                        worst = worst.max(err / bound);
+                    }
                 }
-            }
-            // The bound is not vacuous: some rows come within a few times of it.
-            assert!(worst > 0.01, "{ty:?}: error at most {worst} of the bound");
-        }
-    }
-
-    #[test]
-    fn the_vnni_pass_gives_the_avx2_pass_bits() {
-        if !(simd::available() && avx512::available()) {
-            eprintln!("no AVX-512 VNNI here: nothing to compare");
-            return;
-        }
-        for (ty, rows, cols) in [(GgmlType::Q8_0, 403, 640), (GgmlType::Q4_0, 130, 512)] {
-            let m = QuantMatrix::new(ty, rows, cols, &blocks(ty, rows, cols)).unwrap();
-            for t in [1, 2, 3, 4, 5, 7, 8, 9, 16, 17] {
-                let x = inputs(&m, t, 5);
-                let xr = round_inputs(&x, t, cols);
-                let (mut a, mut b) = (vec![0.0f32; rows * t], vec![0.0f32; rows * t]);
-                simd::approx(m.layout(), m.data(), &xr.q, &xr.s, t, rows, &mut a);
-                avx512::approx(m.layout(), m.data(), &xr.qu, &xr.s, t, rows, &mut b);
-                let (a, b): (Vec<u32>, Vec<u32>) = (
-                    a.iter().map(|v| v.to_bits()).collect(),
-                    b.iter().map(|v| v.to_bits()).collect(),
+                // The bound is not vacuous: some rows come within a few times of it.
+                assert!(
+                    worst > 0.01,
+                    "{ty:?} {name}: error at most {worst} of the bound"
                 );
-                assert_eq!(a, b, "{ty:?} t={t}");
             }
         }
     }

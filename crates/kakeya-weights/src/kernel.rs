@@ -100,6 +100,24 @@ impl Layout {
         }
     }
 
+    /// Reads row `i` of a tile back: its values `q` (`[cols]`), scales `s` and offsets `o`
+    /// (`[gpr]`; zeros for symmetric formats) — the inverse of [`Self::write_row`].
+    pub fn read_row(self, tile: &[u8], i: usize, q: &mut [i8], s: &mut [f32], o: &mut [f32]) {
+        for g in 0..self.gpr {
+            let b = &tile[g * self.block()..(g + 1) * self.block()];
+            let f = |at: usize| f32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+            s[g] = f(4 * i);
+            o[g] = if self.asym { f(4 * (TILE + i)) } else { 0.0 };
+            let v = self.header() + i * self.group;
+            for (d, &qv) in q[g * self.group..(g + 1) * self.group]
+                .iter_mut()
+                .zip(&b[v..v + self.group])
+            {
+                *d = qv as i8;
+            }
+        }
+    }
+
     /// Rebuilds the tile's rows into `w` (`[TILE, cols]`): `w_j = q_j·s_g (+ o_g)`, exactly
     /// the f32 operations of [`crate::dequant`] (the values equal the dense model's bit for
     /// bit).

@@ -12,6 +12,7 @@ pub mod error;
 pub mod fsio;
 pub mod ftheta;
 pub mod gguf;
+mod int8;
 mod kernel;
 pub mod mapped;
 pub mod quant;

@@ -33,6 +33,8 @@ pub struct QuantMatrix {
     data: Vec<u8>,
     /// `‖w_r‖₂` per row, rounded up: made on the first [`Self::argmax`].
     norms: std::sync::OnceLock<Vec<f32>>,
+    /// The int8 kernel's panels: made on the first [`Self::matmul_int8`].
+    int8: std::sync::OnceLock<crate::int8::Panels>,
 }
 
 fn f16(b: &[u8], i: usize) -> f32 {
@@ -229,6 +231,7 @@ impl QuantMatrix {
             layout,
             data: tiles,
             norms: std::sync::OnceLock::new(),
+            int8: std::sync::OnceLock::new(),
         })
     }
 
@@ -268,9 +271,27 @@ impl QuantMatrix {
         self.ty
     }
 
-    /// Bytes held.
+    /// Bytes held (the int8 kernel's panels included once made).
     pub fn nbytes(&self) -> usize {
-        self.data.len() + self.norms.get().map_or(0, |n| 4 * n.len())
+        self.data.len()
+            + self.norms.get().map_or(0, |n| 4 * n.len())
+            + self.int8.get().map_or(0, crate::int8::Panels::nbytes)
+    }
+
+    /// `y ≈ x · Wᵀ` through the int8 kernel ([`crate::int8`]): each input row rounded to int8
+    /// per group, integer dot products. Not the exact products; each row's result is
+    /// independent of how many rows run together. The kernel's panels are made on the first
+    /// call (≈ 1 byte per weight).
+    ///
+    /// # Shapes
+    /// - `x`: `[t, cols]` row-major → `[t, rows]` row-major
+    pub fn matmul_int8(&self, x: &[f32], t: usize) -> Vec<f32> {
+        self.panels().matmul(x, t)
+    }
+
+    /// The int8 kernel's panels, made on first use.
+    pub(crate) fn panels(&self) -> &crate::int8::Panels {
+        self.int8.get_or_init(|| crate::int8::Panels::new(self))
     }
 
     /// `y = x · Wᵀ`.

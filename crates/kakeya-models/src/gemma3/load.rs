@@ -50,6 +50,7 @@ impl Loader<'_> {
                 weight: self.t2(name)?,
                 quant,
                 rows: None,
+                kernel: crate::linear::Kernel::Exact,
             });
         }
         let t = self.take(name)?;
@@ -67,6 +68,7 @@ impl Loader<'_> {
             weight: Tensor::from_data(TensorData::new(data, shape), self.device),
             quant: None,
             rows: Some(std::sync::Arc::new(rows)),
+            kernel: crate::linear::Kernel::Exact,
         }
     }
 

@@ -9,7 +9,7 @@ use super::per_layer::{PerLayerEmbed, PerLayerGate};
 use crate::activation::gelu_tanh;
 use crate::cache::{CacheSpec, KvLayers};
 use crate::error::{ModelError, Result};
-use crate::linear::Linear;
+use crate::linear::{Kernel, Linear};
 use crate::norm::RmsNorm;
 
 /// Which logits a forward returns.
@@ -203,6 +203,40 @@ pub struct Gemma3Model {
 }
 
 impl Gemma3Model {
+    /// Chooses the products of the decoder layers' quantised weights ([`Kernel`]); the LM
+    /// head keeps its exact greedy search. Returns how many weights take the kernel (0: the
+    /// model has no quantised weights on the CPU, so nothing changed).
+    pub fn set_kernel(&mut self, kernel: Kernel) -> usize {
+        let mut n = 0;
+        let mut set = |l: &mut Linear| {
+            if l.quant.is_some() {
+                l.kernel = kernel;
+                n += 1;
+            }
+        };
+        for layer in &mut self.layers {
+            let a = &mut layer.attn;
+            set(&mut a.q_proj);
+            a.k_proj.iter_mut().for_each(&mut set);
+            a.v_proj.iter_mut().for_each(&mut set);
+            set(&mut a.o_proj);
+            set(&mut layer.gate_proj);
+            set(&mut layer.up_proj);
+            set(&mut layer.down_proj);
+            if let Some(p) = &mut layer.per_layer {
+                set(&mut p.gate);
+                set(&mut p.proj);
+            }
+            if let Some(m) = &mut layer.moe {
+                for e in &mut m.experts {
+                    set(&mut e.gate_up);
+                    set(&mut e.down);
+                }
+            }
+        }
+        n
+    }
+
     /// The device the weights live on.
     pub fn device(&self) -> &Device {
         &self.device

@@ -85,3 +85,47 @@ fn logits_and_greedy_match_transformers() {
         assert_eq!(g.tokens.len(), want.len());
     }
 }
+
+/// The int8 kernel's logits against transformers' f32 ones: its input rounding moves them by
+/// 0.33–0.54 at the recorded ids (measured 2026-11-25 on the four cases; logits of magnitude
+/// ~30). The bar is twice the worst measured.
+const INT8_LOGIT_TOL: f32 = 1.0;
+
+/// `--kernel int8` on the real model: logits near transformers', and greedy text that leaves
+/// transformers' only at near-ties — where the reference's top-1/top-2 gap is below twice the
+/// logit tolerance, so two logits each off by less than it could swap. Measured: two of the
+/// four cases diverge, at steps 23 (gap 0.263) and 2 (gap 0.056); the other two match all 32
+/// tokens. (The exact kernel, the default, matches every token: the test above.)
+#[test]
+#[ignore = "needs the fetched default model (scripts/fetch_default_model.py)"]
+fn the_int8_kernel_stays_near_transformers_and_diverges_only_at_near_ties() {
+    let (mut model, _) = load();
+    assert!(model.set_kernel(kakeya_models::linear::Kernel::Int8) > 0);
+    for case in fixture()["cases"].as_array().unwrap() {
+        let prompt = ids(&case["prompt_ids"]);
+        let logits = Session::new(&model, 0).prefill(&prompt, 512).unwrap();
+        let d = logit_diff(&logits, case);
+        eprintln!(
+            "int8: {} prompt tokens: max |Δlogit| = {d:.3}",
+            prompt.len()
+        );
+        assert!(d <= INT8_LOGIT_TOL, "max |Δlogit| {d} > {INT8_LOGIT_TOL}");
+        let cfg = GenerationConfig {
+            max_tokens: 32,
+            sampling: Sampling::Greedy,
+            stop_tokens: vec![],
+            prefill_chunk: 512,
+            loop_guard: None,
+        };
+        let g = generate(&mut Session::new(&model, 0), &prompt, &cfg, &mut |_| {}).unwrap();
+        let (want, gaps) = (ids(&case["greedy"]), floats(&case["greedy_gaps"]));
+        if let Some(i) = g.tokens.iter().zip(&want).position(|(a, b)| a != b) {
+            eprintln!("int8: diverges at step {i} (reference gap {:.3})", gaps[i]);
+            assert!(
+                gaps[i] < 2.0 * INT8_LOGIT_TOL,
+                "int8 greedy diverges at step {i}, where the reference gap is {} (not a near-tie)",
+                gaps[i]
+            );
+        }
+    }
+}

@@ -271,3 +271,63 @@ fn a_blocks_rows_equal_single_steps_bit_for_bit() {
         common::assert_blocks_equal_steps(&model(window), &format!("dense, window {window}"));
     }
 }
+
+/// The int8 kernel (`--kernel int8`) rounds each input row on its own, so a verify block's
+/// rows stay bit for bit single steps, and speculation with it commits exactly what plain
+/// decoding with it commits (drafts replayed from that decoding, some corrupted) — while its
+/// logits do differ from the exact kernel's (so these checks see the int8 path).
+#[test]
+fn the_int8_kernel_keeps_blocks_bit_for_bit_and_speculation_lossless() {
+    use kakeya_models::linear::Kernel;
+    use kakeya_models::testing::random_quantized_checkpoint;
+    use kakeya_runtime::{KvSetup, SpecConfig, Verifier, generate, speculative_generate};
+    let exact = Gemma3Model::from_checkpoint(
+        random_quantized_checkpoint(&tiny_config(4), 3),
+        &Device::flex(),
+    )
+    .unwrap();
+    let mut q = exact.clone();
+    assert!(
+        q.set_kernel(Kernel::Int8) > 0,
+        "the tiny model has quantised weights"
+    );
+    let p = common::tiny_prompt(1, 9);
+    let (a, b) = (
+        Session::new(&exact, 0).prefill(&p, 4).unwrap(),
+        Session::new(&q, 0).prefill(&p, 4).unwrap(),
+    );
+    let moved = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
+    let scale = a.iter().map(|x| x.abs()).fold(0.0f32, f32::max);
+    assert!(
+        moved > 0.0 && moved < 0.1 * scale,
+        "int8 logits move by {moved} (scale {scale}): neither zero nor far off"
+    );
+    common::assert_blocks_equal_steps(&q, "int8 kernel, window 4");
+    let cfg = common::greedy_cfg(40, 4);
+    for i in 0..6 {
+        let p = common::tiny_prompt(i, 3 + 5 * i);
+        let want = generate(&mut Session::new(&q, 0), &p, &cfg, &mut |_| {})
+            .unwrap()
+            .tokens;
+        let mut cont = want.clone();
+        cont.extend(std::iter::repeat_n(0, 16));
+        for block in [2, 8] {
+            let mut ver = Verifier::new(&q, KvSetup::full(0), block).unwrap();
+            let mut prop = common::NoisyReplay::new(&p, &cont, 0.3, i as u64);
+            let g = speculative_generate(
+                &mut ver,
+                &mut prop,
+                &p,
+                &cfg,
+                SpecConfig::fixed(block),
+                &mut |_| {},
+            )
+            .unwrap();
+            assert_eq!(g.tokens, want, "prompt {i}, block {block}");
+        }
+    }
+}

@@ -18,6 +18,7 @@
 
 use rayon::prelude::*;
 
+use crate::int8::PANEL;
 use crate::kernel::{self, Layout, TILE};
 use crate::quant::QuantMatrix;
 
@@ -145,23 +146,58 @@ fn approx_rows(l: Layout, tiles: &[u8], xr: &Rounded, t: usize, rows: usize, out
     let _ = (l, tiles, xr, t, rows, out);
 }
 
-/// With AVX-512 VNNI, the approximate products go through the int8 kernel's panels
-/// ([`crate::int8`]: 64 integer products per instruction, sixteen weight rows per register,
-/// the float steps once per group of sixteen rows). Their f32 rounding — a product and a
-/// fused add per group, summed in one sequence — is within the radius' allowance for the
-/// approximate pass. `None` elsewhere.
-fn panel_inputs<'m>(
-    m: &'m QuantMatrix,
-    xr: &Rounded,
-) -> Option<(&'m crate::int8::Panels, crate::int8::Rounded)> {
-    if !crate::int8::simd_available() {
-        return None;
+/// Pass 1's bounds of one task (rows `r0..r0 + norms.len()`) from its approximations `buf`
+/// (`[panel][t][PANEL]`): per input row, the best lower bound `a − ‖w‖·C`, and the rows
+/// (ascending) whose upper bound `a + ‖w‖·C` reaches it. Sixteen rows at a time, so the
+/// loops vectorise.
+fn task_bounds(buf: &[f32], norms: &[f32], radius: &[f32], t: usize, r0: usize) -> TaskBounds {
+    let n = norms.len();
+    let panel_norms = |pi: usize| {
+        let mut nr = [0.0f32; PANEL];
+        let m = (n - pi * PANEL).min(PANEL);
+        nr[..m].copy_from_slice(&norms[pi * PANEL..pi * PANEL + m]);
+        (nr, m)
+    };
+    let mut lanes = vec![[f32::NEG_INFINITY; PANEL]; t];
+    for (pi, pb) in buf.chunks_exact(t * PANEL).enumerate() {
+        let (nr, m) = panel_norms(pi);
+        for ((blk, lj), &c) in pb.chunks_exact(PANEL).zip(&mut lanes).zip(radius) {
+            if m == PANEL {
+                for l in 0..PANEL {
+                    lj[l] = lj[l].max(blk[l] - nr[l] * c);
+                }
+            } else {
+                for l in 0..m {
+                    lj[l] = lj[l].max(blk[l] - nr[l] * c);
+                }
+            }
+        }
     }
-    let p = m.panels();
-    Some((p, p.rounded_from(&xr.q, &xr.s)))
+    let low: Vec<f32> = lanes
+        .iter()
+        .map(|l| l.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)))
+        .collect();
+    let mut near = vec![Vec::new(); t];
+    for (pi, pb) in buf.chunks_exact(t * PANEL).enumerate() {
+        let (nr, m) = panel_norms(pi);
+        for (j, (blk, &c)) in pb.chunks_exact(PANEL).zip(radius).enumerate() {
+            let lo = low[j];
+            let hit = (0..m).fold(false, |h, l| h | (blk[l] + nr[l] * c >= lo));
+            if hit {
+                for l in 0..m {
+                    let hi = blk[l] + nr[l] * c;
+                    if hi >= lo {
+                        near[j].push(((r0 + pi * PANEL + l) as u32, hi));
+                    }
+                }
+            }
+        }
+    }
+    (low, near)
 }
 
 /// [`approx_rows`] through the panels: rows `r0..r0 + rows` (`r0` a multiple of the panel).
+#[cfg(test)]
 fn approx_panel_rows(
     (p, pr): &(&crate::int8::Panels, crate::int8::Rounded),
     t: usize,
@@ -169,7 +205,6 @@ fn approx_panel_rows(
     rows: usize,
     out: &mut [f32],
 ) {
-    use crate::int8::PANEL;
     let mut buf = vec![0.0f32; rows.div_ceil(PANEL) * t * PANEL];
     p.panel_products(pr, t, r0 / PANEL, &mut buf);
     for (i, o) in out.chunks_exact_mut(t).take(rows).enumerate() {
@@ -237,6 +272,15 @@ impl QuantMatrix {
     /// # Shapes
     /// - `x`: `[t, cols]` row-major → `t` ids
     pub fn argmax(&self, x: &[f32], t: usize) -> Option<Argmax> {
+        self.certified_argmax(x, t, crate::int8::simd_available())
+    }
+
+    /// [`Self::argmax`], its approximate pass through the int8 panels (`panels`, which needs
+    /// AVX-512 VNNI for speed; the portable panel path gives the same bits) or AVX2's tiles.
+    ///
+    /// The panels' f32 rounding — a product and a fused add per group, summed in one
+    /// sequence — is within the radius' allowance for the approximate pass.
+    fn certified_argmax(&self, x: &[f32], t: usize, panels: bool) -> Option<Argmax> {
         assert_eq!(
             x.len(),
             t * self.cols(),
@@ -248,7 +292,10 @@ impl QuantMatrix {
         let (l, rows, cols) = (self.layout(), self.rows(), self.cols());
         let xr = round_inputs(x, t, cols);
         let norms = self.norms();
-        let panels = panel_inputs(self, &xr);
+        let panels = panels.then(|| {
+            let p = self.panels();
+            (p, p.rounded_from(&xr.q, &xr.s))
+        });
         // Pass 1, per task of rows: approximate products, the best lower bound of each input
         // row, and the rows whose upper bound reaches it (a superset of the rows that reach
         // the best lower bound over all tasks, which is at least as high).
@@ -257,28 +304,22 @@ impl QuantMatrix {
             .map(|task| {
                 let r0 = task * ROWS_PER_TASK;
                 let n = (rows - r0).min(ROWS_PER_TASK);
-                let tiles = &self.data()[r0 / TILE * l.tile()..(r0 + n).div_ceil(TILE) * l.tile()];
-                let mut out = vec![0.0f32; n * t];
+                let mut buf = vec![0.0f32; n.div_ceil(PANEL) * t * PANEL];
                 match &panels {
-                    Some(p) => approx_panel_rows(p, t, r0, n, &mut out),
-                    None => approx_rows(l, tiles, &xr, t, n, &mut out),
-                }
-                let mut low = vec![f32::NEG_INFINITY; t];
-                for (i, row) in out.chunks_exact(t).enumerate() {
-                    for (j, (&a, lo)) in row.iter().zip(&mut low).enumerate() {
-                        *lo = lo.max(a - norms[r0 + i] * xr.radius[j]);
-                    }
-                }
-                let mut near = vec![Vec::new(); t];
-                for (i, row) in out.chunks_exact(t).enumerate() {
-                    for (j, &a) in row.iter().enumerate() {
-                        let hi = a + norms[r0 + i] * xr.radius[j];
-                        if hi >= low[j] {
-                            near[j].push(((r0 + i) as u32, hi));
+                    Some((p, pr)) => p.panel_products(pr, t, r0 / PANEL, &mut buf),
+                    None => {
+                        let tiles =
+                            &self.data()[r0 / TILE * l.tile()..(r0 + n).div_ceil(TILE) * l.tile()];
+                        let mut out = vec![0.0f32; n * t];
+                        approx_rows(l, tiles, &xr, t, n, &mut out);
+                        for (i, row) in out.chunks_exact(t).enumerate() {
+                            for (j, &a) in row.iter().enumerate() {
+                                buf[(i / PANEL) * t * PANEL + j * PANEL + i % PANEL] = a;
+                            }
                         }
                     }
                 }
-                (low, near)
+                task_bounds(&buf, &norms[r0..r0 + n], &xr.radius, t, r0)
             })
             .collect();
         let mut thr = vec![f32::NEG_INFINITY; t];
@@ -542,11 +583,10 @@ mod tests {
             approx_rows(m.layout(), m.data(), &xr, t, rows, &mut approx);
             // Both passes: AVX2's (`[r, t]`) and, with VNNI, the int8 panels' (`[t, rows]`).
             let mut passes = vec![("avx2", approx)];
-            if let Some(p) = panel_inputs(&m, &xr) {
-                let mut by_row = vec![0.0f32; rows * t];
-                approx_panel_rows(&p, t, 0, rows, &mut by_row);
-                passes.push(("int8 panels", by_row));
-            }
+            let p = m.panels();
+            let mut by_row = vec![0.0f32; rows * t];
+            approx_panel_rows(&(p, p.rounded_from(&xr.q, &xr.s)), t, 0, rows, &mut by_row);
+            passes.push(("int8 panels", by_row));
             let exact = m.matmul(&x, t);
             let norms = m.norms();
             for (name, approx) in passes {
@@ -587,9 +627,15 @@ mod tests {
             for t in [1, 2, 3, 4, 5, 8, 9, 16] {
                 for seed in 0..3 {
                     let x = inputs(&m, t, seed);
-                    let got = m.argmax(&x, t).expect("the certified path applies");
-                    assert_eq!(got.ids, exact_argmax(&m, &x, t), "{ty:?} t={t} seed={seed}");
-                    assert!(got.candidates.iter().all(|&c| c >= 1 && c <= rows));
+                    // Both approximate passes: the int8 panels' and AVX2's.
+                    for panels in [true, false] {
+                        let got = m
+                            .certified_argmax(&x, t, panels)
+                            .expect("the certified path applies");
+                        let what = format!("{ty:?} t={t} seed={seed} panels={panels}");
+                        assert_eq!(got.ids, exact_argmax(&m, &x, t), "{what}");
+                        assert!(got.candidates.iter().all(|&c| c >= 1 && c <= rows));
+                    }
                 }
             }
         }

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Kakeya vs llama.cpp on the same GGUF, 2 threads each, measured back to back in one session:
-# llama-bench (pp512, tg128), then `kakeya bench` (pp512, tg128), then Kakeya's speculative
+# llama-bench (pp512, tg128), then `kakeya bench` (pp512, tg128; exact and `--kernel int8`), then Kakeya's speculative
 # decoding with the default settings on the 20 built-in prompts, then llama-bench again (the
 # two llama.cpp runs bracket Kakeya's: if they differ much, the machine was not quiet). Prints
 # the ratios; the raw JSON lands in runs/side-by-side/. Run it on an otherwise idle machine.
@@ -37,6 +37,9 @@ python3 scripts/bench_llama_cpp.py --model "$model" --threads 2 --reps "$runs" -
 echo "## kakeya bench (burn-flex CPU, RAYON_NUM_THREADS=2)"
 RAYON_NUM_THREADS=2 "$kakeya" bench --model "$model" --runs "$runs" --warmup 1 --json > "$out/kakeya.json.tmp"
 mv "$out/kakeya.json.tmp" "$out/kakeya.json"
+echo "## kakeya bench --kernel int8 (opt-in: int8 inputs, integer dot products; not the f32 model's numbers)"
+RAYON_NUM_THREADS=2 "$kakeya" bench --model "$model" --kernel int8 --runs "$runs" --warmup 1 --json > "$out/kakeya-int8.json.tmp"
+mv "$out/kakeya-int8.json.tmp" "$out/kakeya-int8.json"
 echo "## kakeya bench --drafter (default settings: combined proposer, adaptive blocks)"
 RAYON_NUM_THREADS=2 "$kakeya" bench --model "$model" --drafter "$drafter" --runs 1 --warmup 1 --json > "$out/spec.json.tmp"
 mv "$out/spec.json.tmp" "$out/spec.json"
@@ -51,7 +54,9 @@ def llama(name):
     recs = json.loads((out / name).read_text())
     return {("pp" if r["n_gen"] == 0 else "tg"): r["avg_ts"] for r in recs}
 before, after = llama("llama-before.json"), llama("llama-after.json")
-k = {f["test"][:2]: f["median_tok_s"] for f in json.loads((out / "kakeya.json").read_text())["results"]}
+def kakeya(name):
+    return {f["test"][:2]: f["median_tok_s"] for f in json.loads((out / name).read_text())["results"]}
+k, k8 = kakeya("kakeya.json"), kakeya("kakeya-int8.json")
 spec = json.loads((out / "spec.json").read_text())
 print()
 print("| figure | kakeya tok/s | llama.cpp tok/s (before / after) | kakeya / llama.cpp (mean of the two) |")
@@ -59,6 +64,7 @@ print("|---|---|---|---|")
 for test, name in (("pp", "pp512"), ("tg", "tg128")):
     mean = (before[test] + after[test]) / 2
     print(f"| {name} | {k[test]:.1f} | {before[test]:.1f} / {after[test]:.1f} | {k[test] / mean:.2f}× |")
+    print(f"| {name}, `--kernel int8` | {k8[test]:.1f} | {before[test]:.1f} / {after[test]:.1f} | {k8[test] / mean:.2f}× |")
 mean = (before["tg"] + after["tg"]) / 2
 print(f"| speculative decode (20 prompts, 128 tokens; AR {spec['ar_decode_tok_s']:.1f}, "
       f"{spec['speedup']:.2f}× own AR, acceptance {spec['mean_acceptance_length']:.2f}, "

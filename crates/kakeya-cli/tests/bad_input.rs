@@ -171,6 +171,26 @@ fn empty_prompt() {
 }
 
 #[test]
+fn int8_kernel_without_quantised_weights() {
+    // An HF folder's weights are f32: nothing for the int8 kernel, which says so.
+    let s = Scratch::new("cli-int8");
+    let m = tiny_model(&s.0);
+    let err = fails(&[
+        "infer",
+        "--model",
+        m.to_str().unwrap(),
+        "--prompt",
+        "w5",
+        "--kernel",
+        "int8",
+    ]);
+    assert!(
+        err.contains("--kernel int8") && err.contains(m.to_str().unwrap()),
+        "{err}"
+    );
+}
+
+#[test]
 fn prompt_longer_than_context() {
     let s = Scratch::new("cli-long");
     let m = tiny_model(&s.0);

@@ -225,6 +225,16 @@ fn trained_drafters_are_lossless_and_get_drafts_accepted() {
     ] {
         drafter_is_lossless(&v, &tok, name, &d, floor);
     }
+    // The int8 kernel: speculation against plain decoding with the same kernel.
+    let mut v8 = v.clone();
+    assert!(v8.set_kernel(kakeya_models::linear::Kernel::Int8) > 0);
+    drafter_is_lossless(
+        &v8,
+        &tok,
+        "default, int8 kernel",
+        &default_drafter(&v8),
+        1.45,
+    );
 }
 
 fn drafter_is_lossless(

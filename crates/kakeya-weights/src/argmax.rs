@@ -85,16 +85,10 @@ pub(crate) fn round_inputs(x: &[f32], t: usize, cols: usize) -> Rounded {
         let (mut e2, mut x2, mut h2) = (0.0f64, 0.0f64, 0.0f64);
         for g in 0..gpr {
             let xs = &x[j * cols + g * GROUP..j * cols + (g + 1) * GROUP];
-            let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            let sg = amax / 127.0;
+            let qs = &mut q[j * cols + g * GROUP..j * cols + (g + 1) * GROUP];
+            let sg = crate::int8::round_group(xs, qs);
             s[j * gpr + g] = sg;
-            for (k, &v) in xs.iter().enumerate() {
-                let r = if sg > 0.0 {
-                    (v / sg).round().clamp(-127.0, 127.0)
-                } else {
-                    0.0
-                };
-                q[j * cols + g * GROUP + k] = r as i8;
+            for (&v, &r) in xs.iter().zip(qs.iter()) {
                 // Exact in f64: `sg · r` has at most 24 + 8 significant bits.
                 let h = f64::from(sg) * f64::from(r);
                 let e = f64::from(v) - h;

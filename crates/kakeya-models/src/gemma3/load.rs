@@ -218,6 +218,9 @@ impl Gemma3Model {
             _ => None,
         };
         let head = l.lin("model.embed_tokens.weight")?;
+        if let Some(q) = &head.quant {
+            q.prepare(true, false);
+        }
         let embed = head.weight.clone();
         let norm = l.norm("model.norm.weight", eps)?;
         Ok(Self {

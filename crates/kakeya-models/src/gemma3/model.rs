@@ -209,7 +209,9 @@ impl Gemma3Model {
     pub fn set_kernel(&mut self, kernel: Kernel) -> usize {
         let mut n = 0;
         let mut set = |l: &mut Linear| {
-            if l.quant.is_some() {
+            if let Some(q) = &l.quant {
+                // The int8 panels are made now, not in the first request.
+                q.prepare(false, kernel == Kernel::Int8);
                 l.kernel = kernel;
                 n += 1;
             }

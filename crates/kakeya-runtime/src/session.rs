@@ -310,11 +310,47 @@ impl<'m> Session<'m> {
             )));
         }
         let chunks: Vec<&[u32]> = tokens.iter().map(std::slice::from_ref).collect();
+        Self::run_batch(sessions, &chunks, samplers)
+    }
+
+    /// Runs `chunks[i]` at session `i`'s next positions, all in one stacked forward — decode
+    /// steps beside a prompt chunk, continuous-batching style — and returns, per session, what
+    /// its sampler picks the token after its chunk from. Bit for bit each session's own
+    /// forward of its chunk while the rows stay within the block kernel's (or at any count
+    /// when [`Gemma3Model::rows_invariant_at_any_count`]) and at most
+    /// [`kakeya_models::linear::QUANT_MAX_ROWS`] sessions run. The sessions must share one
+    /// model and one drafter (or none).
+    pub fn run_batch(
+        sessions: &mut [&mut Session<'m>],
+        chunks: &[&[u32]],
+        samplers: &[&Sampler],
+    ) -> Result<Vec<Scores>> {
+        if sessions.len() != chunks.len() || samplers.len() != chunks.len() {
+            return Err(RuntimeError::Input(format!(
+                "{} chunks and {} samplers for {} sessions",
+                chunks.len(),
+                samplers.len(),
+                sessions.len()
+            )));
+        }
+        if let Some((s, c)) = sessions
+            .iter()
+            .zip(chunks)
+            .find(|(s, c)| c.is_empty() || s.len + c.len() > s.model.config.max_position_embeddings)
+        {
+            return Err(RuntimeError::Input(format!(
+                "a chunk of {} tokens after {} does not fit the model's context of {}",
+                c.len(),
+                s.len,
+                s.model.config.max_position_embeddings
+            )));
+        }
         let wants: Vec<Logits> = samplers.iter().map(|s| s.wants()).collect();
-        Ok(Self::forward_many(sessions, &chunks, &wants, &[])?
-            .into_iter()
-            .map(scores)
-            .collect())
+        let outs = Self::forward_many(sessions, chunks, &wants, &[])?;
+        for s in sessions.iter_mut() {
+            s.commit()?;
+        }
+        Ok(outs.into_iter().map(scores).collect())
     }
 
     /// Runs `chunks[i]` at session `i`'s next positions, all in one forward (committing what

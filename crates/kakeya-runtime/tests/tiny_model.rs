@@ -331,3 +331,95 @@ fn the_int8_kernel_keeps_blocks_bit_for_bit_and_speculation_lossless() {
         }
     }
 }
+
+/// A prompt chunk run in the same forward as other sessions' decode steps
+/// ([`Session::run_batch`], the server's continuous batching) gives every session exactly
+/// the scores and caches its own forward gives: with the exact kernel while the rows stay
+/// within the block kernel's 16, with the int8 kernel at any count (here 3 + 20 rows).
+#[test]
+fn a_prompt_chunk_beside_decode_steps_is_bit_for_bit_its_own_forward() {
+    use kakeya_models::linear::Kernel;
+    use kakeya_models::testing::random_quantized_checkpoint;
+    use kakeya_runtime::{Sampler, Sampling, Scores};
+    let exact = Gemma3Model::from_checkpoint(
+        random_quantized_checkpoint(&tiny_config(4), 9),
+        &Device::flex(),
+    )
+    .unwrap();
+    let mut int8 = exact.clone();
+    int8.set_kernel(Kernel::Int8);
+    assert!(!exact.rows_invariant_at_any_count() && int8.rows_invariant_at_any_count());
+    // A sampling sampler asks for the whole row of logits (a greedy one only for the choice).
+    let logits = Sampler::new(Sampling::Sample {
+        temperature: 1.0,
+        top_k: 0,
+        top_p: 1.0,
+        seed: 0,
+    });
+    let flat = |s: Scores| match s {
+        Scores::Logits(l) => l.iter().map(|v| v.to_bits()).collect::<Vec<u32>>(),
+        Scores::Greedy(id) => vec![id],
+    };
+    for (m, prompt_len, what) in [(&exact, 12, "exact, 15 rows"), (&int8, 20, "int8, 23 rows")] {
+        let prompts: Vec<Vec<u32>> = (0..3).map(|i| common::tiny_prompt(i, 5 + i)).collect();
+        let new_prompt = common::tiny_prompt(7, prompt_len);
+        // Alone: each decoding session prefills, then steps one token; the new one prefills.
+        let mut alone = Vec::new();
+        for p in &prompts {
+            let mut s = Session::new(m, 0);
+            s.prefill(p, 4).unwrap();
+            alone.push(flat(
+                Session::run_batch(&mut [&mut s], &[&[3u32][..]], &[&logits])
+                    .unwrap()
+                    .remove(0),
+            ));
+        }
+        let mut s = Session::new(m, 0);
+        alone.push(flat(
+            Session::run_batch(&mut [&mut s], &[&new_prompt[..]], &[&logits])
+                .unwrap()
+                .remove(0),
+        ));
+        // Together: one forward of 3 steps and the prompt; then a step each, still equal.
+        let mut sessions: Vec<Session<'_>> = prompts
+            .iter()
+            .map(|p| {
+                let mut s = Session::new(m, 0);
+                s.prefill(p, 4).unwrap();
+                s
+            })
+            .chain([Session::new(m, 0)])
+            .collect();
+        let chunks: Vec<&[u32]> = vec![&[3], &[3], &[3], &new_prompt];
+        let mut refs: Vec<&mut Session<'_>> = sessions.iter_mut().collect();
+        let together: Vec<Vec<u32>> = Session::run_batch(&mut refs, &chunks, &[&logits; 4])
+            .unwrap()
+            .into_iter()
+            .map(flat)
+            .collect();
+        let differ: Vec<usize> = (0..4).filter(|&i| together[i] != alone[i]).collect();
+        assert!(
+            differ.is_empty(),
+            "{what}: sessions {differ:?} differ from their own forward"
+        );
+        for (i, s) in sessions.iter_mut().enumerate() {
+            let next = s.step(5).unwrap();
+            let mut own = Session::new(m, 0);
+            if i < 3 {
+                own.prefill(&prompts[i], 4).unwrap();
+                own.step(3).unwrap();
+            } else {
+                own.prefill(&new_prompt, 64).unwrap();
+            }
+            let want = own.step(5).unwrap();
+            let same = next
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same,
+                "{what}: session {i}'s caches after the merged forward"
+            );
+        }
+    }
+}

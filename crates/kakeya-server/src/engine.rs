@@ -413,20 +413,34 @@ pub fn run(
             metrics.state(0, queue.len(), 0);
             continue;
         }
-        // One prefill chunk of the oldest sequence still prefilling.
+        // One prefill chunk of the oldest sequence still prefilling: in the same forward as
+        // the decoding sequences' steps when that gives every row its own bits (the rows
+        // within the block kernel's, or the int8 kernel), else a forward of its own.
         let mut failed: Vec<(usize, String)> = Vec::new();
         let prefilling = active.iter().position(|s| s.prefilled < s.job.prompt.len());
-        if let Some(i) = prefilling
+        let decoding: Vec<usize> = (0..active.len())
+            .filter(|&i| active[i].decoding() && prefilling != Some(i))
+            .collect();
+        let merged = prefilling.filter(|&i| {
+            let rows = (active[i].job.prompt.len() - active[i].prefilled).min(chunk);
+            !decoding.is_empty()
+                && decoding.len() < QUANT_MAX_ROWS
+                && (rows + decoding.len() <= QUANT_MAX_ROWS || model.rows_invariant_at_any_count())
+        });
+        if let Some(i) = merged {
+            if let Err(e) = step_group(&mut active, &decoding, Some((i, chunk)), metrics) {
+                failed.extend(decoding.iter().chain([&i]).map(|&j| (j, e.to_string())));
+            }
+        } else if let Some(i) = prefilling
             && let Err(e) = active[i].prefill_chunk(chunk)
         {
             failed.push((i, e.to_string()));
         }
         // Decode: one speculative block when a sequence runs alone, else stacked plain steps.
         let still_prefilling = active.iter().any(|s| s.prefilled < s.job.prompt.len());
-        let decoding: Vec<usize> = (0..active.len())
-            .filter(|&i| active[i].decoding() && prefilling != Some(i))
-            .collect();
-        if decoding.len() == 1
+        if merged.is_some() {
+            // Its decoding sequences took their step beside the prompt chunk.
+        } else if decoding.len() == 1
             && !still_prefilling
             && queue.is_empty()
             && active[decoding[0]].dec.is_some()
@@ -437,7 +451,7 @@ pub fn run(
             }
         } else {
             for group in decoding.chunks(QUANT_MAX_ROWS) {
-                if let Err(e) = step_group(&mut active, group, metrics) {
+                if let Err(e) = step_group(&mut active, group, None, metrics) {
                     failed.extend(group.iter().map(|&i| (i, e.to_string())));
                 }
             }
@@ -465,33 +479,62 @@ pub fn run(
 }
 
 /// One plain decode step of the sequences `group` (indices into `active`) in one stacked
-/// forward.
+/// forward — with, when `prefill` is `Some((i, chunk))`, the next prompt chunk of sequence `i`
+/// (not in `group`) in the same forward.
 fn step_group(
     active: &mut [Seq<'_>],
     group: &[usize],
+    prefill: Option<(usize, usize)>,
     metrics: &Metrics,
 ) -> Result<(), RuntimeError> {
-    let tokens: Vec<u32> = group
+    let mut order: Vec<usize> = group.to_vec();
+    let mut chunks: Vec<Vec<u32>> = group
         .iter()
         .map(|&i| {
-            *active[i]
-                .tokens
-                .last()
-                .expect("a decoding sequence has tokens")
+            vec![
+                *active[i]
+                    .tokens
+                    .last()
+                    .expect("a decoding sequence has tokens"),
+            ]
         })
         .collect();
-    let samplers: Vec<Sampler> = group.iter().map(|&i| active[i].sampler.clone()).collect();
-    let mut sessions: Vec<&mut Session<'_>> = active
+    if let Some((i, chunk)) = prefill {
+        let s = &active[i];
+        let end = (s.prefilled + chunk).min(s.job.prompt.len());
+        chunks.push(s.job.prompt[s.prefilled..end].to_vec());
+        order.push(i);
+    }
+    let samplers: Vec<Sampler> = order.iter().map(|&i| active[i].sampler.clone()).collect();
+    // Sessions in `order`'s order (each index once).
+    let mut slots: Vec<Option<&mut Session<'_>>> = active
         .iter_mut()
-        .enumerate()
-        .filter(|(i, _)| group.contains(i))
-        .map(|(_, s)| s.verifier.session_mut())
+        .map(|s| Some(s.verifier.session_mut()))
         .collect();
-    let scores = Session::step_batch(&mut sessions, &tokens, &samplers.iter().collect::<Vec<_>>())?;
+    let mut sessions: Vec<&mut Session<'_>> = order
+        .iter()
+        .map(|&i| slots[i].take().expect("each sequence once"))
+        .collect();
+    let chunk_refs: Vec<&[u32]> = chunks.iter().map(Vec::as_slice).collect();
+    let scores = Session::run_batch(
+        &mut sessions,
+        &chunk_refs,
+        &samplers.iter().collect::<Vec<_>>(),
+    )?;
     drop(sessions);
+    drop(slots);
     metrics.batch(group.len());
-    for (&i, l) in group.iter().zip(scores) {
+    for ((&i, l), c) in order.iter().zip(scores).zip(&chunks) {
         let s = &mut active[i];
+        if Some(i) == prefill.map(|(p, _)| p) {
+            s.prefilled += c.len();
+            if s.prefilled == s.job.prompt.len() {
+                s.tokens = s.job.prompt.clone();
+                let tok = s.sampler.pick_scores(&l, s.job.prompt.len());
+                s.accept(tok);
+            }
+            continue;
+        }
         s.batched_steps += 1;
         let tok = s.sampler.pick_scores(&l, s.verifier.len());
         s.accept(tok);

@@ -239,6 +239,28 @@ impl Gemma3Model {
         n
     }
 
+    /// Whether every decoder-layer projection gives each row the same bits however many rows
+    /// run together — true when they all take the int8 kernel ([`Kernel::Int8`]); otherwise
+    /// that holds up to [`crate::linear::QUANT_MAX_ROWS`] rows in all. (Attention runs per
+    /// sequence either way; the head's rows must stay within that bound in both cases.)
+    pub fn rows_invariant_at_any_count(&self) -> bool {
+        self.layers.iter().all(|l| {
+            let a = &l.attn;
+            [
+                Some(&a.q_proj),
+                a.k_proj.as_ref(),
+                a.v_proj.as_ref(),
+                Some(&a.o_proj),
+            ]
+            .into_iter()
+            .flatten()
+            .chain([&l.gate_proj, &l.up_proj, &l.down_proj])
+            .all(|p| p.quant.is_some() && p.kernel == Kernel::Int8)
+                && l.per_layer.is_none()
+                && l.moe.is_none()
+        })
+    }
+
     /// The device the weights live on.
     pub fn device(&self) -> &Device {
         &self.device

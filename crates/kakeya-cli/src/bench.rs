@@ -206,6 +206,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             "{}",
             serde_json::to_string_pretty(&serde_json::json!({
                 "device": format!("{:?}", a.model.device),
+                "kernel": format!("{:?}", a.model.kernel).to_lowercase(),
                 "kv_policy": kv.policy,
                 "results": figures
             }))?

@@ -269,6 +269,7 @@ fn bench_prints_the_documented_json() {
         "--json",
     ]));
     assert!(j["device"].is_string());
+    assert_eq!(j["kernel"], "exact");
     let r = j["results"].as_array().unwrap();
     assert_eq!(r.len(), 2);
     for (f, (test, n)) in r.iter().zip([("pp16", 16), ("tg8", 8)]) {

@@ -8,7 +8,7 @@
 mod common;
 
 use common::{load, root};
-use kakeya_runtime::{GenerationConfig, Sampling, Session, generate};
+use kakeya_runtime::{Session, generate};
 
 /// Max |ours − transformers| over the recorded logits. Both run f32 on the same dequantised
 /// weights; what differs is summation order (BLAS kernels), which over 18 layers and logits of
@@ -65,13 +65,7 @@ fn logits_and_greedy_match_transformers() {
         eprintln!("{} prompt tokens: max |Δlogit| = {d:.2e}", want_ids.len());
         assert!(d <= LOGIT_TOL, "{prompt:?}: max |Δlogit| {d} > {LOGIT_TOL}");
 
-        let cfg = GenerationConfig {
-            max_tokens: 32,
-            sampling: Sampling::Greedy,
-            stop_tokens: vec![],
-            prefill_chunk: 512,
-            loop_guard: None,
-        };
+        let cfg = common::greedy_cfg(32, 512);
         let mut s = Session::new(&model, 0);
         let g = generate(&mut s, &want_ids, &cfg, &mut |_| {}).unwrap();
         let want = ids(&case["greedy"]);
@@ -110,13 +104,7 @@ fn the_int8_kernel_stays_near_transformers_and_diverges_only_at_near_ties() {
             prompt.len()
         );
         assert!(d <= INT8_LOGIT_TOL, "max |Δlogit| {d} > {INT8_LOGIT_TOL}");
-        let cfg = GenerationConfig {
-            max_tokens: 32,
-            sampling: Sampling::Greedy,
-            stop_tokens: vec![],
-            prefill_chunk: 512,
-            loop_guard: None,
-        };
+        let cfg = common::greedy_cfg(32, 512);
         let g = generate(&mut Session::new(&model, 0), &prompt, &cfg, &mut |_| {}).unwrap();
         let (want, gaps) = (ids(&case["greedy"]), floats(&case["greedy_gaps"]));
         if let Some(i) = g.tokens.iter().zip(&want).position(|(a, b)| a != b) {

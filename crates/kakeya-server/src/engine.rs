@@ -19,7 +19,8 @@ use kakeya_models::linear::QUANT_MAX_ROWS;
 use kakeya_models::{DFlashDrafter, Gemma3Model};
 use kakeya_runtime::{
     DraftKind, GenerationConfig, KvBytes, KvMode, KvPolicy, KvSetup, Proposer, Restorer,
-    RuntimeError, Sampler, Session, SpecConfig, SpecDecoder, StopReason, TokenSink, Verifier,
+    RuntimeError, Sampler, Scores, Session, SpecConfig, SpecDecoder, StopReason, TokenSink,
+    Verifier,
 };
 use serde::Serialize;
 use tokio::sync::mpsc::UnboundedSender;
@@ -211,13 +212,19 @@ impl<'m> Seq<'m> {
             chunk,
             &self.sampler,
         )?;
+        self.prefilled_to(end, &scores);
+        Ok(())
+    }
+
+    /// The prompt is in the caches up to `end`, `scores` being what its last row gave; the
+    /// whole prompt picks the first token.
+    fn prefilled_to(&mut self, end: usize, scores: &Scores) {
         self.prefilled = end;
-        if end == prompt.len() {
-            self.tokens = prompt.clone();
-            let tok = self.sampler.pick_scores(&scores, prompt.len());
+        if end == self.job.prompt.len() {
+            self.tokens = self.job.prompt.clone();
+            let tok = self.sampler.pick_scores(scores, end);
             self.accept(tok);
         }
-        Ok(())
     }
 
     /// One speculative block.
@@ -527,12 +534,7 @@ fn step_group(
     for ((&i, l), c) in order.iter().zip(scores).zip(&chunks) {
         let s = &mut active[i];
         if Some(i) == prefill.map(|(p, _)| p) {
-            s.prefilled += c.len();
-            if s.prefilled == s.job.prompt.len() {
-                s.tokens = s.job.prompt.clone();
-                let tok = s.sampler.pick_scores(&l, s.job.prompt.len());
-                s.accept(tok);
-            }
+            s.prefilled_to(s.prefilled + c.len(), &l);
             continue;
         }
         s.batched_steps += 1;

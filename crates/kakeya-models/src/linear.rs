@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{Device, Tensor, TensorData};
 use kakeya_weights::{DenseMatrix, QuantMatrix};
 
 /// Inputs of at most this many rows (decode steps, small verify blocks) use the block kernel
@@ -57,6 +57,30 @@ impl Linear {
             rows: None,
             kernel: Kernel::Exact,
         }
+    }
+
+    /// This map with the row-order kernel's copy of its dense weight when it lives on the CPU
+    /// (bf16 when every value is one): inputs of up to [`QUANT_MAX_ROWS`] rows then skip the
+    /// dense matmul, whose per-call packing of the weight dominates a few-row product. Unchanged
+    /// when it has GGUF blocks or a copy already, or lives on another device.
+    pub fn with_host_rows(self) -> Self {
+        if self.quant.is_some() || self.rows.is_some() || self.weight.device() != Device::flex() {
+            return self;
+        }
+        let [r, c] = self.weight.dims();
+        let values = host_rows(self.weight.clone());
+        Self {
+            rows: Some(Arc::new(DenseMatrix::new(r, c, &values))),
+            ..self
+        }
+    }
+
+    /// Bytes held: the dense weight (f32) and every kernel copy (GGUF blocks with their norms
+    /// and panels, the row-order copy).
+    pub fn nbytes(&self) -> usize {
+        self.weight.shape().num_elements() * 4
+            + self.quant.as_deref().map_or(0, QuantMatrix::nbytes)
+            + self.rows.as_deref().map_or(0, DenseMatrix::nbytes)
     }
 
     /// The block kernel's matrix when it takes this input (`t` rows).

@@ -235,6 +235,37 @@ impl QuantMatrix {
         })
     }
 
+    /// The matrix of rows `ids` of this one, in that order (a reduced vocabulary's rows of a
+    /// tied head): the same values, so the same products bit for bit. `None` when an id is out
+    /// of range or `ids` is empty.
+    pub fn select_rows(&self, ids: &[u32]) -> Option<Self> {
+        if ids.is_empty() || ids.iter().any(|&i| i as usize >= self.rows) {
+            return None;
+        }
+        let l = self.layout;
+        let mut data = vec![0u8; ids.len().div_ceil(TILE) * l.tile()];
+        let (mut q, mut s, mut o) = (
+            vec![0i8; self.cols],
+            vec![0.0f32; l.gpr],
+            vec![0.0f32; l.gpr],
+        );
+        for (r, &id) in ids.iter().enumerate() {
+            let id = id as usize;
+            l.read_row(self.tile(id / TILE), id % TILE, &mut q, &mut s, &mut o);
+            let tile = &mut data[(r / TILE) * l.tile()..(r / TILE + 1) * l.tile()];
+            l.write_row(tile, r % TILE, &q, &s, &o);
+        }
+        Some(Self {
+            ty: self.ty,
+            rows: ids.len(),
+            cols: self.cols,
+            layout: l,
+            data,
+            norms: std::sync::OnceLock::new(),
+            int8: std::sync::OnceLock::new(),
+        })
+    }
+
     /// The memory layout.
     pub(crate) fn layout(&self) -> Layout {
         self.layout
@@ -485,6 +516,37 @@ pub(crate) mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn selected_rows_are_the_same_rows_bit_for_bit() {
+        for ty in [GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K] {
+            let (rows, cols) = (11, 256);
+            let m = QuantMatrix::new(ty, rows, cols, &blocks(ty, rows, cols)).unwrap();
+            let ids = [7u32, 0, 10, 3, 3, 9];
+            let sel = m.select_rows(&ids).unwrap();
+            let (full, part) = (m.to_dense(), sel.to_dense());
+            for (r, &id) in ids.iter().enumerate() {
+                let id = id as usize;
+                assert_eq!(
+                    part[r * cols..(r + 1) * cols],
+                    full[id * cols..(id + 1) * cols]
+                );
+            }
+            let x: Vec<f32> = (0..3 * cols)
+                .map(|i| ((i * 13) % 29) as f32 * 0.1 - 1.4)
+                .collect();
+            let (y, ys) = (m.matmul(&x, 3), sel.matmul(&x, 3));
+            for j in 0..3 {
+                for (r, &id) in ids.iter().enumerate() {
+                    assert_eq!(
+                        ys[j * ids.len() + r].to_bits(),
+                        y[j * rows + id as usize].to_bits()
+                    );
+                }
+            }
+            assert!(m.select_rows(&[11]).is_none() && m.select_rows(&[]).is_none());
         }
     }
 

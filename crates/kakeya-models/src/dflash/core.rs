@@ -102,6 +102,31 @@ impl DraftWeights {
         })
     }
 
+    /// These weights with the CPU's row-order kernel copies ([`Linear::with_host_rows`]): a
+    /// draft's few rows then skip the dense matmul's per-call packing of every weight. For
+    /// inference only — a trainer's weights change every step.
+    pub fn with_host_rows(self) -> Self {
+        let layers = self
+            .layers
+            .into_iter()
+            .map(|l| DraftLayer {
+                q_proj: l.q_proj.with_host_rows(),
+                k_proj: l.k_proj.with_host_rows(),
+                v_proj: l.v_proj.with_host_rows(),
+                o_proj: l.o_proj.with_host_rows(),
+                gate_proj: l.gate_proj.with_host_rows(),
+                up_proj: l.up_proj.with_host_rows(),
+                down_proj: l.down_proj.with_host_rows(),
+                ..l
+            })
+            .collect();
+        Self {
+            fc: self.fc.with_host_rows(),
+            layers,
+            ..self
+        }
+    }
+
     /// Drafter layers.
     pub fn num_layers(&self) -> usize {
         self.layers.len()
@@ -109,7 +134,7 @@ impl DraftWeights {
 
     /// Bytes of these weights.
     pub fn nbytes(&self) -> usize {
-        let t = |x: &Linear| x.weight.shape().num_elements() * 4;
+        let t = Linear::nbytes;
         let n = |x: &RmsNorm| x.scale.shape().num_elements() * 4;
         let layers: usize = self
             .layers
@@ -284,7 +309,9 @@ pub enum DraftHead {
 
 impl DraftHead {
     /// The verifier's `head` for the whole vocabulary, or the rows `d2t` of its (tied)
-    /// embedding `[vocab, hidden]`.
+    /// embedding `[vocab, hidden]`. A reduced head keeps the CPU kernels' copy of its rows:
+    /// the head's GGUF blocks (the same values, ready for the certified argmax) or, for a
+    /// dense head, the row-order kernel's.
     pub fn new(head: Linear, embed: &Tensor<2>, d2t: Option<Vec<u32>>) -> Self {
         match d2t {
             None => Self::Verifier(head),
@@ -292,10 +319,24 @@ impl DraftHead {
                 let ids: Vec<i64> = d2t.iter().map(|&t| i64::from(t)).collect();
                 let ids =
                     Tensor::<1, Int>::from_data(TensorData::new(ids, [d2t.len()]), &embed.device());
-                Self::Reduced {
-                    head: Linear::dense(embed.clone().select(0, ids)),
-                    d2t,
-                }
+                let quant = head
+                    .quant
+                    .as_deref()
+                    .and_then(|q| q.select_rows(&d2t))
+                    .map(|q| {
+                        q.prepare(true, false);
+                        std::sync::Arc::new(q)
+                    });
+                let reduced = Linear::dense(embed.clone().select(0, ids));
+                let head = match quant {
+                    Some(quant) => Linear {
+                        quant: Some(quant),
+                        ..reduced
+                    },
+                    None if head.rows.is_some() => reduced.with_host_rows(),
+                    None => reduced,
+                };
+                Self::Reduced { head, d2t }
             }
         }
     }
@@ -351,7 +392,7 @@ impl DraftHead {
     pub fn nbytes(&self) -> usize {
         match self {
             Self::Verifier(_) => 0,
-            Self::Reduced { head, d2t } => head.weight.shape().num_elements() * 4 + d2t.len() * 4,
+            Self::Reduced { head, d2t } => head.nbytes() + d2t.len() * 4,
         }
     }
 
@@ -362,6 +403,23 @@ impl DraftHead {
     pub fn logits(&self, hidden: Tensor<2>) -> Tensor<2> {
         match self {
             Self::Verifier(h) | Self::Reduced { head: h, .. } => h.forward(hidden),
+        }
+    }
+
+    /// The greedy choice of each row of final-normed hidden states, as verifier token ids:
+    /// the head's certified argmax where it applies (no logits made), else [`Self::greedy`]
+    /// of [`Self::logits`] — the same ids either way.
+    ///
+    /// # Shapes
+    /// - `hidden`: `[n, hidden]` → `n` ids
+    pub fn draft_ids(&self, hidden: Tensor<2>) -> Vec<u32> {
+        let (Self::Verifier(h) | Self::Reduced { head: h, .. }) = self;
+        match h.argmax(&hidden) {
+            Some(ids) => ids
+                .into_iter()
+                .map(|i| self.to_target(i as usize))
+                .collect(),
+            None => self.greedy(self.logits(hidden)),
         }
     }
 
@@ -456,6 +514,56 @@ mod tests {
         assert_eq!(seen, [q5, q6, q5, q6].concat(), "rows group-major");
         // Everything in reach: no mask at all.
         assert!(window_mask(&[4], &[5, 6], 3, 2, &dev).is_none());
+    }
+
+    /// A reduced head cut from a GGUF head keeps its blocks, and its drafts (the certified
+    /// argmax, no logits) are exactly the greedy choices of its logits.
+    #[test]
+    fn a_reduced_quantised_head_drafts_the_argmax_of_its_logits() {
+        use std::sync::Arc;
+
+        use burn::tensor::{Tensor, TensorData};
+        use kakeya_weights::QuantMatrix;
+        use kakeya_weights::dequant::GgmlType;
+
+        use super::{DraftHead, Linear};
+
+        let dev = burn::tensor::Device::flex();
+        let (vocab, hidden) = (96, 64);
+        // Q8_0 blocks: an f16 scale, then 32 int8 values.
+        let mut seed = 7u32;
+        let mut next = || {
+            seed = seed.wrapping_mul(1_103_515_245).wrapping_add(12345);
+            (seed >> 16) as u8
+        };
+        let mut blocks = Vec::new();
+        for b in 0..vocab * hidden / 32 {
+            blocks.extend(half::f16::from_f32(0.01 * (1 + b % 7) as f32).to_le_bytes());
+            blocks.extend((0..32).map(|_| next()));
+        }
+        let q = QuantMatrix::new(GgmlType::Q8_0, vocab, hidden, &blocks).unwrap();
+        let embed = Tensor::<2>::from_data(TensorData::new(q.to_dense(), [vocab, hidden]), &dev);
+        let head = Linear {
+            quant: Some(Arc::new(q)),
+            ..Linear::dense(embed.clone())
+        };
+        let d2t: Vec<u32> = (0..vocab as u32).rev().step_by(3).collect();
+        let reduced = DraftHead::new(head, &embed, Some(d2t));
+        let DraftHead::Reduced { head: h, .. } = &reduced else {
+            panic!("a reduced head")
+        };
+        assert!(h.quant.is_some(), "the reduced head keeps GGUF blocks");
+        let x: Vec<f32> = (0..5 * hidden)
+            .map(|i| ((i * 37 + 11) % 41) as f32 * 0.05 - 1.0)
+            .collect();
+        let x = Tensor::<2>::from_data(TensorData::new(x, [5, hidden]), &dev);
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx2") {
+            assert!(h.argmax(&x).is_some(), "the certified argmax applies");
+        }
+        let ids = reduced.draft_ids(x.clone());
+        assert_eq!(ids, reduced.greedy(reduced.logits(x)));
+        assert_eq!(ids.len(), 5);
     }
 
     #[test]

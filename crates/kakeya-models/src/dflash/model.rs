@@ -122,7 +122,7 @@ impl DFlashDrafter {
             ck: &mut ck,
             device: &device,
         };
-        let weights = DraftWeights::from_named(&c, |name| l.take(name))?;
+        let weights = DraftWeights::from_named(&c, |name| l.take(name))?.with_host_rows();
         Ok(Self {
             head: DraftHead::new(verifier.head.clone(), &verifier.embed, d2t),
             embed: verifier.embed.clone(),
@@ -204,8 +204,7 @@ impl DFlashDrafter {
         if b < 2 {
             return Vec::new();
         }
-        self.head
-            .greedy(self.head.logits(hidden.slice([1..b, 0..h])))
+        self.head.draft_ids(hidden.slice([1..b, 0..h]))
     }
 
     fn embed_tokens(&self, tokens: &[u32]) -> Tensor<2> {

@@ -60,16 +60,7 @@ impl Loader<'_> {
     /// A non-quantised weight `[out, in]` as a linear map (with the row-order kernel's copy
     /// on the CPU).
     fn host_lin(&self, data: Vec<f32>, shape: [usize; 2]) -> Linear {
-        if *self.device != Device::flex() {
-            return Linear::dense(Tensor::from_data(TensorData::new(data, shape), self.device));
-        }
-        let rows = kakeya_weights::DenseMatrix::new(shape[0], shape[1], &data);
-        Linear {
-            weight: Tensor::from_data(TensorData::new(data, shape), self.device),
-            quant: None,
-            rows: Some(std::sync::Arc::new(rows)),
-            kernel: crate::linear::Kernel::Exact,
-        }
+        Linear::dense(Tensor::from_data(TensorData::new(data, shape), self.device)).with_host_rows()
     }
 
     /// Layer `i`'s MoE branch.

@@ -421,8 +421,8 @@ pub fn run(
             continue;
         }
         // One prefill chunk of the oldest sequence still prefilling: in the same forward as
-        // the decoding sequences' steps when that gives every row its own bits (the rows
-        // within the block kernel's, or the int8 kernel), else a forward of its own.
+        // the decoding sequences' steps when that gives every row its own bits (GGUF blocks
+        // on the CPU, or rows within the row-order kernel's 16), else a forward of its own.
         let mut failed: Vec<(usize, String)> = Vec::new();
         let prefilling = active.iter().position(|s| s.prefilled < s.job.prompt.len());
         let decoding: Vec<usize> = (0..active.len())

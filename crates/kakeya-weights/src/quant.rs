@@ -10,8 +10,10 @@
 //! FMA), which makes a row's result independent of how many input rows run together. Up to
 //! four input rows (decoding, short verify blocks): weights are rebuilt in registers, a tile
 //! (four rows) at a time, and used for every input row, so each tile is streamed once. More
-//! (longer verify blocks, batched capture): four weight rows are rebuilt into f32 once and
-//! multiplied against every input row in register tiles. Rows are split across the rayon pool.
+//! (longer verify blocks, batched capture): the tile stays in L1 while it is summed against
+//! the inputs four at a time. Inputs of more than [`INPUTS_PER_PASS`] rows (prefill) go in
+//! passes of that many, so that a pass's inputs stay in L2. Rows are split across the rayon
+//! pool.
 
 use rayon::prelude::*;
 
@@ -20,6 +22,9 @@ use crate::kernel::{self, Layout, TILE};
 
 /// Rows of output per parallel task.
 const ROWS_PER_TASK: usize = 32;
+/// Most input rows one pass over the weights takes: longer inputs go in passes of this
+/// many, so that a pass's inputs stay in L2 while every tile streams past them.
+const INPUTS_PER_PASS: usize = 16;
 
 /// A `[rows, cols]` weight as int8 groups with f32 scales (and offsets), in tiles of
 /// [`TILE`] rows ([`Layout`]).
@@ -350,6 +355,13 @@ impl QuantMatrix {
             t * self.cols,
             "QuantMatrix::matmul: input has the wrong length"
         );
+        if t > INPUTS_PER_PASS {
+            let mut y = Vec::with_capacity(t * self.rows);
+            for chunk in x.chunks(INPUTS_PER_PASS * self.cols) {
+                y.extend(self.matmul(chunk, chunk.len() / self.cols));
+            }
+            return y;
+        }
         let mut by_row = vec![0.0f32; self.rows * t];
         by_row
             .par_chunks_mut(ROWS_PER_TASK * t)
@@ -465,11 +477,15 @@ pub(crate) mod tests {
             let (rows, cols) = (9, 256);
             let data = blocks(ty, rows, cols);
             let q = QuantMatrix::new(ty, rows, cols, &data).unwrap();
-            let x: Vec<f32> = (0..5 * cols)
+            // 37 rows: three passes of the kernel (16 + 16 + 5).
+            let n = 37;
+            let x: Vec<f32> = (0..n * cols)
                 .map(|i| ((i * 37) % 23) as f32 * 0.07 - 0.7)
                 .collect();
-            let all = q.matmul(&x, 5);
-            for tt in 0..5 {
+            let all = q.matmul(&x, n);
+            let five = q.matmul(&x[..5 * cols], 5);
+            assert_eq!(&all[..5 * rows], &five[..], "{ty:?}: 5 rows");
+            for tt in 0..n {
                 let one = q.matmul(&x[tt * cols..(tt + 1) * cols], 1);
                 assert_eq!(
                     &all[tt * rows..(tt + 1) * rows],

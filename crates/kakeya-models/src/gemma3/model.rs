@@ -240,9 +240,9 @@ impl Gemma3Model {
     }
 
     /// Whether every decoder-layer projection gives each row the same bits however many rows
-    /// run together — true when they all take the int8 kernel ([`Kernel::Int8`]); otherwise
-    /// that holds up to [`crate::linear::QUANT_MAX_ROWS`] rows in all. (Attention runs per
-    /// sequence either way; the head's rows must stay within that bound in both cases.)
+    /// run together — true when they all have GGUF blocks on the CPU (the block kernel, exact
+    /// or int8, at any count); otherwise that holds up to [`crate::linear::QUANT_MAX_ROWS`]
+    /// rows in all. (Attention runs per sequence either way.)
     pub fn rows_invariant_at_any_count(&self) -> bool {
         self.layers.iter().all(|l| {
             let a = &l.attn;
@@ -255,7 +255,7 @@ impl Gemma3Model {
             .into_iter()
             .flatten()
             .chain([&l.gate_proj, &l.up_proj, &l.down_proj])
-            .all(|p| p.quant.is_some() && p.kernel == Kernel::Int8)
+            .all(|p| p.quant.is_some())
                 && l.per_layer.is_none()
                 && l.moe.is_none()
         })
@@ -350,10 +350,10 @@ impl Gemma3Model {
 
     /// Runs chunks of several sequences in one pass, each with its own caches: the chunks'
     /// rows are stacked for every projection and MLP (one weight pass for all), and each
-    /// sequence attends only over its own caches. With at most
-    /// [`crate::linear::QUANT_MAX_ROWS`] rows in all (decode steps), every projection runs the
-    /// batch-invariant block kernel, so each sequence's results are bit for bit those of its
-    /// own [`Self::forward`]. All requests ask for the same `hidden_after` and
+    /// sequence attends only over its own caches. With GGUF blocks on the CPU every projection
+    /// runs the batch-invariant block kernel (other weights: with at most
+    /// [`crate::linear::QUANT_MAX_ROWS`] rows in all), so each sequence's results are bit for
+    /// bit those of its own [`Self::forward`]. All requests ask for the same `hidden_after` and
     /// `capture_attention`.
     ///
     /// # Shapes

@@ -7,7 +7,8 @@
 //! result is bit-identical whether it is decoded alone or verified in a block — the property
 //! lossless speculative decoding rests on. On x86-64 with AVX2+FMA each weight is rebuilt in
 //! a register from its int8 value and used for up to four input rows (explicit 8-wide FMAs;
-//! more input rows are taken in chunks of four against each group of tiles); elsewhere the
+//! more input rows are taken in chunks of four against each tile — of eight with AVX-512VL,
+//! whose 32 registers hold their accumulators); elsewhere the
 //! tile is rebuilt to f32 and a scalar loop with `f32::mul_add` computes the same bits
 //! (`crate::quant`'s tests compare every path with [`dot`] bit for bit).
 
@@ -313,15 +314,65 @@ mod simd {
             "kernel::tiles_fused: slices too short"
         );
         // SAFETY: AVX2 and FMA are available (checked by the caller through `available`),
-        // and the lengths were checked above.
+        // AVX-512VL where `wide_available` says so, and the lengths were checked above.
         unsafe {
-            if l.asym {
-                fused_tiles_avx2::<true>(l, tiles, x, t, rows, out);
-            } else {
-                fused_tiles_avx2::<false>(l, tiles, x, t, rows, out);
+            match (l.asym, t > super::FUSED_INPUTS && wide_available()) {
+                (true, true) => fused_tiles_wide::<true>(l, tiles, x, t, rows, out),
+                (false, true) => fused_tiles_wide::<false>(l, tiles, x, t, rows, out),
+                (true, false) => fused_tiles_avx2::<true>(l, tiles, x, t, rows, out),
+                (false, false) => fused_tiles_avx2::<false>(l, tiles, x, t, rows, out),
             }
         }
     }
+
+    /// Whether AVX-512VL is there: its 32 vector registers hold the accumulators of eight
+    /// input rows against two weight rows (the same 8-wide FMAs, so the same bits).
+    fn wide_available() -> bool {
+        static OK: OnceLock<bool> = OnceLock::new();
+        *OK.get_or_init(|| {
+            is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vl")
+        })
+    }
+
+    /// [`fused_tiles_avx2`] in chunks of up to [`WIDE_INPUTS`] input rows per tile: each
+    /// weight is rebuilt half as often for blocks of 5–16 rows.
+    #[target_feature(enable = "avx2,fma,avx512f,avx512vl")]
+    unsafe fn fused_tiles_wide<const ASYM: bool>(
+        l: Layout,
+        tiles: &[u8],
+        x: &[f32],
+        t: usize,
+        rows: usize,
+        out: &mut [f32],
+    ) {
+        let cols = l.cols();
+        for k in 0..rows.div_ceil(TILE) {
+            let tile = &tiles[k * l.tile()..];
+            let mut j0 = 0;
+            while j0 < t {
+                let xn = (t - j0).min(WIDE_INPUTS);
+                let xs = &x[j0 * cols..(j0 + xn) * cols];
+                // SAFETY (all arms): tile `k` and the inputs are inside their slices
+                // (checked by the caller).
+                unsafe {
+                    match xn {
+                        1 => chunk_avx2::<1, ASYM>(l, tile, k, xs, rows, out, t, j0),
+                        2 => chunk_avx2::<2, ASYM>(l, tile, k, xs, rows, out, t, j0),
+                        3 => chunk_avx2::<3, ASYM>(l, tile, k, xs, rows, out, t, j0),
+                        4 => chunk_avx2::<4, ASYM>(l, tile, k, xs, rows, out, t, j0),
+                        5 => chunk_avx2::<5, ASYM>(l, tile, k, xs, rows, out, t, j0),
+                        6 => chunk_avx2::<6, ASYM>(l, tile, k, xs, rows, out, t, j0),
+                        7 => chunk_avx2::<7, ASYM>(l, tile, k, xs, rows, out, t, j0),
+                        _ => chunk_avx2::<8, ASYM>(l, tile, k, xs, rows, out, t, j0),
+                    }
+                }
+                j0 += xn;
+            }
+        }
+    }
+
+    /// Most input rows [`fused_tiles_wide`] sums against a tile in one pass.
+    const WIDE_INPUTS: usize = 8;
 
     /// Every tile's rows against the `t` input rows, in chunks of up to
     /// [`super::FUSED_INPUTS`] per tile, written to `out` (`[rows, t]`).

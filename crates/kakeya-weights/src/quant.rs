@@ -516,7 +516,7 @@ pub(crate) mod tests {
             let x: Vec<f32> = (0..17 * cols)
                 .map(|i| ((i * 41) % 29) as f32 * 0.09 - 1.1)
                 .collect();
-            for t in [1, 2, 3, 4, 5, 8, 9, 16, 17] {
+            for t in [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17] {
                 let y = q.matmul(&x[..t * cols], t);
                 for tt in 0..t {
                     for r in 0..rows {

@@ -60,18 +60,28 @@ impl Linear {
         }
     }
 
+    /// A dense weight `[out, in]` from host values, with the row-order kernel's copy (bf16
+    /// when every value is one) when it lives on the CPU.
+    pub fn host(values: Vec<f32>, shape: [usize; 2], device: &Device) -> Self {
+        let rows = row_copy(&values, shape, device);
+        Self {
+            rows,
+            ..Self::dense(Tensor::from_data(TensorData::new(values, shape), device))
+        }
+    }
+
     /// This map with the row-order kernel's copy of its dense weight when it lives on the CPU
-    /// (bf16 when every value is one): inputs of up to [`QUANT_MAX_ROWS`] rows then skip the
-    /// dense matmul, whose per-call packing of the weight dominates a few-row product. Unchanged
-    /// when it has GGUF blocks or a copy already, or lives on another device.
+    /// ([`Self::host`]): inputs of up to [`QUANT_MAX_ROWS`] rows then skip the dense matmul,
+    /// whose per-call packing of the weight dominates a few-row product. Unchanged when it
+    /// has GGUF blocks or a copy already, or lives on another device.
     pub fn with_host_rows(self) -> Self {
-        if self.quant.is_some() || self.rows.is_some() || self.weight.device() != Device::flex() {
+        let device = self.weight.device();
+        if self.quant.is_some() || self.rows.is_some() || device != Device::flex() {
             return self;
         }
-        let [r, c] = self.weight.dims();
         let values = host_rows(self.weight.clone());
         Self {
-            rows: Some(Arc::new(DenseMatrix::new(r, c, &values))),
+            rows: row_copy(&values, self.weight.dims(), &device),
             ..self
         }
     }
@@ -128,6 +138,11 @@ impl Linear {
         let q = self.quant_for(t)?;
         q.argmax(&host_rows(x.clone()), t).map(|a| a.ids)
     }
+}
+
+/// The row-order kernel's copy of `values` (`[out, in]`) when they live on the CPU.
+fn row_copy(values: &[f32], [r, c]: [usize; 2], device: &Device) -> Option<Arc<DenseMatrix>> {
+    (*device == Device::flex()).then(|| Arc::new(DenseMatrix::new(r, c, values)))
 }
 
 /// The activations on the host, row-major.

@@ -334,7 +334,35 @@ mod simd {
         })
     }
 
-    /// [`fused_tiles_avx2`] in chunks of up to [`WIDE_INPUTS`] input rows per tile: each
+    /// The tile loop of [`fused_tiles_avx2`] and [`fused_tiles_wide`]: every tile's rows
+    /// against the `t` input rows in chunks of up to `$max` (the arms `$n` take shorter
+    /// chunks), written to `out` (`[rows, t]`). A macro, not a function, so that each body is compiled with its own
+    /// function's target features (a shared function was not inlined into the wide one, whose
+    /// eight-row chunks then spilled registers: 2× slower).
+    macro_rules! tiles_in_chunks {
+        ([$($n:literal),*; $max:literal], $asym:ident, $l:ident, $tiles:ident, $x:ident, $t:ident, $rows:ident, $out:ident) => {{
+            let cols = $l.cols();
+            for k in 0..$rows.div_ceil(TILE) {
+                let tile = &$tiles[k * $l.tile()..];
+                let mut j0 = 0;
+                while j0 < $t {
+                    let xn = ($t - j0).min($max);
+                    let xs = &$x[j0 * cols..(j0 + xn) * cols];
+                    // SAFETY (all arms): tile `k` and the inputs are inside their slices
+                    // (checked by the caller).
+                    unsafe {
+                        match xn {
+                            $($n => chunk_avx2::<$n, $asym>($l, tile, k, xs, $rows, $out, $t, j0),)*
+                            _ => chunk_avx2::<$max, $asym>($l, tile, k, xs, $rows, $out, $t, j0),
+                        }
+                    }
+                    j0 += xn;
+                }
+            }
+        }};
+    }
+
+    /// [`fused_tiles_avx2`] in chunks of up to eight input rows per tile: each
     /// weight is rebuilt half as often for blocks of 5–16 rows.
     #[target_feature(enable = "avx2,fma,avx512f,avx512vl")]
     unsafe fn fused_tiles_wide<const ASYM: bool>(
@@ -345,34 +373,8 @@ mod simd {
         rows: usize,
         out: &mut [f32],
     ) {
-        let cols = l.cols();
-        for k in 0..rows.div_ceil(TILE) {
-            let tile = &tiles[k * l.tile()..];
-            let mut j0 = 0;
-            while j0 < t {
-                let xn = (t - j0).min(WIDE_INPUTS);
-                let xs = &x[j0 * cols..(j0 + xn) * cols];
-                // SAFETY (all arms): tile `k` and the inputs are inside their slices
-                // (checked by the caller).
-                unsafe {
-                    match xn {
-                        1 => chunk_avx2::<1, ASYM>(l, tile, k, xs, rows, out, t, j0),
-                        2 => chunk_avx2::<2, ASYM>(l, tile, k, xs, rows, out, t, j0),
-                        3 => chunk_avx2::<3, ASYM>(l, tile, k, xs, rows, out, t, j0),
-                        4 => chunk_avx2::<4, ASYM>(l, tile, k, xs, rows, out, t, j0),
-                        5 => chunk_avx2::<5, ASYM>(l, tile, k, xs, rows, out, t, j0),
-                        6 => chunk_avx2::<6, ASYM>(l, tile, k, xs, rows, out, t, j0),
-                        7 => chunk_avx2::<7, ASYM>(l, tile, k, xs, rows, out, t, j0),
-                        _ => chunk_avx2::<8, ASYM>(l, tile, k, xs, rows, out, t, j0),
-                    }
-                }
-                j0 += xn;
-            }
-        }
+        tiles_in_chunks!([1, 2, 3, 4, 5, 6, 7; 8], ASYM, l, tiles, x, t, rows, out)
     }
-
-    /// Most input rows [`fused_tiles_wide`] sums against a tile in one pass.
-    const WIDE_INPUTS: usize = 8;
 
     /// Every tile's rows against the `t` input rows, in chunks of up to
     /// [`super::FUSED_INPUTS`] per tile, written to `out` (`[rows, t]`).
@@ -385,26 +387,8 @@ mod simd {
         rows: usize,
         out: &mut [f32],
     ) {
-        let cols = l.cols();
-        for k in 0..rows.div_ceil(TILE) {
-            let tile = &tiles[k * l.tile()..];
-            let mut j0 = 0;
-            while j0 < t {
-                let xn = (t - j0).min(super::FUSED_INPUTS);
-                let xs = &x[j0 * cols..(j0 + xn) * cols];
-                // SAFETY (all arms): tile `k` and the inputs are inside their slices
-                // (checked by the caller).
-                unsafe {
-                    match xn {
-                        1 => chunk_avx2::<1, ASYM>(l, tile, k, xs, rows, out, t, j0),
-                        2 => chunk_avx2::<2, ASYM>(l, tile, k, xs, rows, out, t, j0),
-                        3 => chunk_avx2::<3, ASYM>(l, tile, k, xs, rows, out, t, j0),
-                        _ => chunk_avx2::<4, ASYM>(l, tile, k, xs, rows, out, t, j0),
-                    }
-                }
-                j0 += xn;
-            }
-        }
+        const _: () = assert!(super::FUSED_INPUTS == 4, "the arms below");
+        tiles_in_chunks!([1, 2, 3; 4], ASYM, l, tiles, x, t, rows, out)
     }
 
     /// Tile `k`'s rows against `X` input rows (`x`: `[X, cols]`), written to columns

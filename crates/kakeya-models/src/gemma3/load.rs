@@ -60,7 +60,7 @@ impl Loader<'_> {
     /// A non-quantised weight `[out, in]` as a linear map (with the row-order kernel's copy
     /// on the CPU).
     fn host_lin(&self, data: Vec<f32>, shape: [usize; 2]) -> Linear {
-        Linear::dense(Tensor::from_data(TensorData::new(data, shape), self.device)).with_host_rows()
+        Linear::host(data, shape, self.device)
     }
 
     /// Layer `i`'s MoE branch.

@@ -1,35 +1,64 @@
 #!/bin/bash
-# Packs what a GPU run of `kakeya train f-theta` needs for the lent NVIDIA machine (`device` tool),
-# whose working tree travels in at most 64 MiB per call: a CUDA build of kakeya (xz), the verifier
-# GGUF, the first shard of the f_θ capture (with a manifest for it alone) and a step-time config.
-# Writes .xfer/ (git-ignored through .git/info/exclude) with parts of 41 MiB, run.sh's input.
+# Packs what a GPU run needs for the lent NVIDIA machine (`device` tool), whose working tree
+# travels in at most 64 MiB per call. Writes .xfer/ (git-ignored through .git/info/exclude):
+# parts of $PART bytes (default 41M; 62M once `scripts/device/slim.sh on` has shrunk the tree
+# that travels), the payload's hash and the device-side script.
 #
-#   cargo build --release -p kakeya-cli --features cuda && strip target/release/kakeya
-#   scripts/device/pack.sh target/release/kakeya
-#   then one device call per part:  mv .xfer/parts/pN /tmp/x/   (carry .xfer/parts/pN)
-#   and last:  bash .xfer/run.sh   (carry .xfer/parts/<last>, .xfer/run.sh, .xfer/payload.sha)
+#   infer:   scripts/device/pack.sh infer <kakeya --features cuda> <golden test binary, cuda> \
+#                [kakeya --features cuda-fused]
+#            a CUDA kakeya (and one with Burn's fusion and autotuning, when given), the golden
+#            test (kakeya-runtime `--features cuda --test golden`),
+#            the verifier GGUF + tokenizer, the default drafter and the `gguf` wheel that
+#            transformers needs to read the GGUF; run_infer.sh runs the checks.
+#   f-theta: scripts/device/pack.sh f-theta <kakeya --features cuda>
+#            the first shard of the f_θ capture (with a manifest for it alone) and a step-time
+#            config; run.sh times f_θ training steps.
+#
+# Build: cargo build --release -p kakeya-cli --features cuda (strip the binaries).
+# Then one device call per part, within 30 s of each other (the machine stays warm that long):
+#   mkdir -p /tmp/x && mv .xfer/parts/pN /tmp/x/     (carry .xfer/parts/pN)
+# and last: bash .xfer/run.sh   (carry .xfer/parts/<last>, .xfer/run.sh, .xfer/unpack.sh, .xfer/payload.sha)
 set -euo pipefail
-bin=${1:?usage: pack.sh <kakeya built with --features cuda>}
+mode=${1:?usage: pack.sh infer|f-theta <kakeya built with --features cuda> [golden test binary]}
+bin=${2:?usage: pack.sh infer|f-theta <kakeya built with --features cuda> [golden test binary]}
+bin=$(realpath "$bin")
+case $mode in infer) golden=$(realpath "${3:?infer needs the golden test binary}"); fused=${4:+$(realpath "$4")};; esac
 cd "$(dirname "$0")/../.."
 mkdir -p .git/info && grep -qx '/.xfer/' .git/info/exclude 2>/dev/null || echo '/.xfer/' >> .git/info/exclude
-rm -rf .xfer && mkdir -p .xfer/stage/ds .xfer/parts
-python3 - <<'PY'
+rm -rf .xfer && mkdir -p .xfer/stage .xfer/parts
+xz -T2 -6 -c "$bin" > .xfer/stage/kakeya-cuda.xz
+cp models/gemma-3-270m/gemma-3-270m-q4_k_m.gguf .xfer/stage/verifier.gguf
+case $mode in
+infer)
+    xz -T2 -6 -c "$golden" > .xfer/stage/golden-cuda.xz
+    [ -z "$fused" ] || xz -T2 -6 -c "$fused" > .xfer/stage/kakeya-fused.xz
+    xz -T2 -6 -c models/gemma-3-270m/tokenizer.json > .xfer/stage/tokenizer.json.xz
+    cp -r checkpoints/drafter-gemma3-270m-v2 .xfer/stage/drafter
+    python3 -m pip download -q --no-deps --only-binary=:all: -d .xfer/stage/whl gguf==0.19.0
+    echo "root_at_build=$(pwd)" > .xfer/stage/build-root
+    cp scripts/device/run_infer.sh .xfer/run.sh
+    ;;
+f-theta)
+    mkdir -p .xfer/stage/ds
+    python3 - <<'PY'
 import json
 m = json.load(open('data/capture-f-theta-270m/manifest.json'))
 m['shards'] = m['shards'][:1]; m['shards_total'] = 1
 m['sequences'] = len(m['shards'][0]['sequences']); m['sequence_sources'] = m['sequence_sources'][:m['sequences']]
 json.dump(m, open('.xfer/stage/ds/manifest.json', 'w'), indent=2)
 PY
-cp data/capture-f-theta-270m/shard-00000.parquet .xfer/stage/ds/
-xz -T2 -6 -c "$bin" > .xfer/stage/kakeya-cuda.xz
-cp models/gemma-3-270m/gemma-3-270m-q4_k_m.gguf .xfer/stage/verifier.gguf
-sed -e 's#data/capture-f-theta-270m#/tmp/x/ds#' -e 's#^steps = .*#steps = 40#' -e 's#^warmup_steps = .*#warmup_steps = 10#' \
-    -e 's#runs/train-f-theta-270m#/tmp/x/run#' -e 's#runs/f-theta-gemma3-270m#/tmp/x/export#' \
-    -e 's#^checkpoint_every = .*#checkpoint_every = 1000#' -e 's#^eval_every = .*#eval_every = 1000#' \
-    configs/train/f-theta-270m.toml > .xfer/stage/cfg.toml
-(cd .xfer/stage && tar cf ../payload.tar kakeya-cuda.xz verifier.gguf ds cfg.toml)
+    cp data/capture-f-theta-270m/shard-00000.parquet .xfer/stage/ds/
+    sed -e 's#data/capture-f-theta-270m#/tmp/x/ds#' -e 's#^steps = .*#steps = 40#' -e 's#^warmup_steps = .*#warmup_steps = 10#' \
+        -e 's#runs/train-f-theta-270m#/tmp/x/run#' -e 's#runs/f-theta-gemma3-270m#/tmp/x/export#' \
+        -e 's#^checkpoint_every = .*#checkpoint_every = 1000#' -e 's#^eval_every = .*#eval_every = 1000#' \
+        configs/train/f-theta-270m.toml > .xfer/stage/cfg.toml
+    cp scripts/device/run.sh .xfer/run.sh
+    ;;
+*) echo "pack.sh: unknown mode $mode (infer or f-theta)" >&2; exit 2;;
+esac
+(cd .xfer/stage && tar cf ../payload.tar .)
 rm -rf .xfer/stage
-(cd .xfer && sha256sum payload.tar | cut -d' ' -f1 > payload.sha && cd parts && split -b 41M -d -a 1 ../payload.tar p)
+(cd .xfer && sha256sum payload.tar | cut -d' ' -f1 > payload.sha && cd parts && split -b "${PART:-41M}" -d -a 1 ../payload.tar p)
 rm .xfer/payload.tar
-cp scripts/device/run.sh .xfer/run.sh
+cp scripts/device/unpack.sh .xfer/unpack.sh
 ls -l .xfer/parts

@@ -89,6 +89,44 @@ pub struct PromptFigure {
     speedup: f64,
     mean_acceptance_length: f64,
     identical: bool,
+    /// Where speculative decoding first left AR's tokens, when it did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    divergence: Option<Divergence>,
+}
+
+/// The first step at which the speculative tokens differ from AR's, with AR's logits there (a
+/// fresh plain forward over the prompt and AR's tokens before it): a gap near the device's
+/// numeric drift marks a near-tie that a verify block's different summation order can flip
+/// (GPU matmuls are not batch-invariant; the CPU kernels are).
+#[derive(Debug, Serialize)]
+pub struct Divergence {
+    step: usize,
+    ar_token: u32,
+    spec_token: u32,
+    /// AR's logit of its token minus its logit of the speculative token.
+    logit_gap: f32,
+}
+
+/// [`Divergence`] of `spec` from `ar` (both continuations of `ids`), if any.
+fn divergence(
+    model: &Gemma3Model,
+    setup: KvSetup<'_>,
+    ids: &[u32],
+    ar: &[u32],
+    spec: &[u32],
+) -> Result<Option<Divergence>> {
+    let Some(step) = ar.iter().zip(spec).position(|(a, b)| a != b) else {
+        return Ok(None);
+    };
+    let context: Vec<u32> = ids.iter().chain(&ar[..step]).copied().collect();
+    let logits = Session::with_kv(model, setup)?.prefill(&context, 512)?;
+    let (a, b) = (ar[step], spec[step]);
+    Ok(Some(Divergence {
+        step,
+        ar_token: a,
+        spec_token: b,
+        logit_gap: logits[a as usize] - logits[b as usize],
+    }))
 }
 
 /// The whole comparison.
@@ -242,6 +280,7 @@ pub fn run(
             speedup: sp_rate / ar_rate.max(1e-9),
             mean_acceptance_length: st.mean_acceptance_length,
             identical: sp.tokens == ar.tokens,
+            divergence: divergence(model, ar_setup, &ids, &ar.tokens, &sp.tokens)?,
         });
     }
     bar.finish_and_clear();
@@ -297,6 +336,12 @@ pub fn print(b: &SpecBench) {
             f.mean_acceptance_length,
             f.identical
         );
+        if let Some(d) = &f.divergence {
+            println!(
+                "|   | first difference at step {}: AR {} vs spec {}, AR logit gap {:.3e} | | | | | |",
+                d.step, d.ar_token, d.spec_token, d.logit_gap
+            );
+        }
     }
     println!(
         "| all | | {:.1} | {:.1} | {:.2}× | {:.2} | {} |",

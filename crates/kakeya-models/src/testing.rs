@@ -10,13 +10,23 @@ use kakeya_weights::{
     HostTensor, QuantMatrix,
 };
 
-/// The device tests train on: the CPU, or with the `wgpu` feature and `KAKEYA_TEST_DEVICE=wgpu`
-/// the wgpu device (scripts/test_wgpu.sh runs the trainer tests there, on Mesa's lavapipe).
+/// The device tests run on: the CPU, or with the `wgpu` (`cuda`) feature and
+/// `KAKEYA_TEST_DEVICE=wgpu` (`cuda`) that device (scripts/test_wgpu.sh runs the trainer tests
+/// on Mesa's lavapipe; scripts/device/ runs the real-model golden test on a lent NVIDIA GPU).
 pub fn test_device() -> burn::tensor::Device {
+    let wanted = std::env::var("KAKEYA_TEST_DEVICE").unwrap_or_default();
     #[cfg(feature = "wgpu")]
-    if std::env::var("KAKEYA_TEST_DEVICE").as_deref() == Ok("wgpu") {
+    if wanted == "wgpu" {
         return burn::tensor::Device::wgpu(Default::default());
     }
+    #[cfg(feature = "cuda")]
+    if wanted == "cuda" {
+        return burn::tensor::Device::cuda(0);
+    }
+    assert!(
+        wanted.is_empty() || wanted == "cpu",
+        "KAKEYA_TEST_DEVICE={wanted}: this test binary was built without that device's feature"
+    );
     burn::tensor::Device::flex()
 }
 

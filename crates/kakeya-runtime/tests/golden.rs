@@ -52,6 +52,9 @@ fn logit_diff(ours: &[f32], case: &serde_json::Value) -> f32 {
 fn logits_and_greedy_match_transformers() {
     let (model, tok) = load();
     let f = fixture();
+    // Every case is measured and reported before the test fails, so a run on another device
+    // (`KAKEYA_TEST_DEVICE`) shows all its figures.
+    let mut failures = Vec::new();
     for case in f["cases"].as_array().unwrap() {
         let prompt = case["prompt"].as_str().unwrap();
         let want_ids = ids(&case["prompt_ids"]);
@@ -63,21 +66,29 @@ fn logits_and_greedy_match_transformers() {
         let logits = s.prefill(&want_ids, 512).unwrap();
         let d = logit_diff(&logits, case);
         eprintln!("{} prompt tokens: max |Δlogit| = {d:.2e}", want_ids.len());
-        assert!(d <= LOGIT_TOL, "{prompt:?}: max |Δlogit| {d} > {LOGIT_TOL}");
+        if d > LOGIT_TOL {
+            failures.push(format!("{prompt:?}: max |Δlogit| {d} > {LOGIT_TOL}"));
+        }
 
         let cfg = common::greedy_cfg(32, 512);
         let mut s = Session::new(&model, 0);
         let g = generate(&mut s, &want_ids, &cfg, &mut |_| {}).unwrap();
         let want = ids(&case["greedy"]);
         let gaps = floats(&case["greedy_gaps"]);
-        if let Some(i) = g.tokens.iter().zip(&want).position(|(a, b)| a != b) {
-            panic!(
+        match g.tokens.iter().zip(&want).position(|(a, b)| a != b) {
+            Some(i) => failures.push(format!(
                 "{prompt:?}: greedy diverges at step {i}: ours {} vs transformers {} (reference top-1/top-2 gap {:.4})",
                 g.tokens[i], want[i], gaps[i]
-            );
+            )),
+            None if g.tokens.len() != want.len() => failures.push(format!(
+                "{prompt:?}: {} greedy tokens, transformers {}",
+                g.tokens.len(),
+                want.len()
+            )),
+            None => eprintln!("  greedy: all {} tokens equal transformers'", want.len()),
         }
-        assert_eq!(g.tokens.len(), want.len());
     }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 /// The int8 kernel's logits against transformers' f32 ones: its input rounding moves them by

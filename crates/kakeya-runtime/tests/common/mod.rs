@@ -22,12 +22,13 @@ pub fn model_dir() -> PathBuf {
     root().join("models/gemma-3-270m")
 }
 
-/// The default model (GGUF Q4_K_M) on the CPU, and its tokenizer.
+/// The default model (GGUF Q4_K_M) on the test device (the CPU unless `KAKEYA_TEST_DEVICE`
+/// names another this binary was built for), and its tokenizer.
 pub fn load() -> (Gemma3Model, Tokenizer) {
     let ck = Checkpoint::load(model_dir().join("gemma-3-270m-q4_k_m.gguf")).expect("fetched model");
     let tok = Tokenizer::load(&model_dir().join("tokenizer.json"), ck.config.vocab_size).unwrap();
     (
-        Gemma3Model::from_checkpoint(ck, &Device::flex()).unwrap(),
+        Gemma3Model::from_checkpoint(ck, &kakeya_models::testing::test_device()).unwrap(),
         tok,
     )
 }

@@ -10,6 +10,9 @@
 #            test (kakeya-runtime `--features cuda --test golden`),
 #            the verifier GGUF + tokenizer, the default drafter and the `gguf` wheel that
 #            transformers needs to read the GGUF; run_infer.sh runs the checks.
+#   profile: scripts/device/pack.sh profile <kakeya --features cuda>
+#            the default model's config and tensor shapes (no weights) and its tokenizer;
+#            run_profile.sh times and profiles decode steps on random weights of those shapes.
 #   f-theta: scripts/device/pack.sh f-theta <kakeya --features cuda>
 #            the first shard of the f_θ capture (with a manifest for it alone) and a step-time
 #            config; run.sh times f_θ training steps.
@@ -19,17 +22,17 @@
 #   mkdir -p /tmp/x && mv .xfer/parts/pN /tmp/x/     (carry .xfer/parts/pN)
 # and last: bash .xfer/run.sh   (carry .xfer/parts/<last>, .xfer/run.sh, .xfer/unpack.sh, .xfer/payload.sha)
 set -euo pipefail
-mode=${1:?usage: pack.sh infer|f-theta <kakeya built with --features cuda> [golden test binary]}
-bin=${2:?usage: pack.sh infer|f-theta <kakeya built with --features cuda> [golden test binary]}
+mode=${1:?usage: pack.sh infer|profile|f-theta <kakeya built with --features cuda> [golden test binary]}
+bin=${2:?usage: pack.sh infer|profile|f-theta <kakeya built with --features cuda> [golden test binary]}
 bin=$(realpath "$bin")
 case $mode in infer) golden=$(realpath "${3:?infer needs the golden test binary}"); fused=${4:+$(realpath "$4")};; esac
 cd "$(dirname "$0")/../.."
 mkdir -p .git/info && grep -qx '/.xfer/' .git/info/exclude 2>/dev/null || echo '/.xfer/' >> .git/info/exclude
 rm -rf .xfer && mkdir -p .xfer/stage .xfer/parts
 xz -T2 -6 -c "$bin" > .xfer/stage/kakeya-cuda.xz
-cp models/gemma-3-270m/gemma-3-270m-q4_k_m.gguf .xfer/stage/verifier.gguf
 case $mode in
 infer)
+    cp models/gemma-3-270m/gemma-3-270m-q4_k_m.gguf .xfer/stage/verifier.gguf
     xz -T2 -6 -c "$golden" > .xfer/stage/golden-cuda.xz
     [ -z "$fused" ] || xz -T2 -6 -c "$fused" > .xfer/stage/kakeya-fused.xz
     xz -T2 -6 -c models/gemma-3-270m/tokenizer.json > .xfer/stage/tokenizer.json.xz
@@ -38,7 +41,22 @@ infer)
     echo "root_at_build=$(pwd)" > .xfer/stage/build-root
     cp scripts/device/run_infer.sh .xfer/run.sh
     ;;
+profile)
+    # The default model's config and tensor shapes (random weights are drawn on the device).
+    tmp=$(mktemp -d)
+    "$bin" convert --model models/gemma-3-270m/gemma-3-270m-q4_k_m.gguf --out "$tmp/hf" --tokenizer /dev/null
+    cp "$tmp/hf/config.json" .xfer/stage/
+    python3 - "$tmp/hf/model.safetensors" .xfer/stage/spec.json <<'PY'
+import json, struct, sys
+f = open(sys.argv[1], 'rb'); n = struct.unpack('<Q', f.read(8))[0]; h = json.loads(f.read(n))
+json.dump({k: v['shape'] for k, v in h.items() if k != '__metadata__'}, open(sys.argv[2], 'w'))
+PY
+    rm -rf "$tmp"
+    xz -T2 -6 -c models/gemma-3-270m/tokenizer.json > .xfer/stage/tokenizer.json.xz
+    cp scripts/device/run_profile.sh .xfer/run.sh
+    ;;
 f-theta)
+    cp models/gemma-3-270m/gemma-3-270m-q4_k_m.gguf .xfer/stage/verifier.gguf
     mkdir -p .xfer/stage/ds
     python3 - <<'PY'
 import json
@@ -54,7 +72,7 @@ PY
         configs/train/f-theta-270m.toml > .xfer/stage/cfg.toml
     cp scripts/device/run.sh .xfer/run.sh
     ;;
-*) echo "pack.sh: unknown mode $mode (infer or f-theta)" >&2; exit 2;;
+*) echo "pack.sh: unknown mode $mode (infer, profile or f-theta)" >&2; exit 2;;
 esac
 (cd .xfer/stage && tar cf ../payload.tar .)
 rm -rf .xfer/stage

@@ -11,4 +11,5 @@ python3 scripts/fetch_default_model.py
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo check -p kakeya-cli --features wgpu --locked
+cargo check -p kakeya-cli --features wgpu,fusion,autotune --locked
 cargo test --workspace --locked -- --include-ignored

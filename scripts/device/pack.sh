@@ -5,8 +5,8 @@
 # that travels), the payload's hash and the device-side script.
 #
 #   infer:   scripts/device/pack.sh infer <kakeya --features cuda> <golden test binary, cuda> \
-#                [kakeya --features cuda-fused]
-#            a CUDA kakeya (and one with Burn's fusion and autotuning, when given), the golden
+#                [a second kakeya to compare, e.g. --features cuda,fusion]
+#            a CUDA kakeya (and the second, when given), the golden
 #            test (kakeya-runtime `--features cuda --test golden`),
 #            the verifier GGUF + tokenizer, the default drafter and the `gguf` wheel that
 #            transformers needs to read the GGUF; run_infer.sh runs the checks.
@@ -25,7 +25,7 @@ set -euo pipefail
 mode=${1:?usage: pack.sh infer|profile|f-theta <kakeya built with --features cuda> [golden test binary]}
 bin=${2:?usage: pack.sh infer|profile|f-theta <kakeya built with --features cuda> [golden test binary]}
 bin=$(realpath "$bin")
-case $mode in infer) golden=$(realpath "${3:?infer needs the golden test binary}"); fused=${4:+$(realpath "$4")};; esac
+case $mode in infer) golden=$(realpath "${3:?infer needs the golden test binary}"); alt=${4:+$(realpath "$4")};; esac
 cd "$(dirname "$0")/../.."
 mkdir -p .git/info && grep -qx '/.xfer/' .git/info/exclude 2>/dev/null || echo '/.xfer/' >> .git/info/exclude
 rm -rf .xfer && mkdir -p .xfer/stage .xfer/parts
@@ -34,7 +34,7 @@ case $mode in
 infer)
     cp models/gemma-3-270m/gemma-3-270m-q4_k_m.gguf .xfer/stage/verifier.gguf
     xz -T2 -6 -c "$golden" > .xfer/stage/golden-cuda.xz
-    [ -z "$fused" ] || xz -T2 -6 -c "$fused" > .xfer/stage/kakeya-fused.xz
+    [ -z "$alt" ] || xz -T2 -6 -c "$alt" > .xfer/stage/kakeya-alt.xz
     xz -T2 -6 -c models/gemma-3-270m/tokenizer.json > .xfer/stage/tokenizer.json.xz
     cp -r checkpoints/drafter-gemma3-270m-v2 .xfer/stage/drafter
     python3 -m pip download -q --no-deps --only-binary=:all: -d .xfer/stage/whl gguf==0.19.0

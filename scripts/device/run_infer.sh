@@ -4,8 +4,8 @@
 #   golden.log        the golden test (logits vs transformers' f32 fixture, greedy continuations)
 #                     with the model on `--device cuda` (KAKEYA_TEST_DEVICE=cuda);
 #   bench-ar.json     `kakeya bench --device cuda`: pp512 and tg128, median of 3 after warm-up;
-#   bench-ar-fused.json  the same with the `cuda-fused` build (Burn's fusion and autotuning),
-#                     when the payload has one;
+#   bench-ar-alt.json the same with a second build (e.g. `--features cuda,fusion`: Burn's kernel
+#                     fusion), when the payload has one;
 #   hf.json           transformers on the same GGUF and GPU (scripts/device/hf_bench.py): pp512
 #                     and tg128 with `generate`, f32 and bf16;
 #   bench-spec.json   `kakeya bench --device cuda --drafter`: AR vs speculative on the 20
@@ -35,13 +35,13 @@ tail -4 $OUT/golden.log
 step bench-ar 150 $OUT/bench-ar.json $OUT/bench-ar.log $X/kakeya-cuda bench --device $dev --runs 3 --warmup 1 --json
 cat $OUT/bench-ar.json
 best=$X/kakeya-cuda
-if [ -x $X/kakeya-fused ]; then
-    step bench-ar-fused 150 $OUT/bench-ar-fused.json $OUT/bench-ar-fused.log \
-        $X/kakeya-fused bench --device $dev --runs 3 --warmup 1 --json
-    cat $OUT/bench-ar-fused.json
+if [ -x $X/kakeya-alt ]; then
+    step bench-ar-alt 150 $OUT/bench-ar-alt.json $OUT/bench-ar-alt.log \
+        $X/kakeya-alt bench --device $dev --runs 3 --warmup 1 --json
+    cat $OUT/bench-ar-alt.json
     faster=$(python3 -c "import json,sys; tg=lambda p: json.load(open(p))['results'][1]['median_tok_s']
-print(int(tg(sys.argv[2]) > tg(sys.argv[1])))" $OUT/bench-ar.json $OUT/bench-ar-fused.json)
-    [ "$faster" = 1 ] && best=$X/kakeya-fused
+print(int(tg(sys.argv[2]) > tg(sys.argv[1])))" $OUT/bench-ar.json $OUT/bench-ar-alt.json)
+    [ "$faster" = 1 ] && best=$X/kakeya-alt
 fi
 step hf 180 $OUT/hf.log - env PYTHONUNBUFFERED=1 python3 scripts/device/hf_bench.py models/gemma-3-270m \
     --json $OUT/hf.json

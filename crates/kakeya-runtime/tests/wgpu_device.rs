@@ -209,3 +209,24 @@ fn bounded_kv_modes_on_wgpu_decode_speculatively_as_plainly() {
         assert_eq!(got.tokens, want.tokens, "{mode}");
     }
 }
+
+/// `KAKEYA_DECODE_STEPS` greedy tokens from a prompt of 8 on the device: `scripts/kernel_count.sh`
+/// runs it at two step counts with CubeCL's kernel log on and takes the difference, the kernels
+/// one decode step launches (with and without Burn's fusion).
+#[test]
+#[ignore = "run by scripts/kernel_count.sh, with CubeCL's kernel log on"]
+fn decode_steps_for_the_kernel_count() {
+    let steps: usize = std::env::var("KAKEYA_DECODE_STEPS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(4);
+    let m = Gemma3Model::from_checkpoint(random_checkpoint(&tiny(), 11), &gpu()).unwrap();
+    let g = generate(
+        &mut Session::new(&m, 0),
+        &tiny_prompt(0, 8),
+        &greedy_cfg(steps, 512),
+        &mut |_| {},
+    )
+    .unwrap();
+    assert_eq!(g.tokens.len(), steps);
+}

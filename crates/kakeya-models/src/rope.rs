@@ -71,3 +71,47 @@ impl Rope {
         Tensor::cat(vec![r1, r2], 2)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::{Device, Tensor, TensorData};
+
+    use super::Rope;
+
+    /// `apply` gives the bits of the four-product form `(x₁·c − x₂·s, x₂·c + x₁·s)`, computed
+    /// here per element on the host from the same angles.
+    #[test]
+    fn apply_equals_the_four_product_form_bit_for_bit() {
+        let (heads, d) = (3, 16);
+        let positions = [0usize, 1, 7, 513, 40_000];
+        let t = positions.len();
+        for rope in [
+            Rope::new(d, 10_000.0, 1.0),
+            Rope::proportional(d, 1e6, 0.25),
+        ] {
+            let xs: Vec<f32> = (0..heads * t * d)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+                .collect();
+            let x =
+                Tensor::<3>::from_data(TensorData::new(xs.clone(), [heads, t, d]), &Device::flex());
+            let (cos, sin) = rope.tables(&positions, &Device::flex());
+            let got = Rope::apply(x, &cos, &sin)
+                .into_data()
+                .try_into_vec::<f32>()
+                .unwrap();
+            let half = d / 2;
+            for h in 0..heads {
+                for (ti, &p) in positions.iter().enumerate() {
+                    let row = (h * t + ti) * d;
+                    for i in 0..half {
+                        let angle = p as f32 * rope.inv_freq[i];
+                        let (c, s) = (angle.cos(), angle.sin());
+                        let (x1, x2) = (xs[row + i], xs[row + half + i]);
+                        assert_eq!(got[row + i].to_bits(), (x1 * c - x2 * s).to_bits());
+                        assert_eq!(got[row + half + i].to_bits(), (x2 * c + x1 * s).to_bits());
+                    }
+                }
+            }
+        }
+    }
+}

@@ -352,3 +352,44 @@ pub fn print(b: &SpecBench) {
         b.all_identical
     );
 }
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::Device;
+    use kakeya_models::Gemma3Model;
+    use kakeya_models::testing::{random_checkpoint, tiny_config};
+    use kakeya_runtime::{GenerationConfig, KvSetup, Sampling, Session, generate};
+
+    use super::divergence;
+
+    /// The first differing step, both tokens, and AR's logit of its own token minus that of the
+    /// other: positive, since AR's token is the argmax there (the CPU path is bit for bit).
+    #[test]
+    fn a_divergence_reports_its_step_tokens_and_ar_gap() {
+        let m =
+            Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(8), 5), &Device::flex())
+                .unwrap();
+        let prompt = [3u32, 14, 15, 92, 65];
+        let cfg = GenerationConfig {
+            max_tokens: 6,
+            sampling: Sampling::Greedy,
+            stop_tokens: Vec::new(),
+            prefill_chunk: 512,
+            loop_guard: None,
+        };
+        let ar = generate(&mut Session::new(&m, 0), &prompt, &cfg, &mut |_| {})
+            .unwrap()
+            .tokens;
+        let setup = KvSetup::full(0);
+        assert!(divergence(&m, setup, &prompt, &ar, &ar).unwrap().is_none());
+        let mut spec = ar.clone();
+        spec[3] = (ar[3] + 1) % 97;
+        let d = divergence(&m, setup, &prompt, &ar, &spec).unwrap().unwrap();
+        assert_eq!((d.step, d.ar_token, d.spec_token), (3, ar[3], spec[3]));
+        assert!(
+            d.logit_gap > 0.0,
+            "AR's token is the argmax: gap {}",
+            d.logit_gap
+        );
+    }
+}

@@ -336,9 +336,9 @@ mod simd {
 
     /// The tile loop of [`fused_tiles_avx2`] and [`fused_tiles_wide`]: every tile's rows
     /// against the `t` input rows in chunks of up to `$max` (the arms `$n` take shorter
-    /// chunks), written to `out` (`[rows, t]`). A macro, not a function, so that each body is compiled with its own
-    /// function's target features (a shared function was not inlined into the wide one, whose
-    /// eight-row chunks then spilled registers: 2× slower).
+    /// chunks), written to `out` (`[rows, t]`). A macro, not a function, so that each body is
+    /// compiled with its own function's target features (a shared function was not inlined
+    /// into the wide one, whose eight-row chunks then spilled registers: 2× slower).
     macro_rules! tiles_in_chunks {
         ([$($n:literal),*; $max:literal], $asym:ident, $l:ident, $tiles:ident, $x:ident, $t:ident, $rows:ident, $out:ident) => {{
             let cols = $l.cols();

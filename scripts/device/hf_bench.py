@@ -9,7 +9,8 @@ It mirrors `kakeya bench`'s two figures (crates/kakeya-cli/src/bench.rs):
     generated), the KV cache on, as a user of transformers runs it.
 Both after warm-up, the median of --runs, with the GPU synchronised around each timing. The
 weights are the GGUF's, dequantised by transformers (`gguf_file=`) to f32, then cast to each
---dtype asked for.
+--dtype asked for. A MODEL_DIR without the GGUF is read as a Hugging Face folder (config.json and
+model.safetensors, e.g. random_model.py's random weights of the same shapes).
 
   python3 scripts/device/hf_bench.py MODEL_DIR [--dtypes float32,bfloat16] [--runs 3] [--json OUT]
 (needs torch, transformers >= 5 and the `gguf` package; the device run carries its wheel.)
@@ -18,6 +19,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import transformers
@@ -108,8 +110,10 @@ def main():
     }
     # Dequantise the GGUF once (f32), then cast for each dtype asked for.
     t = time.perf_counter()
+    gguf = {"gguf_file": GGUF} if (Path(a.model_dir) / GGUF).exists() else {}
+    report["model"] = GGUF if gguf else a.model_dir
     model = AutoModelForCausalLM.from_pretrained(
-        a.model_dir, gguf_file=GGUF, dtype=torch.float32, attn_implementation=a.attn
+        a.model_dir, dtype=torch.float32, attn_implementation=a.attn, **gguf
     ).to("cuda").eval()
     report["load_s"] = time.perf_counter() - t
     vocab = model.config.get_text_config().vocab_size

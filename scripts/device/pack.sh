@@ -10,9 +10,12 @@
 #            test (kakeya-runtime `--features cuda --test golden`),
 #            the verifier GGUF + tokenizer, the default drafter and the `gguf` wheel that
 #            transformers needs to read the GGUF; run_infer.sh runs the checks.
-#   profile: scripts/device/pack.sh profile <kakeya --features cuda>
+#   profile: scripts/device/pack.sh profile <kakeya --features cuda> [baseline kakeya] [test binaries...]
 #            the default model's config and tensor shapes (no weights) and its tokenizer;
-#            run_profile.sh times and profiles decode steps on random weights of those shapes.
+#            run_profile.sh times decode and prefill on random weights of those shapes (beside the
+#            baseline build when given, alternating, and transformers on the same weights), runs
+#            the test binaries (built with --features cuda) with KAKEYA_TEST_DEVICE=cuda, then
+#            profiles decode steps.
 #   f-theta: scripts/device/pack.sh f-theta <kakeya --features cuda>
 #            the first shard of the f_θ capture (with a manifest for it alone) and a step-time
 #            config; run.sh times f_θ training steps.
@@ -25,7 +28,10 @@ set -euo pipefail
 mode=${1:?usage: pack.sh infer|profile|f-theta <kakeya built with --features cuda> [golden test binary]}
 bin=${2:?usage: pack.sh infer|profile|f-theta <kakeya built with --features cuda> [golden test binary]}
 bin=$(realpath "$bin")
-case $mode in infer) golden=$(realpath "${3:?infer needs the golden test binary}"); alt=${4:+$(realpath "$4")};; esac
+case $mode in
+infer) golden=$(realpath "${3:?infer needs the golden test binary}"); alt=${4:+$(realpath "$4")};;
+profile) base=${3:+$(realpath "$3")}; tests=(); for t in "${@:4}"; do tests+=("$(realpath "$t")"); done;;
+esac
 cd "$(dirname "$0")/../.."
 mkdir -p .git/info && grep -qx '/.xfer/' .git/info/exclude 2>/dev/null || echo '/.xfer/' >> .git/info/exclude
 rm -rf .xfer && mkdir -p .xfer/stage .xfer/parts
@@ -53,6 +59,8 @@ json.dump({k: v['shape'] for k, v in h.items() if k != '__metadata__'}, open(sys
 PY
     rm -rf "$tmp"
     xz -T2 -6 -c models/gemma-3-270m/tokenizer.json > .xfer/stage/tokenizer.json.xz
+    [ -z "$base" ] || xz -T2 -6 -c "$base" > .xfer/stage/kakeya-base.xz
+    for t in "${tests[@]}"; do xz -T2 -6 -c "$t" > ".xfer/stage/test-$(basename "$t" | sed 's/-[0-9a-f]*$//').xz"; done
     cp scripts/device/run_profile.sh .xfer/run.sh
     ;;
 f-theta)

@@ -1,16 +1,41 @@
 #!/bin/bash
-# Device side of `scripts/device/pack.sh profile`: where a CUDA decode step's time goes, with no
+# Device side of `scripts/device/pack.sh profile`: decode and prefill speed on a CUDA GPU with no
 # real weights carried. Builds a random-weight model of the default model's shapes
-# (random_model.py), times `kakeya bench` on it, then runs a few decode steps with CubeCL's
-# kernel profiler and compilation log on (cubecl.toml). Output in $OUT: bench.json,
-# profile.log (every kernel launch with its GPU time), compile.log.
+# (random_model.py), then:
+#   1. runs each carried test binary (built with --features cuda) with KAKEYA_TEST_DEVICE=cuda;
+#   2. times `kakeya bench` (pp512, tg128) on it, alternating with the baseline build when one
+#      was carried (base, new, base, new);
+#   3. times transformers on the same weights (hf_bench.py, f32 and bf16);
+#   4. runs a few decode steps with CubeCL's kernel profiler on (cubecl.toml).
+# Output in $OUT: tests-*.log, bench-{new,base}-{1,2}.json, hf.json, profile.log, compile.log.
+# KAKEYA_DEVICE=cpu runs it on the CPU (a dry run of the script; steps 1 and 3 skipped).
 source .xfer/unpack.sh
+dev=${KAKEYA_DEVICE:-cuda}
 python3 scripts/device/random_model.py $X/config.json $X/spec.json /tmp/m || exit 5
 cp models/gemma-3-270m/tokenizer.json /tmp/m/
-args="bench --device cuda --model /tmp/m --json"
-echo "== timing"; t=$SECONDS
-timeout 60 $X/kakeya-cuda $args --prompt-tokens 64 --gen-tokens 32 --runs 2 --warmup 1 > $OUT/bench.json
-echo "rc=$? in $((SECONDS - t)) s"; cat $OUT/bench.json
+if [ "$dev" = cuda ]; then
+    for t in $X/test-*; do
+        [ -x "$t" ] || continue
+        name=$(basename "$t"); echo "== $name"; t0=$SECONDS
+        KAKEYA_TEST_DEVICE=cuda timeout 240 "$t" --test-threads 1 > $OUT/$name.log 2>&1
+        echo "rc=$? in $((SECONDS - t0)) s"; grep -E "^test |test result|max" $OUT/$name.log | tail -40
+    done
+fi
+args="bench --device $dev --model /tmp/m --json --prompt-tokens 512 --gen-tokens 128 --runs 3 --warmup 1"
+for round in 1 2; do
+    for b in base new; do
+        bin=$X/kakeya-$b; [ $b = new ] && bin=$X/kakeya-cuda
+        [ -x "$bin" ] || continue
+        echo "== bench $b, round $round"; t0=$SECONDS
+        timeout 150 $bin $args > $OUT/bench-$b-$round.json
+        echo "rc=$? in $((SECONDS - t0)) s"; cat $OUT/bench-$b-$round.json; echo
+    done
+done
+if [ "$dev" = cuda ]; then
+    echo "== transformers on the same random weights"; t0=$SECONDS
+    timeout 180 python3 scripts/device/hf_bench.py /tmp/m --json $OUT/hf.json
+    echo "rc=$? in $((SECONDS - t0)) s"
+fi
 cat > cubecl.toml <<TOML
 [profiling.logger]
 level = "basic"
@@ -19,7 +44,8 @@ file = "$OUT/profile.log"
 level = "basic"
 file = "$OUT/compile.log"
 TOML
-echo "== profile"; t=$SECONDS
-timeout 60 $X/kakeya-cuda $args --prompt-tokens 16 --gen-tokens 4 --runs 1 --warmup 1 > $OUT/bench-profiled.json
-echo "rc=$? in $((SECONDS - t)) s"; rm cubecl.toml
+echo "== profile"; t0=$SECONDS
+timeout 60 $X/kakeya-cuda bench --device $dev --model /tmp/m --json --prompt-tokens 16 --gen-tokens 4 \
+    --runs 1 --warmup 1 > $OUT/bench-profiled.json
+echo "rc=$? in $((SECONDS - t0)) s"; rm cubecl.toml
 wc -l $OUT/*.log

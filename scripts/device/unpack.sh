@@ -7,7 +7,7 @@ R=$(pwd); X=/tmp/x
 mkdir -p $X && mv .xfer/parts/p* $X/ 2>/dev/null
 cat $(ls $X/p? | sort) > $X/payload.tar
 echo "$(cat .xfer/payload.sha)  $X/payload.tar" | sha256sum -c || exit 3
-(cd $X && tar xf payload.tar && rm -f p? payload.tar && xz -d ./*.xz && chmod +x kakeya-* golden-* 2>/dev/null; [ -x kakeya-cuda ]) || exit 4
+(cd $X && tar xf payload.tar && rm -f p? payload.tar && xz -d ./*.xz && chmod +x kakeya-* golden-* test-* 2>/dev/null; [ -x kakeya-cuda ]) || exit 4
 mkdir -p models/gemma-3-270m
 [ -f $X/verifier.gguf ] && mv $X/verifier.gguf models/gemma-3-270m/gemma-3-270m-q4_k_m.gguf
 [ -f $X/tokenizer.json ] && mv $X/tokenizer.json models/gemma-3-270m/

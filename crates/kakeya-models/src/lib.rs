@@ -8,6 +8,7 @@ pub mod dflash;
 pub mod error;
 pub mod ftheta;
 pub mod gemma3;
+pub mod gpu;
 pub mod linear;
 pub mod norm;
 pub mod rope;

@@ -120,6 +120,9 @@ impl Linear {
             let y = d.matmul(&host_rows(x), t);
             return Tensor::from_data(TensorData::new(y, [t, d.rows()]), &device);
         }
+        if let Some(y) = crate::gpu::linear_rows(&x, &self.weight) {
+            return y;
+        }
         x.matmul(self.weight.clone().transpose())
     }
 

@@ -19,6 +19,9 @@ impl RmsNorm {
     /// # Shapes
     /// - `x`: `[..., dim]` → `[..., dim]`
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        if let Some(y) = crate::gpu::rms_norm(&x, &self.scale, self.eps) {
+            return y;
+        }
         let inv = x
             .clone()
             .square()

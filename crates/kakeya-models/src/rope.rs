@@ -60,6 +60,9 @@ impl Rope {
     /// # Shapes
     /// - `x`: `[heads, T, d]`; `cos`, `sin`: `[T, d/2]` → `[heads, T, d]`
     pub fn apply(x: Tensor<3>, cos: &Tensor<2>, sin: &Tensor<2>) -> Tensor<3> {
+        if let Some(y) = crate::gpu::rope(&x, cos, sin) {
+            return y;
+        }
         let [h, t, d] = x.dims();
         let half = d / 2;
         let x1 = x.clone().slice([0..h, 0..t, 0..half]);

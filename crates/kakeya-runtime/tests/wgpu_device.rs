@@ -5,7 +5,9 @@
 //! device, in the native caches and in the bounded KV modes. A verify block's rows need not be
 //! bit for bit single decode steps on a GPU (its matmuls are not batch-invariant): the drift is
 //! measured and printed, and the speculative output must still equal plain decoding's.
-#![cfg(feature = "wgpu")]
+//! Built with `--features cuda` instead and run with `KAKEYA_TEST_DEVICE=cuda`, the same checks
+//! run on a CUDA GPU (scripts/device/).
+#![cfg(any(feature = "wgpu", feature = "cuda"))]
 
 mod common;
 
@@ -26,10 +28,20 @@ use serde_json::Value;
 /// (f32 everywhere; the sums run in other orders).
 const TOL: f32 = 1e-4;
 
+/// The device under test: wgpu, or CUDA with `KAKEYA_TEST_DEVICE=cuda`.
 fn gpu() -> Device {
-    let d = Device::wgpu(Default::default());
-    assert_ne!(d, Device::flex(), "the wgpu device, not the CPU");
-    d
+    #[cfg(feature = "cuda")]
+    if std::env::var("KAKEYA_TEST_DEVICE").as_deref() == Ok("cuda") {
+        return Device::cuda(0);
+    }
+    #[cfg(not(feature = "wgpu"))]
+    panic!("built with --features cuda only: run with KAKEYA_TEST_DEVICE=cuda");
+    #[cfg(feature = "wgpu")]
+    {
+        let d = Device::wgpu(Default::default());
+        assert_ne!(d, Device::flex(), "the wgpu device, not the CPU");
+        d
+    }
 }
 
 fn rows(t: Tensor<2>) -> Vec<Vec<f32>> {

@@ -168,7 +168,8 @@ impl DecoderLayer {
         )?;
         let h = x + self.post_attn_norm.forward(a);
         let m = self.pre_ffn_norm.forward(h.clone());
-        let m = gelu_tanh(self.gate_proj.forward(m.clone())) * self.up_proj.forward(m);
+        let (gate, up) = (self.gate_proj.forward(m.clone()), self.up_proj.forward(m));
+        let m = crate::gpu::gelu_mul(&gate, &up).unwrap_or_else(|| gelu_tanh(gate) * up);
         let mut m = self.down_proj.forward(m);
         if let Some(moe) = &self.moe {
             m = moe.forward(h.clone(), m);

@@ -1,0 +1,154 @@
+//! The GPU decode kernels (`kakeya_models::gpu`) against Burn's composed ops on the CPU.
+//! Built with a GPU feature and run on that device: `KAKEYA_TEST_DEVICE=wgpu cargo test -p
+//! kakeya-models --features wgpu --test gpu_kernels` (scripts/test_wgpu.sh, on Mesa's lavapipe),
+//! or `cuda` on a lent GPU. Tolerances are f32 rounding of the different summation orders.
+#![cfg(feature = "cube")]
+
+use burn::tensor::{Device, Tensor, TensorData};
+use kakeya_models::activation::gelu_tanh;
+use kakeya_models::gpu::{self, GPU_ROWS_MAX};
+use kakeya_models::norm::RmsNorm;
+use kakeya_models::rope::Rope;
+use kakeya_models::testing::test_device;
+
+/// Deterministic values in about [-2, 2].
+fn values(n: usize, seed: u32) -> Vec<f32> {
+    (0..n as u32)
+        .map(|i| {
+            let h = (i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(40_503))
+                .wrapping_mul(2_246_822_519);
+            (h >> 8) as f32 / (1u32 << 24) as f32 * 4.0 - 2.0
+        })
+        .collect()
+}
+
+fn tensor<const D: usize>(v: Vec<f32>, shape: [usize; D], device: &Device) -> Tensor<D> {
+    Tensor::from_data(TensorData::new(v, shape), device)
+}
+
+fn host<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+    t.into_data().try_into_vec::<f32>().unwrap()
+}
+
+fn max_rel(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / y.abs().max(1.0))
+        .fold(0.0, f32::max)
+}
+
+fn device() -> Device {
+    let d = test_device();
+    let probe = Tensor::<1>::zeros([1], &d);
+    assert!(
+        gpu::applies(&probe),
+        "run with KAKEYA_TEST_DEVICE=wgpu (or cuda): the kernels only run on a GPU device"
+    );
+    d
+}
+
+#[test]
+fn rms_norm_matches_the_composed_ops() {
+    let d = device();
+    // Widths below, at and above the kernel's 128 units, rows over several cubes.
+    for (rows, dim) in [(1, 16), (7, 300), (3, 128), (2, 1152), (40, 256)] {
+        let x = values(rows * dim, dim as u32);
+        let scale: Vec<f32> = values(dim, 7).iter().map(|v| 1.0 + 0.25 * v).collect();
+        let norm = |device: &Device| RmsNorm {
+            scale: tensor(scale.clone(), [dim], device),
+            eps: 1e-6,
+        };
+        let cpu =
+            host(norm(&Device::flex()).forward(tensor(x.clone(), [rows, dim], &Device::flex())));
+        let gpu = host(norm(&d).forward(tensor(x.clone(), [rows, dim], &d)));
+        let err = max_rel(&gpu, &cpu);
+        assert!(err <= 2e-6, "[{rows}, {dim}]: max rel |Δ| {err:e}");
+    }
+}
+
+#[test]
+fn rms_norm_of_a_strided_view_matches() {
+    // q/k norms see `[heads, T, head_dim]` views after a dimension swap.
+    let d = device();
+    let x = values(3 * 5 * 32, 3);
+    let scale = values(32, 9);
+    let norm = |device: &Device| RmsNorm {
+        scale: tensor(scale.clone(), [32], device),
+        eps: 1e-6,
+    };
+    let run = |device: &Device| {
+        let t = tensor::<3>(x.clone(), [5, 3, 32], device).swap_dims(0, 1);
+        host(norm(device).forward(t))
+    };
+    let err = max_rel(&run(&d), &run(&Device::flex()));
+    assert!(err <= 2e-6, "max rel |Δ| {err:e}");
+}
+
+#[test]
+fn rope_matches_the_composed_ops() {
+    let d = device();
+    let (heads, t, hd) = (3, 5, 16);
+    let x = values(heads * t * hd, 4);
+    let rope = Rope::new(hd, 10_000.0, 1.0);
+    let positions = [0, 3, 7, 100, 2047];
+    let run = |device: &Device| {
+        let (cos, sin) = rope.tables(&positions, device);
+        // A strided view, as the model's heads-first tensors are.
+        let x = tensor::<3>(x.clone(), [t, heads, hd], device).swap_dims(0, 1);
+        host(Rope::apply(x, &cos, &sin))
+    };
+    let err = max_rel(&run(&d), &run(&Device::flex()));
+    assert!(err <= 1e-6, "max rel |Δ| {err:e}");
+}
+
+#[test]
+fn gelu_mul_matches_the_composed_ops() {
+    let d = device();
+    let n = 3 * 1000 + 17;
+    let (g, u) = (values(n, 1), values(n, 2));
+    let cpu = host(
+        gelu_tanh(tensor(g.clone(), [1, n], &Device::flex()))
+            * tensor(u.clone(), [1, n], &Device::flex()),
+    );
+    let gpu = host(gpu::gelu_mul(&tensor(g, [1, n], &d), &tensor(u, [1, n], &d)).unwrap());
+    let err = max_rel(&gpu, &cpu);
+    assert!(err <= 1e-6, "max rel |Δ| {err:e}");
+}
+
+#[test]
+fn linear_rows_matches_the_matmul_and_ignores_the_row_count() {
+    let d = device();
+    for (k, n) in [(70, 37), (640, 300), (32, 8)] {
+        let w = values(n * k, (k * n) as u32);
+        let x = values(GPU_ROWS_MAX * k, k as u32);
+        let wd = tensor(w.clone(), [n, k], &d);
+        let full = host(gpu::linear_rows(&tensor(x.clone(), [GPU_ROWS_MAX, k], &d), &wd).unwrap());
+        // Against an f64 reference, relative to Σ|x·w| (the scale of a dot product's rounding):
+        // a fixed-order f32 sum of k/32 terms per lane, then a 5-level tree.
+        let mut worst = 0.0f64;
+        for r in 0..GPU_ROWS_MAX {
+            for o in 0..n {
+                let (xr, wo) = (&x[r * k..(r + 1) * k], &w[o * k..(o + 1) * k]);
+                let exact: f64 = xr
+                    .iter()
+                    .zip(wo)
+                    .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                    .sum();
+                let scale: f64 = xr.iter().zip(wo).map(|(a, b)| f64::from(a * b).abs()).sum();
+                worst = worst.max((f64::from(full[r * n + o]) - exact).abs() / scale);
+            }
+        }
+        assert!(worst <= 1e-6, "k {k}, n {n}: max |Δ| / Σ|x·w| {worst:e}");
+        // Every row count gives each row the same bits as all sixteen together.
+        for rows in 1..=GPU_ROWS_MAX {
+            let part = host(
+                gpu::linear_rows(&tensor(x[..rows * k].to_vec(), [rows, k], &d), &wd).unwrap(),
+            );
+            assert_eq!(part[..], full[..rows * n], "k {k}, n {n}: {rows} rows");
+        }
+    }
+    // Past GPU_ROWS_MAX rows the caller keeps Burn's matmul.
+    let x = tensor(values((GPU_ROWS_MAX + 1) * 8, 1), [GPU_ROWS_MAX + 1, 8], &d);
+    assert!(gpu::linear_rows(&x, &tensor(values(64, 2), [8, 8], &d)).is_none());
+}

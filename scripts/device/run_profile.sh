@@ -7,18 +7,22 @@
 #      was carried (base, new, base, new);
 #   3. times transformers on the same weights (hf_bench.py, f32 and bf16);
 #   4. runs a few decode steps with CubeCL's kernel profiler on (cubecl.toml).
-# Output in $OUT: tests-*.log, bench-{new,base}-{1,2}.json, hf.json, profile.log, compile.log.
-# KAKEYA_DEVICE=cpu runs it on the CPU (a dry run of the script; steps 1 and 3 skipped).
+# Output in $OUT: bench-{new,base}-{1,2}.json, hf.json, bench-profiled.json, and logs.tgz (each
+# test's output and CubeCL's log of its kernels, with their CUDA sources; the profile).
+# KAKEYA_DEVICE=cpu runs it on the CPU (a dry run of the script; steps 1 and 3 skipped);
+# SKIP_HF=1 skips step 3.
 source .xfer/unpack.sh
 dev=${KAKEYA_DEVICE:-cuda}
+L=/tmp/logs; mkdir -p $L
 python3 scripts/device/random_model.py $X/config.json $X/spec.json /tmp/m || exit 5
 cp models/gemma-3-270m/tokenizer.json /tmp/m/
 if [ "$dev" = cuda ]; then
     for t in $X/test-*; do
         [ -x "$t" ] || continue
         name=$(basename "$t"); echo "== $name"; t0=$SECONDS
-        KAKEYA_TEST_DEVICE=cuda timeout 240 "$t" --test-threads 1 > $OUT/$name.log 2>&1
-        echo "rc=$? in $((SECONDS - t0)) s"; grep -E "^test |test result|max" $OUT/$name.log | tail -40
+        CUBECL_DEBUG_LOG=$L/$name.cubecl.log KAKEYA_TEST_DEVICE=cuda timeout 240 "$t" \
+            --test-threads 1 --nocapture > $L/$name.log 2>&1
+        echo "rc=$? in $((SECONDS - t0)) s"; grep -E "^test |test result|max|Δ|panicked" $L/$name.log | tail -40
     done
 fi
 args="bench --device $dev --model /tmp/m --json --prompt-tokens 512 --gen-tokens 128 --runs 3 --warmup 1"
@@ -31,7 +35,7 @@ for round in 1 2; do
         echo "rc=$? in $((SECONDS - t0)) s"; cat $OUT/bench-$b-$round.json; echo
     done
 done
-if [ "$dev" = cuda ]; then
+if [ "$dev" = cuda ] && [ -z "${SKIP_HF:-}" ]; then
     echo "== transformers on the same random weights"; t0=$SECONDS
     timeout 180 python3 scripts/device/hf_bench.py /tmp/m --json $OUT/hf.json
     echo "rc=$? in $((SECONDS - t0)) s"
@@ -39,13 +43,13 @@ fi
 cat > cubecl.toml <<TOML
 [profiling.logger]
 level = "basic"
-file = "$OUT/profile.log"
+file = "$L/profile.log"
 [compilation.logger]
 level = "basic"
-file = "$OUT/compile.log"
+file = "$L/compile.log"
 TOML
 echo "== profile"; t0=$SECONDS
 timeout 60 $X/kakeya-cuda bench --device $dev --model /tmp/m --json --prompt-tokens 16 --gen-tokens 4 \
     --runs 1 --warmup 1 > $OUT/bench-profiled.json
 echo "rc=$? in $((SECONDS - t0)) s"; rm cubecl.toml
-wc -l $OUT/*.log
+wc -l $L/*; tar czf $OUT/logs.tgz -C $L .

@@ -152,3 +152,118 @@ fn linear_rows_matches_the_matmul_and_ignores_the_row_count() {
     let x = tensor(values((GPU_ROWS_MAX + 1) * 8, 1), [GPU_ROWS_MAX + 1, 8], &d);
     assert!(gpu::linear_rows(&x, &tensor(values(64, 2), [8, 8], &d)).is_none());
 }
+
+#[test]
+fn argmax_rows_takes_the_first_largest() {
+    let d = device();
+    let cols = 262_144 + 37;
+    let mut x = values(3 * cols, 5);
+    // Row 0: a unique maximum far out; row 1: a tie, the first must win; row 2: all equal.
+    x[200_001] = 9.0;
+    x[cols + 70_000] = 9.0;
+    x[cols + 150_000] = 9.0;
+    x[2 * cols..].iter_mut().for_each(|v| *v = -1.5);
+    let got = gpu::argmax_rows(&tensor(x, [3, cols], &d)).unwrap();
+    assert_eq!(got, vec![200_001, 70_000, 0]);
+    // Fewer columns than the kernel's units, infinities included.
+    let inf = f32::INFINITY;
+    let x = vec![-inf, -inf, 1.0, 1.0, -inf, -inf, -inf, -inf, -inf, -inf];
+    assert_eq!(
+        gpu::argmax_rows(&tensor(x, [2, 5], &d)).unwrap(),
+        vec![2, 0]
+    );
+}
+
+#[test]
+fn attention_rows_matches_grouped_attention_row_by_row() {
+    use kakeya_models::gpu::KeyRuns;
+    use kakeya_models::sdpa::grouped_attention;
+    let d = device();
+    let (heads, kv_heads, t, hd, keys) = (4, 2, 3, 16, 300);
+    let (q, k, v) = (
+        values(heads * t * hd, 11),
+        values(kv_heads * keys * hd, 12),
+        values(kv_heads * keys * hd, 13),
+    );
+    let scale = 0.25;
+    // Row i sees keys 2 + i .. 290 + i (a causal run), as in a verify block.
+    let runs = KeyRuns {
+        lo: 2,
+        dlo: 1,
+        hi: 290,
+        dhi: 1,
+    };
+    let on = |device: &Device| {
+        (
+            tensor::<3>(q.clone(), [heads, t, hd], device),
+            tensor::<3>(k.clone(), [kv_heads, keys, hd], device),
+            tensor::<3>(v.clone(), [kv_heads, keys, hd], device),
+        )
+    };
+    let (qg, kg, vg) = on(&d);
+    let got = host(gpu::attention_rows(&qg, &kg, &vg, scale, runs).unwrap());
+    let (qc, kc, vc) = on(&Device::flex());
+    let mut want = Vec::new();
+    for i in 0..t {
+        let r = runs.lo + i..runs.hi + i;
+        let qi = qc.clone().slice([0..heads, i..i + 1, 0..hd]);
+        let ki = kc.clone().slice([0..kv_heads, r.clone(), 0..hd]);
+        let vi = vc.clone().slice([0..kv_heads, r, 0..hd]);
+        want.extend(host(grouped_attention(qi, ki, vi, scale, None)));
+        // Alone, each row gives the same bits as within the block.
+        let alone = KeyRuns {
+            lo: runs.lo + i,
+            dlo: 0,
+            hi: runs.hi + i,
+            dhi: 0,
+        };
+        let q1 = qg.clone().slice([0..heads, i..i + 1, 0..hd]);
+        let one = host(gpu::attention_rows(&q1, &kg, &vg, scale, alone).unwrap());
+        assert_eq!(
+            one[..],
+            got[i * heads * hd..(i + 1) * heads * hd],
+            "row {i}"
+        );
+    }
+    let err = max_rel(&got, &want);
+    assert!(err <= 2e-6, "max rel |Δ| {err:e}");
+}
+
+#[test]
+fn key_runs_take_only_rows_moving_in_step() {
+    use kakeya_models::gpu::KeyRuns;
+    let runs = KeyRuns::from_ranges(&[0..5, 0..6, 0..7]).unwrap();
+    assert_eq!(
+        runs,
+        KeyRuns {
+            lo: 0,
+            dlo: 0,
+            hi: 5,
+            dhi: 1
+        }
+    );
+    assert_eq!(
+        KeyRuns::from_ranges(std::slice::from_ref(&(3..9))),
+        Some(KeyRuns {
+            lo: 3,
+            dlo: 0,
+            hi: 9,
+            dhi: 0
+        })
+    );
+    assert_eq!(
+        KeyRuns::from_ranges(&[0..5, 1..6, 2..7]).map(|r| r.dlo),
+        Some(1)
+    );
+    assert_eq!(
+        KeyRuns::from_ranges(&[0..5, 0..7]),
+        None,
+        "a jump of two keys"
+    );
+    assert_eq!(
+        KeyRuns::from_ranges(&[0..5, 0..6, 0..6]),
+        None,
+        "steps differ"
+    );
+    assert_eq!(KeyRuns::from_ranges(&[]), None);
+}

@@ -428,6 +428,12 @@ impl DraftHead {
     /// # Shapes
     /// - `logits`: `[n, vocab]` → `n` ids
     pub fn greedy(&self, logits: Tensor<2>) -> Vec<u32> {
+        if let Some(ids) = crate::gpu::argmax_rows(&logits) {
+            return ids
+                .into_iter()
+                .map(|i| self.to_target(i as usize))
+                .collect();
+        }
         logits
             .argmax(1)
             .into_data()

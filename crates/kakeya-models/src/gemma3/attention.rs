@@ -435,14 +435,36 @@ impl Attention {
         let [heads, t, d] = q.dims();
         let [kvh, s, _] = k.dims();
         let keys = segment_keys(segments);
-        let rows = (0..t).map(|i| {
-            let mut seen: Vec<(usize, usize)> = keys
-                .iter()
-                .enumerate()
-                .filter(|&(_, &key)| self.sees(start + i, key))
-                .map(|(j, &(p, _))| (p, j))
-                .collect();
-            seen.sort_unstable();
+        // Per row, the keys it sees: (position, index in `k`), in position order.
+        let seen: Vec<Vec<(usize, usize)>> = (0..t)
+            .map(|i| {
+                let mut seen: Vec<(usize, usize)> = keys
+                    .iter()
+                    .enumerate()
+                    .filter(|&(_, &key)| self.sees(start + i, key))
+                    .map(|(j, &(p, _))| (p, j))
+                    .collect();
+                seen.sort_unstable();
+                seen
+            })
+            .collect();
+        // On a GPU, rows whose keys are runs moving in step take one attention kernel.
+        let runs: Option<Vec<std::ops::Range<usize>>> = seen
+            .iter()
+            .map(|seen| {
+                let (first, last) = (seen[0].1, seen[seen.len() - 1].1);
+                let run = seen.windows(2).all(|w| w[1].1 == w[0].1 + 1);
+                run.then_some(first..last + 1)
+            })
+            .collect();
+        if let Some(out) = runs
+            .as_deref()
+            .and_then(crate::gpu::KeyRuns::from_ranges)
+            .and_then(|runs| crate::gpu::attention_rows(&q, &k, &v, self.scale, runs))
+        {
+            return out;
+        }
+        let rows = seen.into_iter().enumerate().map(|(i, seen)| {
             let (first, last) = (seen[0].1, seen[seen.len() - 1].1);
             let run = seen.windows(2).all(|w| w[1].1 == w[0].1 + 1);
             let (ki, vi) = if run && first == 0 && last + 1 == s {

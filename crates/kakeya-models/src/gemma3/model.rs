@@ -89,11 +89,15 @@ pub struct ForwardOutput {
 
 /// The first largest entry of every row. On the CPU the logits are read in place; on another
 /// device the argmax runs there and only the `T` ids come back, so a greedy step copies no
-/// logits to the host (on exact ties the device's kernel picks; the CPU takes the first).
+/// logits to the host (the GPU kernels take the first on ties too; Burn's argmax elsewhere
+/// picks by its own rule).
 ///
 /// # Shapes
 /// - `logits`: `[T, vocab]` → `T` ids
 fn argmax_rows(logits: Tensor<2>) -> Vec<u32> {
+    if let Some(ids) = crate::gpu::argmax_rows(&logits) {
+        return ids;
+    }
     if logits.device() != burn::tensor::Device::flex() {
         return logits
             .argmax(1)

@@ -7,12 +7,14 @@ use burn::backend::tensor::FloatTensor;
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
 /// Units of a row kernel's cube (a power of two).
 const ROW_UNITS: usize = 128;
+/// Units of [`argmax_rows_kernel`]'s cube (a power of two).
+const ARGMAX_UNITS: usize = 256;
 /// Units that share one output of [`linear_rows_kernel`] (a power of two).
 const LANES: usize = 32;
 /// Outputs one cube of [`linear_rows_kernel`] computes.
@@ -54,22 +56,25 @@ fn rms_norm_kernel(
     }
     let unit = UNIT_POS as usize;
     let base = row * dim;
+    let chunks = dim.div_ceil(units);
     let mut part = Shared::<[f32]>::new_slice(units);
-    let mut acc = 0.0f32;
-    let mut i = unit;
-    while i < dim {
-        let v = x[base + i];
-        acc += v * v;
-        i += units;
+    let mut acc = f32::new(0.0);
+    for c in 0..chunks {
+        let i = c * units + unit;
+        if i < dim {
+            let v = x[base + i];
+            acc += v * v;
+        }
     }
     part[unit] = acc;
     sync_cube();
     tree_sum(&mut part, unit);
-    let inv = 1.0f32 / f32::sqrt(part[0] * inv_dim + eps);
-    let mut j = unit;
-    while j < dim {
-        out[base + j] = x[base + j] * inv * scale[j];
-        j += units;
+    let inv = f32::new(1.0) / f32::sqrt(part[0] * inv_dim + eps);
+    for c in 0..chunks {
+        let j = c * units + unit;
+        if j < dim {
+            out[base + j] = x[base + j] * inv * scale[j];
+        }
     }
 }
 
@@ -108,6 +113,155 @@ fn rope_kernel(
     }
 }
 
+/// `part[0] = max(part[0..CUBE_DIM])` (as [`tree_sum`]).
+#[cube]
+fn tree_max(part: &mut Shared<[f32]>, unit: usize) {
+    let mut s = CUBE_DIM as usize / 2;
+    while s > 0 {
+        if unit < s && part[unit + s] > part[unit] {
+            let m = part[unit + s];
+            part[unit] = m;
+        }
+        sync_cube();
+        s /= 2;
+    }
+}
+
+/// One cube per (query head, row): `softmax(q·kᵀ·scale)·v` over keys `lo..hi` of the head's
+/// KV head, with `lo = lo0 + i·dlo`, `hi = hi0 + i·dhi` for row `i`. The scores wait in
+/// `scratch` (`[heads · T, keys]`); each row's sums run in a fixed order whatever `T` is.
+#[cube(launch)]
+fn attention_rows_kernel(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    scratch: &mut [f32],
+    out: &mut [f32],
+    t: usize,
+    heads: usize,
+    groups: usize,
+    keys: usize,
+    d: usize,
+    scale: f32,
+    lo0: usize,
+    dlo: usize,
+    hi0: usize,
+    dhi: usize,
+    #[comptime] units: usize,
+) {
+    let cube = CUBE_POS;
+    if cube >= heads * t {
+        terminate!();
+    }
+    let unit = UNIT_POS as usize;
+    let (h, i) = (cube / t, cube % t);
+    let (lo, hi) = (lo0 + i * dlo, hi0 + i * dhi);
+    let qb = cube * d;
+    let kb = (h / groups) * keys * d;
+    let sb = cube * keys;
+    let chunks = (hi - lo).div_ceil(units);
+    let mut part = Shared::<[f32]>::new_slice(units);
+    let mut m = f32::new(f32::MIN);
+    for c in 0..chunks {
+        let s = lo + c * units + unit;
+        if s < hi {
+            let mut dot = f32::new(0.0);
+            for j in 0..d {
+                dot += q[qb + j] * k[kb + s * d + j];
+            }
+            let score = dot * scale;
+            scratch[sb + s] = score;
+            if score > m {
+                m = score;
+            }
+        }
+    }
+    part[unit] = m;
+    sync_cube();
+    tree_max(&mut part, unit);
+    let max = part[0];
+    sync_cube();
+    let mut sum = f32::new(0.0);
+    for c in 0..chunks {
+        let s = lo + c * units + unit;
+        if s < hi {
+            let e = f32::exp(scratch[sb + s] - max);
+            scratch[sb + s] = e;
+            sum += e;
+        }
+    }
+    part[unit] = sum;
+    sync_cube();
+    tree_sum(&mut part, unit);
+    let total = part[0];
+    // Every unit reads every score next: the scratch writes must be visible cube-wide.
+    sync_storage();
+    for c in 0..d.div_ceil(units) {
+        let j = c * units + unit;
+        if j < d {
+            let mut acc = f32::new(0.0);
+            for s in lo..hi {
+                acc += scratch[sb + s] * v[kb + s * d + j];
+            }
+            out[(i * heads + h) * d + j] = acc / total;
+        }
+    }
+}
+
+/// One cube per row: the index of the row's largest entry, the first on ties (NaN never
+/// wins), written as an f32 (exact below 2²⁴).
+#[cube(launch)]
+fn argmax_rows_kernel(
+    x: &[f32],
+    out: &mut [f32],
+    rows: usize,
+    cols: usize,
+    #[comptime] units: usize,
+) {
+    let row = CUBE_POS;
+    if row >= rows {
+        terminate!();
+    }
+    let unit = UNIT_POS as usize;
+    let base = row * cols;
+    let mut vals = Shared::<[f32]>::new_slice(units);
+    let mut ids = Shared::<[u32]>::new_slice(units);
+    // (WGSL has no infinity literal: a unit's first entry seeds its search instead.)
+    let mut best = f32::new(f32::MIN);
+    let mut at = u32::new(4_294_967_295i64);
+    for c in 0..cols.div_ceil(units) {
+        let i = c * units + unit;
+        if i < cols {
+            let v = x[base + i];
+            // Each unit sees its indices in increasing order: strictly larger only.
+            if at == u32::MAX || v > best {
+                best = v;
+                at = u32::cast_from(i);
+            }
+        }
+    }
+    vals[unit] = best;
+    ids[unit] = at;
+    sync_cube();
+    let mut s = CUBE_DIM as usize / 2;
+    while s > 0 {
+        if unit < s {
+            let (v, i) = (vals[unit + s], ids[unit + s]);
+            let (b, j) = (vals[unit], ids[unit]);
+            // A unit that saw no entry (index MAX) never wins and always loses.
+            if i != u32::MAX && (j == u32::MAX || v > b || (v == b && i < j)) {
+                vals[unit] = v;
+                ids[unit] = i;
+            }
+        }
+        sync_cube();
+        s /= 2;
+    }
+    if unit == 0 {
+        out[row] = f32::cast_from(ids[0]);
+    }
+}
+
 /// `out[r, o] = Σ_k x[r, k] · w[o, k]` for a few rows: [`LANES`] units per output stride
 /// over `k` and sum in a fixed tree, so each row's result is independent of `rows`.
 #[cube(launch)]
@@ -127,15 +281,17 @@ fn linear_rows_kernel(
     let live = o < n;
     let mut part = Shared::<[f32]>::new_slice(lanes * outputs);
     let group = unit - lane;
+    let chunks = k.div_ceil(lanes);
     for r in 0..rows {
-        let mut acc = 0.0f32;
+        let mut acc = f32::new(0.0);
         if live {
             let xr = r * k;
             let wo = o * k;
-            let mut i = lane;
-            while i < k {
-                acc += x[xr + i] * w[wo + i];
-                i += lanes;
+            for c in 0..chunks {
+                let i = c * lanes + lane;
+                if i < k {
+                    acc += x[xr + i] * w[wo + i];
+                }
             }
         }
         part[unit] = acc;
@@ -164,6 +320,18 @@ fn grid(cubes: usize) -> CubeCount {
     CubeCount::Static(x as u32, y as u32, 1)
 }
 
+/// An uninitialised output with dense rows. Burn's `empty_device_dtype` may pad each row to
+/// the device's pitch (CUDA does), and these kernels index rows as `row · dim`; the inputs are
+/// made dense by `into_contiguous`.
+fn dense_output(
+    client: cubecl::client::Client,
+    device: burn_cubecl::CubeDevice,
+    shape: Shape,
+    dtype: DType,
+) -> CubeTensor {
+    empty_device_contiguous_dtype(client, device, shape, dtype)
+}
+
 fn f32_only(t: &CubeTensor, what: &str) {
     assert_eq!(
         t.dtype,
@@ -180,7 +348,7 @@ pub(super) fn rms_norm_rows(x: CubeTensor, scale: CubeTensor, eps: f32) -> CubeT
     let shape = x.meta.shape().clone();
     let dim = shape[shape.num_dims() - 1];
     let rows = shape.num_elements() / dim.max(1);
-    let out = empty_device_dtype(x.client.clone(), x.device.clone(), shape, x.dtype);
+    let out = dense_output(x.client.clone(), x.device.clone(), shape, x.dtype);
     if rows == 0 {
         return out;
     }
@@ -207,7 +375,7 @@ pub(super) fn gelu_mul(gate: CubeTensor, up: CubeTensor) -> CubeTensor {
     let up = into_contiguous(up);
     let shape = gate.meta.shape().clone();
     let len = shape.num_elements();
-    let out = empty_device_dtype(gate.client.clone(), gate.device.clone(), shape, gate.dtype);
+    let out = dense_output(gate.client.clone(), gate.device.clone(), shape, gate.dtype);
     if len == 0 {
         return out;
     }
@@ -232,7 +400,7 @@ pub(super) fn rope(x: CubeTensor, cos: CubeTensor, sin: CubeTensor) -> CubeTenso
     let shape = x.meta.shape().clone();
     let (t, d) = (shape[1], shape[2]);
     let pairs = shape.num_elements() / 2;
-    let out = empty_device_dtype(x.client.clone(), x.device.clone(), shape, x.dtype);
+    let out = dense_output(x.client.clone(), x.device.clone(), shape, x.dtype);
     if pairs == 0 {
         return out;
     }
@@ -252,6 +420,92 @@ pub(super) fn rope(x: CubeTensor, cos: CubeTensor, sin: CubeTensor) -> CubeTenso
     out
 }
 
+/// See [`super::DecodeKernels::attention_rows`].
+#[allow(clippy::too_many_arguments)]
+pub(super) fn attention_rows(
+    q: CubeTensor,
+    k: CubeTensor,
+    v: CubeTensor,
+    scale: f32,
+    lo0: usize,
+    dlo: usize,
+    hi0: usize,
+    dhi: usize,
+) -> CubeTensor {
+    f32_only(&q, "attention_rows");
+    let (q, k, v) = (into_contiguous(q), into_contiguous(k), into_contiguous(v));
+    let (heads, t, d) = (q.meta.shape()[0], q.meta.shape()[1], q.meta.shape()[2]);
+    let (kv_heads, keys) = (k.meta.shape()[0], k.meta.shape()[1]);
+    assert!(
+        kv_heads > 0 && heads % kv_heads == 0 && hi0 + t.saturating_sub(1) * dhi <= keys,
+        "attention_rows: {heads} heads over {kv_heads} KV heads, rows reach past {keys} keys"
+    );
+    let (client, device, dtype) = (q.client.clone(), q.device.clone(), q.dtype);
+    let out = dense_output(
+        client.clone(),
+        device.clone(),
+        Shape::new([t, heads * d]),
+        dtype,
+    );
+    if heads * t == 0 {
+        return out;
+    }
+    let scratch = dense_output(client.clone(), device, Shape::new([heads * t, keys]), dtype);
+    attention_rows_kernel::launch(
+        &client,
+        grid(heads * t),
+        CubeDim::new_1d(ROW_UNITS as u32),
+        q.into_buffer_arg(),
+        k.into_buffer_arg(),
+        v.into_buffer_arg(),
+        scratch.into_buffer_arg(),
+        out.clone().into_buffer_arg(),
+        t,
+        heads,
+        heads / kv_heads,
+        keys,
+        d,
+        scale,
+        lo0,
+        dlo,
+        hi0,
+        dhi,
+        ROW_UNITS,
+    );
+    out
+}
+
+/// See [`super::DecodeKernels::argmax_rows`].
+pub(super) fn argmax_rows(x: CubeTensor) -> CubeTensor {
+    f32_only(&x, "argmax_rows");
+    let x = into_contiguous(x);
+    let (rows, cols) = (x.meta.shape()[0], x.meta.shape()[1]);
+    assert!(
+        cols < 1 << 24,
+        "argmax_rows: {cols} columns do not fit an f32 index"
+    );
+    let out = dense_output(
+        x.client.clone(),
+        x.device.clone(),
+        Shape::new([rows]),
+        x.dtype,
+    );
+    if rows == 0 || cols == 0 {
+        return out;
+    }
+    argmax_rows_kernel::launch(
+        &x.client,
+        grid(rows),
+        CubeDim::new_1d(ARGMAX_UNITS as u32),
+        x.clone().into_buffer_arg(),
+        out.clone().into_buffer_arg(),
+        rows,
+        cols,
+        ARGMAX_UNITS,
+    );
+    out
+}
+
 /// See [`super::DecodeKernels::linear_rows`].
 pub(super) fn linear_rows(x: CubeTensor, weight: CubeTensor) -> CubeTensor {
     f32_only(&x, "linear_rows");
@@ -264,7 +518,7 @@ pub(super) fn linear_rows(x: CubeTensor, weight: CubeTensor) -> CubeTensor {
         k,
         "linear_rows: x is [rows, {k}], w is [n, k]"
     );
-    let out = empty_device_dtype(
+    let out = dense_output(
         x.client.clone(),
         x.device.clone(),
         Shape::new([rows, n]),
@@ -313,5 +567,22 @@ impl super::DecodeKernels for CubeBackend {
 
     fn linear_rows(x: FloatTensor<Self>, weight: FloatTensor<Self>) -> FloatTensor<Self> {
         linear_rows(x, weight)
+    }
+
+    fn argmax_rows(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        argmax_rows(x)
+    }
+
+    fn attention_rows(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        scale: f32,
+        lo0: usize,
+        dlo: usize,
+        hi0: usize,
+        dhi: usize,
+    ) -> FloatTensor<Self> {
+        attention_rows(q, k, v, scale, lo0, dlo, hi0, dhi)
     }
 }

@@ -59,12 +59,51 @@ pub trait DecodeKernels: burn::backend::Backend {
     /// - `x`: `[T, in]`, `weight`: `[out, in]` → `[T, out]`
     #[fusion(dtype = x, shape = linear_shape(x, weight))]
     fn linear_rows(x: FloatTensor<Self>, weight: FloatTensor<Self>) -> FloatTensor<Self>;
+
+    /// Per row, the index of its largest entry (the first on ties), as an f32 (exact for
+    /// fewer than 2²⁴ columns).
+    ///
+    /// # Shapes
+    /// - `x`: `[T, V]` → `[T]`
+    #[fusion(dtype = x, shape = argmax_shape(x))]
+    fn argmax_rows(x: FloatTensor<Self>) -> FloatTensor<Self>;
+
+    /// Grouped-query attention of a few rows, each over its own run of keys: row `i` sees
+    /// keys `lo0 + i·dlo .. hi0 + i·dhi` (a decode step: one row; a verify block: a causal
+    /// run that grows by one key a row). f32, the same bits for a row whatever `T` is.
+    ///
+    /// # Shapes
+    /// - `q`: `[heads, T, d]`; `k`, `v`: `[kv_heads, S, d]` → `[T, heads · d]`
+    #[allow(clippy::too_many_arguments)]
+    #[fusion(dtype = q, shape = attention_shape(q))]
+    fn attention_rows(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        scale: f32,
+        lo0: usize,
+        dlo: usize,
+        hi0: usize,
+        dhi: usize,
+    ) -> FloatTensor<Self>;
 }
 
 /// The shape of `x · Wᵀ`: `[T, in]`, `[out, in]` → `[T, out]`.
 #[cfg(all(feature = "cube", feature = "fusion"))]
 fn linear_shape(x: &burn::tensor::Shape, weight: &burn::tensor::Shape) -> burn::tensor::Shape {
     burn::tensor::Shape::new([x[0], weight[0]])
+}
+
+/// The shape of a row-wise argmax: `[T, V]` → `[T]`.
+#[cfg(all(feature = "cube", feature = "fusion"))]
+fn argmax_shape(x: &burn::tensor::Shape) -> burn::tensor::Shape {
+    burn::tensor::Shape::new([x[0]])
+}
+
+/// The shape of [`DecodeKernels::attention_rows`]'s output: `[heads, T, d]` → `[T, heads · d]`.
+#[cfg(all(feature = "cube", feature = "fusion"))]
+fn attention_shape(q: &burn::tensor::Shape) -> burn::tensor::Shape {
+    burn::tensor::Shape::new([q[1], q[0] * q[2]])
 }
 
 /// Whether the GPU kernels take this tensor: it lives on a CubeCL device (CUDA, wgpu) and
@@ -161,6 +200,102 @@ pub fn linear_rows(x: &Tensor<2>, weight: &Tensor<2>) -> Option<Tensor<2>> {
         let y = <Dispatch as DecodeKernels>::linear_rows(
             x.clone().into_dispatch(),
             weight.clone().into_dispatch(),
+        );
+        Tensor::from_dispatch(y)
+    })
+}
+
+/// [`DecodeKernels::argmax_rows`] on tensors (only the `T` ids come back to the host), or `None`
+/// where the kernels do not apply.
+///
+/// # Shapes
+/// - `logits`: `[T, V]` → `T` ids
+pub fn argmax_rows(logits: &Tensor<2>) -> Option<Vec<u32>> {
+    #[cfg(not(feature = "cube"))]
+    return {
+        let _ = logits;
+        None
+    };
+    #[cfg(feature = "cube")]
+    applies(logits).then(|| {
+        let ids = <Dispatch as DecodeKernels>::argmax_rows(logits.clone().into_dispatch());
+        Tensor::<1>::from_dispatch(ids)
+            .into_data()
+            .try_into_vec::<f32>()
+            .expect("argmax ids are written as f32")
+            .into_iter()
+            .map(|i| i as u32)
+            .collect()
+    })
+}
+
+/// Which keys each row of [`attention_rows`] sees: row `i` the keys `lo + i·dlo .. hi + i·dhi`
+/// of the concatenated K/V.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyRuns {
+    /// Row 0's first key.
+    pub lo: usize,
+    /// How far each further row's first key moves (0 or 1).
+    pub dlo: usize,
+    /// Row 0's end (exclusive).
+    pub hi: usize,
+    /// How far each further row's end moves (0 or 1).
+    pub dhi: usize,
+}
+
+impl KeyRuns {
+    /// The runs as this form when every row's keys are `ranges[i]` and they move by the same
+    /// step from row to row; `None` otherwise (or with no rows).
+    pub fn from_ranges(ranges: &[std::ops::Range<usize>]) -> Option<Self> {
+        let first = ranges.first()?;
+        let step = |a: usize, b: usize| b.checked_sub(a).filter(|d| *d <= 1);
+        let (dlo, dhi) = match ranges.get(1) {
+            Some(r) => (step(first.start, r.start)?, step(first.end, r.end)?),
+            None => (0, 0),
+        };
+        let runs = Self {
+            lo: first.start,
+            dlo,
+            hi: first.end,
+            dhi,
+        };
+        ranges
+            .iter()
+            .enumerate()
+            .all(|(i, r)| {
+                r.start == runs.lo + i * dlo && r.end == runs.hi + i * dhi && r.start < r.end
+            })
+            .then_some(runs)
+    }
+}
+
+/// [`DecodeKernels::attention_rows`] on tensors, or `None` where the kernels do not apply.
+///
+/// # Shapes
+/// - `q`: `[heads, T, d]`; `k`, `v`: `[kv_heads, S, d]` → `[T, heads · d]`
+pub fn attention_rows(
+    q: &Tensor<3>,
+    k: &Tensor<3>,
+    v: &Tensor<3>,
+    scale: f64,
+    runs: KeyRuns,
+) -> Option<Tensor<2>> {
+    #[cfg(not(feature = "cube"))]
+    return {
+        let _ = (q, k, v, scale, runs);
+        None
+    };
+    #[cfg(feature = "cube")]
+    applies(q).then(|| {
+        let y = <Dispatch as DecodeKernels>::attention_rows(
+            q.clone().into_dispatch(),
+            k.clone().into_dispatch(),
+            v.clone().into_dispatch(),
+            scale as f32,
+            runs.lo,
+            runs.dlo,
+            runs.hi,
+            runs.dhi,
         );
         Tensor::from_dispatch(y)
     })

@@ -10,7 +10,7 @@
 # Output in $OUT: bench-{new,base}-{1,2}.json, hf.json, bench-profiled.json, and logs.tgz (each
 # test's output and CubeCL's log of its kernels, with their CUDA sources; the profile).
 # KAKEYA_DEVICE=cpu runs it on the CPU (a dry run of the script; steps 1 and 3 skipped);
-# SKIP_HF=1 skips step 3.
+# SKIP_HF=1 skips step 3; ROUNDS=1 times each build once (default 2).
 source .xfer/unpack.sh
 dev=${KAKEYA_DEVICE:-cuda}
 L=/tmp/logs; mkdir -p $L
@@ -26,7 +26,7 @@ if [ "$dev" = cuda ]; then
     done
 fi
 args="bench --device $dev --model /tmp/m --json --prompt-tokens 512 --gen-tokens 128 --runs 3 --warmup 1"
-for round in 1 2; do
+for round in $(seq ${ROUNDS:-2}); do
     for b in base new; do
         bin=$X/kakeya-$b; [ $b = new ] && bin=$X/kakeya-cuda
         [ -x "$bin" ] || continue

@@ -120,10 +120,32 @@ impl Linear {
             let y = d.matmul(&host_rows(x), t);
             return Tensor::from_data(TensorData::new(y, [t, d.rows()]), &device);
         }
-        if let Some(y) = crate::gpu::linear_rows(&x, &self.weight) {
+        if let Some(y) = crate::gpu::linear_rows(&x, &[&self.weight]) {
             return y;
         }
         x.matmul(self.weight.clone().transpose())
+    }
+
+    /// [`Self::forward`] of each of `maps` (1 to 3) on the same input: on a GPU, a few rows take
+    /// one launch for all of them ([`crate::gpu::linear_rows`]).
+    ///
+    /// # Shapes
+    /// - `x`: `[T, in]` → per map `[T, out_i]`
+    pub fn forward_many(maps: &[&Self], x: Tensor<2>) -> Vec<Tensor<2>> {
+        let weights: Vec<&Tensor<2>> = maps.iter().map(|m| &m.weight).collect();
+        let Some(y) = crate::gpu::linear_rows(&x, &weights) else {
+            return maps.iter().map(|m| m.forward(x.clone())).collect();
+        };
+        let t = x.dims()[0];
+        let mut at = 0;
+        weights
+            .iter()
+            .map(|w| {
+                let n = w.dims()[0];
+                at += n;
+                y.clone().slice([0..t, at - n..at])
+            })
+            .collect()
     }
 
     /// Per input row, the index of its largest output (first on ties) — exactly the argmax

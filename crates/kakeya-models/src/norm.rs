@@ -4,6 +4,8 @@
 
 use burn::tensor::Tensor;
 
+use crate::rope::Rope;
+
 /// RMSNorm over the last dimension with a stored **multiplier**.
 #[derive(Debug, Clone)]
 pub struct RmsNorm {
@@ -30,5 +32,23 @@ impl RmsNorm {
             .sqrt()
             .recip();
         x * inv * self.scale.clone().unsqueeze::<D>()
+    }
+
+    /// `residual + self.forward(x)`, one kernel on a GPU.
+    ///
+    /// # Shapes
+    /// - `x`, `residual`: `[..., dim]` → `[..., dim]`
+    pub fn forward_add<const D: usize>(&self, x: Tensor<D>, residual: Tensor<D>) -> Tensor<D> {
+        crate::gpu::rms_norm_add(&x, &self.scale, self.eps, &residual)
+            .unwrap_or_else(|| residual + self.forward(x))
+    }
+
+    /// [`Self::forward`] over head vectors, then RoPE ([`Rope::apply`]); one kernel on a GPU.
+    ///
+    /// # Shapes
+    /// - `x`: `[heads, T, d]`; `cos`, `sin`: `[T, d/2]` → `[heads, T, d]`
+    pub fn forward_rope(&self, x: Tensor<3>, cos: &Tensor<2>, sin: &Tensor<2>) -> Tensor<3> {
+        crate::gpu::rms_norm_rope(&x, &self.scale, self.eps, cos, sin)
+            .unwrap_or_else(|| Rope::apply(self.forward(x), cos, sin))
     }
 }

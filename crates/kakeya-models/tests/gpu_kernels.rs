@@ -103,17 +103,56 @@ fn rope_matches_the_composed_ops() {
 }
 
 #[test]
-fn gelu_mul_matches_the_composed_ops() {
+fn gelu_mul_halves_matches_the_composed_ops() {
     let d = device();
-    let n = 3 * 1000 + 17;
-    let (g, u) = (values(n, 1), values(n, 2));
+    let (rows, inner) = (3, 1000 + 17);
+    let (g, u) = (values(rows * inner, 1), values(rows * inner, 2));
     let cpu = host(
-        gelu_tanh(tensor(g.clone(), [1, n], &Device::flex()))
-            * tensor(u.clone(), [1, n], &Device::flex()),
+        gelu_tanh(tensor(g.clone(), [rows, inner], &Device::flex()))
+            * tensor(u.clone(), [rows, inner], &Device::flex()),
     );
-    let gpu = host(gpu::gelu_mul(&tensor(g, [1, n], &d), &tensor(u, [1, n], &d)).unwrap());
+    // Gate columns, then up's, per row.
+    let gu: Vec<f32> = (0..rows)
+        .flat_map(|r| {
+            let (g, u) = (
+                &g[r * inner..(r + 1) * inner],
+                &u[r * inner..(r + 1) * inner],
+            );
+            g.iter().chain(u).copied().collect::<Vec<_>>()
+        })
+        .collect();
+    let gpu = host(gpu::gelu_mul_halves(&tensor(gu, [rows, 2 * inner], &d)).unwrap());
     let err = max_rel(&gpu, &cpu);
     assert!(err <= 1e-6, "max rel |Δ| {err:e}");
+}
+
+#[test]
+fn rms_norm_add_and_rms_norm_rope_match_the_composed_ops() {
+    let d = device();
+    let (heads, t, hd) = (3, 5, 64);
+    let x = values(heads * t * hd, 21);
+    let r = values(heads * t * hd, 22);
+    let scale: Vec<f32> = values(hd, 23).iter().map(|v| 1.0 + 0.25 * v).collect();
+    let rope = Rope::new(hd, 10_000.0, 1.0);
+    let run = |device: &Device| {
+        let norm = RmsNorm {
+            scale: tensor(scale.clone(), [hd], device),
+            eps: 1e-6,
+        };
+        // Strided views, as the model's heads-first tensors are.
+        let xs = tensor::<3>(x.clone(), [t, heads, hd], device).swap_dims(0, 1);
+        let rs = tensor::<3>(r.clone(), [heads, t, hd], device);
+        let (cos, sin) = rope.tables(&[0, 1, 9, 400, 4095], device);
+        (
+            host(norm.forward_add(xs.clone(), rs)),
+            host(norm.forward_rope(xs, &cos, &sin)),
+        )
+    };
+    let ((add_g, rope_g), (add_c, rope_c)) = (run(&d), run(&Device::flex()));
+    let err = max_rel(&add_g, &add_c);
+    assert!(err <= 2e-6, "norm + residual: max rel |Δ| {err:e}");
+    let err = max_rel(&rope_g, &rope_c);
+    assert!(err <= 2e-6, "norm + RoPE: max rel |Δ| {err:e}");
 }
 
 #[test]
@@ -123,7 +162,8 @@ fn linear_rows_matches_the_matmul_and_ignores_the_row_count() {
         let w = values(n * k, (k * n) as u32);
         let x = values(GPU_ROWS_MAX * k, k as u32);
         let wd = tensor(w.clone(), [n, k], &d);
-        let full = host(gpu::linear_rows(&tensor(x.clone(), [GPU_ROWS_MAX, k], &d), &wd).unwrap());
+        let full =
+            host(gpu::linear_rows(&tensor(x.clone(), [GPU_ROWS_MAX, k], &d), &[&wd]).unwrap());
         // Against an f64 reference, relative to Σ|x·w| (the scale of a dot product's rounding):
         // a fixed-order f32 sum of k/32 terms per lane, then a 5-level tree.
         let mut worst = 0.0f64;
@@ -143,14 +183,14 @@ fn linear_rows_matches_the_matmul_and_ignores_the_row_count() {
         // Every row count gives each row the same bits as all sixteen together.
         for rows in 1..=GPU_ROWS_MAX {
             let part = host(
-                gpu::linear_rows(&tensor(x[..rows * k].to_vec(), [rows, k], &d), &wd).unwrap(),
+                gpu::linear_rows(&tensor(x[..rows * k].to_vec(), [rows, k], &d), &[&wd]).unwrap(),
             );
             assert_eq!(part[..], full[..rows * n], "k {k}, n {n}: {rows} rows");
         }
     }
     // Past GPU_ROWS_MAX rows the caller keeps Burn's matmul.
     let x = tensor(values((GPU_ROWS_MAX + 1) * 8, 1), [GPU_ROWS_MAX + 1, 8], &d);
-    assert!(gpu::linear_rows(&x, &tensor(values(64, 2), [8, 8], &d)).is_none());
+    assert!(gpu::linear_rows(&x, &[&tensor(values(64, 2), [8, 8], &d)]).is_none());
 }
 
 #[test]
@@ -266,4 +306,25 @@ fn key_runs_take_only_rows_moving_in_step() {
         "steps differ"
     );
     assert_eq!(KeyRuns::from_ranges(&[]), None);
+}
+
+#[test]
+fn linear_rows_of_several_weights_equals_each_alone() {
+    let d = device();
+    let (t, k) = (4, 96);
+    let x = tensor(values(t * k, 31), [t, k], &d);
+    let ws: Vec<Tensor<2>> = [40, 9, 23]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| tensor(values(n * k, 40 + i as u32), [n, k], &d))
+        .collect();
+    for parts in 1..=3 {
+        let refs: Vec<&Tensor<2>> = ws.iter().take(parts).collect();
+        let both = gpu::linear_rows(&x, &refs).unwrap();
+        let want: Vec<Tensor<2>> = refs
+            .iter()
+            .map(|w| gpu::linear_rows(&x, &[w]).unwrap())
+            .collect();
+        assert_eq!(host(both), host(Tensor::cat(want, 1)), "{parts} weights");
+    }
 }

@@ -86,8 +86,8 @@ impl Attention {
         device: &Device,
     ) -> Tensor<3> {
         let (cos, sin) = self.rope.tables(positions, device);
-        let k = self.k_norm.forward(self.heads_first(k_raw, self.kv_heads));
-        Rope::apply(k, &cos, &sin)
+        self.k_norm
+            .forward_rope(self.heads_first(k_raw, self.kv_heads), &cos, &sin)
     }
 
     /// Values from raw v_proj (or, with k_eq_v, k_proj) rows: heads first, then Gemma 4's
@@ -271,25 +271,23 @@ impl Attention {
     ) -> Result<(Tensor<2>, Vec<AttentionCapture>)> {
         let device = x.device();
         let (cos, sin) = rope;
-        let q_raw = self.q_proj.forward(x.clone());
-        let q = Rope::apply(
-            self.q_norm
-                .forward(self.heads_first(q_raw.clone(), self.heads)),
-            cos,
-            sin,
-        );
+        // The projections that read `x`, in one launch on a GPU: q, then k and v when this
+        // layer has its own.
+        let mut maps = vec![&self.q_proj];
+        maps.extend(&self.k_proj);
+        maps.extend(self.k_proj.as_ref().and(self.v_proj.as_ref()));
+        let mut raw = Linear::forward_many(&maps, x).into_iter();
+        let q_raw = raw.next().expect("q_proj's output");
+        let q = self
+            .q_norm
+            .forward_rope(self.heads_first(q_raw.clone(), self.heads), cos, sin);
         // Own keys and values: keys normed and rotated; values (v_proj's, or with k_eq_v the
         // raw keys) through the value norm.
-        let own = match &self.k_proj {
-            Some(k_proj) => {
-                let k_raw = k_proj.forward(x.clone());
-                let v_raw = match &self.v_proj {
-                    Some(v_proj) => v_proj.forward(x),
-                    None => k_raw.clone(),
-                };
-                let k = Rope::apply(
-                    self.k_norm
-                        .forward(self.heads_first(k_raw.clone(), self.kv_heads)),
+        let own = match raw.next() {
+            Some(k_raw) => {
+                let v_raw = raw.next().unwrap_or_else(|| k_raw.clone());
+                let k = self.k_norm.forward_rope(
+                    self.heads_first(k_raw.clone(), self.kv_heads),
                     cos,
                     sin,
                 );

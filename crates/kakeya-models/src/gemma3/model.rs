@@ -170,15 +170,19 @@ impl DecoderLayer {
             capture,
             shared,
         )?;
-        let h = x + self.post_attn_norm.forward(a);
+        let h = self.post_attn_norm.forward_add(a, x);
         let m = self.pre_ffn_norm.forward(h.clone());
-        let (gate, up) = (self.gate_proj.forward(m.clone()), self.up_proj.forward(m));
-        let m = crate::gpu::gelu_mul(&gate, &up).unwrap_or_else(|| gelu_tanh(gate) * up);
+        // On a GPU, gate and up in one launch and the gated GELU in one kernel.
+        let gu = crate::gpu::linear_rows(&m, &[&self.gate_proj.weight, &self.up_proj.weight]);
+        let m = match gu.and_then(|gu| crate::gpu::gelu_mul_halves(&gu)) {
+            Some(m) => m,
+            None => gelu_tanh(self.gate_proj.forward(m.clone())) * self.up_proj.forward(m),
+        };
         let mut m = self.down_proj.forward(m);
         if let Some(moe) = &self.moe {
             m = moe.forward(h.clone(), m);
         }
-        let mut out = h + self.post_ffn_norm.forward(m);
+        let mut out = self.post_ffn_norm.forward_add(m, h);
         if let (Some(gate), Some(input)) = (&self.per_layer, per_layer_input) {
             out = gate.forward(out, input);
         }

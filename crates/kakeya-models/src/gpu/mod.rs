@@ -1,110 +1,40 @@
-//! Decode kernels for the GPU devices (CUDA, wgpu): one kernel where Burn's composition of
-//! tensor ops launches several, and a few-row matrix product in full f32.
+//! Decode kernels for the GPU devices (CUDA, wgpu/Vulkan/Metal): one kernel where Burn's
+//! composition of tensor ops launches several, few-row products and attention in full f32, and
+//! the greedy argmax on the device.
 //!
-//! A decode step of the 270M model on an H200 launched ≈ 1 685 kernels (`docs/gpu.md`): each
-//! RMSNorm was seven element-wise kernels, the tanh GELU eight, and every one-row projection
-//! went through a tensor-core matmul built for many rows (≈ 43 µs each, TF32 operands). Here
-//! RMSNorm and `gelu(gate)·up` are one kernel each, and products of up to
-//! [`GPU_ROWS_MAX`] input rows take [`DecodeKernels::linear_rows`]: each output is a fixed-order
-//! f32 sum, the same bits whatever the row count (so a verify block's rows equal the decode
-//! steps they stand for in the projections, as on the CPU).
+//! A decode step of the 270M model launched ≈ 1 685 kernels on an H200 (`docs/gpu.md`): each
+//! RMSNorm was seven element-wise kernels, RoPE eight, the tanh GELU eight, softmax five, and
+//! every one-row projection went through a tensor-core matmul built for many rows (TF32
+//! operands); the argmax over the 262k-entry vocabulary took Burn's reduction ≈ 9.6 ms on an
+//! H100. Here each of these is one kernel: RMSNorm (with the residual add after it, or RoPE),
+//! `gelu(gate)·up`, the argmax, a few rows' attention, and products of up to [`GPU_ROWS_MAX`]
+//! input rows — q/k/v (and gate/up) in one launch. Each output of a product or of attention is
+//! a fixed-order f32 sum, the same bits whatever the row count, so a verify block's rows equal
+//! the decode steps they stand for there, as on the CPU.
 //!
-//! The kernels run on Burn's CubeCL backend through a backend extension; on the CPU and under
-//! autodiff the callers keep Burn's composed ops ([`applies`] says which).
+//! The kernels are a Burn backend extension ([`DecodeKernels`]) on Burn's CubeCL backend; on
+//! the CPU and under autodiff the callers keep Burn's composed ops ([`applies`] says which).
+//! Every wrapper here returns `None` where the kernels do not apply.
 
 #[cfg(feature = "cube")]
-use burn::backend::{Dispatch, backend_extension, tensor::FloatTensor};
+use burn::backend::Dispatch;
 use burn::tensor::Tensor;
 
 #[cfg(feature = "cube")]
-mod kernels;
-
-/// Inputs of at most this many rows take [`DecodeKernels::linear_rows`] on a GPU (decode steps,
-/// verify blocks); longer ones (prefill) Burn's matmul.
-pub const GPU_ROWS_MAX: usize = 16;
-
-/// The GPU kernels, on Burn's CubeCL backend (and its fused form).
+mod attention;
 #[cfg(feature = "cube")]
-#[backend_extension(Cube: cfg(feature = "cube"), Fusion: cfg(feature = "fusion"))]
-pub trait DecodeKernels: burn::backend::Backend {
-    /// RMSNorm over the last dimension with a stored multiplier.
-    ///
-    /// # Shapes
-    /// - `x`: `[..., dim]`, `scale`: `[dim]` → `[..., dim]`
-    #[fusion(dtype = x, shape = x)]
-    fn rms_norm_rows(x: FloatTensor<Self>, scale: FloatTensor<Self>, eps: f32)
-    -> FloatTensor<Self>;
+mod kernels;
+#[cfg(feature = "cube")]
+mod linear;
+#[cfg(feature = "cube")]
+mod ops;
 
-    /// `gelu_tanh(gate) · up`.
-    ///
-    /// # Shapes
-    /// - `gate`, `up`: the same shape → that shape
-    #[fusion(dtype = gate, shape = gate)]
-    fn gelu_mul(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self>;
+#[cfg(feature = "cube")]
+pub use ops::DecodeKernels;
 
-    /// Half-split RoPE ([`crate::rope::Rope::apply`]).
-    ///
-    /// # Shapes
-    /// - `x`: `[heads, T, d]`; `cos`, `sin`: `[T, d/2]` → `[heads, T, d]`
-    #[fusion(dtype = x, shape = x)]
-    fn rope(
-        x: FloatTensor<Self>,
-        cos: FloatTensor<Self>,
-        sin: FloatTensor<Self>,
-    ) -> FloatTensor<Self>;
-
-    /// `x · Wᵀ` for a few rows, full f32, each row's result independent of the row count.
-    ///
-    /// # Shapes
-    /// - `x`: `[T, in]`, `weight`: `[out, in]` → `[T, out]`
-    #[fusion(dtype = x, shape = linear_shape(x, weight))]
-    fn linear_rows(x: FloatTensor<Self>, weight: FloatTensor<Self>) -> FloatTensor<Self>;
-
-    /// Per row, the index of its largest entry (the first on ties), as an f32 (exact for
-    /// fewer than 2²⁴ columns).
-    ///
-    /// # Shapes
-    /// - `x`: `[T, V]` → `[T]`
-    #[fusion(dtype = x, shape = argmax_shape(x))]
-    fn argmax_rows(x: FloatTensor<Self>) -> FloatTensor<Self>;
-
-    /// Grouped-query attention of a few rows, each over its own run of keys: row `i` sees
-    /// keys `lo0 + i·dlo .. hi0 + i·dhi` (a decode step: one row; a verify block: a causal
-    /// run that grows by one key a row). f32, the same bits for a row whatever `T` is.
-    ///
-    /// # Shapes
-    /// - `q`: `[heads, T, d]`; `k`, `v`: `[kv_heads, S, d]` → `[T, heads · d]`
-    #[allow(clippy::too_many_arguments)]
-    #[fusion(dtype = q, shape = attention_shape(q))]
-    fn attention_rows(
-        q: FloatTensor<Self>,
-        k: FloatTensor<Self>,
-        v: FloatTensor<Self>,
-        scale: f32,
-        lo0: usize,
-        dlo: usize,
-        hi0: usize,
-        dhi: usize,
-    ) -> FloatTensor<Self>;
-}
-
-/// The shape of `x · Wᵀ`: `[T, in]`, `[out, in]` → `[T, out]`.
-#[cfg(all(feature = "cube", feature = "fusion"))]
-fn linear_shape(x: &burn::tensor::Shape, weight: &burn::tensor::Shape) -> burn::tensor::Shape {
-    burn::tensor::Shape::new([x[0], weight[0]])
-}
-
-/// The shape of a row-wise argmax: `[T, V]` → `[T]`.
-#[cfg(all(feature = "cube", feature = "fusion"))]
-fn argmax_shape(x: &burn::tensor::Shape) -> burn::tensor::Shape {
-    burn::tensor::Shape::new([x[0]])
-}
-
-/// The shape of [`DecodeKernels::attention_rows`]'s output: `[heads, T, d]` → `[T, heads · d]`.
-#[cfg(all(feature = "cube", feature = "fusion"))]
-fn attention_shape(q: &burn::tensor::Shape) -> burn::tensor::Shape {
-    burn::tensor::Shape::new([q[1], q[0] * q[2]])
-}
+/// Inputs of at most this many rows take the few-row kernels on a GPU (decode steps, verify
+/// blocks); longer ones (prefill) Burn's matmul.
+pub const GPU_ROWS_MAX: usize = 16;
 
 /// Whether the GPU kernels take this tensor: it lives on a CubeCL device (CUDA, wgpu) and
 /// carries no autodiff graph (training keeps Burn's differentiable ops).
@@ -122,102 +52,140 @@ pub fn applies<const D: usize>(x: &Tensor<D>) -> bool {
     }
 }
 
-/// [`DecodeKernels::rms_norm_rows`] on tensors, or `None` where the kernels do not apply.
+/// `Some(call)` where the kernels apply (`when`), `None` elsewhere and in builds without a GPU.
+macro_rules! on_gpu {
+    ($when:expr, $call:expr) => {{
+        #[cfg(feature = "cube")]
+        let out = if $when { Some($call) } else { None };
+        #[cfg(not(feature = "cube"))]
+        let out = None;
+        out
+    }};
+}
+
+/// RMSNorm over the last dimension ([`crate::norm::RmsNorm::forward`]).
 ///
 /// # Shapes
 /// - `x`: `[..., dim]`, `scale`: `[dim]` → `[..., dim]`
+#[cfg_attr(not(feature = "cube"), allow(unused_variables))]
 pub fn rms_norm<const D: usize>(x: &Tensor<D>, scale: &Tensor<1>, eps: f64) -> Option<Tensor<D>> {
-    #[cfg(not(feature = "cube"))]
-    return {
-        let _ = (x, scale, eps);
-        None
-    };
-    #[cfg(feature = "cube")]
-    applies(x).then(|| {
-        let y = <Dispatch as DecodeKernels>::rms_norm_rows(
+    on_gpu!(applies(x), {
+        Tensor::from_dispatch(<Dispatch as DecodeKernels>::rms_norm_rows(
             x.clone().into_dispatch(),
             scale.clone().into_dispatch(),
             eps as f32,
-        );
-        Tensor::from_dispatch(y)
+        ))
     })
 }
 
-/// [`DecodeKernels::gelu_mul`] on tensors, or `None` where the kernels do not apply.
+/// `residual + rms_norm(x)`.
 ///
 /// # Shapes
-/// - `gate`, `up`: the same shape → that shape
-pub fn gelu_mul<const D: usize>(gate: &Tensor<D>, up: &Tensor<D>) -> Option<Tensor<D>> {
-    #[cfg(not(feature = "cube"))]
-    return {
-        let _ = (gate, up);
-        None
-    };
-    #[cfg(feature = "cube")]
-    applies(gate).then(|| {
-        let y = <Dispatch as DecodeKernels>::gelu_mul(
-            gate.clone().into_dispatch(),
-            up.clone().into_dispatch(),
-        );
-        Tensor::from_dispatch(y)
+/// - `x`, `residual`: `[..., dim]`, `scale`: `[dim]` → `[..., dim]`
+#[cfg_attr(not(feature = "cube"), allow(unused_variables))]
+pub fn rms_norm_add<const D: usize>(
+    x: &Tensor<D>,
+    scale: &Tensor<1>,
+    eps: f64,
+    residual: &Tensor<D>,
+) -> Option<Tensor<D>> {
+    on_gpu!(applies(x), {
+        Tensor::from_dispatch(<Dispatch as DecodeKernels>::rms_norm_add(
+            x.clone().into_dispatch(),
+            scale.clone().into_dispatch(),
+            eps as f32,
+            residual.clone().into_dispatch(),
+        ))
     })
 }
 
-/// [`DecodeKernels::rope`] on tensors, or `None` where the kernels do not apply.
+/// RMSNorm over each head vector, then half-split RoPE.
+///
+/// # Shapes
+/// - `x`: `[heads, T, d]`, `scale`: `[d]`; `cos`, `sin`: `[T, d/2]` → `[heads, T, d]`
+#[cfg_attr(not(feature = "cube"), allow(unused_variables))]
+pub fn rms_norm_rope(
+    x: &Tensor<3>,
+    scale: &Tensor<1>,
+    eps: f64,
+    cos: &Tensor<2>,
+    sin: &Tensor<2>,
+) -> Option<Tensor<3>> {
+    on_gpu!(applies(x), {
+        Tensor::from_dispatch(<Dispatch as DecodeKernels>::rms_norm_rope(
+            x.clone().into_dispatch(),
+            scale.clone().into_dispatch(),
+            eps as f32,
+            cos.clone().into_dispatch(),
+            sin.clone().into_dispatch(),
+        ))
+    })
+}
+
+/// Half-split RoPE ([`crate::rope::Rope::apply`]).
 ///
 /// # Shapes
 /// - `x`: `[heads, T, d]`; `cos`, `sin`: `[T, d/2]` → `[heads, T, d]`
+#[cfg_attr(not(feature = "cube"), allow(unused_variables))]
 pub fn rope(x: &Tensor<3>, cos: &Tensor<2>, sin: &Tensor<2>) -> Option<Tensor<3>> {
-    #[cfg(not(feature = "cube"))]
-    return {
-        let _ = (x, cos, sin);
-        None
-    };
-    #[cfg(feature = "cube")]
-    applies(x).then(|| {
-        let y = <Dispatch as DecodeKernels>::rope(
+    on_gpu!(applies(x), {
+        Tensor::from_dispatch(<Dispatch as DecodeKernels>::rope(
             x.clone().into_dispatch(),
             cos.clone().into_dispatch(),
             sin.clone().into_dispatch(),
-        );
-        Tensor::from_dispatch(y)
+        ))
     })
 }
 
-/// [`DecodeKernels::linear_rows`] on tensors when the kernels apply and `x` has at most
-/// [`GPU_ROWS_MAX`] rows; `None` otherwise.
+/// `gelu_tanh(gate) · up` with the gate columns first, then up's.
 ///
 /// # Shapes
-/// - `x`: `[T, in]`, `weight`: `[out, in]` → `[T, out]`
-pub fn linear_rows(x: &Tensor<2>, weight: &Tensor<2>) -> Option<Tensor<2>> {
-    #[cfg(not(feature = "cube"))]
-    return {
-        let _ = (x, weight);
-        None
-    };
-    #[cfg(feature = "cube")]
-    (x.dims()[0] <= GPU_ROWS_MAX && applies(x)).then(|| {
-        let y = <Dispatch as DecodeKernels>::linear_rows(
-            x.clone().into_dispatch(),
-            weight.clone().into_dispatch(),
-        );
-        Tensor::from_dispatch(y)
+/// - `gu`: `[T, 2·I]` → `[T, I]`
+#[cfg_attr(not(feature = "cube"), allow(unused_variables))]
+pub fn gelu_mul_halves(gu: &Tensor<2>) -> Option<Tensor<2>> {
+    on_gpu!(applies(gu), {
+        Tensor::from_dispatch(<Dispatch as DecodeKernels>::gelu_mul_halves(
+            gu.clone().into_dispatch(),
+        ))
     })
 }
 
-/// [`DecodeKernels::argmax_rows`] on tensors (only the `T` ids come back to the host), or `None`
-/// where the kernels do not apply.
+/// `x · Wᵀ` for each of 1 to 3 weights reading the same input, their outputs side by side,
+/// when `x` has at most [`GPU_ROWS_MAX`] rows.
+///
+/// # Shapes
+/// - `x`: `[T, in]`, each weight `[out_i, in]` → `[T, out_0 + …]`
+#[cfg_attr(not(feature = "cube"), allow(unused_variables))]
+pub fn linear_rows(x: &Tensor<2>, weights: &[&Tensor<2>]) -> Option<Tensor<2>> {
+    assert!(
+        (1..=3).contains(&weights.len()),
+        "linear_rows: 1 to 3 weights"
+    );
+    on_gpu!(x.dims()[0] <= GPU_ROWS_MAX && applies(x), {
+        // Unused slots repeat the first weight; the kernel reads only `parts` of them.
+        let w = |i: usize| {
+            (*weights.get(i).unwrap_or(&weights[0]))
+                .clone()
+                .into_dispatch()
+        };
+        Tensor::from_dispatch(<Dispatch as DecodeKernels>::linear_rows(
+            x.clone().into_dispatch(),
+            w(0),
+            w(1),
+            w(2),
+            weights.len(),
+        ))
+    })
+}
+
+/// Per row, the index of its largest entry (the first on ties); only the `T` ids come back
+/// to the host.
 ///
 /// # Shapes
 /// - `logits`: `[T, V]` → `T` ids
+#[cfg_attr(not(feature = "cube"), allow(unused_variables))]
 pub fn argmax_rows(logits: &Tensor<2>) -> Option<Vec<u32>> {
-    #[cfg(not(feature = "cube"))]
-    return {
-        let _ = logits;
-        None
-    };
-    #[cfg(feature = "cube")]
-    applies(logits).then(|| {
+    on_gpu!(applies(logits), {
         let ids = <Dispatch as DecodeKernels>::argmax_rows(logits.clone().into_dispatch());
         Tensor::<1>::from_dispatch(ids)
             .into_data()
@@ -244,8 +212,8 @@ pub struct KeyRuns {
 }
 
 impl KeyRuns {
-    /// The runs as this form when every row's keys are `ranges[i]` and they move by the same
-    /// step from row to row; `None` otherwise (or with no rows).
+    /// The runs in this form when every row's keys are `ranges[i]` and they move by the same
+    /// step from row to row; `None` otherwise (or with no rows, or an empty range).
     pub fn from_ranges(ranges: &[std::ops::Range<usize>]) -> Option<Self> {
         let first = ranges.first()?;
         let step = |a: usize, b: usize| b.checked_sub(a).filter(|d| *d <= 1);
@@ -269,10 +237,11 @@ impl KeyRuns {
     }
 }
 
-/// [`DecodeKernels::attention_rows`] on tensors, or `None` where the kernels do not apply.
+/// Grouped-query attention of a few rows over runs of keys.
 ///
 /// # Shapes
 /// - `q`: `[heads, T, d]`; `k`, `v`: `[kv_heads, S, d]` → `[T, heads · d]`
+#[cfg_attr(not(feature = "cube"), allow(unused_variables))]
 pub fn attention_rows(
     q: &Tensor<3>,
     k: &Tensor<3>,
@@ -280,14 +249,8 @@ pub fn attention_rows(
     scale: f64,
     runs: KeyRuns,
 ) -> Option<Tensor<2>> {
-    #[cfg(not(feature = "cube"))]
-    return {
-        let _ = (q, k, v, scale, runs);
-        None
-    };
-    #[cfg(feature = "cube")]
-    applies(q).then(|| {
-        let y = <Dispatch as DecodeKernels>::attention_rows(
+    on_gpu!(applies(q), {
+        Tensor::from_dispatch(<Dispatch as DecodeKernels>::attention_rows(
             q.clone().into_dispatch(),
             k.clone().into_dispatch(),
             v.clone().into_dispatch(),
@@ -296,7 +259,6 @@ pub fn attention_rows(
             runs.dlo,
             runs.hi,
             runs.dhi,
-        );
-        Tensor::from_dispatch(y)
+        ))
     })
 }

@@ -1,0 +1,187 @@
+//! [`DecodeKernels`]: the GPU kernels as a Burn backend extension, implemented on Burn's CubeCL
+//! backend (and through it on its fused form, each call one opaque operation).
+
+use burn::backend::{backend_extension, tensor::FloatTensor};
+#[cfg(feature = "fusion")]
+use burn::tensor::Shape;
+use burn_cubecl::CubeBackend;
+
+use super::{attention, kernels, linear};
+
+/// The GPU kernels, on Burn's CubeCL backend (and its fused form).
+#[backend_extension(Cube: cfg(feature = "cube"), Fusion: cfg(feature = "fusion"))]
+pub trait DecodeKernels: burn::backend::Backend {
+    /// RMSNorm over the last dimension with a stored multiplier.
+    ///
+    /// # Shapes
+    /// - `x`: `[..., dim]`, `scale`: `[dim]` → `[..., dim]`
+    #[fusion(dtype = x, shape = x)]
+    fn rms_norm_rows(x: FloatTensor<Self>, scale: FloatTensor<Self>, eps: f32)
+    -> FloatTensor<Self>;
+
+    /// `residual + rms_norm(x)` (a sublayer's output normed onto the residual stream).
+    ///
+    /// # Shapes
+    /// - `x`, `residual`: `[..., dim]`, `scale`: `[dim]` → `[..., dim]`
+    #[fusion(dtype = x, shape = x)]
+    fn rms_norm_add(
+        x: FloatTensor<Self>,
+        scale: FloatTensor<Self>,
+        eps: f32,
+        residual: FloatTensor<Self>,
+    ) -> FloatTensor<Self>;
+
+    /// RMSNorm over each head vector, then half-split RoPE (a query or key norm and its
+    /// rotation).
+    ///
+    /// # Shapes
+    /// - `x`: `[heads, T, d]`, `scale`: `[d]`; `cos`, `sin`: `[T, d/2]` → `[heads, T, d]`
+    #[fusion(dtype = x, shape = x)]
+    fn rms_norm_rope(
+        x: FloatTensor<Self>,
+        scale: FloatTensor<Self>,
+        eps: f32,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self>;
+
+    /// Half-split RoPE ([`crate::rope::Rope::apply`]).
+    ///
+    /// # Shapes
+    /// - `x`: `[heads, T, d]`; `cos`, `sin`: `[T, d/2]` → `[heads, T, d]`
+    #[fusion(dtype = x, shape = x)]
+    fn rope(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self>;
+
+    /// `gelu_tanh(gate) · up` with `gate` and `up` side by side in one tensor.
+    ///
+    /// # Shapes
+    /// - `gu`: `[T, 2·I]` (gate columns, then up) → `[T, I]`
+    #[fusion(dtype = gu, shape = half_width(gu))]
+    fn gelu_mul_halves(gu: FloatTensor<Self>) -> FloatTensor<Self>;
+
+    /// `x · [W0; W1; W2]ᵀ` for a few rows over the first `parts` weights (their outputs side by
+    /// side), full f32, each row's result independent of the row count.
+    ///
+    /// # Shapes
+    /// - `x`: `[T, in]`, `wi`: `[out_i, in]` → `[T, out_0 + …]`
+    #[fusion(dtype = x, shape = linear_shape(x, w0, w1, w2, parts))]
+    fn linear_rows(
+        x: FloatTensor<Self>,
+        w0: FloatTensor<Self>,
+        w1: FloatTensor<Self>,
+        w2: FloatTensor<Self>,
+        parts: usize,
+    ) -> FloatTensor<Self>;
+
+    /// Per row, the index of its largest entry (the first on ties), as an f32 (exact for
+    /// fewer than 2²⁴ columns).
+    ///
+    /// # Shapes
+    /// - `x`: `[T, V]` → `[T]`
+    #[fusion(dtype = x, shape = Shape::new([x[0]]))]
+    fn argmax_rows(x: FloatTensor<Self>) -> FloatTensor<Self>;
+
+    /// Grouped-query attention of a few rows, each over its own run of keys: row `i` sees
+    /// keys `lo0 + i·dlo .. hi0 + i·dhi` (a decode step: one row; a verify block: a causal
+    /// run that grows by one key a row). f32, the same bits for a row whatever `T` is.
+    ///
+    /// # Shapes
+    /// - `q`: `[heads, T, d]`; `k`, `v`: `[kv_heads, S, d]` → `[T, heads · d]`
+    #[allow(clippy::too_many_arguments)]
+    #[fusion(dtype = q, shape = Shape::new([q[1], q[0] * q[2]]))]
+    fn attention_rows(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        scale: f32,
+        lo0: usize,
+        dlo: usize,
+        hi0: usize,
+        dhi: usize,
+    ) -> FloatTensor<Self>;
+}
+
+/// `[T, 2·I]` → `[T, I]`.
+#[cfg(feature = "fusion")]
+fn half_width(gu: &Shape) -> Shape {
+    Shape::new([gu[0], gu[1] / 2])
+}
+
+/// `[T, in]` and the first `parts` of `[out_i, in]` → `[T, Σ out_i]`.
+#[cfg(feature = "fusion")]
+fn linear_shape(x: &Shape, w0: &Shape, w1: &Shape, w2: &Shape, parts: &usize) -> Shape {
+    let out: usize = [w0, w1, w2].iter().take(*parts).map(|w| w[0]).sum();
+    Shape::new([x[0], out])
+}
+
+impl DecodeKernels for CubeBackend {
+    fn rms_norm_rows(
+        x: FloatTensor<Self>,
+        scale: FloatTensor<Self>,
+        eps: f32,
+    ) -> FloatTensor<Self> {
+        kernels::rms_norm(x, scale, eps, None)
+    }
+
+    fn rms_norm_add(
+        x: FloatTensor<Self>,
+        scale: FloatTensor<Self>,
+        eps: f32,
+        residual: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        kernels::rms_norm(x, scale, eps, Some(residual))
+    }
+
+    fn rms_norm_rope(
+        x: FloatTensor<Self>,
+        scale: FloatTensor<Self>,
+        eps: f32,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        kernels::rms_norm_rope(x, scale, eps, cos, sin)
+    }
+
+    fn rope(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        kernels::rope(x, cos, sin)
+    }
+
+    fn gelu_mul_halves(gu: FloatTensor<Self>) -> FloatTensor<Self> {
+        kernels::gelu_mul_halves(gu)
+    }
+
+    fn linear_rows(
+        x: FloatTensor<Self>,
+        w0: FloatTensor<Self>,
+        w1: FloatTensor<Self>,
+        w2: FloatTensor<Self>,
+        parts: usize,
+    ) -> FloatTensor<Self> {
+        linear::linear_rows(x, [w0, w1, w2], parts)
+    }
+
+    fn argmax_rows(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        kernels::argmax_rows(x)
+    }
+
+    fn attention_rows(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        scale: f32,
+        lo0: usize,
+        dlo: usize,
+        hi0: usize,
+        dhi: usize,
+    ) -> FloatTensor<Self> {
+        attention::attention_rows(q, k, v, scale, lo0, dlo, hi0, dhi)
+    }
+}

@@ -61,6 +61,8 @@ PY
     xz -T2 -6 -c models/gemma-3-270m/tokenizer.json > .xfer/stage/tokenizer.json.xz
     [ -z "$base" ] || xz -T2 -6 -c "$base" > .xfer/stage/kakeya-base.xz
     for t in "${tests[@]}"; do xz -T2 -6 -c "$t" > ".xfer/stage/test-$(basename "$t" | sed 's/-[0-9a-f]*$//').xz"; done
+    # The device equivalences (tests/wgpu_device.rs) read the Gemma 4 fixtures.
+    [ ${#tests[@]} -eq 0 ] || cp -r tests/fixtures/gemma4 .xfer/stage/fixtures-gemma4
     cp scripts/device/run_profile.sh .xfer/run.sh
     ;;
 f-theta)

@@ -16,6 +16,7 @@ dev=${KAKEYA_DEVICE:-cuda}
 L=/tmp/logs; mkdir -p $L
 python3 scripts/device/random_model.py $X/config.json $X/spec.json /tmp/m || exit 5
 cp models/gemma-3-270m/tokenizer.json /tmp/m/
+[ -d $X/fixtures-gemma4 ] && mkdir -p tests/fixtures && cp -r $X/fixtures-gemma4 tests/fixtures/gemma4
 if [ "$dev" = cuda ]; then
     for t in $X/test-*; do
         [ -x "$t" ] || continue

@@ -216,7 +216,7 @@ fn argmax_rows_takes_the_first_largest() {
 
 #[test]
 fn attention_rows_matches_grouped_attention_row_by_row() {
-    use kakeya_models::gpu::KeyRuns;
+    use kakeya_models::gpu::{KeyRuns, RowKeys};
     use kakeya_models::sdpa::grouped_attention;
     let d = device();
     let (heads, kv_heads, t, hd, keys) = (4, 2, 3, 16, 300);
@@ -241,7 +241,7 @@ fn attention_rows_matches_grouped_attention_row_by_row() {
         )
     };
     let (qg, kg, vg) = on(&d);
-    let got = host(gpu::attention_rows(&qg, &kg, &vg, scale, runs).unwrap());
+    let got = host(gpu::attention_rows(&qg, &kg, &vg, scale, RowKeys::Runs(runs)).unwrap());
     let (qc, kc, vc) = on(&Device::flex());
     let mut want = Vec::new();
     for i in 0..t {
@@ -258,7 +258,7 @@ fn attention_rows_matches_grouped_attention_row_by_row() {
             dhi: 0,
         };
         let q1 = qg.clone().slice([0..heads, i..i + 1, 0..hd]);
-        let one = host(gpu::attention_rows(&q1, &kg, &vg, scale, alone).unwrap());
+        let one = host(gpu::attention_rows(&q1, &kg, &vg, scale, RowKeys::Runs(alone)).unwrap());
         assert_eq!(
             one[..],
             got[i * heads * hd..(i + 1) * heads * hd],
@@ -267,6 +267,32 @@ fn attention_rows_matches_grouped_attention_row_by_row() {
     }
     let err = max_rel(&got, &want);
     assert!(err <= 2e-6, "max rel |Δ| {err:e}");
+    // The same keys listed give the same bits as the runs.
+    let lists: Vec<Vec<usize>> = (0..t)
+        .map(|i| (runs.lo + i..runs.hi + i).collect())
+        .collect();
+    let listed = host(gpu::attention_rows(&qg, &kg, &vg, scale, RowKeys::Lists(&lists)).unwrap());
+    assert_eq!(listed, got, "listed keys vs runs");
+    // Keys that are no run (four sink keys, then a window), against gathered keys on the CPU.
+    let lists: Vec<Vec<usize>> = (0..t)
+        .map(|i| (0..4).chain(200 + i..260 + 2 * i).collect())
+        .collect();
+    let got = host(gpu::attention_rows(&qg, &kg, &vg, scale, RowKeys::Lists(&lists)).unwrap());
+    let mut want = Vec::new();
+    for (i, keys) in lists.iter().enumerate() {
+        let ids = Tensor::<1, burn::tensor::Int>::from_data(
+            TensorData::new(
+                keys.iter().map(|&k| k as i64).collect::<Vec<_>>(),
+                [keys.len()],
+            ),
+            &Device::flex(),
+        );
+        let qi = qc.clone().slice([0..heads, i..i + 1, 0..hd]);
+        let (ki, vi) = (kc.clone().select(1, ids.clone()), vc.clone().select(1, ids));
+        want.extend(host(grouped_attention(qi, ki, vi, scale, None)));
+    }
+    let err = max_rel(&got, &want);
+    assert!(err <= 2e-6, "listed keys: max rel |Δ| {err:e}");
 }
 
 #[test]

@@ -446,21 +446,31 @@ impl Attention {
                 seen
             })
             .collect();
-        // On a GPU, rows whose keys are runs moving in step take one attention kernel.
-        let runs: Option<Vec<std::ops::Range<usize>>> = seen
-            .iter()
-            .map(|seen| {
-                let (first, last) = (seen[0].1, seen[seen.len() - 1].1);
-                let run = seen.windows(2).all(|w| w[1].1 == w[0].1 + 1);
-                run.then_some(first..last + 1)
-            })
-            .collect();
-        if let Some(out) = runs
-            .as_deref()
-            .and_then(crate::gpu::KeyRuns::from_ranges)
-            .and_then(|runs| crate::gpu::attention_rows(&q, &k, &v, self.scale, runs))
-        {
-            return out;
+        // On a GPU every row takes the attention kernel, so a row's bits never depend on the
+        // path: runs moving in step need no upload, other rows' keys are listed.
+        if crate::gpu::applies(&q) {
+            let runs: Option<Vec<std::ops::Range<usize>>> = seen
+                .iter()
+                .map(|seen| {
+                    let (first, last) = (seen[0].1, seen[seen.len() - 1].1);
+                    let run = seen.windows(2).all(|w| w[1].1 == w[0].1 + 1);
+                    run.then_some(first..last + 1)
+                })
+                .collect();
+            let lists: Vec<Vec<usize>>;
+            let keys = match runs.as_deref().and_then(crate::gpu::KeyRuns::from_ranges) {
+                Some(runs) => crate::gpu::RowKeys::Runs(runs),
+                None => {
+                    lists = seen
+                        .iter()
+                        .map(|s| s.iter().map(|&(_, j)| j).collect())
+                        .collect();
+                    crate::gpu::RowKeys::Lists(&lists)
+                }
+            };
+            if let Some(out) = crate::gpu::attention_rows(&q, &k, &v, self.scale, keys) {
+                return out;
+            }
         }
         let rows = seen.into_iter().enumerate().map(|(i, seen)| {
             let (first, last) = (seen[0].1, seen[seen.len() - 1].1);

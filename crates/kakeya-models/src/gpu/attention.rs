@@ -7,14 +7,35 @@ use cubecl::prelude::*;
 
 use super::kernels::{ROW_UNITS, dense_output, f32_only, grid, tree_max, tree_sum};
 
-/// One cube per (query head, row): `softmax(q·kᵀ·scale)·v` over keys `lo..hi` of the head's
-/// KV head, with `lo = lo0 + i·dlo`, `hi = hi0 + i·dhi` for row `i`. The scores wait in
-/// `scratch` (`[heads · T, keys]`); each row's sums run in a fixed order whatever `T` is.
+/// Key `j` of row `i`: from the row's list when `indexed` (`ids` row `i` is its count, then
+/// its key indices, as f32), else `lo + j`.
+#[cube]
+fn key_of(
+    ids: &[f32],
+    row: usize,
+    width: usize,
+    lo: usize,
+    j: usize,
+    #[comptime] indexed: bool,
+) -> usize {
+    if indexed {
+        usize::cast_from(u32::cast_from(ids[row * (width + 1) + 1 + j]))
+    } else {
+        lo + j
+    }
+}
+
+/// One cube per (query head, row): `softmax(q·kᵀ·scale)·v` over the row's keys of the head's
+/// KV head — keys `lo0 + i·dlo .. hi0 + i·dhi` of row `i`, or, when `indexed`, the row's list
+/// in `ids` (`[T, 1 + width]`). The scores wait in `scratch` (`[heads · T, keys]`). Keys are
+/// visited in the order given (ascending: positions in order), so a row's sums run in the same
+/// order whichever form named its keys and however many rows the launch carries.
 #[cube(launch)]
 fn attention_rows_kernel(
     q: &[f32],
     k: &[f32],
     v: &[f32],
+    ids: &[f32],
     scratch: &mut [f32],
     out: &mut [f32],
     t: usize,
@@ -27,7 +48,9 @@ fn attention_rows_kernel(
     dlo: usize,
     hi0: usize,
     dhi: usize,
+    width: usize,
     #[comptime] units: usize,
+    #[comptime] indexed: bool,
 ) {
     let cube = CUBE_POS;
     if cube >= heads * t {
@@ -35,22 +58,27 @@ fn attention_rows_kernel(
     }
     let unit = UNIT_POS as usize;
     let (h, i) = (cube / t, cube % t);
-    let (lo, hi) = (lo0 + i * dlo, hi0 + i * dhi);
+    let lo = lo0 + i * dlo;
+    let mut n = hi0 + i * dhi - lo;
+    if indexed {
+        n = usize::cast_from(u32::cast_from(ids[i * (width + 1)]));
+    }
     let qb = cube * d;
     let kb = (h / groups) * keys * d;
     let sb = cube * keys;
-    let chunks = (hi - lo).div_ceil(units);
+    let chunks = n.div_ceil(units);
     let mut part = Shared::<[f32]>::new_slice(units);
     let mut m = f32::new(f32::MIN);
     for c in 0..chunks {
-        let s = lo + c * units + unit;
-        if s < hi {
+        let j = c * units + unit;
+        if j < n {
+            let s = key_of(ids, i, width, lo, j, indexed);
             let mut dot = f32::new(0.0);
-            for j in 0..d {
-                dot += q[qb + j] * k[kb + s * d + j];
+            for e in 0..d {
+                dot += q[qb + e] * k[kb + s * d + e];
             }
             let score = dot * scale;
-            scratch[sb + s] = score;
+            scratch[sb + j] = score;
             if score > m {
                 m = score;
             }
@@ -63,11 +91,11 @@ fn attention_rows_kernel(
     sync_cube();
     let mut sum = f32::new(0.0);
     for c in 0..chunks {
-        let s = lo + c * units + unit;
-        if s < hi {
-            let e = f32::exp(scratch[sb + s] - max);
-            scratch[sb + s] = e;
-            sum += e;
+        let j = c * units + unit;
+        if j < n {
+            let p = f32::exp(scratch[sb + j] - max);
+            scratch[sb + j] = p;
+            sum += p;
         }
     }
     part[unit] = sum;
@@ -77,13 +105,14 @@ fn attention_rows_kernel(
     // Every unit reads every score next: the scratch writes must be visible cube-wide.
     sync_storage();
     for c in 0..d.div_ceil(units) {
-        let j = c * units + unit;
-        if j < d {
+        let e = c * units + unit;
+        if e < d {
             let mut acc = f32::new(0.0);
-            for s in lo..hi {
-                acc += scratch[sb + s] * v[kb + s * d + j];
+            for j in 0..n {
+                let s = key_of(ids, i, width, lo, j, indexed);
+                acc += scratch[sb + j] * v[kb + s * d + e];
             }
-            out[(i * heads + h) * d + j] = acc / total;
+            out[(i * heads + h) * d + e] = acc / total;
         }
     }
 }
@@ -95,32 +124,39 @@ pub(super) fn attention_rows(
     k: CubeTensor,
     v: CubeTensor,
     scale: f32,
-    lo0: usize,
-    dlo: usize,
-    hi0: usize,
-    dhi: usize,
+    runs: [usize; 4],
+    ids: Option<CubeTensor>,
 ) -> CubeTensor {
     f32_only(&q, "attention_rows");
     let (q, k, v) = (into_contiguous(q), into_contiguous(k), into_contiguous(v));
     let (heads, t, d) = (q.meta.shape()[0], q.meta.shape()[1], q.meta.shape()[2]);
     let (kv_heads, keys) = (k.meta.shape()[0], k.meta.shape()[1]);
+    let [lo0, dlo, hi0, dhi] = runs;
     assert!(
-        kv_heads > 0 && heads % kv_heads == 0 && hi0 + t.saturating_sub(1) * dhi <= keys,
-        "attention_rows: {heads} heads over {kv_heads} KV heads, rows reach past {keys} keys"
+        kv_heads > 0 && heads % kv_heads == 0,
+        "attention_rows: {heads} heads over {kv_heads} KV heads"
     );
-    let client = q.client.clone();
+    assert!(
+        ids.is_some() || hi0 + t.saturating_sub(1) * dhi <= keys,
+        "attention_rows: rows reach past {keys} keys"
+    );
     let out = dense_output(&q, Shape::new([t, heads * d]));
     if heads * t == 0 {
         return out;
     }
     let scratch = dense_output(&q, Shape::new([heads * t, keys]));
+    let indexed = ids.is_some();
+    // Without lists the kernel reads none: `q` stands in for the unused binding.
+    let ids = ids.map_or_else(|| q.clone(), into_contiguous);
+    let width = if indexed { ids.meta.shape()[1] - 1 } else { 0 };
     attention_rows_kernel::launch(
-        &client,
+        &q.client.clone(),
         grid(heads * t),
         CubeDim::new_1d(ROW_UNITS as u32),
         q.into_buffer_arg(),
         k.into_buffer_arg(),
         v.into_buffer_arg(),
+        ids.into_buffer_arg(),
         scratch.into_buffer_arg(),
         out.clone().into_buffer_arg(),
         t,
@@ -133,7 +169,9 @@ pub(super) fn attention_rows(
         dlo,
         hi0,
         dhi,
+        width,
         ROW_UNITS,
+        indexed,
     );
     out
 }

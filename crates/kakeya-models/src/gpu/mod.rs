@@ -237,7 +237,17 @@ impl KeyRuns {
     }
 }
 
-/// Grouped-query attention of a few rows over runs of keys.
+/// The keys each row of [`attention_rows`] sees, as indices into the concatenated K/V in
+/// position order.
+#[derive(Debug, Clone, Copy)]
+pub enum RowKeys<'a> {
+    /// Runs moving in step ([`KeyRuns`]): nothing to upload.
+    Runs(KeyRuns),
+    /// Any keys, listed per row (uploaded with the call).
+    Lists(&'a [Vec<usize>]),
+}
+
+/// Grouped-query attention of a few rows over the keys each row sees.
 ///
 /// # Shapes
 /// - `q`: `[heads, T, d]`; `k`, `v`: `[kv_heads, S, d]` → `[T, heads · d]`
@@ -247,18 +257,50 @@ pub fn attention_rows(
     k: &Tensor<3>,
     v: &Tensor<3>,
     scale: f64,
-    runs: KeyRuns,
+    keys: RowKeys<'_>,
 ) -> Option<Tensor<2>> {
     on_gpu!(applies(q), {
+        let (runs, ids) = match keys {
+            RowKeys::Runs(r) => ([r.lo, r.dlo, r.hi, r.dhi], None),
+            RowKeys::Lists(lists) => ([0; 4], Some(key_lists(lists, &q.device()))),
+        };
+        let indexed = ids.is_some();
+        // Without lists the kernel reads none: `q` stands in for the unused binding.
+        let ids = ids.map_or_else(|| q.clone().into_dispatch(), |t| t.into_dispatch());
         Tensor::from_dispatch(<Dispatch as DecodeKernels>::attention_rows(
             q.clone().into_dispatch(),
             k.clone().into_dispatch(),
             v.clone().into_dispatch(),
+            ids,
             scale as f32,
-            runs.lo,
-            runs.dlo,
-            runs.hi,
-            runs.dhi,
+            runs[0],
+            runs[1],
+            runs[2],
+            runs[3],
+            indexed,
         ))
     })
+}
+
+/// Per row its key count, then its key indices, padded to the longest row, as f32 (exact:
+/// indices stay far below 2²⁴).
+///
+/// # Shapes
+/// - → `[T, 1 + max count]`
+#[cfg(feature = "cube")]
+fn key_lists(lists: &[Vec<usize>], device: &burn::tensor::Device) -> Tensor<2> {
+    let width = lists.iter().map(Vec::len).max().unwrap_or(0);
+    let mut data = vec![0.0f32; lists.len() * (width + 1)];
+    for (row, keys) in data.chunks_exact_mut(width + 1).zip(lists) {
+        assert!(keys.iter().all(|&k| k < 1 << 24), "key index past 2^24");
+        row[0] = keys.len() as f32;
+        row[1..=keys.len()]
+            .iter_mut()
+            .zip(keys)
+            .for_each(|(r, &k)| *r = k as f32);
+    }
+    Tensor::from_data(
+        burn::tensor::TensorData::new(data, [lists.len(), width + 1]),
+        device,
+    )
 }

@@ -85,23 +85,28 @@ pub trait DecodeKernels: burn::backend::Backend {
     #[fusion(dtype = x, shape = Shape::new([x[0]]))]
     fn argmax_rows(x: FloatTensor<Self>) -> FloatTensor<Self>;
 
-    /// Grouped-query attention of a few rows, each over its own run of keys: row `i` sees
-    /// keys `lo0 + i·dlo .. hi0 + i·dhi` (a decode step: one row; a verify block: a causal
-    /// run that grows by one key a row). f32, the same bits for a row whatever `T` is.
+    /// Grouped-query attention of a few rows, each over its own keys: row `i` sees keys
+    /// `lo0 + i·dlo .. hi0 + i·dhi` (a decode step: one row; a verify block: a causal run that
+    /// grows by one key a row), or, when `indexed`, the keys listed in `ids` (row `i`: its
+    /// count, then its key indices, as f32). f32, the same bits for a row whatever `T` is and
+    /// whichever form names its keys.
     ///
     /// # Shapes
-    /// - `q`: `[heads, T, d]`; `k`, `v`: `[kv_heads, S, d]` → `[T, heads · d]`
+    /// - `q`: `[heads, T, d]`; `k`, `v`: `[kv_heads, S, d]`; `ids`: `[T, 1 + width]` (read
+    ///   only when `indexed`) → `[T, heads · d]`
     #[allow(clippy::too_many_arguments)]
     #[fusion(dtype = q, shape = Shape::new([q[1], q[0] * q[2]]))]
     fn attention_rows(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
+        ids: FloatTensor<Self>,
         scale: f32,
         lo0: usize,
         dlo: usize,
         hi0: usize,
         dhi: usize,
+        indexed: bool,
     ) -> FloatTensor<Self>;
 }
 
@@ -176,12 +181,15 @@ impl DecodeKernels for CubeBackend {
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
+        ids: FloatTensor<Self>,
         scale: f32,
         lo0: usize,
         dlo: usize,
         hi0: usize,
         dhi: usize,
+        indexed: bool,
     ) -> FloatTensor<Self> {
-        attention::attention_rows(q, k, v, scale, lo0, dlo, hi0, dhi)
+        let ids = indexed.then_some(ids);
+        attention::attention_rows(q, k, v, scale, [lo0, dlo, hi0, dhi], ids)
     }
 }

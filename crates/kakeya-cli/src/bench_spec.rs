@@ -7,8 +7,8 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use kakeya_models::{DFlashDrafter, Gemma3Model};
 use kakeya_runtime::{
-    Generation, GenerationConfig, KvSetup, Proposer, ReplayProposer, Sampling, Schedule, Session,
-    SpecConfig, Verifier, generate, speculative_generate,
+    Generation, GenerationConfig, KvSetup, Proposer, ReplayProposer, Schedule, Session, SpecConfig,
+    Verifier, generate, speculative_generate,
 };
 use kakeya_weights::Tokenizer;
 use serde::Serialize;
@@ -197,13 +197,7 @@ pub fn run(
         Some(d) if base.policy.mode.restores() && base.drafter.is_none() => base.drafter(d),
         _ => base,
     };
-    let cfg = GenerationConfig {
-        max_tokens: gen_tokens,
-        sampling: Sampling::Greedy,
-        stop_tokens: Vec::new(),
-        prefill_chunk: 512,
-        loop_guard: None,
-    };
+    let cfg = GenerationConfig::greedy(gen_tokens, 512);
     let bar = indicatif::ProgressBar::new((prompts.len() * runs + warmup) as u64);
     bar.set_style(
         indicatif::ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {msg}")
@@ -358,7 +352,7 @@ mod tests {
     use burn::tensor::Device;
     use kakeya_models::Gemma3Model;
     use kakeya_models::testing::{random_checkpoint, tiny_config};
-    use kakeya_runtime::{GenerationConfig, KvSetup, Sampling, Session, generate};
+    use kakeya_runtime::{GenerationConfig, KvSetup, Session, generate};
 
     use super::divergence;
 
@@ -370,13 +364,7 @@ mod tests {
             Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(8), 5), &Device::flex())
                 .unwrap();
         let prompt = [3u32, 14, 15, 92, 65];
-        let cfg = GenerationConfig {
-            max_tokens: 6,
-            sampling: Sampling::Greedy,
-            stop_tokens: Vec::new(),
-            prefill_chunk: 512,
-            loop_guard: None,
-        };
+        let cfg = GenerationConfig::greedy(6, 512);
         let ar = generate(&mut Session::new(&m, 0), &prompt, &cfg, &mut |_| {})
             .unwrap()
             .tokens;

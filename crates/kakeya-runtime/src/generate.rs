@@ -25,6 +25,20 @@ pub struct GenerationConfig {
     pub loop_guard: Option<RunawayGuard>,
 }
 
+impl GenerationConfig {
+    /// Greedy decoding of up to `max_tokens` tokens with no stop token and no loop guard:
+    /// every token generated (benchmarks, equivalence tests, verifier rollouts).
+    pub fn greedy(max_tokens: usize, prefill_chunk: usize) -> Self {
+        Self {
+            max_tokens,
+            sampling: Sampling::Greedy,
+            stop_tokens: Vec::new(),
+            prefill_chunk,
+            loop_guard: None,
+        }
+    }
+}
+
 /// Why generation ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]

@@ -188,17 +188,11 @@ fn speculation_on_gemma4_equals_greedy_decoding() {
     use kakeya_models::DFlashDrafter;
     use kakeya_models::testing::{drafter_config, random_drafter};
     use kakeya_runtime::{
-        DFlashProposer, GenerationConfig, KvSetup, Sampling, SpecConfig, Verifier, generate,
+        DFlashProposer, GenerationConfig, KvSetup, SpecConfig, Verifier, generate,
         speculative_generate,
     };
     let v = load("dense");
-    let cfg = GenerationConfig {
-        max_tokens: 30,
-        sampling: Sampling::Greedy,
-        stop_tokens: vec![],
-        prefill_chunk: 0,
-        loop_guard: None,
-    };
+    let cfg = GenerationConfig::greedy(30, 0);
     for block in [4, 8] {
         let d = DFlashDrafter::from_checkpoint(
             random_drafter(&drafter_config(&v.config, 2, block), 3 + block as u64),

@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{gemma4, greedy_cfg, max_diff, oracle_restorer, random_f_theta_restorer, tiny_prompt};
+use common::{gemma4, max_diff, oracle_restorer, random_f_theta_restorer, tiny_prompt};
 use kakeya_models::testing::{drafter_config, random_drafter};
 use kakeya_models::{DFlashDrafter, Gemma3Model};
 use kakeya_runtime::kv::{KvMode, KvPolicy, LayerKv};
@@ -31,7 +31,13 @@ fn policy(mode: KvMode, sink: usize, window: usize) -> KvPolicy {
 
 fn plain(v: &Gemma3Model, s: KvSetup<'_>, p: &[u32], n: usize) -> Generation {
     let mut session = Session::with_kv(v, s).unwrap();
-    generate(&mut session, p, &greedy_cfg(n, 5), &mut |_| {}).unwrap()
+    generate(
+        &mut session,
+        p,
+        &kakeya_runtime::GenerationConfig::greedy(n, 5),
+        &mut |_| {},
+    )
+    .unwrap()
 }
 
 /// Logits of the prompt's last position and of every step feeding `tokens`.
@@ -77,7 +83,7 @@ fn bounded_modes_decode_speculatively_as_they_do_plainly() {
                         &mut ver,
                         &mut DFlashProposer::new(&d),
                         &p,
-                        &greedy_cfg(30, 5),
+                        &kakeya_runtime::GenerationConfig::greedy(30, 5),
                         SpecConfig::fixed(block),
                         &mut |_| {},
                     )
@@ -122,7 +128,13 @@ fn bytes_are_measured_per_layer_and_sharing_layers_hold_none() {
     assert_eq!(full.full_f16, want_f16);
     for mode in modes().filter(|&m| m != KvMode::Full) {
         let mut session = Session::with_kv(&v, KvSetup::new(policy(mode, 2, 6))).unwrap();
-        generate(&mut session, &p, &greedy_cfg(20, 5), &mut |_| {}).unwrap();
+        generate(
+            &mut session,
+            &p,
+            &kakeya_runtime::GenerationConfig::greedy(20, 5),
+            &mut |_| {},
+        )
+        .unwrap();
         let kv = session.kv_bytes();
         assert_eq!(
             kv.total,
@@ -219,7 +231,7 @@ fn restored_modes_decode_speculatively_as_they_do_plainly() {
                     &mut ver,
                     &mut DFlashProposer::new(&d),
                     &p,
-                    &greedy_cfg(30, 5),
+                    &kakeya_runtime::GenerationConfig::greedy(30, 5),
                     SpecConfig::fixed(block),
                     &mut |_| {},
                 )
@@ -230,7 +242,13 @@ fn restored_modes_decode_speculatively_as_they_do_plainly() {
                     continue;
                 }
                 let mut session = Session::with_kv(&v, s).unwrap();
-                generate(&mut session, &p, &greedy_cfg(30, 5), &mut |_| {}).unwrap();
+                generate(
+                    &mut session,
+                    &p,
+                    &kakeya_runtime::GenerationConfig::greedy(30, 5),
+                    &mut |_| {},
+                )
+                .unwrap();
                 for (i, layer) in session.kv().layers().iter().enumerate() {
                     let sliding = c.layer_types[i] == kakeya_weights::AttentionKind::Sliding;
                     if c.kv_source(i).is_some() {

@@ -70,7 +70,7 @@ fn logits_and_greedy_match_transformers() {
             failures.push(format!("{prompt:?}: max |Δlogit| {d} > {LOGIT_TOL}"));
         }
 
-        let cfg = common::greedy_cfg(32, 512);
+        let cfg = kakeya_runtime::GenerationConfig::greedy(32, 512);
         let mut s = Session::new(&model, 0);
         let g = generate(&mut s, &want_ids, &cfg, &mut |_| {}).unwrap();
         let want = ids(&case["greedy"]);
@@ -115,7 +115,7 @@ fn the_int8_kernel_stays_near_transformers_and_diverges_only_at_near_ties() {
             prompt.len()
         );
         assert!(d <= INT8_LOGIT_TOL, "max |Δlogit| {d} > {INT8_LOGIT_TOL}");
-        let cfg = common::greedy_cfg(32, 512);
+        let cfg = kakeya_runtime::GenerationConfig::greedy(32, 512);
         let g = generate(&mut Session::new(&model, 0), &prompt, &cfg, &mut |_| {}).unwrap();
         let (want, gaps) = (ids(&case["greedy"]), floats(&case["greedy_gaps"]));
         if let Some(i) = g.tokens.iter().zip(&want).position(|(a, b)| a != b) {

@@ -7,9 +7,7 @@
 mod common;
 
 use burn::tensor::Device;
-use common::{
-    NoisyReplay, greedy_cfg, max_diff, oracle_restorer, random_f_theta_restorer, tiny_prompt,
-};
+use common::{NoisyReplay, max_diff, oracle_restorer, random_f_theta_restorer, tiny_prompt};
 use kakeya_models::testing::{drafter_config, random_checkpoint, random_drafter, tiny_config};
 use kakeya_models::{DFlashDrafter, Gemma3Model};
 use kakeya_runtime::kv::{KvMode, KvPolicy, Restorer};
@@ -36,7 +34,7 @@ fn prompt(i: usize, len: usize) -> Vec<u32> {
 }
 
 fn cfg(max_tokens: usize) -> GenerationConfig {
-    greedy_cfg(max_tokens, 16)
+    GenerationConfig::greedy(max_tokens, 16)
 }
 
 fn policy(mode: KvMode, sink: usize, window: usize) -> KvPolicy {

@@ -5,7 +5,7 @@
 mod common;
 
 use burn::tensor::Device;
-use common::{NoisyReplay, greedy_cfg, tiny_prompt};
+use common::{NoisyReplay, tiny_prompt};
 use kakeya_models::testing::{drafter_config, random_checkpoint, random_drafter, tiny_config};
 use kakeya_models::{DFlashDrafter, Gemma3Model};
 use kakeya_runtime::{
@@ -44,9 +44,14 @@ fn prompt(i: usize) -> Vec<u32> {
 }
 
 fn greedy(v: &Gemma3Model, p: &[u32], n: usize) -> Vec<u32> {
-    generate(&mut Session::new(v, 0), p, &greedy_cfg(n, 16), &mut |_| {})
-        .unwrap()
-        .tokens
+    generate(
+        &mut Session::new(v, 0),
+        p,
+        &kakeya_runtime::GenerationConfig::greedy(n, 16),
+        &mut |_| {},
+    )
+    .unwrap()
+    .tokens
 }
 
 fn spec(
@@ -58,7 +63,15 @@ fn spec(
     sc: SpecConfig,
 ) -> Generation {
     let mut ver = Verifier::new(v, setup, sc.block_size).unwrap();
-    speculative_generate(&mut ver, prop, p, &greedy_cfg(n, 16), sc, &mut |_| {}).unwrap()
+    speculative_generate(
+        &mut ver,
+        prop,
+        p,
+        &kakeya_runtime::GenerationConfig::greedy(n, 16),
+        sc,
+        &mut |_| {},
+    )
+    .unwrap()
 }
 
 #[test]
@@ -170,7 +183,7 @@ fn adaptive_ngram_is_lossless_in_bounded_kv_modes() {
             let plain = generate(
                 &mut Session::with_kv(&v, KvSetup::new(policy)).unwrap(),
                 &p,
-                &greedy_cfg(n, 16),
+                &kakeya_runtime::GenerationConfig::greedy(n, 16),
                 &mut |_| {},
             )
             .unwrap()

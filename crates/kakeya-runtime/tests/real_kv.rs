@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{greedy_cfg, load, root, trained_drafter};
+use common::{load, root, trained_drafter};
 use kakeya_models::FTheta;
 use kakeya_runtime::kv::{FThetaRestorer, KvMode, KvPolicy, LayerKv, Rows};
 use kakeya_runtime::{
@@ -39,7 +39,7 @@ fn long_prompts(tok: &kakeya_weights::Tokenizer) -> Vec<Vec<u32>> {
 }
 
 fn cfg(max_tokens: usize) -> GenerationConfig {
-    greedy_cfg(max_tokens, 256)
+    GenerationConfig::greedy(max_tokens, 256)
 }
 
 #[test]

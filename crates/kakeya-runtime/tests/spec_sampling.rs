@@ -9,7 +9,7 @@ mod common;
 use std::collections::HashMap;
 
 use burn::tensor::Device;
-use common::{NoisyReplay, greedy_cfg, tiny_prompt};
+use common::{NoisyReplay, tiny_prompt};
 use kakeya_models::Gemma3Model;
 use kakeya_models::testing::{random_checkpoint, tiny_config};
 use kakeya_runtime::{
@@ -37,7 +37,7 @@ fn sampling(temperature: f32, nucleus: bool, seed: u64) -> Sampling {
 fn cfg(temperature: f32, nucleus: bool, seed: u64, n: usize) -> GenerationConfig {
     GenerationConfig {
         sampling: sampling(temperature, nucleus, seed),
-        ..greedy_cfg(n, 16)
+        ..GenerationConfig::greedy(n, 16)
     }
 }
 
@@ -63,7 +63,7 @@ fn speculative_sampling_commits_plain_samplings_tokens() {
     let v = model();
     for i in 0..6 {
         let p = tiny_prompt(i, 5 + 3 * i);
-        let greedy = plain(&v, &p, &greedy_cfg(60, 16));
+        let greedy = plain(&v, &p, &GenerationConfig::greedy(60, 16));
         for seed in 0..4 {
             let c = cfg(0.3 + 0.2 * seed as f32, seed % 2 == 0, seed, 40);
             let want = plain(&v, &p, &c);
@@ -148,7 +148,7 @@ fn speculative_samples_follow_the_models_distribution() {
     let t = 0.25;
     let probs = exact(&v, &p, t, K);
     // Drafts: the greedy continuation (often the likeliest token, so often accepted).
-    let greedy = plain(&v, &p, &greedy_cfg(10, 16));
+    let greedy = plain(&v, &p, &GenerationConfig::greedy(10, 16));
     let (mut accepted, mut drafted) = (0, 0);
     let got: Vec<Vec<u32>> = (0..RUNS)
         .map(|seed| {

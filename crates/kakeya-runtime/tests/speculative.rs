@@ -6,7 +6,7 @@
 mod common;
 
 use burn::tensor::{Device, Tensor};
-use common::{NoisyReplay, greedy_cfg, tiny_prompt};
+use common::{NoisyReplay, tiny_prompt};
 use kakeya_models::testing::{drafter_config, random_checkpoint, random_drafter, tiny_config};
 use kakeya_models::{DFlashDrafter, DraftContext, Gemma3Model};
 use kakeya_runtime::kv::HeldKv;
@@ -38,7 +38,7 @@ fn prompt(i: usize) -> Vec<u32> {
 }
 
 fn cfg(max_tokens: usize) -> GenerationConfig {
-    greedy_cfg(max_tokens, 16)
+    GenerationConfig::greedy(max_tokens, 16)
 }
 
 /// Plain greedy decoding: the reference.

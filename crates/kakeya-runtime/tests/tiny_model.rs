@@ -307,7 +307,7 @@ fn the_int8_kernel_keeps_blocks_bit_for_bit_and_speculation_lossless() {
         "int8 logits move by {moved} (scale {scale}): neither zero nor far off"
     );
     common::assert_blocks_equal_steps(&q, "int8 kernel, window 4");
-    let cfg = common::greedy_cfg(40, 4);
+    let cfg = kakeya_runtime::GenerationConfig::greedy(40, 4);
     for i in 0..6 {
         let p = common::tiny_prompt(i, 3 + 5 * i);
         let want = generate(&mut Session::new(&q, 0), &p, &cfg, &mut |_| {})

@@ -13,7 +13,7 @@
 mod common;
 
 use burn::tensor::{Device, Tensor};
-use common::{greedy_cfg, max_diff, tiny_prompt};
+use common::{max_diff, tiny_prompt};
 use kakeya_models::testing::{
     drafter_config, random_checkpoint, random_drafter, random_quantized_checkpoint, tiny_config,
 };
@@ -78,7 +78,7 @@ fn tiny_gemma3_on_wgpu_matches_the_cpu() {
         let d = max_diff(&forward_all(&dev, &p), &forward_all(&cpu, &p));
         eprintln!("{what}: full forward, max |Δlogit| wgpu vs CPU {d:.2e}");
         assert!(d <= TOL, "{what}: {d}");
-        let cfg = greedy_cfg(40, 7);
+        let cfg = kakeya_runtime::GenerationConfig::greedy(40, 7);
         let a = generate(&mut Session::new(&dev, 0), &p, &cfg, &mut |_| {}).unwrap();
         let b = generate(&mut Session::new(&cpu, 0), &p, &cfg, &mut |_| {}).unwrap();
         assert_eq!(a.tokens, b.tokens, "{what}: greedy decoding, wgpu vs CPU");
@@ -124,7 +124,7 @@ fn gemma4_fixtures_on_wgpu_match_transformers() {
         let out = generate(
             &mut Session::new(&m, 0),
             &prompt,
-            &greedy_cfg(n, 5),
+            &kakeya_runtime::GenerationConfig::greedy(n, 5),
             &mut |_| {},
         )
         .unwrap();
@@ -186,7 +186,7 @@ fn speculative_decoding_on_wgpu_equals_plain_decoding() {
         .unwrap();
         for i in 0..2 {
             let p = tiny_prompt(i, 20 + 15 * i);
-            let cfg = greedy_cfg(40, 16);
+            let cfg = kakeya_runtime::GenerationConfig::greedy(40, 16);
             let want = generate(&mut Session::new(&v, 0), &p, &cfg, &mut |_| {}).unwrap();
             let mut ver = Verifier::new(&v, KvSetup::full(0).drafter(&d), block).unwrap();
             let got = speculative_generate(
@@ -218,7 +218,7 @@ fn bounded_kv_modes_on_wgpu_decode_speculatively_as_plainly() {
         .drafter(&d)
         .restorer(&r);
         let p = tiny_prompt(0, 40);
-        let cfg = greedy_cfg(30, 16);
+        let cfg = kakeya_runtime::GenerationConfig::greedy(30, 16);
         let want = generate(&mut Session::with_kv(&v, s).unwrap(), &p, &cfg, &mut |_| {}).unwrap();
         let mut ver = Verifier::new(&v, s, 4).unwrap();
         let got = speculative_generate(
@@ -248,7 +248,7 @@ fn decode_steps_for_the_kernel_count() {
     let g = generate(
         &mut Session::new(&m, 0),
         &tiny_prompt(0, 8),
-        &greedy_cfg(steps, 512),
+        &kakeya_runtime::GenerationConfig::greedy(steps, 512),
         &mut |_| {},
     )
     .unwrap();

@@ -11,7 +11,7 @@ use burn::tensor::Device;
 use kakeya_models::testing::Scratch;
 use kakeya_models::{DFlashDrafter, Gemma3Model};
 use kakeya_runtime::{
-    DFlashProposer, GenerationConfig, KvSetup, Sampling, Session, SpecConfig, Verifier, generate,
+    DFlashProposer, GenerationConfig, KvSetup, Session, SpecConfig, Verifier, generate,
     speculative_generate,
 };
 use kakeya_train::{TrainOptions, prepare, train_drafter};
@@ -47,13 +47,7 @@ fn a_drafter_trains_on_a_gemma4_verifier_and_drafts_losslessly_for_it() {
     );
     let d = DFlashDrafter::from_checkpoint(DraftCheckpoint::load(&cfg.output.export).unwrap(), &v)
         .unwrap();
-    let greedy = GenerationConfig {
-        max_tokens: 24,
-        sampling: Sampling::Greedy,
-        stop_tokens: vec![],
-        prefill_chunk: 0,
-        loop_guard: None,
-    };
+    let greedy = GenerationConfig::greedy(24, 0);
     for i in 0..3u32 {
         let p: Vec<u32> = (0..4 + 3 * i)
             .map(|j| (j * 41 + i * 13 + 7) % 120)

@@ -14,7 +14,7 @@ use kakeya_models::testing::Scratch;
 use kakeya_models::{FTheta, Gemma3Model};
 use kakeya_runtime::kv::{FThetaRestorer, KvMode, KvPolicy};
 use kakeya_runtime::{
-    DFlashProposer, GenerationConfig, KvSetup, Sampling, Session, SpecConfig, Verifier, generate,
+    DFlashProposer, GenerationConfig, KvSetup, Session, SpecConfig, Verifier, generate,
     speculative_generate,
 };
 use kakeya_train::ftheta::config::FThetaInit;
@@ -85,13 +85,7 @@ fn f_theta_trains_on_gemma4_verifiers_and_restores_their_kv() {
         assert_eq!(f.config.layer_widths(), v.config.own_kv_widths());
         let f = FTheta::from_checkpoint(&f, v.device()).unwrap();
         let r = FThetaRestorer::new(&f, d.num_layers(), d.context_width()).unwrap();
-        let greedy = GenerationConfig {
-            max_tokens: 20,
-            sampling: Sampling::Greedy,
-            stop_tokens: vec![],
-            prefill_chunk: 0,
-            loop_guard: None,
-        };
+        let greedy = GenerationConfig::greedy(20, 0);
         let p: Vec<u32> = (0..24u32).map(|j| (j * 41 + 7) % 120).collect();
         for mode in [KvMode::Restored, KvMode::RestoredSliding] {
             let kv = KvSetup::new(KvPolicy {

@@ -8,7 +8,7 @@ use burn::tensor::Device;
 use kakeya_models::{DFlashDrafter, Gemma3Model};
 use kakeya_runtime::{
     CompactStore, DFlashProposer, Generation, GenerationConfig, KvSetup, Proposer, ReplayProposer,
-    Result, Sampling, SpecConfig, Verifier, speculative_generate,
+    Result, SpecConfig, Verifier, speculative_generate,
 };
 use kakeya_weights::{Checkpoint, DraftCheckpoint, Tokenizer};
 
@@ -73,17 +73,6 @@ pub fn speculative(
         &mut |_| {},
     )
     .unwrap()
-}
-
-/// Greedy decoding of `max_tokens` tokens: no stop tokens, no loop guard.
-pub fn greedy_cfg(max_tokens: usize, prefill_chunk: usize) -> GenerationConfig {
-    GenerationConfig {
-        max_tokens,
-        sampling: Sampling::Greedy,
-        stop_tokens: vec![],
-        prefill_chunk,
-        loop_guard: None,
-    }
 }
 
 /// A tiny random Gemma 4 of `tests/fixtures/gemma4` (`dense`, `dense-kv`, `moe`; written by

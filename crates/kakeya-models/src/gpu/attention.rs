@@ -100,7 +100,7 @@ fn attention_rows_kernel(
     }
     part[unit] = sum;
     sync_cube();
-    tree_sum(&mut part, unit);
+    tree_sum(&mut part, unit, CUBE_DIM as usize);
     let total = part[0];
     // Every unit reads every score next: the scratch writes must be visible cube-wide.
     sync_storage();

@@ -19,14 +19,16 @@ const ELEMENT_UNITS: usize = 256;
 /// Most cubes along one axis of a launch grid (the common limit of CUDA's y/z and wgpu).
 const GRID_AXIS: usize = 65_535;
 
-/// Sums `part[0..CUBE_DIM]` into `part[0]` (a fixed tree; every unit of the cube must call
-/// it). The halving count starts from the runtime `CUBE_DIM`: a loop variable that starts as a
-/// comptime value fails CubeCL 0.11's IR verification ("expected cube.ptr, found cube.index").
+/// Sums each group of `width` consecutive entries of `part` into the group's first entry, in
+/// a fixed tree (`width` a power of two; every unit of the cube must call it). `width` is a
+/// runtime value on purpose: a halving loop variable that starts as a comptime value fails
+/// CubeCL 0.11's IR verification ("expected cube.ptr, found cube.index").
 #[cube]
-pub(super) fn tree_sum(part: &mut Shared<[f32]>, unit: usize) {
-    let mut s = CUBE_DIM as usize / 2;
+pub(super) fn tree_sum(part: &mut Shared<[f32]>, unit: usize, width: usize) {
+    let lane = unit % width;
+    let mut s = width / 2;
     while s > 0 {
-        if unit < s {
+        if lane < s {
             let sum = part[unit] + part[unit + s];
             part[unit] = sum;
         }
@@ -35,7 +37,7 @@ pub(super) fn tree_sum(part: &mut Shared<[f32]>, unit: usize) {
     }
 }
 
-/// `part[0] = max(part[0..CUBE_DIM])` (as [`tree_sum`]).
+/// `part[0] = max(part[0..CUBE_DIM])` (a fixed tree, as [`tree_sum`] over the whole cube).
 #[cube]
 pub(super) fn tree_max(part: &mut Shared<[f32]>, unit: usize) {
     let mut s = CUBE_DIM as usize / 2;
@@ -71,7 +73,7 @@ fn inv_rms(
     }
     part[unit] = acc;
     sync_cube();
-    tree_sum(part, unit);
+    tree_sum(part, unit, CUBE_DIM as usize);
     f32::new(1.0) / f32::sqrt(part[0] * inv_dim + eps)
 }
 

@@ -6,7 +6,7 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
-use super::kernels::{dense_output, f32_only, grid};
+use super::kernels::{dense_output, f32_only, grid, tree_sum};
 
 /// Units that share one output (a power of two).
 const LANES: usize = 32;
@@ -70,17 +70,8 @@ fn linear_rows_kernel(
         }
         part[unit] = acc;
         sync_cube();
-        // A runtime count: a loop variable that starts as a comptime value fails CubeCL's IR
-        // verification.
-        let mut s = CUBE_DIM as usize / outputs / 2;
-        while s > 0 {
-            if lane < s {
-                let sum = part[unit] + part[unit + s];
-                part[unit] = sum;
-            }
-            sync_cube();
-            s /= 2;
-        }
+        // Each output's lanes summed into the group's first entry (the width a runtime value).
+        tree_sum(&mut part, unit, CUBE_DIM as usize / outputs);
         if o < n && lane == 0 {
             out[r * n + o] = part[group];
         }

@@ -22,7 +22,7 @@ impl Affine {
     /// # Shapes
     /// - `x`: `[n, in]` → `[n, out]`
     pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
-        let y = x.matmul(self.weight.clone().transpose());
+        let y = crate::gpu::matmul(x, self.weight.clone().transpose());
         match &self.bias {
             Some(b) => y + b.clone(),
             None => y,

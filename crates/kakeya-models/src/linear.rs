@@ -123,7 +123,7 @@ impl Linear {
         if let Some(y) = crate::gpu::linear_rows(&x, &[&self.weight]) {
             return y;
         }
-        x.matmul(self.weight.clone().transpose())
+        crate::gpu::matmul(x, self.weight.clone().transpose())
     }
 
     /// [`Self::forward`] of each of `maps` (1 to 3) on the same input: on a GPU, a few rows take

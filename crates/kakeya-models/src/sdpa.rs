@@ -25,7 +25,7 @@ pub fn grouped_attention(
     if let Some(mask) = mask {
         s = s + mask;
     }
-    merge_heads(softmax(s, 2).matmul(v), heads)
+    merge_heads(crate::gpu::matmul(softmax(s, 2), v), heads)
 }
 
 /// Queries of heads sharing a KV head stacked along the query axis.
@@ -42,7 +42,7 @@ pub fn group_queries(q: Tensor<3>, kv_heads: usize) -> Tensor<3> {
 /// # Shapes
 /// - `qg`: `[kv_heads, G·T, head_dim]`; `k`: `[kv_heads, S, head_dim]` → `[kv_heads, G·T, S]`
 pub fn scores(qg: Tensor<3>, k: Tensor<3>, scale: f64) -> Tensor<3> {
-    qg.matmul(k.swap_dims(1, 2)).mul_scalar(scale)
+    crate::gpu::matmul(qg, k.swap_dims(1, 2)).mul_scalar(scale)
 }
 
 /// Back from grouped rows to one row per position.

@@ -354,3 +354,59 @@ fn linear_rows_of_several_weights_equals_each_alone() {
         assert_eq!(host(both), host(Tensor::cat(want, 1)), "{parts} weights");
     }
 }
+
+/// `gpu::matmul` sums f32 products of f32 operands: against an f64 reference its error is
+/// f32 rounding (≈ 1e-5 here), where TF32 staging (10-bit mantissas, Burn's CUDA default)
+/// would be ≈ 1e-2.
+#[test]
+fn matmul_keeps_f32_operands() {
+    let d = device();
+    let reference = |a: &[f32], b: &[f32], [batch, m, k, n]: [usize; 4], b_t: bool| {
+        let mut out = vec![0f32; batch * m * n];
+        for z in 0..batch {
+            for i in 0..m {
+                for j in 0..n {
+                    let s: f64 = (0..k)
+                        .map(|p| {
+                            let bv = if b_t {
+                                b[z * n * k + j * k + p]
+                            } else {
+                                b[z * k * n + p * n + j]
+                            };
+                            f64::from(a[z * m * k + i * k + p]) * f64::from(bv)
+                        })
+                        .sum();
+                    out[z * m * n + i * n + j] = s as f32;
+                }
+            }
+        }
+        out
+    };
+    let max_abs = |a: &[f32], b: &[f32]| {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max)
+    };
+    // A prefill projection: `[T, in] · Wᵀ` with `W` stored `[out, in]`.
+    let (m, k, n) = (40, 640, 300);
+    let (a, w) = (values(m * k, 1), values(n * k, 2));
+    let y = host(gpu::matmul(
+        tensor(a.clone(), [m, k], &d),
+        tensor(w.clone(), [n, k], &d).transpose(),
+    ));
+    let err = max_abs(&y, &reference(&a, &w, [1, m, k, n], true));
+    assert!(err <= 5e-4, "[{m}, {k}]·[{n}, {k}]ᵀ: max |Δ| {err:e}");
+    // Chunked attention's batched products.
+    let (batch, m, k, n) = (4, 48, 256, 70);
+    let (a, b) = (values(batch * m * k, 3), values(batch * k * n, 4));
+    let y = host(gpu::matmul(
+        tensor(a.clone(), [batch, m, k], &d),
+        tensor(b.clone(), [batch, k, n], &d),
+    ));
+    let err = max_abs(&y, &reference(&a, &b, [batch, m, k, n], false));
+    assert!(
+        err <= 5e-4,
+        "[{batch}, {m}, {k}]·[{batch}, {k}, {n}]: max |Δ| {err:e}"
+    );
+}

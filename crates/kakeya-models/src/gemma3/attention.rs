@@ -228,7 +228,7 @@ impl Attention {
         let mut out = None;
         let mut add = |w: Tensor<3>, v: Tensor<3>, col: &mut usize| {
             let n = v.dims()[1];
-            let o = w.slice([0..kvh, 0..gt, *col..*col + n]).matmul(v);
+            let o = crate::gpu::matmul(w.slice([0..kvh, 0..gt, *col..*col + n]), v);
             *col += n;
             out = Some(match out.take() {
                 Some(acc) => acc + o,

@@ -27,6 +27,8 @@ mod kernels;
 #[cfg(feature = "cube")]
 mod linear;
 #[cfg(feature = "cube")]
+mod matmul;
+#[cfg(feature = "cube")]
 mod ops;
 
 #[cfg(feature = "cube")]
@@ -176,6 +178,33 @@ pub fn linear_rows(x: &Tensor<2>, weights: &[&Tensor<2>]) -> Option<Tensor<2>> {
             weights.len(),
         ))
     })
+}
+
+/// `a · b` in f32: on a GPU with f32 operands and sums throughout (Burn's CUDA matmul stages
+/// f32 as TF32 — unless `KAKEYA_GPU_TF32=1` asks for that speed), elsewhere Burn's matmul.
+/// Prefill's products and its chunked attention go through here.
+///
+/// # Shapes
+/// - `a`: `[..., m, k]`, `b`: `[..., k, n]` (batch dims equal) → `[..., m, n]`
+pub fn matmul<const D: usize>(a: Tensor<D>, b: Tensor<D>) -> Tensor<D> {
+    let exact = on_gpu!(applies(&a) && !tf32_allowed(), {
+        Tensor::from_dispatch(<Dispatch as DecodeKernels>::matmul_f32(
+            a.clone().into_dispatch(),
+            b.clone().into_dispatch(),
+        ))
+    });
+    match exact {
+        Some(y) => y,
+        None => a.matmul(b),
+    }
+}
+
+/// `KAKEYA_GPU_TF32=1`: products of many rows on a GPU take Burn's tensor-core matmul (TF32
+/// operands on CUDA: faster prefill, logits ≈ 1e-2 off f32), as PyTorch's `allow_tf32`.
+#[cfg(feature = "cube")]
+fn tf32_allowed() -> bool {
+    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ALLOWED.get_or_init(|| std::env::var("KAKEYA_GPU_TF32").is_ok_and(|v| v == "1"))
 }
 
 /// Per row, the index of its largest entry (the first on ties); only the `T` ids come back

@@ -6,7 +6,7 @@ use burn::backend::{backend_extension, tensor::FloatTensor};
 use burn::tensor::Shape;
 use burn_cubecl::CubeBackend;
 
-use super::{attention, kernels, linear};
+use super::{attention, kernels, linear, matmul};
 
 /// The GPU kernels, on Burn's CubeCL backend (and its fused form).
 #[backend_extension(Cube: cfg(feature = "cube"), Fusion: cfg(feature = "fusion"))]
@@ -94,6 +94,14 @@ pub trait DecodeKernels: burn::backend::Backend {
     /// # Shapes
     /// - `q`: `[heads, T, d]`; `k`, `v`: `[kv_heads, S, d]`; `ids`: `[T, 1 + width]` (read
     ///   only when `indexed`) → `[T, heads · d]`
+    /// `lhs · rhs` with f32 operands and f32 sums throughout (no TF32 staging): Burn's
+    /// batched matmul semantics, batch dims equal.
+    ///
+    /// # Shapes
+    /// - `lhs`: `[..., m, k]`, `rhs`: `[..., k, n]` → `[..., m, n]`
+    #[fusion(dtype = lhs, shape = matmul_shape(lhs, rhs))]
+    fn matmul_f32(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self>;
+
     #[allow(clippy::too_many_arguments)]
     #[fusion(dtype = q, shape = Shape::new([q[1], q[0] * q[2]]))]
     fn attention_rows(
@@ -121,6 +129,15 @@ fn half_width(gu: &Shape) -> Shape {
 fn linear_shape(x: &Shape, w0: &Shape, w1: &Shape, w2: &Shape, parts: &usize) -> Shape {
     let out: usize = [w0, w1, w2].iter().take(*parts).map(|w| w[0]).sum();
     Shape::new([x[0], out])
+}
+
+/// `[..., m, k]` and `[..., k, n]` → `[..., m, n]`.
+#[cfg(feature = "fusion")]
+fn matmul_shape(lhs: &Shape, rhs: &Shape) -> Shape {
+    let mut dims = lhs.dims.clone();
+    let last = dims.len() - 1;
+    dims[last] = rhs[rhs.num_dims() - 1];
+    Shape::from(dims)
 }
 
 impl DecodeKernels for CubeBackend {
@@ -175,6 +192,10 @@ impl DecodeKernels for CubeBackend {
 
     fn argmax_rows(x: FloatTensor<Self>) -> FloatTensor<Self> {
         kernels::argmax_rows(x)
+    }
+
+    fn matmul_f32(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        matmul::matmul_f32(lhs, rhs)
     }
 
     fn attention_rows(

@@ -24,14 +24,23 @@ impl RmsNorm {
         if let Some(y) = crate::gpu::rms_norm(&x, &self.scale, self.eps) {
             return y;
         }
+        Self::normalize(x, self.eps) * self.scale.clone().unsqueeze::<D>()
+    }
+
+    /// `x / sqrt(mean(x²) + eps)` over the last dimension, without the multiplier (callers
+    /// with a multiplier per batch entry, such as f_θ's loss over stacked layers, apply it).
+    ///
+    /// # Shapes
+    /// - `x`: `[..., dim]` → `[..., dim]`
+    pub fn normalize<const D: usize>(x: Tensor<D>, eps: f64) -> Tensor<D> {
         let inv = x
             .clone()
             .square()
             .mean_dim(D - 1)
-            .add_scalar(self.eps)
+            .add_scalar(eps)
             .sqrt()
             .recip();
-        x * inv * self.scale.clone().unsqueeze::<D>()
+        x * inv
     }
 
     /// `residual + self.forward(x)`, one kernel on a GPU.

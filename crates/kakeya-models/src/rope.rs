@@ -5,7 +5,7 @@
 use burn::tensor::{Device, Tensor, TensorData};
 
 /// Inverse frequencies of one RoPE variant (a base and a linear scaling factor).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Rope {
     inv_freq: Vec<f32>,
 }
@@ -63,15 +63,22 @@ impl Rope {
         if let Some(y) = crate::gpu::rope(&x, cos, sin) {
             return y;
         }
-        let [h, t, d] = x.dims();
+        Self::rotate(x, cos.clone().unsqueeze(), sin.clone().unsqueeze())
+    }
+
+    /// [`Self::apply`] with tables of any batch shape that broadcasts over `x`'s (per layer,
+    /// in f_θ's loss over stacked layers).
+    ///
+    /// # Shapes
+    /// - `x`: `[..., T, d]`; `cos`, `sin`: `[..., T, d/2]` (leading dims 1 or `x`'s) → `x`'s
+    pub fn rotate<const D: usize>(x: Tensor<D>, cos: Tensor<D>, sin: Tensor<D>) -> Tensor<D> {
+        let d = x.dims()[D - 1];
         let half = d / 2;
-        let x1 = x.clone().slice([0..h, 0..t, 0..half]);
-        let x2 = x.slice([0..h, 0..t, half..d]);
-        let cos = cos.clone().unsqueeze::<3>();
-        let sin = sin.clone().unsqueeze::<3>();
+        let x1 = x.clone().narrow(D - 1, 0, half);
+        let x2 = x.narrow(D - 1, half, half);
         let r1 = x1.clone() * cos.clone() - x2.clone() * sin.clone();
         let r2 = x2 * cos + x1 * sin;
-        Tensor::cat(vec![r1, r2], 2)
+        Tensor::cat(vec![r1, r2], D - 1)
     }
 }
 

@@ -49,13 +49,11 @@ pub struct AdamW {
     pub weight_decay: f64,
 }
 
-/// `(Σ‖g‖²)^½` over all gradients.
+/// `(Σ‖g‖²)^½` over all gradients, summed on the device: one read-back per step, not one per
+/// tensor (each a round trip on a GPU).
 pub fn global_norm(grads: &[Tensor<2>]) -> f64 {
-    grads
-        .iter()
-        .map(|g| f64::from(g.clone().square().sum().into_scalar::<f32>()))
-        .sum::<f64>()
-        .sqrt()
+    let squares: Vec<Tensor<1>> = grads.iter().map(|g| g.clone().square().sum()).collect();
+    f64::from(Tensor::cat(squares, 0).sum().into_scalar::<f32>()).sqrt()
 }
 
 /// The factor that brings a gradient norm down to `clip` (1 when below it or `clip` is 0).

@@ -17,10 +17,11 @@ use kakeya_models::{FTheta, Gemma3Model, norm::RmsNorm};
 use kakeya_train::ftheta::FThetaTrainConfig;
 use kakeya_train::ftheta::data::{LayerData, SeqData};
 use kakeya_train::ftheta::loss::{
-    Lambdas, LayerFrozen, LayerTargets, LossKind, Terms, layer_loss, layer_terms,
+    GroupTargets, Lambdas, LayerFrozen, LayerTargets, LossKind, TargetScales, Terms, group_terms,
+    layer_loss, layer_terms,
 };
 use kakeya_train::ftheta::params::FThetaParams;
-use kakeya_train::ftheta::step::{batch_loss, frozen_layers, optimizer_step};
+use kakeya_train::ftheta::step::{batch_loss, frozen_groups, frozen_layers, optimizer_step};
 use kakeya_train::optim::{Moments, global_norm};
 use kakeya_train::run::leaves;
 use kakeya_weights::ftheta::FThetaInputs;
@@ -294,9 +295,9 @@ fn losses_and_terms_match(name: &str, f: &Value) {
         // normalize_attention's divisor: the layer's mean(O_tgt²) at the query positions.
         let want = f["normalized"]["o_sq"][l].as_f64().unwrap();
         assert!(
-            close(t.o_sq, want, 1e-4),
+            close(t.scales.o_sq[0], want, 1e-4),
             "{name} layer {l} o_sq: {} vs {want}",
-            t.o_sq
+            t.scales.o_sq[0]
         );
     }
 }
@@ -388,10 +389,27 @@ fn hybrid_gradients_match(name: &str, f: &Value) {
         );
         let grads = loss.backward();
         let grads: Vec<Tensor<2>> = leaves.iter().map(|l| l.grad(&grads).unwrap()).collect();
-        for ((tensor, _, _), g) in c.params.tensors.iter().zip(&grads) {
+        // Training stacks each width group's decoders; the reference names one per layer.
+        let stacked = c
+            .params
+            .tensors
+            .iter()
+            .zip(&grads)
+            .map(|((n, shape, _), g)| {
+                let (shape, data) = (shape.clone(), host(g));
+                (n.clone(), HostTensor { shape, data })
+            })
+            .collect();
+        let per_layer = c.params.config.unstack(&stacked);
+        assert_eq!(
+            per_layer.len(),
+            want["hybrid_grads"].as_object().unwrap().len()
+        );
+        for (tensor, g) in &per_layer {
             let want = floats(&want["hybrid_grads"][tensor]);
             let scale = want.iter().fold(1e-3f32, |m, x| m.max(x.abs()));
-            for (a, b) in host(g).iter().zip(&want) {
+            assert_eq!(g.data.len(), want.len(), "{tensor}");
+            for (a, b) in g.data.iter().zip(&want) {
                 worst = worst.max(f64::from((a - b).abs() / scale));
                 assert!(
                     (a - b).abs() <= 1e-4 * scale,
@@ -487,14 +505,14 @@ fn step_batch(f: &Value) -> Vec<SeqData> {
 
 /// Every step of the trainer's path from the fixture's f_θ: per step the loss, the learning
 /// rate, the gradient norm before clipping and the weights after the step.
-type Step = (f64, f64, f64, Vec<Vec<f32>>);
+type Step = (f64, f64, f64, Vec<(String, Vec<f32>)>);
 
 fn trainer_steps(f: &Value, cfg: &FThetaTrainConfig) -> Vec<Step> {
     let d = Device::flex();
     let ad = d.clone().autodiff();
-    let frozen = frozen(f, &ad);
-    let batch = step_batch(f);
     let mut params = params(f, &d);
+    let frozen = frozen_groups(&frozen(f, &ad), &params.config);
+    let batch = step_batch(f);
     let mut moments: Vec<Moments> = params
         .tensors
         .iter()
@@ -507,18 +525,24 @@ fn trainer_steps(f: &Value, cfg: &FThetaTrainConfig) -> Vec<Step> {
             let loss = batch_loss(&model, &frozen, &batch, cfg, t, &ad);
             let loss_value = value(loss.clone());
             let (lr, norm) = optimizer_step(cfg, t, loss, &leaves, &mut params, &mut moments);
-            let after = params.tensors.iter().map(|(_, _, p)| host(p)).collect();
+            // Per layer, as the reference names them.
+            let after = params
+                .to_checkpoint()
+                .tensors
+                .into_iter()
+                .map(|(n, t)| (n, t.data))
+                .collect();
             (loss_value, lr, norm, after)
         })
         .collect()
 }
 
 /// Largest absolute difference between the weights and the reference's after a step.
-fn weight_deviation(f: &Value, step: usize, after: &[Vec<f32>]) -> f64 {
+fn weight_deviation(f: &Value, step: usize, after: &[(String, Vec<f32>)]) -> f64 {
     let want = &f["steps"]["record"][step]["after"];
-    let names = params(f, &Device::flex()).tensors;
     let mut worst: f64 = 0.0;
-    for ((name, _, _), got) in names.iter().zip(after) {
+    assert_eq!(after.len(), want.as_object().unwrap().len());
+    for (name, got) in after {
         let want = floats(&want[name]);
         assert_eq!(got.len(), want.len(), "{name}");
         for (a, b) in got.iter().zip(&want) {
@@ -584,6 +608,7 @@ fn the_trainers_step_reaches_f_theta_only_not_the_verifiers_weights() {
         ..f_theta_config(1, 6, FThetaInputs::Own, 5, cfg.num_hidden_layers, kv)
     };
     let mut params = FThetaParams::init(config, 1, &d);
+    let groups = frozen_groups(&frozen, &params.config);
     let r = |n: usize, s: u64| -> Vec<f32> {
         (0..n)
             .map(|i| (((i as u64 * 2654435761 + s) % 1000) as f32 / 500.0) - 1.0)
@@ -634,7 +659,7 @@ export = "unused"
     // The trainer's loss, differentiated: every f_θ tensor gets a gradient, no verifier one.
     let leaves0 = leaves(&params.tensors);
     let model = params.model(&leaves0);
-    let grads = batch_loss(&model, &frozen, &batch, &tc, 0, &ad).backward();
+    let grads = batch_loss(&model, &groups, &batch, &tc, 0, &ad).backward();
     for ((name, _, _), leaf) in params.tensors.iter().zip(&leaves0) {
         let g = leaf
             .grad(&grads)
@@ -665,7 +690,7 @@ export = "unused"
         .collect();
     let leaves1 = leaves(&params.tensors);
     let model = params.model(&leaves1);
-    let loss = batch_loss(&model, &frozen, &batch, &tc, 0, &ad);
+    let loss = batch_loss(&model, &groups, &batch, &tc, 0, &ad);
     optimizer_step(&tc, 0, loss, &leaves1, &mut params, &mut moments);
     for ((name, _, p), b) in params.tensors.iter().zip(&before) {
         let moved = host(p).iter().zip(b).filter(|(x, y)| x != y).count();
@@ -694,4 +719,78 @@ export = "unused"
             "layer {l}"
         );
     }
+}
+
+/// The trainer's pass over a width group's layers at once (stacked decoders, stacked frozen
+/// pieces, per-layer masks and RoPE tables) equals the terms of each layer alone.
+#[test]
+fn stacked_layers_give_each_layers_own_terms() {
+    for (name, f) in fixtures() {
+        let d = Device::flex();
+        let c = case(&f, &d);
+        let model = c.params.model(&weights(&c.params));
+        let alone = all_terms(&c, &model);
+        let zk = model.k.encode(c.dk.clone());
+        let zv = model.v.encode(c.dv.clone());
+        let groups = frozen_groups(&c.frozen, &c.params.config);
+        assert!(
+            groups.iter().any(|g| g.ids.len() > 1),
+            "{name}: no group to stack"
+        );
+        for fr in &groups {
+            let members: Vec<LayerTargets> = fr.ids.iter().map(|&l| c.targets[l].clone()).collect();
+            let stack3 = |pick: &dyn Fn(&LayerTargets) -> Tensor<2>| {
+                Tensor::stack::<3>(members.iter().map(pick).collect(), 0)
+            };
+            let mut scales = TargetScales::default();
+            for (t, l) in members.iter().zip(&fr.layers) {
+                let o = host(t.o.as_ref().unwrap());
+                scales.push(&host(&t.k), &host(&t.v), Some(&o), l.head_dim);
+            }
+            let tg = GroupTargets {
+                q_raw: Some(stack3(&|t| t.q_raw.clone().unwrap())),
+                q_pos: members[0].q_pos.clone(),
+                k: stack3(&|t| t.k.clone()),
+                v: stack3(&|t| t.v.clone()),
+                o: Some(stack3(&|t| t.o.clone().unwrap())),
+                scales,
+            };
+            let decoded = |path: &kakeya_models::ftheta::FThetaPath, z: &Tensor<2>| {
+                let each = fr.ids.iter().map(|&l| path.decode(z.clone(), l)).collect();
+                Tensor::stack::<3>(each, 0)
+            };
+            let terms = group_terms(fr, &tg, decoded(&model.k, &zk), decoded(&model.v, &zv));
+            let loss = host1(&layer_loss(
+                LossKind::AttnDistillHybrid,
+                &Lambdas::default(),
+                true,
+                &terms,
+            ));
+            for (i, &l) in fr.ids.iter().enumerate() {
+                let want = value(layer_loss(
+                    LossKind::AttnDistillHybrid,
+                    &Lambdas::default(),
+                    true,
+                    &alone[l],
+                ));
+                assert!(
+                    close(f64::from(loss[i]), want, 1e-5),
+                    "{name} layer {l}: stacked {} vs alone {want}",
+                    loss[i]
+                );
+                let (a, b) = (terms.diagnostics()[i], alone[l].diagnostics()[0]);
+                for (x, y) in [
+                    (a.mse_o_ratio, b.mse_o_ratio),
+                    (a.kdir, b.kdir),
+                    (a.vmag, b.vmag),
+                ] {
+                    assert!(close(x, y, 1e-5), "{name} layer {l}: {a:?} vs {b:?}");
+                }
+            }
+        }
+    }
+}
+
+fn host1(t: &Tensor<1>) -> Vec<f32> {
+    t.clone().into_data().try_into_vec::<f32>().unwrap()
 }

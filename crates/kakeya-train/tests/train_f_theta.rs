@@ -17,7 +17,7 @@ use kakeya_models::{FTheta, Gemma3Model};
 use kakeya_train::TrainError;
 use kakeya_train::ftheta::config::FThetaInit;
 use kakeya_train::ftheta::data::SeqData;
-use kakeya_train::ftheta::step::{evaluate, frozen_layers};
+use kakeya_train::ftheta::step::{evaluate, frozen_groups, frozen_layers};
 use kakeya_train::ftheta::train::FEval;
 use kakeya_train::ftheta::{FEvent, FThetaReport, FThetaTrainConfig, prepare, train_f_theta};
 use kakeya_weights::FThetaCheckpoint;
@@ -216,7 +216,7 @@ fn the_reloaded_export_reproduces_the_reports_heldout_figures() {
     // On the device that trained and evaluated it (the same kernels give the same bits).
     let d = kakeya_models::testing::test_device();
     let model = FTheta::from_checkpoint(&ck, &d).unwrap();
-    let frozen = frozen_layers(&v, &d);
+    let frozen = frozen_groups(&frozen_layers(&v, &d), &model.config);
     let data = Dataset::open(&ds).unwrap();
     let held: Vec<SeqData> = info
         .heldout

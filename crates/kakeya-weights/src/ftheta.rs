@@ -147,6 +147,123 @@ impl FThetaConfig {
         v
     }
 
+    /// The verifier layers grouped by KV width, groups in order of their first layer: each
+    /// group's decoders run as one stacked product ([`Self::stacked_tensors`]).
+    pub fn width_groups(&self) -> Vec<(usize, Vec<usize>)> {
+        let mut groups: Vec<(usize, Vec<usize>)> = Vec::new();
+        for (l, w) in self.layer_widths().into_iter().enumerate() {
+            match groups.iter_mut().find(|(gw, _)| *gw == w) {
+                Some((_, layers)) => layers.push(l),
+                None => groups.push((w, vec![l])),
+            }
+        }
+        groups
+    }
+
+    /// The tensors with each width group's decoders stacked (the trainer's layout), with their
+    /// shapes: `{p}_dec.w{width}.weight` is `[layers · width, rank]` (the group's layers'
+    /// `[width, rank]` weights one under the other, in layer order) and `{p}_dec.w{width}.bias`
+    /// `[layers · width]`; the encoders as in [`Self::expected_tensors`].
+    pub fn stacked_tensors(&self) -> Vec<(String, Vec<usize>)> {
+        let mut v = Vec::new();
+        for p in ["k", "v"] {
+            v.push((format!("{p}_enc.weight"), vec![self.rank, self.in_dim()]));
+            if self.bias {
+                v.push((format!("{p}_enc.bias"), vec![self.rank]));
+            }
+            for (w, layers) in self.width_groups() {
+                let rows = layers.len() * w;
+                v.push((format!("{p}_dec.w{w}.weight"), vec![rows, self.rank]));
+                if self.bias {
+                    v.push((format!("{p}_dec.w{w}.bias"), vec![rows]));
+                }
+            }
+        }
+        v
+    }
+
+    /// Per-layer tensors ([`Self::expected_tensors`], taken out of `layered`) in the stacked
+    /// layout ([`Self::stacked_tensors`]). Errors name a missing or misshapen tensor.
+    pub fn stack(
+        &self,
+        layered: &mut BTreeMap<String, HostTensor>,
+    ) -> std::result::Result<BTreeMap<String, HostTensor>, String> {
+        let mut take = |name: String, shape: Vec<usize>| {
+            let t = layered
+                .remove(&name)
+                .ok_or_else(|| format!("missing tensor {name}"))?;
+            if t.data.len() != shape.iter().product::<usize>() {
+                return Err(format!(
+                    "tensor {name} has {} values, expected shape {shape:?}",
+                    t.data.len()
+                ));
+            }
+            Ok(HostTensor {
+                shape,
+                data: t.data,
+            })
+        };
+        let mut out = BTreeMap::new();
+        for p in ["k", "v"] {
+            for part in ["weight", "bias"].iter().take(1 + usize::from(self.bias)) {
+                let name = format!("{p}_enc.{part}");
+                let shape = match *part {
+                    "weight" => vec![self.rank, self.in_dim()],
+                    _ => vec![self.rank],
+                };
+                out.insert(name.clone(), take(name, shape)?);
+            }
+            for (w, layers) in self.width_groups() {
+                for part in ["weight", "bias"].iter().take(1 + usize::from(self.bias)) {
+                    let per = if *part == "weight" { w * self.rank } else { w };
+                    let mut data = Vec::with_capacity(layers.len() * per);
+                    for &l in &layers {
+                        let shape = match *part {
+                            "weight" => vec![w, self.rank],
+                            _ => vec![w],
+                        };
+                        data.extend(take(format!("{p}_dec.{l}.{part}"), shape)?.data);
+                    }
+                    let shape = match *part {
+                        "weight" => vec![layers.len() * w, self.rank],
+                        _ => vec![layers.len() * w],
+                    };
+                    out.insert(format!("{p}_dec.w{w}.{part}"), HostTensor { shape, data });
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// The inverse of [`Self::stack`]: per-layer tensors from the stacked layout.
+    ///
+    /// # Panics
+    /// When `stacked` lacks a tensor of [`Self::stacked_tensors`] (the caller built it).
+    pub fn unstack(&self, stacked: &BTreeMap<String, HostTensor>) -> BTreeMap<String, HostTensor> {
+        let mut out = BTreeMap::new();
+        for p in ["k", "v"] {
+            for part in ["weight", "bias"].iter().take(1 + usize::from(self.bias)) {
+                let name = format!("{p}_enc.{part}");
+                out.insert(name.clone(), stacked[&name].clone());
+            }
+            for (w, layers) in self.width_groups() {
+                for part in ["weight", "bias"].iter().take(1 + usize::from(self.bias)) {
+                    let all = &stacked[&format!("{p}_dec.w{w}.{part}")].data;
+                    let per = if *part == "weight" { w * self.rank } else { w };
+                    for (i, &l) in layers.iter().enumerate() {
+                        let shape = match *part {
+                            "weight" => vec![w, self.rank],
+                            _ => vec![w],
+                        };
+                        let data = all[i * per..(i + 1) * per].to_vec();
+                        out.insert(format!("{p}_dec.{l}.{part}"), HostTensor { shape, data });
+                    }
+                }
+            }
+        }
+        out
+    }
+
     fn validate(&self, path: &Path) -> Result<()> {
         let bad = |m: String| Err(WeightsError::format(path, m));
         if self.format != FTHETA_FORMAT {
@@ -396,5 +513,34 @@ mod tests {
             "{e}"
         );
         std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn stacking_groups_layers_by_width_and_unstacking_restores_them() {
+        // Widths 5, 7, 5, 7, 7: groups (5: layers 0, 2) and (7: layers 1, 3, 4).
+        let base = tiny().config;
+        let config = base.with_layer_widths(&[5, 7, 5, 7, 7]);
+        assert_eq!(
+            config.width_groups(),
+            vec![(5, vec![0, 2]), (7, vec![1, 3, 4])]
+        );
+        let ck = with_tensors(config.clone());
+        let stacked = config.stack(&mut ck.tensors.clone()).unwrap();
+        let names: Vec<(String, Vec<usize>)> = config.stacked_tensors();
+        assert_eq!(stacked.len(), names.len());
+        for (n, shape) in &names {
+            assert_eq!(&stacked[n].shape, shape, "{n}");
+        }
+        // Layer 2's weight sits under layer 0's in the width-5 group.
+        let w = &stacked["k_dec.w5.weight"].data;
+        assert_eq!(&w[..20], &ck.tensors["k_dec.0.weight"].data[..]);
+        assert_eq!(&w[20..], &ck.tensors["k_dec.2.weight"].data[..]);
+        assert_eq!(config.unstack(&stacked), ck.tensors);
+        let mut missing = ck.tensors.clone();
+        missing.remove("v_dec.3.bias");
+        assert_eq!(
+            config.stack(&mut missing).unwrap_err(),
+            "missing tensor v_dec.3.bias"
+        );
     }
 }

@@ -66,7 +66,7 @@ pub struct FThetaRestorer {
 
 fn fold(f: &kakeya_models::ftheta::FThetaPath, layer: usize) -> Folded {
     let enc = &f.enc;
-    let dec = &f.dec[layer];
+    let dec = &f.decoder(layer);
     // W = Dec · Enc: [out, rank] · [rank, in] → [out, in]; stored transposed for x · Wᵀ.
     let w = dec.weight.clone().matmul(enc.weight.clone());
     let out = w.dims()[0];

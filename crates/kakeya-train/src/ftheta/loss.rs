@@ -16,7 +16,7 @@
 //! `combined = cos_mag + 0.1·mse`; `attn_distill = mse_o`;
 //! `attn_distill_hybrid = mse_o + λkDir·kdir + λvDir·vdir + λkMag·kmag + λvMag·vmag`.
 
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{Device, Int, Tensor, TensorData};
 use kakeya_models::gemma3::attention::Attention;
 use kakeya_models::norm::RmsNorm;
 use kakeya_models::rope::Rope;
@@ -157,65 +157,227 @@ impl LayerFrozen {
     fn visible(&self, q: usize, k: usize) -> bool {
         k <= q && self.window.is_none_or(|w| q - k < w)
     }
+}
 
-    fn head_vectors(&self, x: Tensor<2>, heads: usize) -> Tensor<3> {
-        let n = x.dims()[0];
-        x.reshape([n, heads, self.head_dim])
+/// The frozen attention pieces of layers of one shape (heads, head width, score scale),
+/// stacked along a leading layer axis so that one launch serves them all.
+#[derive(Debug, Clone)]
+pub struct GroupFrozen {
+    /// The members' verifier layer indices.
+    pub ids: Vec<usize>,
+    /// The members, in order.
+    pub layers: Vec<LayerFrozen>,
+    /// Query/key/value norm multipliers, `[L, 1, 1, head_dim]` (values: `None` without a
+    /// v_norm).
+    q_scale: Tensor<4>,
+    k_scale: Tensor<4>,
+    v_scale: Option<Tensor<4>>,
+    /// `o_projᵀ` of each member, `[L, heads · head_dim, hidden]`.
+    o_proj_t: Tensor<3>,
+    /// Distinct windows and RoPEs of the members, and each member's index into them.
+    windows: Vec<Option<usize>>,
+    window_of: Vec<usize>,
+    ropes: Vec<Rope>,
+    rope_of: Vec<usize>,
+}
+
+/// The distinct values of `items` (first-appearance order) and each item's index into them.
+fn distinct<T: PartialEq + Clone>(items: impl Iterator<Item = T>) -> (Vec<T>, Vec<usize>) {
+    let mut values: Vec<T> = Vec::new();
+    let index = items
+        .map(|x| match values.iter().position(|v| *v == x) {
+            Some(i) => i,
+            None => {
+                values.push(x);
+                values.len() - 1
+            }
+        })
+        .collect();
+    (values, index)
+}
+
+impl GroupFrozen {
+    /// Stacks `layers` (all of one shape), verifier layers `ids`.
+    ///
+    /// # Panics
+    /// When the layers differ in heads, KV heads, head width, score scale or whether they
+    /// norm values (f_θ groups layers by KV width, which fixes these in Gemma 3 and 4).
+    pub fn new(ids: Vec<usize>, layers: Vec<LayerFrozen>) -> Self {
+        let f = &layers[0];
+        assert!(
+            layers.iter().all(|l| (l.heads, l.kv_heads, l.head_dim)
+                == (f.heads, f.kv_heads, f.head_dim)
+                && l.scale == f.scale
+                && l.v_norm.is_some() == f.v_norm.is_some()),
+            "f_θ's loss stacks only layers of one attention shape"
+        );
+        let hd = f.head_dim;
+        let stack = |pick: &dyn Fn(&LayerFrozen) -> Tensor<1>| {
+            Tensor::stack::<2>(layers.iter().map(pick).collect(), 0).reshape([
+                layers.len(),
+                1,
+                1,
+                hd,
+            ])
+        };
+        let q_scale = stack(&|l| l.q_norm.scale.clone());
+        let k_scale = stack(&|l| l.k_norm.scale.clone());
+        let v_scale = f.v_norm.as_ref().map(|_| {
+            stack(&|l| {
+                l.v_norm
+                    .as_ref()
+                    .expect("every member norms values")
+                    .scale
+                    .clone()
+            })
+        });
+        let o_proj_t = Tensor::stack::<3>(
+            layers
+                .iter()
+                .map(|l| l.o_proj.clone().transpose())
+                .collect(),
+            0,
+        );
+        let (windows, window_of) = distinct(layers.iter().map(|l| l.window));
+        let (ropes, rope_of) = distinct(layers.iter().map(|l| l.rope.clone()));
+        Self {
+            ids,
+            layers,
+            q_scale,
+            k_scale,
+            v_scale,
+            o_proj_t,
+            windows,
+            window_of,
+            ropes,
+            rope_of,
+        }
+    }
+
+    fn first(&self) -> &LayerFrozen {
+        &self.layers[0]
+    }
+
+    /// `[L, n, width]` → `[L, n, heads, head_dim]`.
+    fn head_vectors(&self, x: Tensor<3>, heads: usize) -> Tensor<4> {
+        let [l, n, _] = x.dims();
+        x.reshape([l, n, heads, self.first().head_dim])
+    }
+
+    /// RMSNorm of head vectors with each member's multiplier.
+    fn norm(x: Tensor<4>, scale: &Tensor<4>, eps: f64) -> Tensor<4> {
+        // `scale` is `[L, 1, 1, d]`; head vectors here are `[L, n, heads, d]`.
+        RmsNorm::normalize(x, eps) * scale.clone()
+    }
+
+    fn keys_normed(&self, hk: Tensor<4>) -> Tensor<4> {
+        Self::norm(hk, &self.k_scale, self.first().k_norm.eps)
     }
 
     /// Value head vectors as attention reads them (v_norm where the model has one).
-    fn values(&self, v: Tensor<3>) -> Tensor<3> {
-        match &self.v_norm {
-            Some(n) => n.forward(v),
-            None => v,
+    fn values(&self, hv: Tensor<4>) -> Tensor<4> {
+        match (&self.v_scale, &self.first().v_norm) {
+            (Some(s), Some(n)) => Self::norm(hv, s, n.eps),
+            _ => hv,
         }
     }
 
-    /// The attention output (after o_proj) at `q_pos` over keys/values at positions
-    /// `0..n`.
+    /// Each member's RoPE tables at `positions`, `[L, 1, T, d/2]` each.
+    fn tables(&self, positions: &[usize], device: &Device) -> (Tensor<4>, Tensor<4>) {
+        let (cos, sin): (Vec<Tensor<2>>, Vec<Tensor<2>>) = self
+            .ropes
+            .iter()
+            .map(|r| r.tables(positions, device))
+            .unzip();
+        let pick = |t: Vec<Tensor<2>>| {
+            let all = Tensor::stack::<3>(t, 0);
+            let [_, n, h] = all.dims();
+            let idx = index(&self.rope_of, device);
+            all.select(0, idx).reshape([self.layers.len(), 1, n, h])
+        };
+        (pick(cos), pick(sin))
+    }
+
+    /// Each member's additive mask of queries at `q_pos` over keys `0..n`, rows group-major
+    /// as [`grouped_attention`] reads them: `[L · kv_heads, G · nq, n]`.
+    fn mask(&self, q_pos: &[usize], n: usize, device: &Device) -> Tensor<3> {
+        let f = self.first();
+        let groups = f.heads / f.kv_heads;
+        let nq = q_pos.len();
+        let mut all = Vec::with_capacity(self.windows.len() * groups * nq * n);
+        for &w in &self.windows {
+            let probe = LayerFrozen {
+                window: w,
+                ..f.clone()
+            };
+            let row: Vec<f32> = q_pos
+                .iter()
+                .flat_map(|&p| (0..n).map(move |j| (p, j)))
+                .map(|(p, j)| if probe.visible(p, j) { 0.0 } else { MASKED })
+                .collect();
+            for _ in 0..groups {
+                all.extend_from_slice(&row);
+            }
+        }
+        let kinds = Tensor::<3>::from_data(
+            TensorData::new(all, [self.windows.len(), groups * nq, n]),
+            device,
+        );
+        let per_head: Vec<usize> = self
+            .window_of
+            .iter()
+            .flat_map(|&w| std::iter::repeat_n(w, f.kv_heads))
+            .collect();
+        kinds.select(0, index(&per_head, device))
+    }
+
+    /// Every member's attention output (after o_proj) at `q_pos` over keys/values at
+    /// positions `0..n`.
     ///
     /// # Shapes
-    /// - `q_raw`: `[nq, heads · head_dim]`; `k_raw`, `v_raw`: `[n, kv_heads · head_dim]`
-    /// - returns `[nq, hidden]`
+    /// - `q_raw`: `[L, nq, heads · head_dim]`; `k_raw`, `v_raw`: `[L, n, kv_heads · head_dim]`
+    /// - returns `[L, nq, hidden]`
     pub fn attention(
         &self,
-        q_raw: Tensor<2>,
+        q_raw: Tensor<3>,
         q_pos: &[usize],
-        k_raw: Tensor<2>,
-        v_raw: Tensor<2>,
-    ) -> Tensor<2> {
+        k_raw: Tensor<3>,
+        v_raw: Tensor<3>,
+    ) -> Tensor<3> {
         let device = q_raw.device();
-        let n = k_raw.dims()[0];
+        let f = self.first();
+        let (l, hd) = (self.layers.len(), f.head_dim);
+        let [_, n, _] = k_raw.dims();
         let nq = q_pos.len();
         let k_pos: Vec<usize> = (0..n).collect();
-        let (qc, qs) = self.rope.tables(q_pos, &device);
-        let (kc, ks) = self.rope.tables(&k_pos, &device);
-        let q = self
-            .q_norm
-            .forward(self.head_vectors(q_raw, self.heads))
-            .swap_dims(0, 1);
+        let (qc, qs) = self.tables(q_pos, &device);
+        let (kc, ks) = self.tables(&k_pos, &device);
+        let q = Self::norm(
+            self.head_vectors(q_raw, f.heads),
+            &self.q_scale,
+            f.q_norm.eps,
+        )
+        .swap_dims(1, 2);
         let k = self
-            .k_norm
-            .forward(self.head_vectors(k_raw, self.kv_heads))
-            .swap_dims(0, 1);
+            .keys_normed(self.head_vectors(k_raw, f.kv_heads))
+            .swap_dims(1, 2);
         let v = self
-            .values(self.head_vectors(v_raw, self.kv_heads))
-            .swap_dims(0, 1);
-        let q = Rope::apply(q, &qc, &qs);
-        let k = Rope::apply(k, &kc, &ks);
-        let groups = self.heads / self.kv_heads;
-        let row: Vec<f32> = q_pos
-            .iter()
-            .flat_map(|&p| (0..n).map(move |j| (p, j)))
-            .map(|(p, j)| if self.visible(p, j) { 0.0 } else { MASKED })
-            .collect();
-        let mut all = Vec::with_capacity(groups * row.len());
-        for _ in 0..groups {
-            all.extend_from_slice(&row);
-        }
-        let mask = Tensor::<3>::from_data(TensorData::new(all, [1, groups * nq, n]), &device);
-        grouped_attention(q, k, v, self.scale, Some(mask)).matmul(self.o_proj.clone().transpose())
+            .values(self.head_vectors(v_raw, f.kv_heads))
+            .swap_dims(1, 2);
+        let q = Rope::rotate(q, qc, qs).reshape([l * f.heads, nq, hd]);
+        let k = Rope::rotate(k, kc, ks).reshape([l * f.kv_heads, n, hd]);
+        let v = v.reshape([l * f.kv_heads, n, hd]);
+        let mask = self.mask(q_pos, n, &device);
+        grouped_attention(q, k, v, f.scale, Some(mask))
+            .reshape([nq, l, f.heads * hd])
+            .swap_dims(0, 1)
+            .matmul(self.o_proj_t.clone())
     }
+}
+
+fn index(ids: &[usize], device: &Device) -> Tensor<1, Int> {
+    let ids: Vec<i64> = ids.iter().map(|&i| i as i64).collect();
+    Tensor::from_data(TensorData::new(ids.clone(), [ids.len()]), device)
 }
 
 /// One layer's true tensors for a sequence.
@@ -233,8 +395,76 @@ pub struct LayerTargets {
     pub o: Option<Tensor<2>>,
 }
 
-/// One layer's loss terms (scalars `[1]`, differentiable in K̂/V̂) and the constants that
-/// normalise them.
+/// The targets' constants that normalise the terms, per member layer (host values, computed
+/// from host data: no device round trip).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TargetScales {
+    /// `mean(K²)` of each layer.
+    pub k_sq: Vec<f64>,
+    /// `mean(V²)`.
+    pub v_sq: Vec<f64>,
+    /// `mean(|K_h|²)` over head vectors (`|x|² = Σx² + 1e-12`).
+    pub k_hsq: Vec<f64>,
+    /// `mean(|V_h|²)`.
+    pub v_hsq: Vec<f64>,
+    /// `mean(O_tgt²)` at the query positions (0 without attention).
+    pub o_sq: Vec<f64>,
+}
+
+impl TargetScales {
+    /// Adds one layer's constants from its raw K, V (head width `head_dim`) and, with
+    /// attention, its target outputs.
+    pub fn push(&mut self, k: &[f32], v: &[f32], o: Option<&[f32]>, head_dim: usize) {
+        let mean_sq = |x: &[f32]| {
+            x.iter().map(|&a| f64::from(a) * f64::from(a)).sum::<f64>() / x.len().max(1) as f64
+        };
+        let head_sq = |x: &[f32]| mean_sq(x) * head_dim as f64 + NORM_EPS;
+        self.k_sq.push(mean_sq(k));
+        self.v_sq.push(mean_sq(v));
+        self.k_hsq.push(head_sq(k));
+        self.v_hsq.push(head_sq(v));
+        self.o_sq.push(o.map_or(0.0, mean_sq));
+    }
+}
+
+/// The true tensors of a group's layers for one sequence, stacked.
+#[derive(Debug, Clone)]
+pub struct GroupTargets {
+    /// Raw queries at `q_pos`, `[L, nq, heads · head_dim]` (attention losses only).
+    pub q_raw: Option<Tensor<3>>,
+    /// Query positions.
+    pub q_pos: Vec<usize>,
+    /// Raw keys at positions `0..n`, `[L, n, kv_heads · head_dim]`.
+    pub k: Tensor<3>,
+    /// Raw values, `[L, n, kv_heads · head_dim]`.
+    pub v: Tensor<3>,
+    /// Attention outputs at `q_pos`, `[L, nq, hidden]` (attention losses only).
+    pub o: Option<Tensor<3>>,
+    /// Host constants of the targets.
+    pub scales: TargetScales,
+}
+
+impl GroupTargets {
+    /// One layer's targets as a group of one (reads them back to compute the constants).
+    pub fn of_layer(tg: &LayerTargets, head_dim: usize) -> Self {
+        let host = |t: &Tensor<2>| t.clone().into_data().convert::<f32>().try_to_vec::<f32>();
+        let host = |t: &Tensor<2>| host(t).expect("f32 targets");
+        let mut scales = TargetScales::default();
+        let o = tg.o.as_ref().map(host);
+        scales.push(&host(&tg.k), &host(&tg.v), o.as_deref(), head_dim);
+        Self {
+            q_raw: tg.q_raw.clone().map(|q| q.unsqueeze()),
+            q_pos: tg.q_pos.clone(),
+            k: tg.k.clone().unsqueeze(),
+            v: tg.v.clone().unsqueeze(),
+            o: tg.o.clone().map(|o| o.unsqueeze()),
+            scales,
+        }
+    }
+}
+
+/// A group's loss terms, one entry per member layer (`[L]`, differentiable in K̂/V̂), and the
+/// constants that normalise them.
 #[derive(Debug, Clone)]
 pub struct Terms {
     /// `mean((K̂−K)²)`.
@@ -259,67 +489,67 @@ pub struct Terms {
     pub vmag: Tensor<1>,
     /// `mean((O − O_tgt)²)` (attention losses only).
     pub mse_o: Option<Tensor<1>>,
-    /// `mean(K²)`, `mean(V²)` and `mean(O_tgt²)` of the targets (host values).
-    pub k_sq: f64,
-    /// See `k_sq`.
-    pub v_sq: f64,
-    /// See `k_sq` (0 without attention).
-    pub o_sq: f64,
+    /// The targets' constants.
+    pub scales: TargetScales,
 }
 
-fn scalar(t: &Tensor<1>) -> f64 {
-    f64::from(t.clone().into_scalar::<f32>())
+/// Each layer's mean of `x` (`[L, ...]` → `[L]`).
+fn per_layer_mean<const D: usize>(x: Tensor<D>) -> Tensor<1> {
+    let l = x.dims()[0];
+    let rest = x.shape().num_elements() / l.max(1);
+    x.reshape([l, rest]).mean_dim(1).reshape([l])
 }
 
-fn norms(x: Tensor<3>) -> Tensor<2> {
-    x.square()
-        .sum_dim(2)
-        .add_scalar(NORM_EPS)
-        .sqrt()
-        .squeeze_dim::<2>(2)
+fn norms(x: Tensor<4>) -> Tensor<4> {
+    x.square().sum_dim(3).add_scalar(NORM_EPS).sqrt()
 }
 
-fn one_minus_cos(a: Tensor<3>, b: Tensor<3>) -> Tensor<1> {
-    let dot = (a.clone() * b.clone()).sum_dim(2).squeeze_dim::<2>(2);
+fn one_minus_cos(a: Tensor<4>, b: Tensor<4>) -> Tensor<1> {
+    let dot = (a.clone() * b.clone()).sum_dim(3);
     let c = dot / (norms(a) * norms(b));
-    c.neg().add_scalar(1.0).mean()
+    per_layer_mean(c.neg().add_scalar(1.0))
 }
 
-/// The loss terms of one layer from predicted raw `k_hat`, `v_hat` (`[n, kv_heads · head_dim]`).
-pub fn layer_terms(
-    fr: &LayerFrozen,
-    tg: &LayerTargets,
-    k_hat: Tensor<2>,
-    v_hat: Tensor<2>,
+/// `x / c` per layer for host constants `c` (floored at 1e-30).
+fn per_layer_div(x: Tensor<1>, c: &[f64]) -> Tensor<1> {
+    let inv: Vec<f32> = c.iter().map(|&v| (1.0 / v.max(1e-30)) as f32).collect();
+    let n = inv.len();
+    let device = x.device();
+    x * Tensor::<1>::from_data(TensorData::new(inv, [n]), &device)
+}
+
+/// The loss terms of a group's layers from predicted raw `k_hat`, `v_hat`
+/// (`[L, n, kv_heads · head_dim]`).
+pub fn group_terms(
+    fr: &GroupFrozen,
+    tg: &GroupTargets,
+    k_hat: Tensor<3>,
+    v_hat: Tensor<3>,
 ) -> Terms {
-    let hk = fr.head_vectors(k_hat.clone(), fr.kv_heads);
-    let hv = fr.head_vectors(v_hat.clone(), fr.kv_heads);
-    let tk = fr.head_vectors(tg.k.clone(), fr.kv_heads);
-    let tv = fr.head_vectors(tg.v.clone(), fr.kv_heads);
-    let mse_k = (k_hat.clone() - tg.k.clone()).square().mean();
-    let mse_v = (v_hat.clone() - tg.v.clone()).square().mean();
+    let kvh = fr.first().kv_heads;
+    let hk = fr.head_vectors(k_hat.clone(), kvh);
+    let hv = fr.head_vectors(v_hat.clone(), kvh);
+    let tk = fr.head_vectors(tg.k.clone(), kvh);
+    let tv = fr.head_vectors(tg.v.clone(), kvh);
+    let mse_k = per_layer_mean((k_hat.clone() - tg.k.clone()).square());
+    let mse_v = per_layer_mean((v_hat.clone() - tg.v.clone()).square());
     let cos_k = one_minus_cos(hk.clone(), tk.clone());
     let cos_v = one_minus_cos(hv.clone(), tv.clone());
-    let (nk, ntk) = (norms(hk.clone()), norms(tk.clone()));
-    let (nv, ntv) = (norms(hv.clone()), norms(tv.clone()));
-    let k_hsq = scalar(&ntk.clone().square().mean());
-    let v_hsq = scalar(&ntv.clone().square().mean());
-    let mag_k = (nk - ntk).square().mean();
-    let mag_v = (nv - ntv).square().mean();
-    let kdir = one_minus_cos(fr.k_norm.forward(hk), fr.k_norm.forward(tk));
-    let vdir = match fr.v_norm {
+    let mag_k = per_layer_mean((norms(hk.clone()) - norms(tk.clone())).square());
+    let mag_v = per_layer_mean((norms(hv.clone()) - norms(tv.clone())).square());
+    let kdir = one_minus_cos(fr.keys_normed(hk), fr.keys_normed(tk));
+    let vdir = match fr.v_scale {
         Some(_) => one_minus_cos(fr.values(hv), fr.values(tv)),
         None => cos_v.clone(),
     };
-    let kmag = mag_k.clone().div_scalar(k_hsq.max(1e-30));
-    let vmag = mag_v.clone().div_scalar(v_hsq.max(1e-30));
-    let (mse_o, o_sq) = match (&tg.q_raw, &tg.o) {
+    let kmag = per_layer_div(mag_k.clone(), &tg.scales.k_hsq);
+    let vmag = per_layer_div(mag_v.clone(), &tg.scales.v_hsq);
+    let mse_o = match (&tg.q_raw, &tg.o) {
         (Some(q), Some(o)) => {
             let out = fr.attention(q.clone(), &tg.q_pos, k_hat, v_hat);
-            let o_sq = scalar(&o.clone().square().mean());
-            (Some((out - o.clone()).square().mean()), o_sq)
+            Some(per_layer_mean((out - o.clone()).square()))
         }
-        _ => (None, 0.0),
+        _ => None,
     };
     Terms {
         mse_k,
@@ -333,16 +563,26 @@ pub fn layer_terms(
         kmag,
         vmag,
         mse_o,
-        k_sq: scalar(&tg.k.clone().square().mean()),
-        v_sq: scalar(&tg.v.clone().square().mean()),
-        o_sq,
+        scales: tg.scales.clone(),
     }
 }
 
-/// The loss of one layer. With `normalize_attention`, `mse_o` is divided by `mean(O_tgt²)`
-/// (a constant of the data) so that every layer's attention term is its relative error —
-/// otherwise layers with large outputs dominate (Gemma 3 270M: RMS of O is ~8 at layer 0,
-/// ~0.5 at layer 17).
+/// The loss terms of one layer ([`group_terms`] over a group of one).
+pub fn layer_terms(
+    fr: &LayerFrozen,
+    tg: &LayerTargets,
+    k_hat: Tensor<2>,
+    v_hat: Tensor<2>,
+) -> Terms {
+    let group = GroupFrozen::new(vec![0], vec![fr.clone()]);
+    let targets = GroupTargets::of_layer(tg, fr.head_dim);
+    group_terms(&group, &targets, k_hat.unsqueeze(), v_hat.unsqueeze())
+}
+
+/// Each layer's loss (`[L]`). With `normalize_attention`, `mse_o` is divided by the layer's
+/// `mean(O_tgt²)` (a constant of the data) so that every layer's attention term is its
+/// relative error — otherwise layers with large outputs dominate (Gemma 3 270M: RMS of O is
+/// ~8 at layer 0, ~0.5 at layer 17).
 ///
 /// # Panics
 /// When an attention loss is asked of terms computed without attention targets (the trainer
@@ -353,7 +593,7 @@ pub fn layer_loss(kind: LossKind, l: &Lambdas, normalize_attention: bool, t: &Te
     let mse_o = || {
         let m = t.mse_o.clone().expect("attention terms were computed");
         if normalize_attention {
-            m.div_scalar(t.o_sq.max(1e-30))
+            per_layer_div(m, &t.scales.o_sq)
         } else {
             m
         }
@@ -392,20 +632,35 @@ pub struct Diagnostics {
     pub v_rel_mse: f64,
 }
 
+fn host(t: &Tensor<1>) -> Vec<f64> {
+    t.clone()
+        .into_data()
+        .convert::<f32>()
+        .try_to_vec::<f32>()
+        .expect("f32 terms")
+        .into_iter()
+        .map(f64::from)
+        .collect()
+}
+
 impl Terms {
-    /// The diagnostics' host values (`mse_o_ratio` is 0 without attention targets).
-    pub fn diagnostics(&self) -> Diagnostics {
-        Diagnostics {
-            mse_o_ratio: self
-                .mse_o
-                .as_ref()
-                .map_or(0.0, |m| scalar(m) / self.o_sq.max(1e-30)),
-            kdir: scalar(&self.kdir),
-            vdir: scalar(&self.vdir),
-            kmag: scalar(&self.kmag),
-            vmag: scalar(&self.vmag),
-            k_rel_mse: scalar(&self.mse_k) / self.k_sq.max(1e-30),
-            v_rel_mse: scalar(&self.mse_v) / self.v_sq.max(1e-30),
-        }
+    /// Each member layer's diagnostics (`mse_o_ratio` is 0 without attention targets).
+    pub fn diagnostics(&self) -> Vec<Diagnostics> {
+        let (kdir, vdir) = (host(&self.kdir), host(&self.vdir));
+        let (kmag, vmag) = (host(&self.kmag), host(&self.vmag));
+        let (mse_k, mse_v) = (host(&self.mse_k), host(&self.mse_v));
+        let mse_o = self.mse_o.as_ref().map(host);
+        let s = &self.scales;
+        (0..kdir.len())
+            .map(|i| Diagnostics {
+                mse_o_ratio: mse_o.as_ref().map_or(0.0, |m| m[i] / s.o_sq[i].max(1e-30)),
+                kdir: kdir[i],
+                vdir: vdir[i],
+                kmag: kmag[i],
+                vmag: vmag[i],
+                k_rel_mse: mse_k[i] / s.k_sq[i].max(1e-30),
+                v_rel_mse: mse_v[i] / s.v_sq[i].max(1e-30),
+            })
+            .collect()
     }
 }

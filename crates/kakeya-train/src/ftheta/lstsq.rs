@@ -17,8 +17,10 @@
 //! (on Gemma 3 270M the fit's held-out V direction error is less than half the trained
 //! f_θ's), so the trainer starts here and then fine-tunes for the attention loss.
 
+use std::collections::BTreeMap;
+
 use burn::tensor::{Device, Tensor, TensorData};
-use kakeya_weights::FThetaConfig;
+use kakeya_weights::{FThetaConfig, HostTensor};
 
 use super::params::FThetaParams;
 
@@ -388,7 +390,7 @@ pub fn params_from_fits(
         .collect();
     let out: usize = widths.iter().sum();
     debug_assert!(k.rank == rank && v.rank == rank);
-    let tensors = config
+    let mut tensors: BTreeMap<String, HostTensor> = config
         .expected_tensors()
         .into_iter()
         .map(|(name, shape)| {
@@ -416,17 +418,11 @@ pub fn params_from_fits(
                     fit.dec_b[at..at + kv].to_vec()
                 }
             };
-            let dims = match shape[..] {
-                [r, c] => [r, c],
-                [c] => [1, c],
-                _ => unreachable!("f_θ tensors are 1-D or 2-D"),
-            };
             let data: Vec<f32> = data.into_iter().map(|x| x as f32).collect();
-            let t = Tensor::from_data(TensorData::new(data, dims), device);
-            (name, shape, t)
+            (name, HostTensor { shape, data })
         })
         .collect();
-    FThetaParams { config, tensors }
+    FThetaParams::from_host(config, &mut tensors, device).expect("every tensor was fitted")
 }
 
 #[cfg(test)]

@@ -1,19 +1,21 @@
 //! f_θ's trainable tensors: initialisation, warm start, the model view used by the loss, and
-//! export.
+//! export. Training holds each width group's decoders stacked
+//! ([`FThetaConfig::stacked_tensors`]): a step's products, gradients and AdamW updates then run
+//! once per group, not once per verifier layer. Checkpoints keep one tensor per layer.
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{Device, Tensor};
 use kakeya_models::FTheta;
 use kakeya_weights::{FThetaCheckpoint, FThetaConfig, HostTensor};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::error::{Result, TrainError};
-use crate::run::{self, Named, Params, named_from_host, storage_dims};
+use crate::run::{self, Named, Params, named_from_host};
 
-/// f_θ's tensors in [`FThetaConfig::expected_tensors`] order, stored 2-D (biases `[1, n]`).
+/// f_θ's tensors in [`FThetaConfig::stacked_tensors`] order, stored 2-D (biases `[1, n]`).
 #[derive(Debug, Clone)]
 pub struct FThetaParams {
     /// Shape and owners.
@@ -33,10 +35,11 @@ impl Params for FThetaParams {
 }
 
 impl FThetaParams {
-    /// PyTorch `nn.Linear`'s default: weights and biases uniform in `±1/√in`.
+    /// PyTorch `nn.Linear`'s default: weights and biases uniform in `±1/√in` (drawn per
+    /// layer, in [`FThetaConfig::expected_tensors`] order).
     pub fn init(config: FThetaConfig, seed: u64, device: &Device) -> Self {
         let mut rng = StdRng::seed_from_u64(seed);
-        let tensors = config
+        let mut host: BTreeMap<String, HostTensor> = config
             .expected_tensors()
             .into_iter()
             .map(|(name, shape)| {
@@ -48,11 +51,10 @@ impl FThetaParams {
                 let bound = 1.0 / (fan_in as f32).sqrt();
                 let n: usize = shape.iter().product();
                 let data: Vec<f32> = (0..n).map(|_| rng.random_range(-bound..bound)).collect();
-                let t = Tensor::from_data(TensorData::new(data, storage_dims(&shape)), device);
-                (name, shape, t)
+                (name, HostTensor { shape, data })
             })
             .collect();
-        Self { config, tensors }
+        Self::from_host(config, &mut host, device).expect("every tensor was drawn")
     }
 
     /// Warm start from an exported f_θ folder of the same shape (owners are taken from
@@ -85,13 +87,25 @@ impl FThetaParams {
         Self::from_host(config, &mut host, device).map_err(|m| TrainError::invalid(dir, m))
     }
 
-    /// Builds from host tensors by name (taken out of `host`).
+    /// Builds from per-layer host tensors ([`FThetaConfig::expected_tensors`] names, taken out
+    /// of `host`).
     pub fn from_host(
         config: FThetaConfig,
         host: &mut BTreeMap<String, HostTensor>,
         device: &Device,
     ) -> std::result::Result<Self, String> {
-        let tensors = named_from_host(config.expected_tensors(), host, device)?;
+        let mut stacked = config.stack(host)?;
+        Self::from_stacked(config, &mut stacked, device)
+    }
+
+    /// Builds from host tensors in the stacked layout ([`FThetaConfig::stacked_tensors`]
+    /// names, taken out of `host`).
+    pub fn from_stacked(
+        config: FThetaConfig,
+        host: &mut BTreeMap<String, HostTensor>,
+        device: &Device,
+    ) -> std::result::Result<Self, String> {
+        let tensors = named_from_host(config.stacked_tensors(), host, device)?;
         Ok(Self { config, tensors })
     }
 
@@ -108,13 +122,13 @@ impl FThetaParams {
             .zip(weights)
             .map(|((n, _, _), w)| (n.as_str(), w.clone()))
             .collect();
-        FTheta::from_named(self.config.clone(), &mut |n| by_name.remove(n))
+        FTheta::from_stacked(self.config.clone(), &mut |n| by_name.remove(n))
             .expect("every expected tensor is present")
     }
 
-    /// The current values as a checkpoint.
+    /// The current values as a checkpoint (one tensor per layer).
     pub fn to_checkpoint(&self) -> FThetaCheckpoint {
-        let tensors = self
+        let stacked = self
             .tensors
             .iter()
             .map(|(n, shape, t)| {
@@ -135,7 +149,7 @@ impl FThetaParams {
             .collect();
         FThetaCheckpoint {
             config: self.config.clone(),
-            tensors,
+            tensors: self.config.unstack(&stacked),
         }
     }
 }

@@ -5,13 +5,14 @@
 
 use burn::tensor::{Device, Tensor, TensorData};
 use kakeya_models::{FTheta, Gemma3Model};
+use kakeya_weights::FThetaConfig;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use super::config::FThetaTrainConfig;
 use super::data::SeqData;
-pub use super::loss::LayerFrozen;
-use super::loss::{Diagnostics, LayerTargets, layer_loss, layer_terms};
+use super::loss::{Diagnostics, GroupTargets, TargetScales, group_terms, layer_loss};
+pub use super::loss::{GroupFrozen, LayerFrozen};
 use super::params::FThetaParams;
 use super::train::FEval;
 use crate::optim::{AdamW, Moments, backward_and_step};
@@ -55,42 +56,56 @@ fn tensor(data: Vec<f32>, rows: usize, device: &Device) -> Tensor<2> {
     Tensor::from_data(TensorData::new(data, [rows, cols]), device)
 }
 
-/// Per-layer targets of one sequence on `device`.
-fn targets(s: &SeqData, q_pos: &[usize], attention: bool, device: &Device) -> Vec<LayerTargets> {
-    s.layers
-        .iter()
-        .map(|l| {
-            let (q_raw, o) = if attention {
-                let qw = l.q.len() / s.len;
-                let ow = l.o.len() / s.len;
-                (
-                    Some(tensor(rows(&l.q, qw, q_pos), q_pos.len(), device)),
-                    Some(tensor(rows(&l.o, ow, q_pos), q_pos.len(), device)),
-                )
-            } else {
-                (None, None)
-            };
-            LayerTargets {
-                q_raw,
-                q_pos: q_pos.to_vec(),
-                k: tensor(l.k.clone(), s.len, device),
-                v: tensor(l.v.clone(), s.len, device),
-                o,
-            }
-        })
-        .collect()
+fn stacked(data: Vec<f32>, layers: usize, rows: usize, device: &Device) -> Tensor<3> {
+    let cols = data.len() / (layers * rows).max(1);
+    Tensor::from_data(TensorData::new(data, [layers, rows, cols]), device)
 }
 
-/// Mean loss over the layers of one sequence, and the per-layer terms' diagnostics.
+/// One group's targets for a sequence: each tensor one upload, the constants from the host
+/// data.
+fn targets(
+    s: &SeqData,
+    g: &GroupFrozen,
+    q_pos: &[usize],
+    attention: bool,
+    device: &Device,
+) -> GroupTargets {
+    let (l, nq) = (g.ids.len(), q_pos.len());
+    let (mut k, mut v, mut q, mut o) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut scales = TargetScales::default();
+    for (&id, fr) in g.ids.iter().zip(&g.layers) {
+        let d = &s.layers[id];
+        k.extend_from_slice(&d.k);
+        v.extend_from_slice(&d.v);
+        let o_rows = attention.then(|| rows(&d.o, d.o.len() / s.len, q_pos));
+        if attention {
+            q.extend(rows(&d.q, d.q.len() / s.len, q_pos));
+        }
+        scales.push(&d.k, &d.v, o_rows.as_deref(), fr.head_dim);
+        o.extend(o_rows.unwrap_or_default());
+    }
+    GroupTargets {
+        q_raw: attention.then(|| stacked(q, l, nq, device)),
+        q_pos: q_pos.to_vec(),
+        k: stacked(k, l, s.len, device),
+        v: stacked(v, l, s.len, device),
+        o: attention.then(|| stacked(o, l, nq, device)),
+        scales,
+    }
+}
+
+/// The sum over the layers of one sequence's per-layer losses (f_θ's decoders of a width
+/// group in one product, their terms in one pass), and each layer's diagnostics (by layer
+/// index) when asked.
 fn sequence_loss(
     model: &FTheta,
-    frozen: &[LayerFrozen],
+    groups: &[GroupFrozen],
     s: &SeqData,
-    tgs: &[LayerTargets],
+    tgs: &[GroupTargets],
     cfg: &FThetaTrainConfig,
     device: &Device,
     diagnostics: bool,
-) -> (Tensor<1>, Vec<Diagnostics>) {
+) -> (Tensor<1>, Vec<(usize, Diagnostics)>) {
     let (xk, xv) = model.inputs(
         tensor(s.dk.clone(), s.len, device),
         tensor(s.dv.clone(), s.len, device),
@@ -99,30 +114,92 @@ fn sequence_loss(
     let zv = model.v.encode(xv);
     let mut total: Option<Tensor<1>> = None;
     let mut diags = Vec::new();
-    for (l, (fr, tg)) in frozen.iter().zip(tgs).enumerate() {
-        let k_hat = model.k.decode(zk.clone(), l);
-        let v_hat = model.v.decode(zv.clone(), l);
-        let terms = layer_terms(fr, tg, k_hat, v_hat);
+    // Each decoder group's outputs once, `[L, n, width]`; a loss group takes its members' rows.
+    let k_all: Vec<Tensor<3>> = model.k.dec.iter().map(|d| d.forward(zk.clone())).collect();
+    let v_all: Vec<Tensor<3>> = model.v.dec.iter().map(|d| d.forward(zv.clone())).collect();
+    for (fr, tg) in groups.iter().zip(tgs) {
+        let (g, rows) = decoder_rows(model, &fr.ids);
+        let pick = |all: &Tensor<3>| match &rows {
+            None => all.clone(),
+            Some(r) => {
+                let ids: Vec<i64> = r.iter().map(|&i| i as i64).collect();
+                let n = ids.len();
+                all.clone()
+                    .select(0, Tensor::from_data(TensorData::new(ids, [n]), device))
+            }
+        };
+        let terms = group_terms(fr, tg, pick(&k_all[g]), pick(&v_all[g]));
         let loss = layer_loss(
             cfg.loss.kind,
             &cfg.loss.lambdas,
             cfg.loss.normalize_attention,
             &terms,
-        );
+        )
+        .sum();
         if diagnostics {
-            diags.push(terms.diagnostics());
+            diags.extend(fr.ids.iter().copied().zip(terms.diagnostics()));
         }
         total = Some(match total {
             Some(t) => t + loss,
             None => loss,
         });
     }
-    (
-        total
-            .expect("the verifier has layers")
-            .div_scalar(frozen.len() as f64),
-        diags,
-    )
+    (total.expect("the verifier has layers"), diags)
+}
+
+/// Which of f_θ's decoder groups predicts the layers `ids`, and their rows in its output
+/// (`None`: all of them, in order).
+fn decoder_rows(model: &FTheta, ids: &[usize]) -> (usize, Option<Vec<usize>>) {
+    let (g, d) = model
+        .k
+        .dec
+        .iter()
+        .enumerate()
+        .find(|(_, d)| d.layers.contains(&ids[0]))
+        .expect("f_θ predicts every layer the loss reads");
+    if d.layers == ids {
+        return (g, None);
+    }
+    let rows = ids
+        .iter()
+        .map(|l| {
+            d.layers
+                .iter()
+                .position(|x| x == l)
+                .expect("a loss group lies within one decoder group")
+        })
+        .collect();
+    (g, Some(rows))
+}
+
+/// The frozen layers stacked in groups the loss runs at once: f_θ's decoder groups
+/// ([`FThetaConfig::width_groups`]), each split further by attention shape where its layers
+/// differ (heads, head width, scale, value norm: equal KV widths need not mean equal shapes).
+pub fn frozen_groups(layers: &[LayerFrozen], config: &FThetaConfig) -> Vec<GroupFrozen> {
+    let shape = |l: &LayerFrozen| {
+        (
+            l.heads,
+            l.kv_heads,
+            l.head_dim,
+            l.scale.to_bits(),
+            l.v_norm.is_some(),
+        )
+    };
+    let mut groups = Vec::new();
+    for (_, ids) in config.width_groups() {
+        let mut split: Vec<(_, Vec<usize>)> = Vec::new();
+        for l in ids {
+            match split.iter_mut().find(|(s, _)| *s == shape(&layers[l])) {
+                Some((_, members)) => members.push(l),
+                None => split.push((shape(&layers[l]), vec![l])),
+            }
+        }
+        for (_, ids) in split {
+            let members = ids.iter().map(|&l| layers[l].clone()).collect();
+            groups.push(GroupFrozen::new(ids, members));
+        }
+    }
+    groups
 }
 
 /// The verifier's frozen attention pieces of every layer f_θ predicts (those with K/V of
@@ -142,7 +219,7 @@ pub fn frozen_layers(verifier: &Gemma3Model, device: &Device) -> Vec<LayerFrozen
 /// `(seed, t, sequence)`, averaged over verifier layers and then over the sequences.
 pub fn batch_loss(
     model: &FTheta,
-    frozen: &[LayerFrozen],
+    frozen: &[GroupFrozen],
     batch: &[SeqData],
     cfg: &FThetaTrainConfig,
     t: usize,
@@ -158,16 +235,20 @@ pub fn batch_loss(
             s.len,
             cfg.loss.queries_per_sequence,
         );
-        let tgs = targets(s, &q, attention, device);
+        let tgs: Vec<GroupTargets> = frozen
+            .iter()
+            .map(|g| targets(s, g, &q, attention, device))
+            .collect();
         let (l, _) = sequence_loss(model, frozen, s, &tgs, cfg, device, false);
         total = Some(match total {
             Some(x) => x + l,
             None => l,
         });
     }
+    let layers: usize = frozen.iter().map(|g| g.ids.len()).sum();
     total
         .expect("at least one sequence per step")
-        .div_scalar(batch.len() as f64)
+        .div_scalar((batch.len() * layers) as f64)
 }
 
 /// The update of 0-based step `t`: back-propagates `loss` to `leaves` (see [`leaves`]), clips
@@ -210,11 +291,11 @@ pub fn adamw(cfg: &FThetaTrainConfig, t: usize) -> (AdamW, f64) {
 }
 
 /// Averages per-layer diagnostics by layer type (global or sliding).
-fn by_type(per_layer: &[Diagnostics], frozen: &[LayerFrozen], global: bool) -> Diagnostics {
+fn by_type(per_layer: &[Diagnostics], global_layers: &[bool], global: bool) -> Diagnostics {
     let picked: Vec<&Diagnostics> = per_layer
         .iter()
-        .zip(frozen)
-        .filter(|(_, f)| f.is_global() == global)
+        .zip(global_layers)
+        .filter(|(_, g)| **g == global)
         .map(|(d, _)| d)
         .collect();
     let n = picked.len().max(1) as f64;
@@ -235,26 +316,36 @@ fn by_type(per_layer: &[Diagnostics], frozen: &[LayerFrozen], global: bool) -> D
 /// The trainer's held-out figures come from here.
 pub fn evaluate(
     model: &FTheta,
-    frozen: &[LayerFrozen],
+    frozen: &[GroupFrozen],
     held: &[SeqData],
     cfg: &FThetaTrainConfig,
     step: usize,
     oracle: bool,
 ) -> FEval {
-    let device = frozen[0].o_proj.device();
-    let layers = frozen.len();
+    let device = frozen[0].layers[0].o_proj.device();
+    let layers: usize = frozen.iter().map(|g| g.ids.len()).sum();
+    let mut global_layers = vec![false; layers];
+    for g in frozen {
+        for (&id, fr) in g.ids.iter().zip(&g.layers) {
+            global_layers[id] = fr.is_global();
+        }
+    }
     let mut sums = vec![Diagnostics::default(); layers];
     let mut loss = 0.0;
     let mut nq = 0;
     for s in held {
         let q = evenly(s.len, cfg.output.eval_queries);
         nq += q.len();
-        let tgs = targets(s, &q, cfg.loss.kind.needs_attention(), &device);
+        let attention = cfg.loss.kind.needs_attention();
+        let tgs: Vec<GroupTargets> = frozen
+            .iter()
+            .map(|g| targets(s, g, &q, attention, &device))
+            .collect();
         let (l, diags) = if oracle {
             let mut diags = Vec::new();
             let mut total = 0.0;
             for (fr, tg) in frozen.iter().zip(&tgs) {
-                let t = layer_terms(fr, tg, tg.k.clone(), tg.v.clone());
+                let t = group_terms(fr, tg, tg.k.clone(), tg.v.clone());
                 total += f64::from(
                     layer_loss(
                         cfg.loss.kind,
@@ -262,17 +353,19 @@ pub fn evaluate(
                         cfg.loss.normalize_attention,
                         &t,
                     )
+                    .sum()
                     .into_scalar::<f32>(),
                 );
-                diags.push(t.diagnostics());
+                diags.extend(fr.ids.iter().copied().zip(t.diagnostics()));
             }
             (total / layers as f64, diags)
         } else {
             let (l, d) = sequence_loss(model, frozen, s, &tgs, cfg, &device, true);
-            (f64::from(l.into_scalar::<f32>()), d)
+            (f64::from(l.into_scalar::<f32>()) / layers as f64, d)
         };
         loss += l;
-        for (acc, d) in sums.iter_mut().zip(diags) {
+        for (id, d) in diags {
+            let acc = &mut sums[id];
             acc.mse_o_ratio += d.mse_o_ratio;
             acc.kdir += d.kdir;
             acc.vdir += d.vdir;
@@ -298,8 +391,8 @@ pub fn evaluate(
     FEval {
         step,
         loss: loss / n,
-        sliding: by_type(&per_layer, frozen, false),
-        global: by_type(&per_layer, frozen, true),
+        sliding: by_type(&per_layer, &global_layers, false),
+        global: by_type(&per_layer, &global_layers, true),
         per_layer,
         sequences: held.len(),
         queries: nq,

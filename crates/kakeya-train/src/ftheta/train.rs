@@ -25,7 +25,7 @@ use super::data::{self, DataInfo, SeqData};
 use super::loss::Diagnostics;
 use super::lstsq::{Normal, params_from_fits};
 use super::params::FThetaParams;
-use super::step::{LayerFrozen, adamw, batch_loss, evaluate, frozen_layers};
+use super::step::{GroupFrozen, adamw, batch_loss, evaluate, frozen_groups, frozen_layers};
 use crate::error::{Result, TrainError};
 use crate::optim::AdamW;
 use crate::run::{self, Cadence, Trainer};
@@ -279,7 +279,7 @@ pub fn train_f_theta(
         out,
         opts.resume,
         &fingerprint,
-        (f_theta.expected_tensors(), &device),
+        (f_theta.stacked_tensors(), &device),
         |tensors| FThetaParams {
             config: f_theta.clone(),
             tensors,
@@ -297,7 +297,7 @@ pub fn train_f_theta(
             Ok((params, Floor { floor: None }))
         },
     )?;
-    let frozen = frozen_layers(verifier, &device);
+    let frozen = frozen_groups(&frozen_layers(verifier, &device), &f_theta);
     let held: Vec<SeqData> = info
         .heldout
         .iter()
@@ -333,7 +333,7 @@ pub fn train_f_theta(
         dir: &info.dir,
         rx,
         frozen,
-        frozen_ad: frozen_layers(verifier, &ad),
+        frozen_ad: frozen_groups(&frozen_layers(verifier, &ad), &f_theta),
         held: &held,
         ad,
         saturated: held.iter().map(|s| s.saturated).sum(),
@@ -415,8 +415,8 @@ struct FThetaRun<'a> {
     cfg: &'a FThetaTrainConfig,
     dir: &'a Path,
     rx: mpsc::Receiver<Result<(usize, Vec<SeqData>)>>,
-    frozen: Vec<LayerFrozen>,
-    frozen_ad: Vec<LayerFrozen>,
+    frozen: Vec<GroupFrozen>,
+    frozen_ad: Vec<GroupFrozen>,
     held: &'a [SeqData],
     ad: Device,
     saturated: usize,

@@ -17,11 +17,13 @@ use kakeya_models::{FTheta, Gemma3Model, norm::RmsNorm};
 use kakeya_train::ftheta::FThetaTrainConfig;
 use kakeya_train::ftheta::data::{LayerData, SeqData};
 use kakeya_train::ftheta::loss::{
-    GroupTargets, Lambdas, LayerFrozen, LayerTargets, LossKind, TargetScales, Terms, group_terms,
-    layer_loss, layer_terms,
+    GroupTargets, Lambdas, LayerFrozen, LayerTargets, LossKind, Rows, TargetScales, Terms,
+    group_terms, layer_loss, layer_terms,
 };
 use kakeya_train::ftheta::params::FThetaParams;
-use kakeya_train::ftheta::step::{batch_loss, frozen_groups, frozen_layers, optimizer_step};
+use kakeya_train::ftheta::step::{
+    batch_loss, batch_loss_in, frozen_groups, frozen_layers, optimizer_step,
+};
 use kakeya_train::optim::{Moments, global_norm};
 use kakeya_train::run::leaves;
 use kakeya_weights::ftheta::FThetaInputs;
@@ -295,9 +297,9 @@ fn losses_and_terms_match(name: &str, f: &Value) {
         // normalize_attention's divisor: the layer's mean(O_tgt²) at the query positions.
         let want = f["normalized"]["o_sq"][l].as_f64().unwrap();
         assert!(
-            close(t.scales.o_sq[0], want, 1e-4),
+            close(t.scales[0].o_sq[0], want, 1e-4),
             "{name} layer {l} o_sq: {} vs {want}",
-            t.scales.o_sq[0]
+            t.scales[0].o_sq[0]
         );
     }
 }
@@ -660,6 +662,41 @@ export = "unused"
     let leaves0 = leaves(&params.tensors);
     let model = params.model(&leaves0);
     let grads = batch_loss(&model, &groups, &batch, &tc, 0, &ad).backward();
+    // Both sequences in one pass (as on a GPU: rows one after the other, each query masked to
+    // its own sequence) give the loss and gradients of one pass per sequence.
+    let leaves_joint = leaves(&params.tensors);
+    let joint = batch_loss_in(
+        &params.model(&leaves_joint),
+        &groups,
+        &batch,
+        &tc,
+        0,
+        &ad,
+        2,
+    );
+    let alone = batch_loss_in(&model, &groups, &batch, &tc, 0, &ad, 1);
+    let (j, a) = (value(joint.clone()), value(alone));
+    assert!(
+        close(j, a, 1e-6),
+        "two sequences in one pass: {j} vs {a} one at a time"
+    );
+    let joint_grads = joint.backward();
+    for (((name, _, _), l0), l1) in params.tensors.iter().zip(&leaves0).zip(&leaves_joint) {
+        let (g0, g1) = (
+            host(&l0.grad(&grads).unwrap()),
+            host(&l1.grad(&joint_grads).unwrap()),
+        );
+        let scale = g0.iter().fold(1e-6f32, |m, x| m.max(x.abs()));
+        let worst = g0
+            .iter()
+            .zip(&g1)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            worst <= 1e-5 * scale,
+            "{name}: gradients differ by {worst:e} of {scale:e}"
+        );
+    }
     for ((name, _, _), leaf) in params.tensors.iter().zip(&leaves0) {
         let g = leaf
             .grad(&grads)
@@ -749,11 +786,11 @@ fn stacked_layers_give_each_layers_own_terms() {
             }
             let tg = GroupTargets {
                 q_raw: Some(stack3(&|t| t.q_raw.clone().unwrap())),
-                q_pos: members[0].q_pos.clone(),
+                rows: Rows::one(members[0].k.dims()[0], &members[0].q_pos),
                 k: stack3(&|t| t.k.clone()),
                 v: stack3(&|t| t.v.clone()),
                 o: Some(stack3(&|t| t.o.clone().unwrap())),
-                scales,
+                scales: vec![scales],
             };
             let decoded = |path: &kakeya_models::ftheta::FThetaPath, z: &Tensor<2>| {
                 let each = fr.ids.iter().map(|&l| path.decode(z.clone(), l)).collect();

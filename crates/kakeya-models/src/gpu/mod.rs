@@ -18,7 +18,7 @@
 
 #[cfg(feature = "cube")]
 use burn::backend::Dispatch;
-use burn::tensor::Tensor;
+use burn::tensor::{Device, Tensor};
 
 #[cfg(feature = "cube")]
 mod attention;
@@ -50,6 +50,20 @@ pub fn applies<const D: usize>(x: &Tensor<D>) -> bool {
     #[cfg(not(feature = "cube"))]
     {
         let _ = x;
+        false
+    }
+}
+
+/// Whether `device` is a CubeCL device (CUDA, wgpu), with or without autodiff.
+pub fn is_gpu(device: &Device) -> bool {
+    #[cfg(feature = "cube")]
+    {
+        let inner = device.clone().without_autodiff();
+        matches!(inner.as_dispatch(), burn::backend::DispatchDevice::Cube(_))
+    }
+    #[cfg(not(feature = "cube"))]
+    {
+        let _ = device;
         false
     }
 }

@@ -16,16 +16,11 @@
 //! `combined = cos_mag + 0.1·mse`; `attn_distill = mse_o`;
 //! `attn_distill_hybrid = mse_o + λkDir·kdir + λvDir·vdir + λkMag·kmag + λvMag·vmag`.
 
-use burn::tensor::{Device, Int, Tensor, TensorData};
-use kakeya_models::gemma3::attention::Attention;
-use kakeya_models::norm::RmsNorm;
-use kakeya_models::rope::Rope;
-use kakeya_models::sdpa::grouped_attention;
-use kakeya_weights::AttentionKind;
+use burn::tensor::{Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
-/// Masked-out score (large and finite, so that gradients through softmax stay finite).
-const MASKED: f32 = -1e9;
+pub use super::frozen::{GroupFrozen, LayerFrozen};
+
 /// Added under square roots of squared norms.
 const NORM_EPS: f64 = 1e-12;
 
@@ -101,285 +96,6 @@ impl Default for Lambdas {
     }
 }
 
-/// The verifier's frozen pieces of one layer's attention.
-#[derive(Debug, Clone)]
-pub struct LayerFrozen {
-    /// Per-head query RMSNorm (Gemma's `1 + w` multiplier).
-    pub q_norm: RmsNorm,
-    /// Per-head key RMSNorm.
-    pub k_norm: RmsNorm,
-    /// Gemma 4's weightless per-head value RMSNorm (`None`: Gemma 3, values as projected).
-    pub v_norm: Option<RmsNorm>,
-    /// `o_proj` weight, `[hidden, heads · head_dim]`.
-    pub o_proj: Tensor<2>,
-    /// Query heads.
-    pub heads: usize,
-    /// Key/value heads.
-    pub kv_heads: usize,
-    /// Head width.
-    pub head_dim: usize,
-    /// Score scale.
-    pub scale: f64,
-    /// Sliding window (`None`: global, causal only).
-    pub window: Option<usize>,
-    /// This layer's RoPE.
-    pub rope: Rope,
-}
-
-impl LayerFrozen {
-    /// Copies a verifier layer's attention weights onto `device` (its autodiff twin when
-    /// training; they never require gradients).
-    pub fn from_attention(a: &Attention, device: &Device) -> Self {
-        let to1 = |t: &Tensor<1>| Tensor::<1>::from_data(t.to_data(), device);
-        let copy = |n: &RmsNorm| RmsNorm {
-            scale: to1(&n.scale),
-            eps: n.eps,
-        };
-        Self {
-            q_norm: copy(&a.q_norm),
-            k_norm: copy(&a.k_norm),
-            v_norm: a.v_norm.as_ref().map(copy),
-            o_proj: Tensor::from_data(a.o_proj.weight.to_data(), device),
-            heads: a.heads,
-            kv_heads: a.kv_heads,
-            head_dim: a.head_dim,
-            scale: a.scale,
-            window: (a.kind == AttentionKind::Sliding).then_some(a.window),
-            rope: a.rope.clone(),
-        }
-    }
-
-    /// Whether this is a global (full-attention) layer.
-    pub fn is_global(&self) -> bool {
-        self.window.is_none()
-    }
-
-    fn visible(&self, q: usize, k: usize) -> bool {
-        k <= q && self.window.is_none_or(|w| q - k < w)
-    }
-}
-
-/// The frozen attention pieces of layers of one shape (heads, head width, score scale),
-/// stacked along a leading layer axis so that one launch serves them all.
-#[derive(Debug, Clone)]
-pub struct GroupFrozen {
-    /// The members' verifier layer indices.
-    pub ids: Vec<usize>,
-    /// The members, in order.
-    pub layers: Vec<LayerFrozen>,
-    /// Query/key/value norm multipliers, `[L, 1, 1, head_dim]` (values: `None` without a
-    /// v_norm).
-    q_scale: Tensor<4>,
-    k_scale: Tensor<4>,
-    v_scale: Option<Tensor<4>>,
-    /// `o_projᵀ` of each member, `[L, heads · head_dim, hidden]`.
-    o_proj_t: Tensor<3>,
-    /// Distinct windows and RoPEs of the members, and each member's index into them.
-    windows: Vec<Option<usize>>,
-    window_of: Vec<usize>,
-    ropes: Vec<Rope>,
-    rope_of: Vec<usize>,
-}
-
-/// The distinct values of `items` (first-appearance order) and each item's index into them.
-fn distinct<T: PartialEq + Clone>(items: impl Iterator<Item = T>) -> (Vec<T>, Vec<usize>) {
-    let mut values: Vec<T> = Vec::new();
-    let index = items
-        .map(|x| match values.iter().position(|v| *v == x) {
-            Some(i) => i,
-            None => {
-                values.push(x);
-                values.len() - 1
-            }
-        })
-        .collect();
-    (values, index)
-}
-
-impl GroupFrozen {
-    /// Stacks `layers` (all of one shape), verifier layers `ids`.
-    ///
-    /// # Panics
-    /// When the layers differ in heads, KV heads, head width, score scale or whether they
-    /// norm values (f_θ groups layers by KV width, which fixes these in Gemma 3 and 4).
-    pub fn new(ids: Vec<usize>, layers: Vec<LayerFrozen>) -> Self {
-        let f = &layers[0];
-        assert!(
-            layers.iter().all(|l| (l.heads, l.kv_heads, l.head_dim)
-                == (f.heads, f.kv_heads, f.head_dim)
-                && l.scale == f.scale
-                && l.v_norm.is_some() == f.v_norm.is_some()),
-            "f_θ's loss stacks only layers of one attention shape"
-        );
-        let hd = f.head_dim;
-        let stack = |pick: &dyn Fn(&LayerFrozen) -> Tensor<1>| {
-            Tensor::stack::<2>(layers.iter().map(pick).collect(), 0).reshape([
-                layers.len(),
-                1,
-                1,
-                hd,
-            ])
-        };
-        let q_scale = stack(&|l| l.q_norm.scale.clone());
-        let k_scale = stack(&|l| l.k_norm.scale.clone());
-        let v_scale = f.v_norm.as_ref().map(|_| {
-            stack(&|l| {
-                l.v_norm
-                    .as_ref()
-                    .expect("every member norms values")
-                    .scale
-                    .clone()
-            })
-        });
-        let o_proj_t = Tensor::stack::<3>(
-            layers
-                .iter()
-                .map(|l| l.o_proj.clone().transpose())
-                .collect(),
-            0,
-        );
-        let (windows, window_of) = distinct(layers.iter().map(|l| l.window));
-        let (ropes, rope_of) = distinct(layers.iter().map(|l| l.rope.clone()));
-        Self {
-            ids,
-            layers,
-            q_scale,
-            k_scale,
-            v_scale,
-            o_proj_t,
-            windows,
-            window_of,
-            ropes,
-            rope_of,
-        }
-    }
-
-    fn first(&self) -> &LayerFrozen {
-        &self.layers[0]
-    }
-
-    /// `[L, n, width]` → `[L, n, heads, head_dim]`.
-    fn head_vectors(&self, x: Tensor<3>, heads: usize) -> Tensor<4> {
-        let [l, n, _] = x.dims();
-        x.reshape([l, n, heads, self.first().head_dim])
-    }
-
-    /// RMSNorm of head vectors with each member's multiplier.
-    fn norm(x: Tensor<4>, scale: &Tensor<4>, eps: f64) -> Tensor<4> {
-        // `scale` is `[L, 1, 1, d]`; head vectors here are `[L, n, heads, d]`.
-        RmsNorm::normalize(x, eps) * scale.clone()
-    }
-
-    fn keys_normed(&self, hk: Tensor<4>) -> Tensor<4> {
-        Self::norm(hk, &self.k_scale, self.first().k_norm.eps)
-    }
-
-    /// Value head vectors as attention reads them (v_norm where the model has one).
-    fn values(&self, hv: Tensor<4>) -> Tensor<4> {
-        match (&self.v_scale, &self.first().v_norm) {
-            (Some(s), Some(n)) => Self::norm(hv, s, n.eps),
-            _ => hv,
-        }
-    }
-
-    /// Each member's RoPE tables at `positions`, `[L, 1, T, d/2]` each.
-    fn tables(&self, positions: &[usize], device: &Device) -> (Tensor<4>, Tensor<4>) {
-        let (cos, sin): (Vec<Tensor<2>>, Vec<Tensor<2>>) = self
-            .ropes
-            .iter()
-            .map(|r| r.tables(positions, device))
-            .unzip();
-        let pick = |t: Vec<Tensor<2>>| {
-            let all = Tensor::stack::<3>(t, 0);
-            let [_, n, h] = all.dims();
-            let idx = index(&self.rope_of, device);
-            all.select(0, idx).reshape([self.layers.len(), 1, n, h])
-        };
-        (pick(cos), pick(sin))
-    }
-
-    /// Each member's additive mask of queries at `q_pos` over keys `0..n`, rows group-major
-    /// as [`grouped_attention`] reads them: `[L · kv_heads, G · nq, n]`.
-    fn mask(&self, q_pos: &[usize], n: usize, device: &Device) -> Tensor<3> {
-        let f = self.first();
-        let groups = f.heads / f.kv_heads;
-        let nq = q_pos.len();
-        let mut all = Vec::with_capacity(self.windows.len() * groups * nq * n);
-        for &w in &self.windows {
-            let probe = LayerFrozen {
-                window: w,
-                ..f.clone()
-            };
-            let row: Vec<f32> = q_pos
-                .iter()
-                .flat_map(|&p| (0..n).map(move |j| (p, j)))
-                .map(|(p, j)| if probe.visible(p, j) { 0.0 } else { MASKED })
-                .collect();
-            for _ in 0..groups {
-                all.extend_from_slice(&row);
-            }
-        }
-        let kinds = Tensor::<3>::from_data(
-            TensorData::new(all, [self.windows.len(), groups * nq, n]),
-            device,
-        );
-        let per_head: Vec<usize> = self
-            .window_of
-            .iter()
-            .flat_map(|&w| std::iter::repeat_n(w, f.kv_heads))
-            .collect();
-        kinds.select(0, index(&per_head, device))
-    }
-
-    /// Every member's attention output (after o_proj) at `q_pos` over keys/values at
-    /// positions `0..n`.
-    ///
-    /// # Shapes
-    /// - `q_raw`: `[L, nq, heads · head_dim]`; `k_raw`, `v_raw`: `[L, n, kv_heads · head_dim]`
-    /// - returns `[L, nq, hidden]`
-    pub fn attention(
-        &self,
-        q_raw: Tensor<3>,
-        q_pos: &[usize],
-        k_raw: Tensor<3>,
-        v_raw: Tensor<3>,
-    ) -> Tensor<3> {
-        let device = q_raw.device();
-        let f = self.first();
-        let (l, hd) = (self.layers.len(), f.head_dim);
-        let [_, n, _] = k_raw.dims();
-        let nq = q_pos.len();
-        let k_pos: Vec<usize> = (0..n).collect();
-        let (qc, qs) = self.tables(q_pos, &device);
-        let (kc, ks) = self.tables(&k_pos, &device);
-        let q = Self::norm(
-            self.head_vectors(q_raw, f.heads),
-            &self.q_scale,
-            f.q_norm.eps,
-        )
-        .swap_dims(1, 2);
-        let k = self
-            .keys_normed(self.head_vectors(k_raw, f.kv_heads))
-            .swap_dims(1, 2);
-        let v = self
-            .values(self.head_vectors(v_raw, f.kv_heads))
-            .swap_dims(1, 2);
-        let q = Rope::rotate(q, qc, qs).reshape([l * f.heads, nq, hd]);
-        let k = Rope::rotate(k, kc, ks).reshape([l * f.kv_heads, n, hd]);
-        let v = v.reshape([l * f.kv_heads, n, hd]);
-        let mask = self.mask(q_pos, n, &device);
-        grouped_attention(q, k, v, f.scale, Some(mask))
-            .reshape([nq, l, f.heads * hd])
-            .swap_dims(0, 1)
-            .matmul(self.o_proj_t.clone())
-    }
-}
-
-fn index(ids: &[usize], device: &Device) -> Tensor<1, Int> {
-    let ids: Vec<i64> = ids.iter().map(|&i| i as i64).collect();
-    Tensor::from_data(TensorData::new(ids.clone(), [ids.len()]), device)
-}
-
 /// One layer's true tensors for a sequence.
 #[derive(Debug, Clone)]
 pub struct LayerTargets {
@@ -427,21 +143,74 @@ impl TargetScales {
     }
 }
 
-/// The true tensors of a group's layers for one sequence, stacked.
+/// Where the rows of a batch of sequences come from: each key row's sequence and position,
+/// each query's.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Rows {
+    /// Sequence (index in the batch) of each key row.
+    pub k_seq: Vec<usize>,
+    /// Position of each key row in its sequence.
+    pub k_pos: Vec<usize>,
+    /// Sequence of each query.
+    pub q_seq: Vec<usize>,
+    /// Position of each query in its sequence.
+    pub q_pos: Vec<usize>,
+}
+
+impl Rows {
+    /// One sequence of `n` positions with queries at `q_pos`.
+    pub fn one(n: usize, q_pos: &[usize]) -> Self {
+        Self {
+            k_seq: vec![0; n],
+            k_pos: (0..n).collect(),
+            q_seq: vec![0; q_pos.len()],
+            q_pos: q_pos.to_vec(),
+        }
+    }
+
+    /// Appends a sequence of `n` positions with queries at `q_pos`.
+    pub fn push(&mut self, n: usize, q_pos: &[usize]) {
+        let s = self.k_seq.last().map_or(0, |&x| x + 1);
+        self.k_seq.extend(std::iter::repeat_n(s, n));
+        self.k_pos.extend(0..n);
+        self.q_seq.extend(std::iter::repeat_n(s, q_pos.len()));
+        self.q_pos.extend_from_slice(q_pos);
+    }
+
+    fn sequences(&self) -> usize {
+        self.k_seq.last().map_or(0, |&x| x + 1)
+    }
+}
+
+/// Which target constant a weighted mean is relative to.
+#[derive(Debug, Clone, Copy)]
+enum Relative {
+    /// None: a plain mean.
+    No,
+    /// `mean(|K_h|²)`.
+    KeyHeads,
+    /// `mean(|V_h|²)`.
+    ValueHeads,
+    /// `mean(O_tgt²)`.
+    Outputs,
+}
+
+/// The true tensors of a group's layers for a batch of sequences (their rows one after the
+/// other), stacked by layer.
 #[derive(Debug, Clone)]
 pub struct GroupTargets {
-    /// Raw queries at `q_pos`, `[L, nq, heads · head_dim]` (attention losses only).
+    /// Raw queries, `[L, Q, heads · head_dim]` (attention losses only).
     pub q_raw: Option<Tensor<3>>,
-    /// Query positions.
-    pub q_pos: Vec<usize>,
-    /// Raw keys at positions `0..n`, `[L, n, kv_heads · head_dim]`.
+    /// Raw keys, `[L, R, kv_heads · head_dim]`.
     pub k: Tensor<3>,
-    /// Raw values, `[L, n, kv_heads · head_dim]`.
+    /// Raw values, `[L, R, kv_heads · head_dim]`.
     pub v: Tensor<3>,
-    /// Attention outputs at `q_pos`, `[L, nq, hidden]` (attention losses only).
+    /// Attention outputs at the queries, `[L, Q, hidden]` (attention losses only).
     pub o: Option<Tensor<3>>,
-    /// Host constants of the targets.
-    pub scales: TargetScales,
+    /// Which sequence and position each row and query is.
+    pub rows: Rows,
+    /// Host constants of each sequence's targets.
+    pub scales: Vec<TargetScales>,
 }
 
 impl GroupTargets {
@@ -454,17 +223,45 @@ impl GroupTargets {
         scales.push(&host(&tg.k), &host(&tg.v), o.as_deref(), head_dim);
         Self {
             q_raw: tg.q_raw.clone().map(|q| q.unsqueeze()),
-            q_pos: tg.q_pos.clone(),
             k: tg.k.clone().unsqueeze(),
             v: tg.v.clone().unsqueeze(),
             o: tg.o.clone().map(|o| o.unsqueeze()),
-            scales,
+            rows: Rows::one(tg.k.dims()[0], &tg.q_pos),
+            scales: vec![scales],
         }
+    }
+
+    /// Per row (`of`: each row's sequence), `1 / (rows of its sequence · c)` with `c` the
+    /// sequence's constant of layer `l` that `relative` names (or 1): `[L, R]` weights that make a weighted
+    /// sum over rows the sum over sequences of per-sequence means (of relative values).
+    fn weights(&self, of: &[usize], c: Relative) -> Tensor<2> {
+        let layers = self.k.dims()[0];
+        let mut count = vec![0usize; self.rows.sequences()];
+        for &s in of {
+            count[s] += 1;
+        }
+        let count = &count;
+        let w: Vec<f32> = (0..layers)
+            .flat_map(|l| {
+                of.iter().map(move |&s| {
+                    let sc = &self.scales[s];
+                    let k = match c {
+                        Relative::No => 1.0,
+                        Relative::KeyHeads => sc.k_hsq[l],
+                        Relative::ValueHeads => sc.v_hsq[l],
+                        Relative::Outputs => sc.o_sq[l],
+                    }
+                    .max(1e-30);
+                    (1.0 / (count[s] as f64 * k)) as f32
+                })
+            })
+            .collect();
+        Tensor::from_data(TensorData::new(w, [layers, of.len()]), &self.k.device())
     }
 }
 
-/// A group's loss terms, one entry per member layer (`[L]`, differentiable in K̂/V̂), and the
-/// constants that normalise them.
+/// A group's loss terms, one entry per member layer (`[L]`, differentiable in K̂/V̂): each
+/// the sum over the batch's sequences of the per-sequence mean (one sequence: the mean).
 #[derive(Debug, Clone)]
 pub struct Terms {
     /// `mean((K̂−K)²)`.
@@ -489,37 +286,34 @@ pub struct Terms {
     pub vmag: Tensor<1>,
     /// `mean((O − O_tgt)²)` (attention losses only).
     pub mse_o: Option<Tensor<1>>,
-    /// The targets' constants.
-    pub scales: TargetScales,
+    /// `mse_o / mean(O_tgt²)` (attention losses only).
+    pub mse_o_rel: Option<Tensor<1>>,
+    /// Each sequence's target constants.
+    pub scales: Vec<TargetScales>,
 }
 
-/// Each layer's mean of `x` (`[L, ...]` → `[L]`).
-fn per_layer_mean<const D: usize>(x: Tensor<D>) -> Tensor<1> {
-    let l = x.dims()[0];
-    let rest = x.shape().num_elements() / l.max(1);
-    x.reshape([l, rest]).mean_dim(1).reshape([l])
+/// `Σ_r w[l, r] · mean(x[l, r, ...])`: `x` `[L, R, ...]`, `w` `[L, R]` → `[L]`.
+fn weighted<const D: usize>(x: Tensor<D>, w: &Tensor<2>) -> Tensor<1> {
+    let [l, r] = [x.dims()[0], x.dims()[1]];
+    let rest = x.shape().num_elements() / (l * r).max(1);
+    (x.reshape([l, r, rest]).mean_dim(2).reshape([l, r]) * w.clone())
+        .sum_dim(1)
+        .reshape([l])
 }
 
+/// Per head vector, `sqrt(Σx² + 1e-12)`: `[L, R, heads, d]` → `[L, R, heads, 1]`.
 fn norms(x: Tensor<4>) -> Tensor<4> {
     x.square().sum_dim(3).add_scalar(NORM_EPS).sqrt()
 }
 
-fn one_minus_cos(a: Tensor<4>, b: Tensor<4>) -> Tensor<1> {
+/// Per head vector, `1 − cos(a, b)`: `[L, R, heads, d]` → `[L, R, heads, 1]`.
+fn one_minus_cos(a: Tensor<4>, b: Tensor<4>) -> Tensor<4> {
     let dot = (a.clone() * b.clone()).sum_dim(3);
-    let c = dot / (norms(a) * norms(b));
-    per_layer_mean(c.neg().add_scalar(1.0))
-}
-
-/// `x / c` per layer for host constants `c` (floored at 1e-30).
-fn per_layer_div(x: Tensor<1>, c: &[f64]) -> Tensor<1> {
-    let inv: Vec<f32> = c.iter().map(|&v| (1.0 / v.max(1e-30)) as f32).collect();
-    let n = inv.len();
-    let device = x.device();
-    x * Tensor::<1>::from_data(TensorData::new(inv, [n]), &device)
+    (dot / (norms(a) * norms(b))).neg().add_scalar(1.0)
 }
 
 /// The loss terms of a group's layers from predicted raw `k_hat`, `v_hat`
-/// (`[L, n, kv_heads · head_dim]`).
+/// (`[L, R, kv_heads · head_dim]`, the rows of `tg`).
 pub fn group_terms(
     fr: &GroupFrozen,
     tg: &GroupTargets,
@@ -527,29 +321,41 @@ pub fn group_terms(
     v_hat: Tensor<3>,
 ) -> Terms {
     let kvh = fr.first().kv_heads;
+    let rows = tg.weights(&tg.rows.k_seq, Relative::No);
+    let mean = |x: Tensor<4>| weighted(x, &rows);
     let hk = fr.head_vectors(k_hat.clone(), kvh);
     let hv = fr.head_vectors(v_hat.clone(), kvh);
     let tk = fr.head_vectors(tg.k.clone(), kvh);
     let tv = fr.head_vectors(tg.v.clone(), kvh);
-    let mse_k = per_layer_mean((k_hat.clone() - tg.k.clone()).square());
-    let mse_v = per_layer_mean((v_hat.clone() - tg.v.clone()).square());
-    let cos_k = one_minus_cos(hk.clone(), tk.clone());
-    let cos_v = one_minus_cos(hv.clone(), tv.clone());
-    let mag_k = per_layer_mean((norms(hk.clone()) - norms(tk.clone())).square());
-    let mag_v = per_layer_mean((norms(hv.clone()) - norms(tv.clone())).square());
-    let kdir = one_minus_cos(fr.keys_normed(hk), fr.keys_normed(tk));
+    let mse_k = weighted((k_hat.clone() - tg.k.clone()).square(), &rows);
+    let mse_v = weighted((v_hat.clone() - tg.v.clone()).square(), &rows);
+    let cos_k = mean(one_minus_cos(hk.clone(), tk.clone()));
+    let cos_v = mean(one_minus_cos(hv.clone(), tv.clone()));
+    let dk = (norms(hk.clone()) - norms(tk.clone())).square();
+    let dv = (norms(hv.clone()) - norms(tv.clone())).square();
+    let kmag = weighted(dk.clone(), &tg.weights(&tg.rows.k_seq, Relative::KeyHeads));
+    let vmag = weighted(
+        dv.clone(),
+        &tg.weights(&tg.rows.k_seq, Relative::ValueHeads),
+    );
+    let (mag_k, mag_v) = (mean(dk), mean(dv));
+    let kdir = mean(one_minus_cos(fr.keys_normed(hk), fr.keys_normed(tk)));
     let vdir = match fr.v_scale {
-        Some(_) => one_minus_cos(fr.values(hv), fr.values(tv)),
+        Some(_) => mean(one_minus_cos(fr.values(hv), fr.values(tv))),
         None => cos_v.clone(),
     };
-    let kmag = per_layer_div(mag_k.clone(), &tg.scales.k_hsq);
-    let vmag = per_layer_div(mag_v.clone(), &tg.scales.v_hsq);
-    let mse_o = match (&tg.q_raw, &tg.o) {
+    let (mse_o, mse_o_rel) = match (&tg.q_raw, &tg.o) {
         (Some(q), Some(o)) => {
-            let out = fr.attention(q.clone(), &tg.q_pos, k_hat, v_hat);
-            Some(per_layer_mean((out - o.clone()).square()))
+            let out = fr.attention(q.clone(), &tg.rows, k_hat, v_hat);
+            let err = (out - o.clone()).square();
+            let per_query = tg.weights(&tg.rows.q_seq, Relative::No);
+            let relative = tg.weights(&tg.rows.q_seq, Relative::Outputs);
+            (
+                Some(weighted(err.clone(), &per_query)),
+                Some(weighted(err, &relative)),
+            )
         }
-        _ => None,
+        _ => (None, None),
     };
     Terms {
         mse_k,
@@ -563,6 +369,7 @@ pub fn group_terms(
         kmag,
         vmag,
         mse_o,
+        mse_o_rel,
         scales: tg.scales.clone(),
     }
 }
@@ -591,12 +398,12 @@ pub fn layer_loss(kind: LossKind, l: &Lambdas, normalize_attention: bool, t: &Te
     let mse = || t.mse_k.clone() + t.mse_v.clone();
     let cos_mag = || t.cos_k.clone() + t.mag_k.clone() + t.cos_v.clone() + t.mag_v.clone();
     let mse_o = || {
-        let m = t.mse_o.clone().expect("attention terms were computed");
-        if normalize_attention {
-            per_layer_div(m, &t.scales.o_sq)
+        let m = if normalize_attention {
+            &t.mse_o_rel
         } else {
-            m
-        }
+            &t.mse_o
+        };
+        m.clone().expect("attention terms were computed")
     };
     match kind {
         LossKind::Mse => mse(),
@@ -645,15 +452,23 @@ fn host(t: &Tensor<1>) -> Vec<f64> {
 
 impl Terms {
     /// Each member layer's diagnostics (`mse_o_ratio` is 0 without attention targets).
+    ///
+    /// # Panics
+    /// When the terms cover several sequences (the relative MSEs are per-sequence figures).
     pub fn diagnostics(&self) -> Vec<Diagnostics> {
+        assert_eq!(
+            self.scales.len(),
+            1,
+            "diagnostics are of one sequence's terms"
+        );
         let (kdir, vdir) = (host(&self.kdir), host(&self.vdir));
         let (kmag, vmag) = (host(&self.kmag), host(&self.vmag));
         let (mse_k, mse_v) = (host(&self.mse_k), host(&self.mse_v));
-        let mse_o = self.mse_o.as_ref().map(host);
-        let s = &self.scales;
+        let mse_o_rel = self.mse_o_rel.as_ref().map(host);
+        let s = &self.scales[0];
         (0..kdir.len())
             .map(|i| Diagnostics {
-                mse_o_ratio: mse_o.as_ref().map_or(0.0, |m| m[i] / s.o_sq[i].max(1e-30)),
+                mse_o_ratio: mse_o_rel.as_ref().map_or(0.0, |m| m[i]),
                 kdir: kdir[i],
                 vdir: vdir[i],
                 kmag: kmag[i],

@@ -3,6 +3,7 @@
 
 pub mod config;
 pub mod data;
+pub mod frozen;
 pub mod loss;
 pub mod lstsq;
 pub mod params;

@@ -11,7 +11,7 @@ use rand::{Rng, SeedableRng};
 
 use super::config::FThetaTrainConfig;
 use super::data::SeqData;
-use super::loss::{Diagnostics, GroupTargets, TargetScales, group_terms, layer_loss};
+use super::loss::{Diagnostics, GroupTargets, Rows, TargetScales, group_terms, layer_loss};
 pub use super::loss::{GroupFrozen, LayerFrozen};
 use super::params::FThetaParams;
 use super::train::FEval;
@@ -43,7 +43,7 @@ fn evenly(len: usize, count: usize) -> Vec<usize> {
     q
 }
 
-fn rows(data: &[f32], width: usize, pick: &[usize]) -> Vec<f32> {
+fn rows_of(data: &[f32], width: usize, pick: &[usize]) -> Vec<f32> {
     let mut out = Vec::with_capacity(pick.len() * width);
     for &r in pick {
         out.extend_from_slice(&data[r * width..(r + 1) * width]);
@@ -61,55 +61,64 @@ fn stacked(data: Vec<f32>, layers: usize, rows: usize, device: &Device) -> Tenso
     Tensor::from_data(TensorData::new(data, [layers, rows, cols]), device)
 }
 
-/// One group's targets for a sequence: each tensor one upload, the constants from the host
-/// data.
+/// One group's targets for a batch of sequences (`q_pos[i]`: the queries of `batch[i]`), their
+/// rows one after the other: each tensor one upload, the constants from the host data.
 fn targets(
-    s: &SeqData,
+    batch: &[&SeqData],
     g: &GroupFrozen,
-    q_pos: &[usize],
+    q_pos: &[Vec<usize>],
     attention: bool,
     device: &Device,
 ) -> GroupTargets {
-    let (l, nq) = (g.ids.len(), q_pos.len());
     let (mut k, mut v, mut q, mut o) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let mut scales = TargetScales::default();
-    for (&id, fr) in g.ids.iter().zip(&g.layers) {
-        let d = &s.layers[id];
-        k.extend_from_slice(&d.k);
-        v.extend_from_slice(&d.v);
-        let o_rows = attention.then(|| rows(&d.o, d.o.len() / s.len, q_pos));
-        if attention {
-            q.extend(rows(&d.q, d.q.len() / s.len, q_pos));
-        }
-        scales.push(&d.k, &d.v, o_rows.as_deref(), fr.head_dim);
-        o.extend(o_rows.unwrap_or_default());
+    let mut rows = Rows::default();
+    for (s, qp) in batch.iter().zip(q_pos) {
+        rows.push(s.len, qp);
     }
+    let mut scales = vec![TargetScales::default(); batch.len()];
+    for (&id, fr) in g.ids.iter().zip(&g.layers) {
+        for ((s, qp), sc) in batch.iter().zip(q_pos).zip(&mut scales) {
+            let d = &s.layers[id];
+            k.extend_from_slice(&d.k);
+            v.extend_from_slice(&d.v);
+            let o_rows = attention.then(|| rows_of(&d.o, d.o.len() / s.len, qp));
+            if attention {
+                q.extend(rows_of(&d.q, d.q.len() / s.len, qp));
+            }
+            sc.push(&d.k, &d.v, o_rows.as_deref(), fr.head_dim);
+            o.extend(o_rows.unwrap_or_default());
+        }
+    }
+    let (l, r, nq) = (g.ids.len(), rows.k_pos.len(), rows.q_pos.len());
     GroupTargets {
         q_raw: attention.then(|| stacked(q, l, nq, device)),
-        q_pos: q_pos.to_vec(),
-        k: stacked(k, l, s.len, device),
-        v: stacked(v, l, s.len, device),
+        k: stacked(k, l, r, device),
+        v: stacked(v, l, r, device),
         o: attention.then(|| stacked(o, l, nq, device)),
+        rows,
         scales,
     }
 }
 
-/// The sum over the layers of one sequence's per-layer losses (f_θ's decoders of a width
-/// group in one product, their terms in one pass), and each layer's diagnostics (by layer
-/// index) when asked.
+/// The sum over the layers of the per-layer losses of a batch of sequences, each term the sum
+/// over the sequences of its per-sequence mean (f_θ's decoders of a width group in one
+/// product, a group's terms over every sequence in one pass), and each layer's diagnostics (by
+/// layer index; one sequence only) when asked.
 fn sequence_loss(
     model: &FTheta,
     groups: &[GroupFrozen],
-    s: &SeqData,
+    batch: &[&SeqData],
     tgs: &[GroupTargets],
     cfg: &FThetaTrainConfig,
     device: &Device,
     diagnostics: bool,
 ) -> (Tensor<1>, Vec<(usize, Diagnostics)>) {
-    let (xk, xv) = model.inputs(
-        tensor(s.dk.clone(), s.len, device),
-        tensor(s.dv.clone(), s.len, device),
-    );
+    let rows: usize = batch.iter().map(|s| s.len).sum();
+    let side = |pick: &dyn Fn(&SeqData) -> &[f32]| {
+        let all: Vec<f32> = batch.iter().flat_map(|s| pick(s).iter().copied()).collect();
+        tensor(all, rows, device)
+    };
+    let (xk, xv) = model.inputs(side(&|s| &s.dk), side(&|s| &s.dv));
     let zk = model.k.encode(xk);
     let zv = model.v.encode(xv);
     let mut total: Option<Tensor<1>> = None;
@@ -225,21 +234,47 @@ pub fn batch_loss(
     t: usize,
     device: &Device,
 ) -> Tensor<1> {
+    batch_loss_in(model, frozen, batch, cfg, t, device, at_once(device))
+}
+
+/// How many of a step's sequences [`batch_loss`] runs in one pass: all of them on a GPU,
+/// where a pass is bound by its number of launches; one at a time on the CPU, where a joint
+/// pass would only add the masked-out cross-sequence attention scores.
+pub fn at_once(device: &Device) -> usize {
+    if kakeya_models::gpu::is_gpu(device) {
+        usize::MAX
+    } else {
+        1
+    }
+}
+
+/// [`batch_loss`] with `at_once` sequences per pass (the value is the same up to f32
+/// rounding whatever `at_once` is).
+pub fn batch_loss_in(
+    model: &FTheta,
+    frozen: &[GroupFrozen],
+    batch: &[SeqData],
+    cfg: &FThetaTrainConfig,
+    t: usize,
+    device: &Device,
+    at_once: usize,
+) -> Tensor<1> {
     let attention = cfg.loss.kind.needs_attention();
     let mut total: Option<Tensor<1>> = None;
-    for s in batch {
-        let q = queries(
-            cfg.train.seed,
-            t,
-            s.seq,
-            s.len,
-            cfg.loss.queries_per_sequence,
-        );
+    for part in batch.chunks(at_once.max(1)) {
+        let part: Vec<&SeqData> = part.iter().collect();
+        let q: Vec<Vec<usize>> = part
+            .iter()
+            .map(|s| {
+                let n = cfg.loss.queries_per_sequence;
+                queries(cfg.train.seed, t, s.seq, s.len, n)
+            })
+            .collect();
         let tgs: Vec<GroupTargets> = frozen
             .iter()
-            .map(|g| targets(s, g, &q, attention, device))
+            .map(|g| targets(&part, g, &q, attention, device))
             .collect();
-        let (l, _) = sequence_loss(model, frozen, s, &tgs, cfg, device, false);
+        let (l, _) = sequence_loss(model, frozen, &part, &tgs, cfg, device, false);
         total = Some(match total {
             Some(x) => x + l,
             None => l,
@@ -339,7 +374,7 @@ pub fn evaluate(
         let attention = cfg.loss.kind.needs_attention();
         let tgs: Vec<GroupTargets> = frozen
             .iter()
-            .map(|g| targets(s, g, &q, attention, &device))
+            .map(|g| targets(&[s], g, std::slice::from_ref(&q), attention, &device))
             .collect();
         let (l, diags) = if oracle {
             let mut diags = Vec::new();
@@ -360,7 +395,7 @@ pub fn evaluate(
             }
             (total / layers as f64, diags)
         } else {
-            let (l, d) = sequence_loss(model, frozen, s, &tgs, cfg, &device, true);
+            let (l, d) = sequence_loss(model, frozen, &[s], &tgs, cfg, &device, true);
             (f64::from(l.into_scalar::<f32>()) / layers as f64, d)
         };
         loss += l;

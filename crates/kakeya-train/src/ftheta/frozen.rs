@@ -1,0 +1,301 @@
+//! The verifier's frozen attention pieces that f_θ's attention loss runs through: one layer's
+//! ([`LayerFrozen`]) and those of layers of one shape stacked along a leading layer axis
+//! ([`GroupFrozen`]), whose attention serves every member layer and every sequence of a batch
+//! in one pass.
+
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use kakeya_models::gemma3::attention::Attention;
+use kakeya_models::norm::RmsNorm;
+use kakeya_models::rope::Rope;
+use kakeya_models::sdpa::grouped_attention;
+use kakeya_weights::AttentionKind;
+
+use super::loss::Rows;
+
+/// Masked-out score (large and finite, so that gradients through softmax stay finite).
+const MASKED: f32 = -1e9;
+
+/// The verifier's frozen pieces of one layer's attention.
+#[derive(Debug, Clone)]
+pub struct LayerFrozen {
+    /// Per-head query RMSNorm (Gemma's `1 + w` multiplier).
+    pub q_norm: RmsNorm,
+    /// Per-head key RMSNorm.
+    pub k_norm: RmsNorm,
+    /// Gemma 4's weightless per-head value RMSNorm (`None`: Gemma 3, values as projected).
+    pub v_norm: Option<RmsNorm>,
+    /// `o_proj` weight, `[hidden, heads · head_dim]`.
+    pub o_proj: Tensor<2>,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Head width.
+    pub head_dim: usize,
+    /// Score scale.
+    pub scale: f64,
+    /// Sliding window (`None`: global, causal only).
+    pub window: Option<usize>,
+    /// This layer's RoPE.
+    pub rope: Rope,
+}
+
+impl LayerFrozen {
+    /// Copies a verifier layer's attention weights onto `device` (its autodiff twin when
+    /// training; they never require gradients).
+    pub fn from_attention(a: &Attention, device: &Device) -> Self {
+        let to1 = |t: &Tensor<1>| Tensor::<1>::from_data(t.to_data(), device);
+        let copy = |n: &RmsNorm| RmsNorm {
+            scale: to1(&n.scale),
+            eps: n.eps,
+        };
+        Self {
+            q_norm: copy(&a.q_norm),
+            k_norm: copy(&a.k_norm),
+            v_norm: a.v_norm.as_ref().map(copy),
+            o_proj: Tensor::from_data(a.o_proj.weight.to_data(), device),
+            heads: a.heads,
+            kv_heads: a.kv_heads,
+            head_dim: a.head_dim,
+            scale: a.scale,
+            window: (a.kind == AttentionKind::Sliding).then_some(a.window),
+            rope: a.rope.clone(),
+        }
+    }
+
+    /// Whether this is a global (full-attention) layer.
+    pub fn is_global(&self) -> bool {
+        self.window.is_none()
+    }
+
+    fn visible(&self, q: usize, k: usize) -> bool {
+        k <= q && self.window.is_none_or(|w| q - k < w)
+    }
+}
+
+/// The frozen attention pieces of layers of one shape (heads, head width, score scale),
+/// stacked along a leading layer axis so that one launch serves them all.
+#[derive(Debug, Clone)]
+pub struct GroupFrozen {
+    /// The members' verifier layer indices.
+    pub ids: Vec<usize>,
+    /// The members, in order.
+    pub layers: Vec<LayerFrozen>,
+    /// Query/key/value norm multipliers, `[L, 1, 1, head_dim]` (values: `None` without a
+    /// v_norm).
+    q_scale: Tensor<4>,
+    k_scale: Tensor<4>,
+    pub(super) v_scale: Option<Tensor<4>>,
+    /// `o_projᵀ` of each member, `[L, heads · head_dim, hidden]`.
+    o_proj_t: Tensor<3>,
+    /// Distinct windows and RoPEs of the members, and each member's index into them.
+    windows: Vec<Option<usize>>,
+    window_of: Vec<usize>,
+    ropes: Vec<Rope>,
+    rope_of: Vec<usize>,
+}
+
+/// The distinct values of `items` (first-appearance order) and each item's index into them.
+fn distinct<T: PartialEq + Clone>(items: impl Iterator<Item = T>) -> (Vec<T>, Vec<usize>) {
+    let mut values: Vec<T> = Vec::new();
+    let index = items
+        .map(|x| match values.iter().position(|v| *v == x) {
+            Some(i) => i,
+            None => {
+                values.push(x);
+                values.len() - 1
+            }
+        })
+        .collect();
+    (values, index)
+}
+
+impl GroupFrozen {
+    /// Stacks `layers` (all of one shape), verifier layers `ids`.
+    ///
+    /// # Panics
+    /// When the layers differ in heads, KV heads, head width, score scale or whether they
+    /// norm values (f_θ groups layers by KV width, which fixes these in Gemma 3 and 4).
+    pub fn new(ids: Vec<usize>, layers: Vec<LayerFrozen>) -> Self {
+        let f = &layers[0];
+        assert!(
+            layers.iter().all(|l| (l.heads, l.kv_heads, l.head_dim)
+                == (f.heads, f.kv_heads, f.head_dim)
+                && l.scale == f.scale
+                && l.v_norm.is_some() == f.v_norm.is_some()),
+            "f_θ's loss stacks only layers of one attention shape"
+        );
+        let hd = f.head_dim;
+        let stack = |pick: &dyn Fn(&LayerFrozen) -> Tensor<1>| {
+            Tensor::stack::<2>(layers.iter().map(pick).collect(), 0).reshape([
+                layers.len(),
+                1,
+                1,
+                hd,
+            ])
+        };
+        let q_scale = stack(&|l| l.q_norm.scale.clone());
+        let k_scale = stack(&|l| l.k_norm.scale.clone());
+        let v_scale = f.v_norm.as_ref().map(|_| {
+            stack(&|l| {
+                l.v_norm
+                    .as_ref()
+                    .expect("every member norms values")
+                    .scale
+                    .clone()
+            })
+        });
+        let o_proj_t = Tensor::stack::<3>(
+            layers
+                .iter()
+                .map(|l| l.o_proj.clone().transpose())
+                .collect(),
+            0,
+        );
+        let (windows, window_of) = distinct(layers.iter().map(|l| l.window));
+        let (ropes, rope_of) = distinct(layers.iter().map(|l| l.rope.clone()));
+        Self {
+            ids,
+            layers,
+            q_scale,
+            k_scale,
+            v_scale,
+            o_proj_t,
+            windows,
+            window_of,
+            ropes,
+            rope_of,
+        }
+    }
+
+    pub(super) fn first(&self) -> &LayerFrozen {
+        &self.layers[0]
+    }
+
+    /// `[L, n, width]` → `[L, n, heads, head_dim]`.
+    pub(super) fn head_vectors(&self, x: Tensor<3>, heads: usize) -> Tensor<4> {
+        let [l, n, _] = x.dims();
+        x.reshape([l, n, heads, self.first().head_dim])
+    }
+
+    /// RMSNorm of head vectors with each member's multiplier.
+    fn norm(x: Tensor<4>, scale: &Tensor<4>, eps: f64) -> Tensor<4> {
+        // `scale` is `[L, 1, 1, d]`; head vectors here are `[L, n, heads, d]`.
+        RmsNorm::normalize(x, eps) * scale.clone()
+    }
+
+    pub(super) fn keys_normed(&self, hk: Tensor<4>) -> Tensor<4> {
+        Self::norm(hk, &self.k_scale, self.first().k_norm.eps)
+    }
+
+    /// Value head vectors as attention reads them (v_norm where the model has one).
+    pub(super) fn values(&self, hv: Tensor<4>) -> Tensor<4> {
+        match (&self.v_scale, &self.first().v_norm) {
+            (Some(s), Some(n)) => Self::norm(hv, s, n.eps),
+            _ => hv,
+        }
+    }
+
+    /// Each member's RoPE tables at `positions`, `[L, 1, T, d/2]` each.
+    fn tables(&self, positions: &[usize], device: &Device) -> (Tensor<4>, Tensor<4>) {
+        let (cos, sin): (Vec<Tensor<2>>, Vec<Tensor<2>>) = self
+            .ropes
+            .iter()
+            .map(|r| r.tables(positions, device))
+            .unzip();
+        let pick = |t: Vec<Tensor<2>>| {
+            let all = Tensor::stack::<3>(t, 0);
+            let [_, n, h] = all.dims();
+            let idx = index(&self.rope_of, device);
+            all.select(0, idx).reshape([self.layers.len(), 1, n, h])
+        };
+        (pick(cos), pick(sin))
+    }
+
+    /// Each member's additive mask of the queries over the keys of `rows` (a query sees the
+    /// keys of its own sequence its layer's mask lets through), rows group-major as
+    /// [`grouped_attention`] reads them: `[L · kv_heads, G · Q, R]`.
+    fn mask(&self, rows: &Rows, device: &Device) -> Tensor<3> {
+        let f = self.first();
+        let groups = f.heads / f.kv_heads;
+        let (nq, n) = (rows.q_pos.len(), rows.k_pos.len());
+        let mut all = Vec::with_capacity(self.windows.len() * groups * nq * n);
+        for &w in &self.windows {
+            let probe = LayerFrozen {
+                window: w,
+                ..f.clone()
+            };
+            let row: Vec<f32> = (0..nq)
+                .flat_map(|i| (0..n).map(move |j| (i, j)))
+                .map(|(i, j)| {
+                    let same = rows.q_seq[i] == rows.k_seq[j];
+                    if same && probe.visible(rows.q_pos[i], rows.k_pos[j]) {
+                        0.0
+                    } else {
+                        MASKED
+                    }
+                })
+                .collect();
+            for _ in 0..groups {
+                all.extend_from_slice(&row);
+            }
+        }
+        let kinds = Tensor::<3>::from_data(
+            TensorData::new(all, [self.windows.len(), groups * nq, n]),
+            device,
+        );
+        let per_head: Vec<usize> = self
+            .window_of
+            .iter()
+            .flat_map(|&w| std::iter::repeat_n(w, f.kv_heads))
+            .collect();
+        kinds.select(0, index(&per_head, device))
+    }
+
+    /// Every member's attention output (after o_proj) at the queries of `rows` over the keys
+    /// and values of `rows` (each query within its own sequence).
+    ///
+    /// # Shapes
+    /// - `q_raw`: `[L, Q, heads · head_dim]`; `k_raw`, `v_raw`: `[L, R, kv_heads · head_dim]`
+    /// - returns `[L, Q, hidden]`
+    pub fn attention(
+        &self,
+        q_raw: Tensor<3>,
+        rows: &Rows,
+        k_raw: Tensor<3>,
+        v_raw: Tensor<3>,
+    ) -> Tensor<3> {
+        let device = q_raw.device();
+        let f = self.first();
+        let (l, hd) = (self.layers.len(), f.head_dim);
+        let [_, n, _] = k_raw.dims();
+        let nq = rows.q_pos.len();
+        let (qc, qs) = self.tables(&rows.q_pos, &device);
+        let (kc, ks) = self.tables(&rows.k_pos, &device);
+        let q = Self::norm(
+            self.head_vectors(q_raw, f.heads),
+            &self.q_scale,
+            f.q_norm.eps,
+        )
+        .swap_dims(1, 2);
+        let k = self
+            .keys_normed(self.head_vectors(k_raw, f.kv_heads))
+            .swap_dims(1, 2);
+        let v = self
+            .values(self.head_vectors(v_raw, f.kv_heads))
+            .swap_dims(1, 2);
+        let q = Rope::rotate(q, qc, qs).reshape([l * f.heads, nq, hd]);
+        let k = Rope::rotate(k, kc, ks).reshape([l * f.kv_heads, n, hd]);
+        let v = v.reshape([l * f.kv_heads, n, hd]);
+        let mask = self.mask(rows, &device);
+        grouped_attention(q, k, v, f.scale, Some(mask))
+            .reshape([nq, l, f.heads * hd])
+            .swap_dims(0, 1)
+            .matmul(self.o_proj_t.clone())
+    }
+}
+
+fn index(ids: &[usize], device: &Device) -> Tensor<1, Int> {
+    let ids: Vec<i64> = ids.iter().map(|&i| i as i64).collect();
+    Tensor::from_data(TensorData::new(ids.clone(), [ids.len()]), device)
+}

@@ -16,6 +16,13 @@
 #            baseline build when given, alternating, and transformers on the same weights), runs
 #            the test binaries (built with --features cuda) with KAKEYA_TEST_DEVICE=cuda, then
 #            profiles decode steps.
+#   all:     scripts/device/pack.sh all <kakeya --features cuda> <golden test binary, cuda> \
+#                [kakeya --features cuda,fusion]
+#            one run of everything a GPU session measures on the default model
+#            (run_all.sh): f_θ step time (FTHETA_DATA, default data/capture-f-theta-270m-s8:
+#            a capture of the first 8 prompts with the v2 drafter; with the fused build too),
+#            the golden test, AR and speculative decoding, the drafter's capture and step time,
+#            and transformers on the same GGUF.
 #   f-theta: scripts/device/pack.sh f-theta <kakeya --features cuda>
 #            the first shard of the f_θ capture (with a manifest for it alone) and a step-time
 #            config; run.sh times f_θ training steps.
@@ -25,11 +32,11 @@
 #   mkdir -p /tmp/x && mv .xfer/parts/pN /tmp/x/     (carry .xfer/parts/pN)
 # and last: bash .xfer/run.sh   (carry .xfer/parts/<last>, .xfer/run.sh, .xfer/unpack.sh, .xfer/payload.sha)
 set -euo pipefail
-mode=${1:?usage: pack.sh infer|profile|f-theta <kakeya built with --features cuda> [golden test binary]}
-bin=${2:?usage: pack.sh infer|profile|f-theta <kakeya built with --features cuda> [golden test binary]}
+mode=${1:?usage: pack.sh infer|profile|all|f-theta <kakeya built with --features cuda> [golden test binary]}
+bin=${2:?usage: pack.sh infer|profile|all|f-theta <kakeya built with --features cuda> [golden test binary]}
 bin=$(realpath "$bin")
 case $mode in
-infer) golden=$(realpath "${3:?infer needs the golden test binary}"); alt=${4:+$(realpath "$4")};;
+infer|all) golden=$(realpath "${3:?$mode needs the golden test binary}"); alt=${4:+$(realpath "$4")};;
 profile) base=${3:+$(realpath "$3")}; tests=(); for t in "${@:4}"; do tests+=("$(realpath "$t")"); done;;
 esac
 cd "$(dirname "$0")/../.."
@@ -65,6 +72,42 @@ PY
     [ ${#tests[@]} -eq 0 ] || cp -r tests/fixtures/gemma4 .xfer/stage/fixtures-gemma4
     cp scripts/device/run_profile.sh .xfer/run.sh
     ;;
+all)
+    cp models/gemma-3-270m/gemma-3-270m-q4_k_m.gguf .xfer/stage/verifier.gguf
+    xz -T2 -6 -c "$golden" > .xfer/stage/golden-cuda.xz
+    [ -z "$alt" ] || xz -T2 -6 -c "$alt" > .xfer/stage/kakeya-alt.xz
+    xz -T2 -6 -c models/gemma-3-270m/tokenizer.json > .xfer/stage/tokenizer.json.xz
+    cp -r checkpoints/drafter-gemma3-270m-v2 .xfer/stage/drafter
+    python3 -m pip download -q --no-deps --only-binary=:all: -d .xfer/stage/whl gguf==0.19.0
+    echo "root_at_build=$(pwd)" > .xfer/stage/build-root
+    # f_θ: the step-time config on a small capture made with the v2 drafter.
+    ds=${FTHETA_DATA:-data/capture-f-theta-270m-s8}
+    [ -f "$ds/manifest.json" ] || { echo "pack.sh: no f_θ capture at $ds (make it: kakeya capture --config configs/capture/f-theta-270m-s8.toml)" >&2; exit 2; }
+    cp -r "$ds" .xfer/stage/ds
+    sed -e "s#data/capture-f-theta-270m#/tmp/x/ds#" -e 's#checkpoints/drafter-gemma3-270m"#checkpoints/drafter-gemma3-270m-v2"#' \
+        -e 's#^steps = .*#steps = 60#' -e 's#^warmup_steps = .*#warmup_steps = 10#' \
+        -e 's#runs/train-f-theta-270m#/tmp/x/ft-run#' -e 's#runs/f-theta-gemma3-270m#/tmp/x/ft-export#' \
+        -e 's#^checkpoint_every = .*#checkpoint_every = 1000#' -e 's#^eval_every = .*#eval_every = 1000#' \
+        configs/train/f-theta-270m.toml > .xfer/stage/ft.toml
+    # The drafter: a capture of 64 prompts' greedy continuations with the 10x set's layers, then
+    # training steps of the 10x config.
+    mkdir -p .xfer/stage/corpus && cp data/corpus/general.jsonl .xfer/stage/corpus/
+    python3 - configs/capture/drafter-270m-large.toml .xfer/stage/dcap.toml <<'PY'
+import re, sys
+s = open(sys.argv[1]).read()
+s = re.sub(r'(?m)^continuations = .*\n', '', s)
+s = s.replace('data/capture-drafter-270m-large', '/tmp/x/dcap')
+s = s[:s.index('[[sources]]')] + '[[sources]]\nkind = "jsonl"\npath = "/tmp/x/corpus/general.jsonl"\nlimit = 64\n'
+open(sys.argv[2], 'w').write(s)
+PY
+    sed -e 's#data/capture-drafter-270m-large#/tmp/x/dcap#' -e 's#^heldout_every = .*#heldout_every = 8#' \
+        -e 's#^steps = .*#steps = 60#' -e 's#^warmup_steps = .*#warmup_steps = 10#' \
+        -e 's#runs/train-drafter-270m-large#/tmp/x/dr-run#' -e 's#runs/drafter-270m-large#/tmp/x/dr-export#' \
+        -e 's#^checkpoint_every = .*#checkpoint_every = 1000#' -e 's#^eval_every = .*#eval_every = 1000#' \
+        -e 's#^eval_anchors = .*#eval_anchors = 64#' \
+        configs/train/drafter-270m-large.toml > .xfer/stage/dtrain.toml
+    cp scripts/device/run_all.sh .xfer/run.sh
+    ;;
 f-theta)
     cp models/gemma-3-270m/gemma-3-270m-q4_k_m.gguf .xfer/stage/verifier.gguf
     mkdir -p .xfer/stage/ds
@@ -82,7 +125,7 @@ PY
         configs/train/f-theta-270m.toml > .xfer/stage/cfg.toml
     cp scripts/device/run.sh .xfer/run.sh
     ;;
-*) echo "pack.sh: unknown mode $mode (infer, profile or f-theta)" >&2; exit 2;;
+*) echo "pack.sh: unknown mode $mode (infer, profile, all or f-theta)" >&2; exit 2;;
 esac
 (cd .xfer/stage && tar cf ../payload.tar .)
 rm -rf .xfer/stage

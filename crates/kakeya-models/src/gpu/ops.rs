@@ -134,7 +134,7 @@ fn linear_shape(x: &Shape, w0: &Shape, w1: &Shape, w2: &Shape, parts: &usize) ->
 /// `[..., m, k]` and `[..., k, n]` → `[..., m, n]`.
 #[cfg(feature = "fusion")]
 fn matmul_shape(lhs: &Shape, rhs: &Shape) -> Shape {
-    let mut dims = lhs.dims.clone();
+    let mut dims: Vec<usize> = (0..lhs.num_dims()).map(|i| lhs[i]).collect();
     let last = dims.len() - 1;
     dims[last] = rhs[rhs.num_dims() - 1];
     Shape::from(dims)

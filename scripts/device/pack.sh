@@ -23,9 +23,9 @@
 #            a capture of the first 8 prompts with the v2 drafter; with the fused build too),
 #            the golden test, AR and speculative decoding, the drafter's capture and step time,
 #            and transformers on the same GGUF.
-#   f-theta: scripts/device/pack.sh f-theta <kakeya --features cuda>
-#            the first shard of the f_θ capture (with a manifest for it alone) and a step-time
-#            config; run.sh times f_θ training steps.
+#   f-theta: scripts/device/pack.sh f-theta <kakeya --features cuda> [kakeya --features cuda,fusion]
+#            the small f_θ capture (FTHETA_DATA) and the step-time config (FTHETA_STEPS steps,
+#            default 60); run.sh times f_θ training steps with each build.
 #
 # Build: cargo build --release -p kakeya-cli --features cuda (strip the binaries).
 # Then one device call per part, within 30 s of each other (the machine stays warm that long):
@@ -38,7 +38,21 @@ bin=$(realpath "$bin")
 case $mode in
 infer|all) golden=$(realpath "${3:?$mode needs the golden test binary}"); alt=${4:+$(realpath "$4")};;
 profile) base=${3:+$(realpath "$3")}; tests=(); for t in "${@:4}"; do tests+=("$(realpath "$t")"); done;;
+f-theta) alt=${3:+$(realpath "$3")};;
 esac
+# f_θ's step-time run: the small capture made with the v2 drafter (FTHETA_DATA), the drafter
+# itself (its hash is checked against the capture's), and the 270M config pointed at them.
+stage_f_theta() {
+    local ds=${FTHETA_DATA:-data/capture-f-theta-270m-s8}
+    [ -f "$ds/manifest.json" ] || { echo "pack.sh: no f_θ capture at $ds (make it: kakeya capture --config configs/capture/f-theta-270m-s8.toml)" >&2; exit 2; }
+    cp -r "$ds" .xfer/stage/ds
+    [ -d .xfer/stage/drafter ] || cp -r checkpoints/drafter-gemma3-270m-v2 .xfer/stage/drafter
+    sed -e "s#data/capture-f-theta-270m#/tmp/x/ds#" -e 's#checkpoints/drafter-gemma3-270m"#checkpoints/drafter-gemma3-270m-v2"#' \
+        -e "s#^steps = .*#steps = ${FTHETA_STEPS:-60}#" -e 's#^warmup_steps = .*#warmup_steps = 10#' \
+        -e 's#runs/train-f-theta-270m#/tmp/x/ft-run#' -e 's#runs/f-theta-gemma3-270m#/tmp/x/ft-export#' \
+        -e 's#^checkpoint_every = .*#checkpoint_every = 1000#' -e 's#^eval_every = .*#eval_every = 1000#' \
+        configs/train/f-theta-270m.toml > .xfer/stage/ft.toml
+}
 cd "$(dirname "$0")/../.."
 mkdir -p .git/info && grep -qx '/.xfer/' .git/info/exclude 2>/dev/null || echo '/.xfer/' >> .git/info/exclude
 rm -rf .xfer && mkdir -p .xfer/stage .xfer/parts
@@ -74,21 +88,12 @@ PY
     ;;
 all)
     cp models/gemma-3-270m/gemma-3-270m-q4_k_m.gguf .xfer/stage/verifier.gguf
+    stage_f_theta
     xz -T2 -6 -c "$golden" > .xfer/stage/golden-cuda.xz
     [ -z "$alt" ] || xz -T2 -6 -c "$alt" > .xfer/stage/kakeya-alt.xz
     xz -T2 -6 -c models/gemma-3-270m/tokenizer.json > .xfer/stage/tokenizer.json.xz
-    cp -r checkpoints/drafter-gemma3-270m-v2 .xfer/stage/drafter
     python3 -m pip download -q --no-deps --only-binary=:all: -d .xfer/stage/whl gguf==0.19.0
     echo "root_at_build=$(pwd)" > .xfer/stage/build-root
-    # f_θ: the step-time config on a small capture made with the v2 drafter.
-    ds=${FTHETA_DATA:-data/capture-f-theta-270m-s8}
-    [ -f "$ds/manifest.json" ] || { echo "pack.sh: no f_θ capture at $ds (make it: kakeya capture --config configs/capture/f-theta-270m-s8.toml)" >&2; exit 2; }
-    cp -r "$ds" .xfer/stage/ds
-    sed -e "s#data/capture-f-theta-270m#/tmp/x/ds#" -e 's#checkpoints/drafter-gemma3-270m"#checkpoints/drafter-gemma3-270m-v2"#' \
-        -e 's#^steps = .*#steps = 60#' -e 's#^warmup_steps = .*#warmup_steps = 10#' \
-        -e 's#runs/train-f-theta-270m#/tmp/x/ft-run#' -e 's#runs/f-theta-gemma3-270m#/tmp/x/ft-export#' \
-        -e 's#^checkpoint_every = .*#checkpoint_every = 1000#' -e 's#^eval_every = .*#eval_every = 1000#' \
-        configs/train/f-theta-270m.toml > .xfer/stage/ft.toml
     # The drafter: a capture of 64 prompts' greedy continuations with the 10x set's layers, then
     # training steps of the 10x config.
     mkdir -p .xfer/stage/corpus && cp data/corpus/general.jsonl .xfer/stage/corpus/
@@ -110,19 +115,8 @@ PY
     ;;
 f-theta)
     cp models/gemma-3-270m/gemma-3-270m-q4_k_m.gguf .xfer/stage/verifier.gguf
-    mkdir -p .xfer/stage/ds
-    python3 - <<'PY'
-import json
-m = json.load(open('data/capture-f-theta-270m/manifest.json'))
-m['shards'] = m['shards'][:1]; m['shards_total'] = 1
-m['sequences'] = len(m['shards'][0]['sequences']); m['sequence_sources'] = m['sequence_sources'][:m['sequences']]
-json.dump(m, open('.xfer/stage/ds/manifest.json', 'w'), indent=2)
-PY
-    cp data/capture-f-theta-270m/shard-00000.parquet .xfer/stage/ds/
-    sed -e 's#data/capture-f-theta-270m#/tmp/x/ds#' -e 's#^steps = .*#steps = 40#' -e 's#^warmup_steps = .*#warmup_steps = 10#' \
-        -e 's#runs/train-f-theta-270m#/tmp/x/run#' -e 's#runs/f-theta-gemma3-270m#/tmp/x/export#' \
-        -e 's#^checkpoint_every = .*#checkpoint_every = 1000#' -e 's#^eval_every = .*#eval_every = 1000#' \
-        configs/train/f-theta-270m.toml > .xfer/stage/cfg.toml
+    [ -z "$alt" ] || xz -T2 -6 -c "$alt" > .xfer/stage/kakeya-alt.xz
+    stage_f_theta
     cp scripts/device/run.sh .xfer/run.sh
     ;;
 *) echo "pack.sh: unknown mode $mode (infer, profile, all or f-theta)" >&2; exit 2;;

@@ -22,7 +22,7 @@ use kakeya_train::ftheta::loss::{
 };
 use kakeya_train::ftheta::params::FThetaParams;
 use kakeya_train::ftheta::step::{
-    batch_loss, batch_loss_in, frozen_groups, frozen_layers, optimizer_step,
+    Passes, batch_loss, batch_loss_in, frozen_groups, frozen_layers, optimizer_step,
 };
 use kakeya_train::optim::{Moments, global_norm};
 use kakeya_train::run::leaves;
@@ -662,8 +662,9 @@ export = "unused"
     let leaves0 = leaves(&params.tensors);
     let model = params.model(&leaves0);
     let grads = batch_loss(&model, &groups, &batch, &tc, 0, &ad).backward();
-    // Both sequences in one pass (as on a GPU: rows one after the other, each query masked to
-    // its own sequence) give the loss and gradients of one pass per sequence.
+    // Both sequences in one pass, padded (as on a GPU: rows one after the other, each query
+    // masked to its own sequence, 16 rows padded to 24 and 8 queries to 12) give the loss and
+    // gradients of one pass per sequence.
     let leaves_joint = leaves(&params.tensors);
     let joint = batch_loss_in(
         &params.model(&leaves_joint),
@@ -672,9 +673,16 @@ export = "unused"
         &tc,
         0,
         &ad,
-        2,
+        Passes {
+            sequences: 2,
+            pad: 12,
+        },
     );
-    let alone = batch_loss_in(&model, &groups, &batch, &tc, 0, &ad, 1);
+    let one = Passes {
+        sequences: 1,
+        pad: 1,
+    };
+    let alone = batch_loss_in(&model, &groups, &batch, &tc, 0, &ad, one);
     let (j, a) = (value(joint.clone()), value(alone));
     assert!(
         close(j, a, 1e-6),

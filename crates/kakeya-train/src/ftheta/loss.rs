@@ -143,6 +143,9 @@ impl TargetScales {
     }
 }
 
+/// The sequence index of padding rows and queries ([`Rows::pad`]).
+pub const PAD: usize = usize::MAX;
+
 /// Where the rows of a batch of sequences come from: each key row's sequence and position,
 /// each query's.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -170,15 +173,32 @@ impl Rows {
 
     /// Appends a sequence of `n` positions with queries at `q_pos`.
     pub fn push(&mut self, n: usize, q_pos: &[usize]) {
-        let s = self.k_seq.last().map_or(0, |&x| x + 1);
+        let s = self.sequences();
         self.k_seq.extend(std::iter::repeat_n(s, n));
         self.k_pos.extend(0..n);
         self.q_seq.extend(std::iter::repeat_n(s, q_pos.len()));
         self.q_pos.extend_from_slice(q_pos);
     }
 
+    /// Pads the key rows and the queries with [`PAD`] entries up to multiples of `multiple`
+    /// (so that a GPU meets few distinct shapes); returns how many of each were added. Padding
+    /// weighs nothing in any term, and no query of a sequence sees a padding key.
+    pub fn pad(&mut self, multiple: usize) -> (usize, usize) {
+        let up = |n: usize| n.div_ceil(multiple.max(1)) * multiple.max(1) - n;
+        let (rows, queries) = (up(self.k_seq.len()), up(self.q_seq.len()));
+        self.k_seq.extend(std::iter::repeat_n(PAD, rows));
+        self.k_pos.extend(std::iter::repeat_n(0, rows));
+        self.q_seq.extend(std::iter::repeat_n(PAD, queries));
+        self.q_pos.extend(std::iter::repeat_n(0, queries));
+        (rows, queries)
+    }
+
     fn sequences(&self) -> usize {
-        self.k_seq.last().map_or(0, |&x| x + 1)
+        self.k_seq
+            .iter()
+            .rev()
+            .find(|&&s| s != PAD)
+            .map_or(0, |&s| s + 1)
     }
 }
 
@@ -237,13 +257,16 @@ impl GroupTargets {
     fn weights(&self, of: &[usize], c: Relative) -> Tensor<2> {
         let layers = self.k.dims()[0];
         let mut count = vec![0usize; self.rows.sequences()];
-        for &s in of {
+        for &s in of.iter().filter(|&&s| s != PAD) {
             count[s] += 1;
         }
         let count = &count;
         let w: Vec<f32> = (0..layers)
             .flat_map(|l| {
                 of.iter().map(move |&s| {
+                    if s == PAD {
+                        return 0.0;
+                    }
                     let sc = &self.scales[s];
                     let k = match c {
                         Relative::No => 1.0,

@@ -62,12 +62,14 @@ fn stacked(data: Vec<f32>, layers: usize, rows: usize, device: &Device) -> Tenso
 }
 
 /// One group's targets for a batch of sequences (`q_pos[i]`: the queries of `batch[i]`), their
-/// rows one after the other: each tensor one upload, the constants from the host data.
+/// rows one after the other, padded to multiples of `pad` ([`Rows::pad`]): each tensor one
+/// upload, the constants from the host data.
 fn targets(
     batch: &[&SeqData],
     g: &GroupFrozen,
     q_pos: &[Vec<usize>],
     attention: bool,
+    pad: usize,
     device: &Device,
 ) -> GroupTargets {
     let (mut k, mut v, mut q, mut o) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
@@ -75,6 +77,7 @@ fn targets(
     for (s, qp) in batch.iter().zip(q_pos) {
         rows.push(s.len, qp);
     }
+    let (pad_rows, pad_queries) = rows.pad(pad);
     let mut scales = vec![TargetScales::default(); batch.len()];
     for (&id, fr) in g.ids.iter().zip(&g.layers) {
         for ((s, qp), sc) in batch.iter().zip(q_pos).zip(&mut scales) {
@@ -87,6 +90,16 @@ fn targets(
             }
             sc.push(&d.k, &d.v, o_rows.as_deref(), fr.head_dim);
             o.extend(o_rows.unwrap_or_default());
+        }
+        let zeros = |out: &mut Vec<f32>, n: usize, of: &[f32], len: usize| {
+            out.extend(std::iter::repeat_n(0.0, n * of.len() / len.max(1)));
+        };
+        let (first, n0) = (&batch[0].layers[id], batch[0].len);
+        zeros(&mut k, pad_rows, &first.k, n0);
+        zeros(&mut v, pad_rows, &first.v, n0);
+        if attention {
+            zeros(&mut q, pad_queries, &first.q, n0);
+            zeros(&mut o, pad_queries, &first.o, n0);
         }
     }
     let (l, r, nq) = (g.ids.len(), rows.k_pos.len(), rows.q_pos.len());
@@ -113,9 +126,12 @@ fn sequence_loss(
     device: &Device,
     diagnostics: bool,
 ) -> (Tensor<1>, Vec<(usize, Diagnostics)>) {
-    let rows: usize = batch.iter().map(|s| s.len).sum();
+    // The rows the targets hold: the sequences', then padding.
+    let rows = tgs[0].rows.k_pos.len();
     let side = |pick: &dyn Fn(&SeqData) -> &[f32]| {
-        let all: Vec<f32> = batch.iter().flat_map(|s| pick(s).iter().copied()).collect();
+        let mut all: Vec<f32> = batch.iter().flat_map(|s| pick(s).iter().copied()).collect();
+        let width = all.len() / batch.iter().map(|s| s.len).sum::<usize>().max(1);
+        all.resize(rows * width, 0.0);
         tensor(all, rows, device)
     };
     let (xk, xv) = model.inputs(side(&|s| &s.dk), side(&|s| &s.dv));
@@ -234,22 +250,48 @@ pub fn batch_loss(
     t: usize,
     device: &Device,
 ) -> Tensor<1> {
-    batch_loss_in(model, frozen, batch, cfg, t, device, at_once(device))
+    batch_loss_in(
+        model,
+        frozen,
+        batch,
+        cfg,
+        t,
+        device,
+        Passes::for_device(device),
+    )
 }
 
-/// How many of a step's sequences [`batch_loss`] runs in one pass: all of them on a GPU,
-/// where a pass is bound by its number of launches; one at a time on the CPU, where a joint
-/// pass would only add the masked-out cross-sequence attention scores.
-pub fn at_once(device: &Device) -> usize {
-    if kakeya_models::gpu::is_gpu(device) {
-        usize::MAX
-    } else {
-        1
+/// How [`batch_loss`] splits a step's sequences into passes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Passes {
+    /// Sequences per pass.
+    pub sequences: usize,
+    /// Rows and queries of a pass padded to a multiple of this ([`Rows::pad`]).
+    pub pad: usize,
+}
+
+impl Passes {
+    /// On a GPU, where a pass is bound by its launches and each new shape costs kernel
+    /// compilations, every sequence in one pass padded to multiples of 128 rows; on the CPU,
+    /// one sequence a pass, unpadded (a joint pass would only add the masked-out
+    /// cross-sequence attention scores).
+    pub fn for_device(device: &Device) -> Self {
+        if kakeya_models::gpu::is_gpu(device) {
+            Self {
+                sequences: usize::MAX,
+                pad: 128,
+            }
+        } else {
+            Self {
+                sequences: 1,
+                pad: 1,
+            }
+        }
     }
 }
 
-/// [`batch_loss`] with `at_once` sequences per pass (the value is the same up to f32
-/// rounding whatever `at_once` is).
+/// [`batch_loss`] in the given passes (the value is the same up to f32 rounding however the
+/// sequences are split and padded).
 pub fn batch_loss_in(
     model: &FTheta,
     frozen: &[GroupFrozen],
@@ -257,11 +299,11 @@ pub fn batch_loss_in(
     cfg: &FThetaTrainConfig,
     t: usize,
     device: &Device,
-    at_once: usize,
+    passes: Passes,
 ) -> Tensor<1> {
     let attention = cfg.loss.kind.needs_attention();
     let mut total: Option<Tensor<1>> = None;
-    for part in batch.chunks(at_once.max(1)) {
+    for part in batch.chunks(passes.sequences.max(1)) {
         let part: Vec<&SeqData> = part.iter().collect();
         let q: Vec<Vec<usize>> = part
             .iter()
@@ -272,7 +314,7 @@ pub fn batch_loss_in(
             .collect();
         let tgs: Vec<GroupTargets> = frozen
             .iter()
-            .map(|g| targets(&part, g, &q, attention, device))
+            .map(|g| targets(&part, g, &q, attention, passes.pad, device))
             .collect();
         let (l, _) = sequence_loss(model, frozen, &part, &tgs, cfg, device, false);
         total = Some(match total {
@@ -374,7 +416,7 @@ pub fn evaluate(
         let attention = cfg.loss.kind.needs_attention();
         let tgs: Vec<GroupTargets> = frozen
             .iter()
-            .map(|g| targets(&[s], g, std::slice::from_ref(&q), attention, &device))
+            .map(|g| targets(&[s], g, std::slice::from_ref(&q), attention, 1, &device))
             .collect();
         let (l, diags) = if oracle {
             let mut diags = Vec::new();

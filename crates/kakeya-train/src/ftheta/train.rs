@@ -193,6 +193,65 @@ fn pick(cfg: &FThetaTrainConfig, info: &DataInfo, t: usize) -> Vec<usize> {
     chosen
 }
 
+/// Steps whose sequences the reader decodes together.
+const READ_AHEAD: usize = 4;
+
+/// The reader thread: streams each step's sequences ahead of the step, [`READ_AHEAD`] steps at
+/// a time, their sequences decoded side by side on up to 8 threads — one sequence's Parquet
+/// row group takes tens of milliseconds to decode on one core, longer than a step on a GPU.
+fn spawn_reader(
+    cfg: &FThetaTrainConfig,
+    info: &DataInfo,
+    ds: &Dataset,
+    start: usize,
+) -> (Batches, std::thread::JoinHandle<()>) {
+    let (tx, rx) = mpsc::sync_channel::<Result<(usize, Vec<SeqData>)>>(2 * READ_AHEAD);
+    let (cfg, info, ds) = (cfg.clone(), info.clone(), ds.clone());
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
+    let handle = std::thread::spawn(move || {
+        let mut t0 = start;
+        while t0 < cfg.train.steps {
+            let steps: Vec<usize> = (t0..(t0 + READ_AHEAD).min(cfg.train.steps)).collect();
+            t0 += steps.len();
+            let wanted: Vec<(usize, usize)> = steps
+                .iter()
+                .flat_map(|&t| pick(&cfg, &info, t).into_iter().map(move |s| (t, s)))
+                .collect();
+            let per = wanted.len().div_ceil(threads).max(1);
+            let read: Vec<Result<SeqData>> = std::thread::scope(|scope| {
+                let parts: Vec<_> = wanted
+                    .chunks(per)
+                    .map(|part| {
+                        let (info, ds) = (&info, &ds);
+                        scope.spawn(move || {
+                            part.iter()
+                                .map(|&(_, s)| info.read(ds, s))
+                                .collect::<Vec<_>>()
+                        })
+                    })
+                    .collect();
+                parts
+                    .into_iter()
+                    .flat_map(|h| h.join().expect("a reader thread panicked"))
+                    .collect()
+            });
+            let mut read = read.into_iter();
+            for &t in &steps {
+                let n = wanted.iter().filter(|w| w.0 == t).count();
+                let batch: Result<Vec<SeqData>> = read.by_ref().take(n).collect();
+                let failed = batch.is_err();
+                if tx.send(batch.map(|b| (t, b))).is_err() || failed {
+                    return;
+                }
+            }
+        }
+    });
+    (rx, handle)
+}
+
+/// What the reader sends: each step's sequences, in step order.
+type Batches = mpsc::Receiver<Result<(usize, Vec<SeqData>)>>;
+
 /// The least-squares start (see [`super::lstsq`]): one pass over the training sequences'
 /// drafter K/V and raw verifier K/V.
 fn least_squares(
@@ -310,24 +369,7 @@ pub fn train_f_theta(
         st.extra.floor = Some(evaluate(&model, &frozen, &held, cfg, 0, true));
     }
 
-    // The reader thread streams each step's sequences ahead of the step.
-    let (tx, rx) = mpsc::sync_channel::<Result<(usize, Vec<SeqData>)>>(2);
-    let reader = {
-        let (cfg, info, ds) = (cfg.clone(), info.clone(), ds.clone());
-        let start = st.step;
-        std::thread::spawn(move || {
-            for t in start..cfg.train.steps {
-                let batch: Result<Vec<SeqData>> = pick(&cfg, &info, t)
-                    .into_iter()
-                    .map(|s| info.read(&ds, s))
-                    .collect();
-                let failed = batch.is_err();
-                if tx.send(batch.map(|b| (t, b))).is_err() || failed {
-                    return;
-                }
-            }
-        })
-    };
+    let (rx, reader) = spawn_reader(cfg, &info, &ds, st.step);
     let mut trainer = FThetaRun {
         cfg,
         dir: &info.dir,

@@ -1,28 +1,43 @@
 #!/usr/bin/env bash
-# Kernels one decode step launches on a GPU device, with and without Burn's kernel fusion: the
-# tiny Gemma 3 (6 layers) decoding on wgpu over Mesa's lavapipe (no GPU needed; the launches are
-# Burn's, the same on CUDA), with CubeCL's kernel log on (cubecl.toml, level "minimal": one line
-# per launch, no timing). Each build runs `decode_steps_for_the_kernel_count` (kakeya-runtime's
-# tests/wgpu_device.rs) at 4 and 12 tokens; the difference over 8 is one step's launches.
+# Kernels a GPU device launches, with and without Burn's kernel fusion, counted on wgpu over
+# Mesa's lavapipe (no GPU needed; the launches are Burn's and Kakeya's, the same on CUDA) with
+# CubeCL's kernel log on (cubecl.toml, level "minimal": one line per launch, no timing).
+#   scripts/kernel_count.sh [decode]   one decode step of the tiny Gemma 3 (6 layers):
+#       `decode_steps_for_the_kernel_count` (kakeya-runtime's tests/wgpu_device.rs) at 4 and 12
+#       tokens; the difference over 8 is one step's launches.
+#   scripts/kernel_count.sh f-theta    one f_θ training step (tiny verifier, the trainer's
+#       layout: stacked layers, the step's sequences in one padded pass, AdamW):
+#       `f_theta_steps_for_the_kernel_count` (kakeya-train's tests/train_f_theta.rs) at 2 and 6
+#       steps; the difference over 4.
 # KAKEYA_FEATURES picks the builds (default "wgpu wgpu,fusion").
-# Needs: apt-get install mesa-vulkan-drivers libvulkan1. Writes runs/kernel-count/<features>.txt.
+# Needs: apt-get install mesa-vulkan-drivers libvulkan1. Writes runs/kernel-count/<what>-<features>.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+what=${1:-decode}
+case $what in
+decode) pkg=kakeya-runtime; test=wgpu_device; probe=decode_steps_for_the_kernel_count
+    var=KAKEYA_DECODE_STEPS; lo=4; hi=12; unit="decode step (6 layers)";;
+f-theta) pkg=kakeya-train; test=train_f_theta; probe=f_theta_steps_for_the_kernel_count
+    var=KAKEYA_FTHETA_STEPS; lo=2; hi=6; unit="f_θ training step";;
+*) echo "kernel_count.sh: decode or f-theta, not $what" >&2; exit 2;;
+esac
 export VK_ICD_FILENAMES
 VK_ICD_FILENAMES=$(ls /usr/share/vulkan/icd.d/lvp_icd*.json | head -n 1)
 mkdir -p runs/kernel-count
 for features in ${KAKEYA_FEATURES:-wgpu wgpu,fusion}; do
-    bin=$(cargo test -p kakeya-runtime --features "$features" --locked --test wgpu_device --no-run 2>&1 \
-        | sed -n 's/.*Executable tests\/wgpu_device.rs (\(.*\))/\1/p')
+    bin=$(cargo test -p $pkg --features "$features" --locked --test $test --no-run 2>&1 \
+        | sed -n "s/.*Executable tests\/$test.rs (\(.*\))/\1/p")
     declare -A launches=()
-    for steps in 4 12; do
+    for steps in $lo $hi; do
         dir=$(mktemp -d)
         printf '[profiling.logger]\nlevel = "minimal"\nfile = "%s/kernels.log"\n' "$dir" > "$dir/cubecl.toml"
-        (cd "$dir" && KAKEYA_DECODE_STEPS=$steps "$OLDPWD/$bin" --ignored --exact decode_steps_for_the_kernel_count -q >/dev/null)
+        (cd "$dir" && env KAKEYA_TEST_DEVICE=wgpu $var=$steps "$OLDPWD/$bin" --ignored --exact $probe -q >/dev/null)
         launches[$steps]=$(grep -c "Executing" "$dir/kernels.log" || true)
         rm -rf "$dir"
     done
-    per_step=$(( (launches[12] - launches[4]) / 8 ))
-    echo "$features: ${launches[4]} launches for 4 tokens, ${launches[12]} for 12: $per_step per decode step (6 layers)" \
-        | tee "runs/kernel-count/${features/,/-}.txt"
+    per_step=$(( (launches[$hi] - launches[$lo]) / (hi - lo) ))
+    suffix=${features/,/-}
+    [ "$what" = decode ] || suffix="$what-$suffix"
+    echo "$features: ${launches[$lo]} launches for $lo, ${launches[$hi]} for $hi: $per_step per $unit" \
+        | tee "runs/kernel-count/$suffix.txt"
 done

@@ -36,8 +36,8 @@ impl Rope {
         rope
     }
 
-    /// Cosine and sine tables for `positions`, each `[T, d/2]`.
-    pub fn tables(&self, positions: &[usize], device: &Device) -> (Tensor<2>, Tensor<2>) {
+    /// Cosine and sine tables for `positions` in host memory, each `[T, d/2]` row-major.
+    pub fn host_tables(&self, positions: &[usize]) -> (Vec<f32>, Vec<f32>) {
         let half = self.inv_freq.len();
         let mut cos = Vec::with_capacity(positions.len() * half);
         let mut sin = Vec::with_capacity(positions.len() * half);
@@ -48,6 +48,13 @@ impl Rope {
                 sin.push(angle.sin());
             }
         }
+        (cos, sin)
+    }
+
+    /// Cosine and sine tables for `positions`, each `[T, d/2]`.
+    pub fn tables(&self, positions: &[usize], device: &Device) -> (Tensor<2>, Tensor<2>) {
+        let half = self.inv_freq.len();
+        let (cos, sin) = self.host_tables(positions);
         let shape = [positions.len(), half];
         (
             Tensor::from_data(TensorData::new(cos, shape), device),

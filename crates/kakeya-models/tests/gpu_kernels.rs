@@ -410,3 +410,48 @@ fn matmul_keeps_f32_operands() {
         "[{batch}, {m}, {k}]·[{batch}, {k}, {n}]: max |Δ| {err:e}"
     );
 }
+
+/// One AdamW update in one kernel against the update computed here on the host, in f32 and in
+/// the composed update's order (`kakeya_train::optim::AdamW::update`); with and without decay.
+#[test]
+fn adamw_matches_the_update_step_by_step() {
+    let d = device();
+    let (r, c) = (37, 70);
+    let n = r * c;
+    let p = values(n, 11);
+    let g: Vec<f32> = values(n, 12).iter().map(|x| 0.1 * x).collect();
+    let m: Vec<f32> = values(n, 13).iter().map(|x| 0.01 * x).collect();
+    let v: Vec<f32> = values(n, 14).iter().map(|x| 1e-4 * x * x).collect();
+    for lr_decay in [0.0, 1e-3 * 0.01] {
+        let h = gpu::AdamwStep {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            lr: 1e-3,
+            bias1: 1.0 - 0.9f64.powi(7),
+            bias2: 1.0 - 0.95f64.powi(7),
+            lr_decay,
+        };
+        let t = |x: &[f32]| tensor(x.to_vec(), [r, c], &d);
+        let (p2, m2, v2) = gpu::adamw(&t(&p), &t(&g), &t(&m), &t(&v), &h).expect("on a GPU");
+        let (p2, m2, v2) = (host(p2), host(m2), host(v2));
+        let f = |x: f64| x as f32;
+        let (mut wp, mut wm, mut wv) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+        for i in 0..n {
+            wm[i] = m[i] * f(h.beta1) + g[i] * f(1.0 - h.beta1);
+            wv[i] = v[i] * f(h.beta2) + g[i] * g[i] * f(1.0 - h.beta2);
+            let step = (wm[i] / f(h.bias1)) / ((wv[i] / f(h.bias2)).sqrt() + f(h.eps));
+            wp[i] = (p[i] - p[i] * f(h.lr_decay)) - step * f(h.lr);
+        }
+        for (what, got, want) in [("p", &p2, &wp), ("m", &m2, &wm), ("v", &v2, &wv)] {
+            let err = max_rel(got, want);
+            assert!(
+                err <= 1e-6,
+                "lr·decay {lr_decay}: {what} max rel |Δ| {err:e}"
+            );
+        }
+        // The parameter moved by about lr against the gradient's sign.
+        let moved = p2.iter().zip(&p).filter(|(a, b)| a != b).count();
+        assert!(moved > n * 9 / 10, "only {moved} of {n} entries moved");
+    }
+}

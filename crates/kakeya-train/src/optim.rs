@@ -2,6 +2,7 @@
 //! over plain tensors (no autodiff): the trainer owns parameters, moments and the step.
 
 use burn::tensor::Tensor;
+use kakeya_models::gpu::{self, AdamwStep};
 
 /// The learning-rate schedule of both trainers, at 0-based step `t` of `steps`: linear warm-up
 /// from `peak / warmup` to `peak` over the first `warmup` steps, then a half cosine from `peak`
@@ -76,6 +77,27 @@ impl AdamW {
         t: usize,
         decay: bool,
     ) -> Tensor<2> {
+        let bc1 = 1.0 - self.beta1.powi(t as i32);
+        let bc2 = 1.0 - self.beta2.powi(t as i32);
+        let lr_decay = if decay && self.weight_decay > 0.0 {
+            self.lr * self.weight_decay
+        } else {
+            0.0
+        };
+        // On a GPU the whole update is one kernel (the same arithmetic in the same order).
+        let h = AdamwStep {
+            beta1: self.beta1,
+            beta2: self.beta2,
+            eps: self.eps,
+            lr: self.lr,
+            bias1: bc1,
+            bias2: bc2,
+            lr_decay,
+        };
+        if let Some((p, m, v)) = gpu::adamw(&p, &g, &mom.m, &mom.v, &h) {
+            (mom.m, mom.v) = (m, v);
+            return p;
+        }
         mom.m = mom
             .m
             .clone()
@@ -86,15 +108,13 @@ impl AdamW {
             .clone()
             .mul_scalar(self.beta2)
             .add(g.square().mul_scalar(1.0 - self.beta2));
-        let bc1 = 1.0 - self.beta1.powi(t as i32);
-        let bc2 = 1.0 - self.beta2.powi(t as i32);
         let step = mom
             .m
             .clone()
             .div_scalar(bc1)
             .div(mom.v.clone().div_scalar(bc2).sqrt().add_scalar(self.eps));
-        let p = if decay && self.weight_decay > 0.0 {
-            p.clone().sub(p.mul_scalar(self.lr * self.weight_decay))
+        let p = if lr_decay > 0.0 {
+            p.clone().sub(p.mul_scalar(lr_decay))
         } else {
             p
         };

@@ -375,3 +375,23 @@ fn datasets_without_the_needed_columns_are_refused_before_training() {
     assert!(e.contains("recapture with this drafter"), "{e}");
     assert!(!run.exists());
 }
+
+/// Trains `KAKEYA_FTHETA_STEPS` steps (default 2) on the test device and nothing else: the probe
+/// of `scripts/kernel_count.sh f-theta`, whose two counts' difference is the launches of the
+/// steps between them.
+#[test]
+#[ignore = "a probe for scripts/kernel_count.sh"]
+fn f_theta_steps_for_the_kernel_count() {
+    let steps = std::env::var("KAKEYA_FTHETA_STEPS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(2);
+    let s = Scratch::new("ftheta-count");
+    let v = verifier();
+    let ds = capture(&s.0, &v, 10, ALL, true);
+    let mut cfg = config(&ds, &s.0.join("run"), steps, "");
+    cfg.output.checkpoint_every = 1000;
+    cfg.output.eval_every = 1000;
+    let report = train_quietly(&cfg, &v);
+    assert_eq!(report.steps.len(), steps);
+}

@@ -15,7 +15,7 @@ pub(super) const ROW_UNITS: usize = 128;
 /// Units of [`argmax_rows_kernel`]'s cube (a power of two).
 const ARGMAX_UNITS: usize = 256;
 /// Units of an element-wise kernel's cube.
-const ELEMENT_UNITS: usize = 256;
+pub(super) const ELEMENT_UNITS: usize = 256;
 /// Most cubes along one axis of a launch grid (the common limit of CUDA's y/z and wgpu).
 const GRID_AXIS: usize = 65_535;
 

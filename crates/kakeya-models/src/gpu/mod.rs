@@ -30,6 +30,8 @@ mod linear;
 mod matmul;
 #[cfg(feature = "cube")]
 mod ops;
+#[cfg(feature = "cube")]
+mod optim;
 
 #[cfg(feature = "cube")]
 pub use ops::DecodeKernels;
@@ -219,6 +221,60 @@ pub fn matmul<const D: usize>(a: Tensor<D>, b: Tensor<D>) -> Tensor<D> {
 fn tf32_allowed() -> bool {
     static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ALLOWED.get_or_init(|| std::env::var("KAKEYA_GPU_TF32").is_ok_and(|v| v == "1"))
+}
+
+/// The hyper-parameters of one AdamW update ([`adamw`]), as the trainers compute them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamwStep {
+    /// β₁.
+    pub beta1: f64,
+    /// β₂.
+    pub beta2: f64,
+    /// ε.
+    pub eps: f64,
+    /// Learning rate.
+    pub lr: f64,
+    /// `1 − β₁ᵗ`.
+    pub bias1: f64,
+    /// `1 − β₂ᵗ`.
+    pub bias2: f64,
+    /// `lr · weight decay` (0: no decay for this tensor).
+    pub lr_decay: f64,
+}
+
+/// One AdamW update on a GPU in one kernel: `Some((p, m, v))` after the step where the kernels
+/// apply. The same arithmetic, in the same order, as `kakeya_train::optim::AdamW::update`.
+///
+/// # Shapes
+/// - `p`, `g`, `m`, `v`: `[r, c]` → three `[r, c]`
+#[cfg_attr(not(feature = "cube"), allow(unused_variables))]
+pub fn adamw(
+    p: &Tensor<2>,
+    g: &Tensor<2>,
+    m: &Tensor<2>,
+    v: &Tensor<2>,
+    h: &AdamwStep,
+) -> Option<(Tensor<2>, Tensor<2>, Tensor<2>)> {
+    on_gpu!(applies(p), {
+        let out: Tensor<3> = Tensor::from_dispatch(<Dispatch as DecodeKernels>::adamw(
+            p.clone().into_dispatch(),
+            g.clone().into_dispatch(),
+            m.clone().into_dispatch(),
+            v.clone().into_dispatch(),
+            h.beta1 as f32,
+            (1.0 - h.beta1) as f32,
+            h.beta2 as f32,
+            (1.0 - h.beta2) as f32,
+            h.eps as f32,
+            h.lr as f32,
+            h.bias1 as f32,
+            h.bias2 as f32,
+            h.lr_decay as f32,
+        ));
+        let [r, c] = p.dims();
+        let plane = |i: usize| out.clone().slice([i..i + 1, 0..r, 0..c]).reshape([r, c]);
+        (plane(0), plane(1), plane(2))
+    })
 }
 
 /// Per row, the index of its largest entry (the first on ties); only the `T` ids come back

@@ -6,7 +6,7 @@ use burn::backend::{backend_extension, tensor::FloatTensor};
 use burn::tensor::Shape;
 use burn_cubecl::CubeBackend;
 
-use super::{attention, kernels, linear, matmul};
+use super::{attention, kernels, linear, matmul, optim};
 
 /// The GPU kernels, on Burn's CubeCL backend (and its fused form).
 #[backend_extension(Cube: cfg(feature = "cube"), Fusion: cfg(feature = "fusion"))]
@@ -102,6 +102,30 @@ pub trait DecodeKernels: burn::backend::Backend {
     #[fusion(dtype = lhs, shape = matmul_shape(lhs, rhs))]
     fn matmul_f32(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self>;
 
+    /// One AdamW update of a parameter `p` with gradient `g` and moments `m`, `v` (bias
+    /// corrections `bias1`, `bias2` of the step; `lr_decay` = lr · weight decay, 0 for none),
+    /// in the composed update's order: the new parameter, first and second moments stacked.
+    ///
+    /// # Shapes
+    /// - `p`, `g`, `m`, `v`: `[...]` (one shape) → `[3, ...]`
+    #[allow(clippy::too_many_arguments)]
+    #[fusion(dtype = p, shape = three_planes(p))]
+    fn adamw(
+        p: FloatTensor<Self>,
+        g: FloatTensor<Self>,
+        m: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        beta1: f32,
+        one_minus_beta1: f32,
+        beta2: f32,
+        one_minus_beta2: f32,
+        eps: f32,
+        lr: f32,
+        bias1: f32,
+        bias2: f32,
+        lr_decay: f32,
+    ) -> FloatTensor<Self>;
+
     #[allow(clippy::too_many_arguments)]
     #[fusion(dtype = q, shape = Shape::new([q[1], q[0] * q[2]]))]
     fn attention_rows(
@@ -137,6 +161,14 @@ fn matmul_shape(lhs: &Shape, rhs: &Shape) -> Shape {
     let mut dims: Vec<usize> = (0..lhs.num_dims()).map(|i| lhs[i]).collect();
     let last = dims.len() - 1;
     dims[last] = rhs[rhs.num_dims() - 1];
+    Shape::from(dims)
+}
+
+/// `[...]` → `[3, ...]`.
+#[cfg(feature = "fusion")]
+fn three_planes(p: &Shape) -> Shape {
+    let mut dims = vec![3];
+    dims.extend((0..p.num_dims()).map(|i| p[i]));
     Shape::from(dims)
 }
 
@@ -192,6 +224,35 @@ impl DecodeKernels for CubeBackend {
 
     fn argmax_rows(x: FloatTensor<Self>) -> FloatTensor<Self> {
         kernels::argmax_rows(x)
+    }
+
+    fn adamw(
+        p: FloatTensor<Self>,
+        g: FloatTensor<Self>,
+        m: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        beta1: f32,
+        one_minus_beta1: f32,
+        beta2: f32,
+        one_minus_beta2: f32,
+        eps: f32,
+        lr: f32,
+        bias1: f32,
+        bias2: f32,
+        lr_decay: f32,
+    ) -> FloatTensor<Self> {
+        let h = optim::Scalars {
+            beta1,
+            one_minus_beta1,
+            beta2,
+            one_minus_beta2,
+            eps,
+            lr,
+            bias1,
+            bias2,
+            lr_decay,
+        };
+        optim::adamw(p, g, m, v, h)
     }
 
     fn matmul_f32(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {

@@ -196,20 +196,20 @@ impl GroupFrozen {
         }
     }
 
-    /// Each member's RoPE tables at `positions`, `[L, 1, T, d/2]` each.
+    /// Each member's RoPE tables at `positions`, `[L, 1, T, d/2]` each: the distinct RoPEs'
+    /// tables in one upload, picked per member on the device.
     fn tables(&self, positions: &[usize], device: &Device) -> (Tensor<4>, Tensor<4>) {
-        let (cos, sin): (Vec<Tensor<2>>, Vec<Tensor<2>>) = self
-            .ropes
-            .iter()
-            .map(|r| r.tables(positions, device))
-            .unzip();
-        let pick = |t: Vec<Tensor<2>>| {
-            let all = Tensor::stack::<3>(t, 0);
-            let [_, n, h] = all.dims();
-            let idx = index(&self.rope_of, device);
-            all.select(0, idx).reshape([self.layers.len(), 1, n, h])
-        };
-        (pick(cos), pick(sin))
+        let mut all = Vec::new();
+        for r in &self.ropes {
+            let (cos, sin) = r.host_tables(positions);
+            all.extend(cos);
+            all.extend(sin);
+        }
+        let (k, t) = (self.ropes.len(), positions.len());
+        let half = all.len() / (2 * k * t).max(1);
+        let kinds = Tensor::<4>::from_data(TensorData::new(all, [k, 2, t, half]), device);
+        let per_layer = kinds.select(0, index(&self.rope_of, device));
+        (per_layer.clone().narrow(1, 0, 1), per_layer.narrow(1, 1, 1))
     }
 
     /// Each member's additive mask of the queries over the keys of `rows` (a query sees the

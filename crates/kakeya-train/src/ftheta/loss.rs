@@ -329,10 +329,17 @@ fn norms(x: Tensor<4>) -> Tensor<4> {
     x.square().sum_dim(3).add_scalar(NORM_EPS).sqrt()
 }
 
+/// Per head vector, `1 − cos(a, b)` given their norms `na`, `nb` ([`norms`]):
+/// `[L, R, heads, d]` → `[L, R, heads, 1]`.
+fn one_minus_cos_with(a: Tensor<4>, b: Tensor<4>, na: Tensor<4>, nb: Tensor<4>) -> Tensor<4> {
+    let dot = (a * b).sum_dim(3);
+    (dot / (na * nb)).neg().add_scalar(1.0)
+}
+
 /// Per head vector, `1 − cos(a, b)`: `[L, R, heads, d]` → `[L, R, heads, 1]`.
 fn one_minus_cos(a: Tensor<4>, b: Tensor<4>) -> Tensor<4> {
-    let dot = (a.clone() * b.clone()).sum_dim(3);
-    (dot / (norms(a) * norms(b))).neg().add_scalar(1.0)
+    let (na, nb) = (norms(a.clone()), norms(b.clone()));
+    one_minus_cos_with(a, b, na, nb)
 }
 
 /// The loss terms of a group's layers from predicted raw `k_hat`, `v_hat`
@@ -352,10 +359,23 @@ pub fn group_terms(
     let tv = fr.head_vectors(tg.v.clone(), kvh);
     let mse_k = weighted((k_hat.clone() - tg.k.clone()).square(), &rows);
     let mse_v = weighted((v_hat.clone() - tg.v.clone()).square(), &rows);
-    let cos_k = mean(one_minus_cos(hk.clone(), tk.clone()));
-    let cos_v = mean(one_minus_cos(hv.clone(), tv.clone()));
-    let dk = (norms(hk.clone()) - norms(tk.clone())).square();
-    let dv = (norms(hv.clone()) - norms(tv.clone())).square();
+    // Each head vector's norm once: the direction and the magnitude terms share them.
+    let (nhk, ntk) = (norms(hk.clone()), norms(tk.clone()));
+    let (nhv, ntv) = (norms(hv.clone()), norms(tv.clone()));
+    let cos_k = mean(one_minus_cos_with(
+        hk.clone(),
+        tk.clone(),
+        nhk.clone(),
+        ntk.clone(),
+    ));
+    let cos_v = mean(one_minus_cos_with(
+        hv.clone(),
+        tv.clone(),
+        nhv.clone(),
+        ntv.clone(),
+    ));
+    let dk = (nhk - ntk).square();
+    let dv = (nhv - ntv).square();
     let kmag = weighted(dk.clone(), &tg.weights(&tg.rows.k_seq, Relative::KeyHeads));
     let vmag = weighted(
         dv.clone(),

@@ -7,7 +7,7 @@
 #       tokens; the difference over 8 is one step's launches.
 #   scripts/kernel_count.sh f-theta    one f_θ training step (tiny verifier, the trainer's
 #       layout: stacked layers, the step's sequences in one padded pass, AdamW):
-#       `f_theta_steps_for_the_kernel_count` (kakeya-train's tests/train_f_theta.rs) at 2 and 6
+#       `f_theta_steps_for_the_kernel_count` (kakeya-train's tests/train_f_theta.rs) at 6 and 10
 #       steps; the difference over 4.
 # KAKEYA_FEATURES picks the builds (default "wgpu wgpu,fusion").
 # Needs: apt-get install mesa-vulkan-drivers libvulkan1. Writes runs/kernel-count/<what>-<features>.txt.
@@ -18,7 +18,7 @@ case $what in
 decode) pkg=kakeya-runtime; test=wgpu_device; probe=decode_steps_for_the_kernel_count
     var=KAKEYA_DECODE_STEPS; lo=4; hi=12; unit="decode step (6 layers)";;
 f-theta) pkg=kakeya-train; test=train_f_theta; probe=f_theta_steps_for_the_kernel_count
-    var=KAKEYA_FTHETA_STEPS; lo=2; hi=6; unit="f_θ training step";;
+    var=KAKEYA_FTHETA_STEPS; lo=6; hi=10; unit="f_θ training step";;
 *) echo "kernel_count.sh: decode or f-theta, not $what" >&2; exit 2;;
 esac
 export VK_ICD_FILENAMES

@@ -376,7 +376,7 @@ fn datasets_without_the_needed_columns_are_refused_before_training() {
     assert!(!run.exists());
 }
 
-/// Trains `KAKEYA_FTHETA_STEPS` steps (default 2) on the test device and nothing else: the probe
+/// Trains `KAKEYA_FTHETA_STEPS` steps (default 6; the warm-up is 5) on the test device and nothing else: the probe
 /// of `scripts/kernel_count.sh f-theta`, whose two counts' difference is the launches of the
 /// steps between them.
 #[test]
@@ -385,7 +385,7 @@ fn f_theta_steps_for_the_kernel_count() {
     let steps = std::env::var("KAKEYA_FTHETA_STEPS")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(2);
+        .unwrap_or(6);
     let s = Scratch::new("ftheta-count");
     let v = verifier();
     let ds = capture(&s.0, &v, 10, ALL, true);

@@ -128,19 +128,36 @@ impl FThetaConfig {
         self
     }
 
+    /// The tensors of each linear map: its weight, and its bias when the maps have one.
+    fn parts(&self) -> &'static [&'static str] {
+        if self.bias {
+            &["weight", "bias"]
+        } else {
+            &["weight"]
+        }
+    }
+
+    /// The PyTorch shape of `part` of a map with `out` outputs reading `inp` inputs.
+    fn part_shape(part: &str, out: usize, inp: usize) -> Vec<usize> {
+        if part == "weight" {
+            vec![out, inp]
+        } else {
+            vec![out]
+        }
+    }
+
     /// Every tensor name with its PyTorch shape, K path first.
     pub fn expected_tensors(&self) -> Vec<(String, Vec<usize>)> {
         let mut v = Vec::new();
         for p in ["k", "v"] {
-            v.push((format!("{p}_enc.weight"), vec![self.rank, self.in_dim()]));
-            if self.bias {
-                v.push((format!("{p}_enc.bias"), vec![self.rank]));
+            for part in self.parts() {
+                let shape = Self::part_shape(part, self.rank, self.in_dim());
+                v.push((format!("{p}_enc.{part}"), shape));
             }
             for l in 0..self.verifier_layers {
-                let kv = self.kv_dim_of(l);
-                v.push((format!("{p}_dec.{l}.weight"), vec![kv, self.rank]));
-                if self.bias {
-                    v.push((format!("{p}_dec.{l}.bias"), vec![kv]));
+                for part in self.parts() {
+                    let shape = Self::part_shape(part, self.kv_dim_of(l), self.rank);
+                    v.push((format!("{p}_dec.{l}.{part}"), shape));
                 }
             }
         }
@@ -167,15 +184,14 @@ impl FThetaConfig {
     pub fn stacked_tensors(&self) -> Vec<(String, Vec<usize>)> {
         let mut v = Vec::new();
         for p in ["k", "v"] {
-            v.push((format!("{p}_enc.weight"), vec![self.rank, self.in_dim()]));
-            if self.bias {
-                v.push((format!("{p}_enc.bias"), vec![self.rank]));
+            for part in self.parts() {
+                let shape = Self::part_shape(part, self.rank, self.in_dim());
+                v.push((format!("{p}_enc.{part}"), shape));
             }
             for (w, layers) in self.width_groups() {
-                let rows = layers.len() * w;
-                v.push((format!("{p}_dec.w{w}.weight"), vec![rows, self.rank]));
-                if self.bias {
-                    v.push((format!("{p}_dec.w{w}.bias"), vec![rows]));
+                for part in self.parts() {
+                    let shape = Self::part_shape(part, layers.len() * w, self.rank);
+                    v.push((format!("{p}_dec.w{w}.{part}"), shape));
                 }
             }
         }
@@ -205,29 +221,19 @@ impl FThetaConfig {
         };
         let mut out = BTreeMap::new();
         for p in ["k", "v"] {
-            for part in ["weight", "bias"].iter().take(1 + usize::from(self.bias)) {
+            for part in self.parts() {
                 let name = format!("{p}_enc.{part}");
-                let shape = match *part {
-                    "weight" => vec![self.rank, self.in_dim()],
-                    _ => vec![self.rank],
-                };
+                let shape = Self::part_shape(part, self.rank, self.in_dim());
                 out.insert(name.clone(), take(name, shape)?);
             }
             for (w, layers) in self.width_groups() {
-                for part in ["weight", "bias"].iter().take(1 + usize::from(self.bias)) {
-                    let per = if *part == "weight" { w * self.rank } else { w };
-                    let mut data = Vec::with_capacity(layers.len() * per);
+                for part in self.parts() {
+                    let mut data = Vec::new();
                     for &l in &layers {
-                        let shape = match *part {
-                            "weight" => vec![w, self.rank],
-                            _ => vec![w],
-                        };
+                        let shape = Self::part_shape(part, w, self.rank);
                         data.extend(take(format!("{p}_dec.{l}.{part}"), shape)?.data);
                     }
-                    let shape = match *part {
-                        "weight" => vec![layers.len() * w, self.rank],
-                        _ => vec![layers.len() * w],
-                    };
+                    let shape = Self::part_shape(part, layers.len() * w, self.rank);
                     out.insert(format!("{p}_dec.w{w}.{part}"), HostTensor { shape, data });
                 }
             }
@@ -242,21 +248,22 @@ impl FThetaConfig {
     pub fn unstack(&self, stacked: &BTreeMap<String, HostTensor>) -> BTreeMap<String, HostTensor> {
         let mut out = BTreeMap::new();
         for p in ["k", "v"] {
-            for part in ["weight", "bias"].iter().take(1 + usize::from(self.bias)) {
+            for part in self.parts() {
                 let name = format!("{p}_enc.{part}");
                 out.insert(name.clone(), stacked[&name].clone());
             }
             for (w, layers) in self.width_groups() {
-                for part in ["weight", "bias"].iter().take(1 + usize::from(self.bias)) {
+                for part in self.parts() {
                     let all = &stacked[&format!("{p}_dec.w{w}.{part}")].data;
-                    let per = if *part == "weight" { w * self.rank } else { w };
+                    let shape = Self::part_shape(part, w, self.rank);
+                    let per: usize = shape.iter().product();
                     for (i, &l) in layers.iter().enumerate() {
-                        let shape = match *part {
-                            "weight" => vec![w, self.rank],
-                            _ => vec![w],
-                        };
                         let data = all[i * per..(i + 1) * per].to_vec();
-                        out.insert(format!("{p}_dec.{l}.{part}"), HostTensor { shape, data });
+                        let t = HostTensor {
+                            shape: shape.clone(),
+                            data,
+                        };
+                        out.insert(format!("{p}_dec.{l}.{part}"), t);
                     }
                 }
             }

@@ -158,7 +158,7 @@ fn linear_shape(x: &Shape, w0: &Shape, w1: &Shape, w2: &Shape, parts: &usize) ->
 /// `[..., m, k]` and `[..., k, n]` → `[..., m, n]`.
 #[cfg(feature = "fusion")]
 fn matmul_shape(lhs: &Shape, rhs: &Shape) -> Shape {
-    let mut dims: Vec<usize> = (0..lhs.num_dims()).map(|i| lhs[i]).collect();
+    let mut dims = dims_of(lhs);
     let last = dims.len() - 1;
     dims[last] = rhs[rhs.num_dims() - 1];
     Shape::from(dims)
@@ -167,9 +167,13 @@ fn matmul_shape(lhs: &Shape, rhs: &Shape) -> Shape {
 /// `[...]` → `[3, ...]`.
 #[cfg(feature = "fusion")]
 fn three_planes(p: &Shape) -> Shape {
-    let mut dims = vec![3];
-    dims.extend((0..p.num_dims()).map(|i| p[i]));
-    Shape::from(dims)
+    Shape::from([vec![3], dims_of(p)].concat())
+}
+
+/// A shape's dimensions.
+#[cfg(feature = "fusion")]
+fn dims_of(s: &Shape) -> Vec<usize> {
+    (0..s.num_dims()).map(|i| s[i]).collect()
 }
 
 impl DecodeKernels for CubeBackend {

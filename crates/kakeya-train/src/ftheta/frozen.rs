@@ -67,10 +67,12 @@ impl LayerFrozen {
     pub fn is_global(&self) -> bool {
         self.window.is_none()
     }
+}
 
-    fn visible(&self, q: usize, k: usize) -> bool {
-        k <= q && self.window.is_none_or(|w| q - k < w)
-    }
+/// Whether a query at position `q` sees the key at `k` under a causal mask with this sliding
+/// `window` (`None`: global).
+fn visible(window: Option<usize>, q: usize, k: usize) -> bool {
+    k <= q && window.is_none_or(|w| q - k < w)
 }
 
 /// The frozen attention pieces of layers of one shape (heads, head width, score scale),
@@ -221,15 +223,11 @@ impl GroupFrozen {
         let (nq, n) = (rows.q_pos.len(), rows.k_pos.len());
         let mut all = Vec::with_capacity(self.windows.len() * groups * nq * n);
         for &w in &self.windows {
-            let probe = LayerFrozen {
-                window: w,
-                ..f.clone()
-            };
             let row: Vec<f32> = (0..nq)
                 .flat_map(|i| (0..n).map(move |j| (i, j)))
                 .map(|(i, j)| {
                     let same = rows.q_seq[i] == rows.k_seq[j];
-                    if same && probe.visible(rows.q_pos[i], rows.k_pos[j]) {
+                    if same && visible(w, rows.q_pos[i], rows.k_pos[j]) {
                         0.0
                     } else {
                         MASKED

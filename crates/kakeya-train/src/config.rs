@@ -66,6 +66,11 @@ pub struct DrafterModelConfig {
     /// RoPE base.
     #[serde(default = "default_rope_theta")]
     pub rope_theta: f64,
+    /// Start from this exported drafter (a z-lab folder, e.g. a committed checkpoint) instead
+    /// of random weights: fine-tuning on new data. Its shape must be this section's; its
+    /// draft vocabulary may differ (the head is the verifier's, rows picked by the new data).
+    #[serde(default)]
+    pub init: Option<PathBuf>,
 }
 
 fn default_rope_theta() -> f64 {

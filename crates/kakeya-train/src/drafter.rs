@@ -11,6 +11,7 @@
 //! [`kakeya_models::dflash::DraftWeights::blocks`]).
 
 use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
 
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Int, Tensor, TensorData};
@@ -21,6 +22,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::data::Sequence;
+use crate::error::{Result, TrainError};
 use crate::run::{self, Named, Params, storage_dims};
 
 /// Masked-out score (large and finite: every row keeps its own block visible).
@@ -185,6 +187,72 @@ impl DrafterParams {
             })
             .collect();
         Self::from_named(config, tensors)
+    }
+
+    /// Weights of an exported drafter (the inverse of [`Self::to_checkpoint`]): `fc`'s
+    /// columns are multiplied by this data's `input_scales`, because the trainer feeds aux
+    /// states divided by them. The checkpoint's shape must be `config`'s; its draft vocabulary
+    /// may differ (no trainable tensor depends on it).
+    pub fn from_checkpoint(
+        config: &DFlashConfig,
+        dir: &Path,
+        input_scales: &[f32],
+        device: &Device,
+    ) -> Result<Self> {
+        let ck = DraftCheckpoint::load(dir)?;
+        let mut theirs = ck.config.clone();
+        theirs.draft_vocab_size = config.draft_vocab_size;
+        if &theirs != config {
+            return Err(TrainError::invalid(
+                dir,
+                format!(
+                    "the drafter to start from has another shape than [model] gives \
+                     (layers {}, heads {}/{}, head_dim {}, MLP {}, block {}, target layers {:?}; \
+                     [model]: layers {}, heads {}/{}, head_dim {}, MLP {}, block {}, target layers {:?})",
+                    theirs.num_hidden_layers,
+                    theirs.num_attention_heads,
+                    theirs.num_key_value_heads,
+                    theirs.head_dim,
+                    theirs.intermediate_size,
+                    theirs.block_size,
+                    theirs.target_layer_ids,
+                    config.num_hidden_layers,
+                    config.num_attention_heads,
+                    config.num_key_value_heads,
+                    config.head_dim,
+                    config.intermediate_size,
+                    config.block_size,
+                    config.target_layer_ids,
+                ),
+            ));
+        }
+        let mut tensors = Vec::new();
+        for (name, shape) in config.expected_tensors() {
+            let t = ck.tensors.get(&name).filter(|t| t.shape == shape);
+            let Some(t) = t else {
+                return Err(TrainError::invalid(
+                    dir,
+                    format!("tensor {name} {shape:?} is missing or has another shape"),
+                ));
+            };
+            let mut data = t.data.clone();
+            if name == "fc.weight" {
+                let cols = shape[1];
+                if input_scales.len() != cols {
+                    return Err(TrainError::invalid(
+                        dir,
+                        format!("fc has {cols} inputs, the data {}", input_scales.len()),
+                    ));
+                }
+                for row in data.chunks_mut(cols) {
+                    for (w, s) in row.iter_mut().zip(input_scales) {
+                        *w *= s;
+                    }
+                }
+            }
+            tensors.push((name, shape, data));
+        }
+        Ok(Self::from_host(config.clone(), tensors, device))
     }
 
     /// Total trainable scalars.

@@ -196,7 +196,10 @@ pub fn train_drafter(
         (config.expected_tensors(), &device),
         |named| DrafterParams::from_named(config.clone(), named),
         || {
-            let params = DrafterParams::init(config.clone(), cfg.train.seed, &device);
+            let params = match &cfg.model.init {
+                Some(dir) => DrafterParams::from_checkpoint(&config, dir, &data.scales, &device)?,
+                None => DrafterParams::init(config.clone(), cfg.train.seed, &device),
+            };
             Ok((params, Vocab { d2t: d2t.clone() }))
         },
     )?;

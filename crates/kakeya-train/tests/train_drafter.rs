@@ -239,6 +239,77 @@ fn drafter_learns_the_verifiers_continuations_and_only_drafter_weights_move() {
     }
 }
 
+#[test]
+fn a_run_started_from_an_exported_drafter_begins_where_that_one_ended() {
+    let s = Scratch::new("train-init");
+    let v = verifier();
+    let ds = capture(&s.0, &v, 30, 16, "1, 3, 4");
+    let mut cfg = train_config(&ds, &s.0.join("first"), 60, 0);
+    cfg.train.seed = 5;
+    cfg.model.draft_vocab = 0;
+    cfg.output.export_dtype = kakeya_weights::StoreDtype::F32;
+    let first = train_drafter(
+        &cfg,
+        &v,
+        prepare(&cfg, &v, SHA).unwrap(),
+        &opts(),
+        &mut |_| {},
+    )
+    .unwrap();
+    let end = first.evals.last().unwrap().clone();
+    assert!(end.acceptance_length > first.evals[0].acceptance_length);
+    // Same data, same held-out anchors: the second run's step-0 evaluation is the first run's
+    // last one (up to the export's rescaling of fc by the input scales, float rounding).
+    let mut again = cfg.clone();
+    again.model.init = Some(cfg.output.export.clone());
+    again.output.dir = s.0.join("second");
+    again.output.export = s.0.join("second/drafter");
+    again.train.steps = 1;
+    let second = train_drafter(
+        &again,
+        &v,
+        prepare(&again, &v, SHA).unwrap(),
+        &opts(),
+        &mut |_| {},
+    )
+    .unwrap();
+    let start = &second.evals[0];
+    assert_eq!(start.step, 0);
+    assert!(
+        (start.loss - end.loss).abs() <= 1e-4 * end.loss,
+        "{} vs {}",
+        start.loss,
+        end.loss
+    );
+    assert_eq!(start.anchors, end.anchors);
+    assert!(
+        (start.acceptance_length - end.acceptance_length).abs() <= 2.0 / end.anchors as f64,
+        "{} vs {}",
+        start.acceptance_length,
+        end.acceptance_length
+    );
+    // A fresh start evaluates far from it: the init was used.
+    assert!((first.evals[0].loss - end.loss).abs() > 0.1 * end.loss);
+    // Another shape is refused, naming the folder, before anything is written.
+    let mut wrong = again.clone();
+    wrong.model.layers = 2;
+    wrong.output.dir = s.0.join("third");
+    let e = train_drafter(
+        &wrong,
+        &v,
+        prepare(&wrong, &v, SHA).unwrap(),
+        &opts(),
+        &mut |_| {},
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        e.contains(&cfg.output.export.display().to_string()) && e.contains("another shape"),
+        "{e}"
+    );
+}
+
 /// Names and PyTorch shapes of a one-layer DFlash drafter in z-lab's layout for this test's
 /// shape (hidden 32, 3 target layers, 4 × 8 query and 2 × 8 KV heads, MLP 64), by name.
 fn zlab_layout_one_layer() -> Vec<(String, Vec<usize>)> {

@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 runs=5
 if [[ "${1:-}" == "--runs" ]]; then runs="$2"; fi
 model=models/gemma-3-270m/gemma-3-270m-q4_k_m.gguf
-drafter=checkpoints/drafter-gemma3-270m-v2
+drafter=checkpoints/drafter-gemma3-270m-v3
 out=runs/side-by-side
 mkdir -p "$out"
 

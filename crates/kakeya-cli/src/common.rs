@@ -12,9 +12,9 @@ use kakeya_weights::{Checkpoint, DraftCheckpoint, Tokenizer};
 /// Where `scripts/fetch_default_model.py` puts the default model.
 pub const DEFAULT_MODEL: &str = "models/gemma-3-270m/gemma-3-270m-q4_k_m.gguf";
 
-/// The trained DFlash drafter for the default model (`configs/train/drafter-270m-large.toml`):
+/// The trained DFlash drafter for the default model (`configs/train/drafter-270m-sampled.toml`):
 /// the one speculative decoding uses by default.
-pub const DEFAULT_DRAFTER: &str = "checkpoints/drafter-gemma3-270m-v2";
+pub const DEFAULT_DRAFTER: &str = "checkpoints/drafter-gemma3-270m-v3";
 
 /// The drafter the default model's f_θ was trained with (`configs/train/drafter-270m.toml`):
 /// the restored KV modes read its context K/V, so on the default model they use it — for the

@@ -45,10 +45,11 @@ pub fn trained_drafter(verifier: &Gemma3Model) -> DFlashDrafter {
     DFlashDrafter::from_checkpoint(ck, verifier).unwrap()
 }
 
-/// The default model's default drafter (`configs/train/drafter-270m-large.toml`, 10× the data),
+/// The default model's default drafter (v2 fine-tuned on free-form prompts:
+/// `configs/train/drafter-270m-sampled.toml`),
 /// loaded for `verifier`.
 pub fn default_drafter(verifier: &Gemma3Model) -> DFlashDrafter {
-    let dir = root().join("checkpoints/drafter-gemma3-270m-v2");
+    let dir = root().join("checkpoints/drafter-gemma3-270m-v3");
     let ck = DraftCheckpoint::load(&dir).expect("default drafter");
     DFlashDrafter::from_checkpoint(ck, verifier).unwrap()
 }

@@ -308,6 +308,7 @@ fn a_run_started_from_an_exported_drafter_begins_where_that_one_ended() {
         e.contains(&cfg.output.export.display().to_string()) && e.contains("another shape"),
         "{e}"
     );
+    assert!(!s.0.join("third").exists());
 }
 
 /// Names and PyTorch shapes of a one-layer DFlash drafter in z-lab's layout for this test's

@@ -16,7 +16,8 @@ make_prompts.py runs on the final text), so the bench stays held out.
 
 Usage: python3 scripts/make_sampled_prompts.py [--count 1400] [--out data/corpus/sampled.jsonl]
        [--kakeya target/release/kakeya] [--clients 16]
-Starts `kakeya serve --no-drafter` on a free loopback port and stops it at the end.
+Starts `kakeya serve --no-drafter` on a free loopback port (load_test.py's start_server) and
+stops it at the end.
 """
 import argparse
 import concurrent.futures as cf
@@ -24,13 +25,12 @@ import json
 import os
 import random
 import re
-import socket
-import subprocess
 import sys
 import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from load_test import start_server  # noqa: E402
 from make_prompts import near_held_out  # noqa: E402
 
 PROSE = [
@@ -115,12 +115,6 @@ def seed_text(rng: random.Random, subs: list) -> str:
     return tpl.replace("{t}", t).replace("{T}", t[0].upper() + t[1:])
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def post(url: str, body: dict) -> dict:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=600) as r:
@@ -136,21 +130,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=20261126)
     args = ap.parse_args()
     subs = subjects()
-    port = free_port()
-    server = subprocess.Popen([args.kakeya, "serve", "--no-drafter", "--port", str(port),
-                               "--max-seqs", str(args.clients)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
+    server, host, port = start_server(args.kakeya, ["--no-drafter", "--max-seqs", str(args.clients)])
+    base = f"http://{host}:{port}"
     try:
-        for _ in range(600):
-            try:
-                urllib.request.urlopen(base + "/health", timeout=2)
-                break
-            except OSError:
-                if server.poll() is not None:
-                    raise SystemExit("kakeya serve exited")
-                time.sleep(0.5)
-
         def one(i: int):
             rng = random.Random(args.seed * 100003 + i)
             seed = seed_text(rng, subs)

@@ -275,6 +275,10 @@ fn concurrent_clients_get_their_own_answers_through_shared_forwards() {
         srv.metric("kakeya_batch_rows_sum"),
         srv.metric("kakeya_batch_rows_count"),
     );
+    let (chunks0, prompt_forwards0) = (
+        srv.metric("kakeya_prompt_chunks_sum"),
+        srv.metric("kakeya_prompt_chunks_count"),
+    );
     let addr = srv.addr.clone();
     let together: Vec<(String, String)> = std::thread::scope(|sc| {
         let handles: Vec<_> = prompts
@@ -317,6 +321,13 @@ fn concurrent_clients_get_their_own_answers_through_shared_forwards() {
         "rows {rows} over {forwards} batched forwards"
     );
     assert!(together.iter().any(|(_, mode)| mode.contains("batched")));
+    // Prompts that arrived together shared forwards too.
+    let chunks = srv.metric("kakeya_prompt_chunks_sum") - chunks0;
+    let prompt_forwards = srv.metric("kakeya_prompt_chunks_count") - prompt_forwards0;
+    assert!(
+        chunks >= 16.0 && chunks > prompt_forwards,
+        "{chunks} prompt chunks in {prompt_forwards} forwards"
+    );
     srv.wait_metric("kakeya_running_sequences", 0.0);
     srv.wait_metric("kakeya_kv_bytes", 0.0);
 }

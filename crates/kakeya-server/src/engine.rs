@@ -1,9 +1,9 @@
 //! The engine: one thread that owns the model and every running sequence, and schedules
 //! them continuous-batching style. Each turn of its loop admits waiting requests (up to
-//! `max_seqs` sequences), runs one prefill chunk of one new sequence, then advances the
-//! decoding sequences: all of them together in stacked forwards of up to
-//! [`QUANT_MAX_ROWS`] rows (one token each), or — when one sequence runs alone and nothing
-//! waits — one speculative block of it. Every path gives each sequence exactly the tokens
+//! `max_seqs` sequences) and advances every sequence: the next prompt chunks of new sequences
+//! (up to one chunk's rows in all) and one token of each decoding sequence in one stacked
+//! forward (of up to [`QUANT_MAX_ROWS`] sequences), or — when one sequence runs alone and
+//! nothing waits — one speculative block of it. Every path gives each sequence exactly the tokens
 //! plain decoding gives it alone: batched rows are bit for bit single rows
 //! ([`Session::step_batch`]), speculation is lossless, and sampling draws are keyed by
 //! position. A sequence whose client went away is dropped at the next turn, freeing its
@@ -420,33 +420,32 @@ pub fn run(
             metrics.state(0, queue.len(), 0);
             continue;
         }
-        // One prefill chunk of the oldest sequence still prefilling: in the same forward as
-        // the decoding sequences' steps when that gives every row its own bits (GGUF blocks
-        // on the CPU, or rows within the row-order kernel's 16), else a forward of its own.
+        // Prompt chunks, oldest sequence first, up to `chunk` prompt rows in all (at least
+        // one chunk), in the same forward as the decoding sequences' steps when that gives
+        // every row its own bits (GGUF blocks on the CPU, or rows within the row-order
+        // kernel's 16), else the oldest one's chunk in a forward of its own.
         let mut failed: Vec<(usize, String)> = Vec::new();
-        let prefilling = active.iter().position(|s| s.prefilled < s.job.prompt.len());
-        let decoding: Vec<usize> = (0..active.len())
-            .filter(|&i| active[i].decoding() && prefilling != Some(i))
+        let prefilling: Vec<usize> = (0..active.len())
+            .filter(|&i| active[i].prefilled < active[i].job.prompt.len())
             .collect();
-        let merged = prefilling.filter(|&i| {
-            let rows = (active[i].job.prompt.len() - active[i].prefilled).min(chunk);
-            !decoding.is_empty()
-                && decoding.len() < QUANT_MAX_ROWS
-                && (rows + decoding.len() <= QUANT_MAX_ROWS || model.rows_invariant_at_any_count())
-        });
-        if let Some(i) = merged {
-            if let Err(e) = step_group(&mut active, &decoding, Some((i, chunk)), metrics) {
-                failed.extend(decoding.iter().chain([&i]).map(|&j| (j, e.to_string())));
+        let decoding: Vec<usize> = (0..active.len())
+            .filter(|&i| active[i].decoding())
+            .collect();
+        let batch = prompt_batch(&active, &prefilling, &decoding, chunk, &model);
+        if !batch.is_empty() {
+            if let Err(e) = step_group(&mut active, &decoding, &batch, chunk, metrics) {
+                failed.extend(decoding.iter().chain(&batch).map(|&j| (j, e.to_string())));
             }
-        } else if let Some(i) = prefilling
-            && let Err(e) = active[i].prefill_chunk(chunk)
-        {
-            failed.push((i, e.to_string()));
+        } else if let Some(&i) = prefilling.first() {
+            metrics.prompt_chunks(1);
+            if let Err(e) = active[i].prefill_chunk(chunk) {
+                failed.push((i, e.to_string()));
+            }
         }
         // Decode: one speculative block when a sequence runs alone, else stacked plain steps.
         let still_prefilling = active.iter().any(|s| s.prefilled < s.job.prompt.len());
-        if merged.is_some() {
-            // Its decoding sequences took their step beside the prompt chunk.
+        if !batch.is_empty() {
+            // The decoding sequences took their step beside the prompt chunks.
         } else if decoding.len() == 1
             && !still_prefilling
             && queue.is_empty()
@@ -458,7 +457,7 @@ pub fn run(
             }
         } else {
             for group in decoding.chunks(QUANT_MAX_ROWS) {
-                if let Err(e) = step_group(&mut active, group, None, metrics) {
+                if let Err(e) = step_group(&mut active, group, &[], chunk, metrics) {
                     failed.extend(group.iter().map(|&i| (i, e.to_string())));
                 }
             }
@@ -485,13 +484,51 @@ pub fn run(
     }
 }
 
+/// The sequences (indices into `active`, from `prefilling`, oldest first) whose next prompt
+/// chunks run in this turn's forward beside the decoding sequences' steps: as many as fit in
+/// `chunk` prompt rows (at least one) and [`QUANT_MAX_ROWS`] sequences in all. Empty when
+/// nothing prefills, or when that forward would not give every row its own bits (weights off
+/// the block kernel with more than its rows): the oldest chunk then runs alone.
+fn prompt_batch(
+    active: &[Seq<'_>],
+    prefilling: &[usize],
+    decoding: &[usize],
+    chunk: usize,
+    model: &Gemma3Model,
+) -> Vec<usize> {
+    if decoding.len() >= QUANT_MAX_ROWS {
+        return Vec::new();
+    }
+    let any_count = model.rows_invariant_at_any_count();
+    let mut batch = Vec::new();
+    let mut rows = 0;
+    for &i in prefilling {
+        let n = (active[i].job.prompt.len() - active[i].prefilled).min(chunk);
+        let fits = any_count || rows + n + decoding.len() <= QUANT_MAX_ROWS;
+        if !fits
+            || (!batch.is_empty()
+                && (rows + n > chunk || decoding.len() + batch.len() >= QUANT_MAX_ROWS))
+        {
+            break;
+        }
+        batch.push(i);
+        rows += n;
+    }
+    if decoding.is_empty() && batch.len() == 1 {
+        // One chunk alone: the sequence's own prefill.
+        batch.clear();
+    }
+    batch
+}
+
 /// One plain decode step of the sequences `group` (indices into `active`) in one stacked
-/// forward — with, when `prefill` is `Some((i, chunk))`, the next prompt chunk of sequence `i`
-/// (not in `group`) in the same forward.
+/// forward — with the next prompt chunk (of at most `chunk` tokens) of each sequence in
+/// `prefill` (not in `group`) in the same forward.
 fn step_group(
     active: &mut [Seq<'_>],
     group: &[usize],
-    prefill: Option<(usize, usize)>,
+    prefill: &[usize],
+    chunk: usize,
     metrics: &Metrics,
 ) -> Result<(), RuntimeError> {
     let mut order: Vec<usize> = group.to_vec();
@@ -506,7 +543,7 @@ fn step_group(
             ]
         })
         .collect();
-    if let Some((i, chunk)) = prefill {
+    for &i in prefill {
         let s = &active[i];
         let end = (s.prefilled + chunk).min(s.job.prompt.len());
         chunks.push(s.job.prompt[s.prefilled..end].to_vec());
@@ -530,10 +567,15 @@ fn step_group(
     )?;
     drop(sessions);
     drop(slots);
-    metrics.batch(group.len());
+    if !group.is_empty() {
+        metrics.batch(group.len());
+    }
+    if !prefill.is_empty() {
+        metrics.prompt_chunks(prefill.len());
+    }
     for ((&i, l), c) in order.iter().zip(scores).zip(&chunks) {
         let s = &mut active[i];
-        if Some(i) == prefill.map(|(p, _)| p) {
+        if prefill.contains(&i) {
             s.prefilled_to(s.prefilled + c.len(), &l);
             continue;
         }

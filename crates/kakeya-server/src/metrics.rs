@@ -1,6 +1,6 @@
 //! Prometheus metrics (`GET /metrics`, text format 0.0.4): requests by endpoint and status,
 //! tokens in and out, time to first token and inter-token latency, tokens committed per
-//! verifier forward, rows per batched forward, K/V bytes held, queue depth, running and
+//! verifier forward, rows per batched forward, prompt chunks per forward, K/V bytes held, queue depth, running and
 //! cancelled sequences.
 
 use std::collections::BTreeMap;
@@ -63,6 +63,7 @@ struct Inner {
     itl: Histogram,
     committed_per_forward: Histogram,
     batch_rows: Histogram,
+    prompt_chunks: Histogram,
     kv_bytes: usize,
     queue_depth: usize,
     running: usize,
@@ -87,6 +88,7 @@ impl Default for Metrics {
                 itl: Histogram::new(LATENCY),
                 committed_per_forward: Histogram::new(COMMITTED),
                 batch_rows: Histogram::new(COMMITTED),
+                prompt_chunks: Histogram::new(COMMITTED),
                 kv_bytes: 0,
                 queue_depth: 0,
                 running: 0,
@@ -143,6 +145,11 @@ impl Metrics {
     /// A batched decode forward over `rows` sequences.
     pub fn batch(&self, rows: usize) {
         self.with(|m| m.batch_rows.observe(rows as f64));
+    }
+
+    /// A forward that ran the next prompt chunks of `n` sequences.
+    pub fn prompt_chunks(&self, n: usize) {
+        self.with(|m| m.prompt_chunks.observe(n as f64));
     }
 
     /// A sequence ended: finished, or `cancelled` (client gone, or the server shutting down).
@@ -224,6 +231,11 @@ impl Metrics {
                 &mut out,
                 "kakeya_batch_rows",
                 "Sequences per batched decode forward.",
+            );
+            m.prompt_chunks.render(
+                &mut out,
+                "kakeya_prompt_chunks",
+                "Sequences whose prompt chunk ran, per forward that ran any.",
             );
             out
         })

@@ -144,7 +144,7 @@ impl KvSegment {
 }
 
 /// One layer's KV store, owned by the caller.
-pub trait LayerCache {
+pub trait LayerCache: Send {
     /// Records the K/V of positions `start..start + T` (the chunk being computed) and returns
     /// the segments attention over those queries reads: whatever tiers the cache holds for
     /// earlier positions, and the chunk's own keys (read by every query of the chunk that the
@@ -181,7 +181,7 @@ pub trait LayerCache {
 }
 
 /// The caches of every layer of a model, as one forward sees them.
-pub trait KvLayers {
+pub trait KvLayers: Send {
     /// Number of layer caches.
     fn layer_count(&self) -> usize;
 

@@ -3,6 +3,7 @@
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use kakeya_weights::AttentionKind;
+use rayon::prelude::*;
 
 use crate::cache::{DeferredKv, KvLayers, KvPart, KvSegment, Reach, SegmentKv};
 use crate::error::{ModelError, Result};
@@ -300,17 +301,19 @@ impl Attention {
             let [h, _, d] = t.dims();
             t.clone().slice([0..h, r.clone(), 0..d])
         };
-        let mut outs = Vec::with_capacity(spans.len());
-        let mut mine = Vec::new();
-        for (s, (span, caches)) in spans.iter().zip(kvs.iter_mut()).enumerate() {
+        // Each sequence writes its own caches and attends over them: on the CPU the
+        // sequences of a stacked forward run in parallel (each result is the same bits on any
+        // thread); on a GPU one after another (each launch is the device's).
+        let one = |s: usize,
+                   span: &Span,
+                   caches: &mut dyn KvLayers|
+         -> Result<(Tensor<2>, Option<Vec<KvSegment>>)> {
             let r = &span.rows;
-            let (segments, read_layer) = match (&own, self.kv_source) {
+            let (segments, read_layer, mine) = match (&own, self.kv_source) {
                 (Some((_, _, k, v)), _) => {
                     let segs = caches.update(layer, rows_of(k, r), rows_of(v, r), span.start)?;
-                    if self.shares_kv {
-                        mine.push(segs.clone());
-                    }
-                    (segs, layer)
+                    let mine = self.shares_kv.then(|| segs.clone());
+                    (segs, layer, mine)
                 }
                 (None, Some(src)) => {
                     let segs = shared.segments.get(&src).and_then(|per| per.get(s)).ok_or_else(|| {
@@ -318,17 +321,41 @@ impl Attention {
                             "layer {layer} reads layer {src}'s K/V, which this forward did not keep"
                         ))
                     })?;
-                    (segs.clone(), src)
+                    (segs.clone(), src, None)
                 }
                 (None, None) => unreachable!("a layer without keys reads another's"),
             };
-            outs.push(self.attend(
+            let out = self.attend(
                 rows_of(&q, r),
                 span.start,
                 segments,
-                (&mut **caches, read_layer),
+                (caches, read_layer),
                 &device,
-            )?);
+            )?;
+            Ok((out, mine))
+        };
+        let results: Vec<Result<(Tensor<2>, Option<Vec<KvSegment>>)>> =
+            if spans.len() > 1 && !crate::gpu::is_gpu(&device) {
+                spans
+                    .par_iter()
+                    .zip(kvs.par_iter_mut())
+                    .enumerate()
+                    .map(|(s, (span, caches))| one(s, span, &mut **caches))
+                    .collect()
+            } else {
+                spans
+                    .iter()
+                    .zip(kvs.iter_mut())
+                    .enumerate()
+                    .map(|(s, (span, caches))| one(s, span, &mut **caches))
+                    .collect()
+            };
+        let mut outs = Vec::with_capacity(spans.len());
+        let mut mine = Vec::new();
+        for res in results {
+            let (out, segs) = res?;
+            outs.push(out);
+            mine.extend(segs);
         }
         if self.shares_kv {
             shared.segments.insert(layer, mine);
@@ -472,7 +499,8 @@ impl Attention {
                 return out;
             }
         }
-        let rows = seen.into_iter().enumerate().map(|(i, seen)| {
+        // The rows in parallel (each row's bits do not depend on the thread).
+        let rows = seen.into_par_iter().enumerate().map(|(i, seen)| {
             let (first, last) = (seen[0].1, seen[seen.len() - 1].1);
             let run = seen.windows(2).all(|w| w[1].1 == w[0].1 + 1);
             let (ki, vi) = if run && first == 0 && last + 1 == s {
@@ -495,7 +523,11 @@ impl Attention {
             };
             grouped_attention(qi, ki, vi, self.scale, None)
         });
-        Tensor::cat(rows.collect(), 0)
+        let mut rows: Vec<Tensor<2>> = rows.collect();
+        if rows.len() == 1 {
+            return rows.pop().expect("one row");
+        }
+        Tensor::cat(rows, 0)
     }
 }
 

@@ -9,6 +9,7 @@ pub mod error;
 pub mod ftheta;
 pub mod gemma3;
 pub mod gpu;
+pub mod host_attention;
 pub mod linear;
 pub mod norm;
 pub mod rope;

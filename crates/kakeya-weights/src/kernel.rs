@@ -195,6 +195,14 @@ pub(crate) fn tiles_fused(
     false
 }
 
+/// Whether this CPU runs the AVX2/FMA paths (checked once).
+pub(crate) fn simd_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return simd::available();
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
 /// Streams in the bytes a few blocks ahead of the block at `b` (`block` bytes long) while it
 /// is summed: the next blocks follow it, also across tiles. A prefetch never faults, so the
 /// addresses need not exist.

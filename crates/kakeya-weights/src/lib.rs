@@ -16,6 +16,7 @@ mod int8;
 mod kernel;
 pub mod mapped;
 pub mod quant;
+pub mod rowops;
 pub mod tokenizer;
 
 pub use argmax::Argmax;

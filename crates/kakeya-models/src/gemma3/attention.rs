@@ -7,6 +7,7 @@ use rayon::prelude::*;
 
 use crate::cache::{DeferredKv, KvLayers, KvPart, KvSegment, Reach, SegmentKv};
 use crate::error::{ModelError, Result};
+use crate::host_attention::{self, HostView};
 use crate::linear::{Linear, QUANT_MAX_ROWS};
 use crate::norm::RmsNorm;
 use crate::rope::Rope;
@@ -498,6 +499,28 @@ impl Attention {
             if let Some(out) = crate::gpu::attention_rows(&q, &k, &v, self.scale, keys) {
                 return out;
             }
+        }
+        // On the CPU: each row's loops straight over the caches' buffers, the rows in
+        // parallel (a row's bits do not depend on the thread or the other rows).
+        if let (Some(qh), Some(kh), Some(vh)) =
+            (HostView::of(&q), HostView::of(&k), HostView::of(&v))
+        {
+            let width = heads * d;
+            let mut out = vec![0.0f32; t * width];
+            let scale = self.scale as f32;
+            let row = |i: usize, seen: &[(usize, usize)], o: &mut [f32]| {
+                let keys: Vec<usize> = seen.iter().map(|&(_, j)| j).collect();
+                host_attention::attend_row(&qh, i, &kh, &vh, &keys, scale, o);
+            };
+            if t > 1 {
+                seen.par_iter()
+                    .zip(out.par_chunks_mut(width))
+                    .enumerate()
+                    .for_each(|(i, (s, o))| row(i, s, o));
+            } else {
+                row(0, &seen[0], &mut out);
+            }
+            return Tensor::from_data(TensorData::new(out, [t, width]), device);
         }
         // The rows in parallel (each row's bits do not depend on the thread).
         let rows = seen.into_par_iter().enumerate().map(|(i, seen)| {

@@ -142,8 +142,11 @@ fn approx_rows(l: Layout, tiles: &[u8], xr: &Rounded, t: usize, rows: usize, out
 
 /// Pass 1's bounds of one task (rows `r0..r0 + norms.len()`) from its approximations `buf`
 /// (`[panel][t][PANEL]`): per input row, the best lower bound `a − ‖w‖·C`, and the rows
-/// (ascending) whose upper bound `a + ‖w‖·C` reaches it. Sixteen rows at a time, so the
-/// loops vectorise.
+/// (ascending) whose upper bound `a + ‖w‖·C` reaches it. One sweep takes the lower bounds
+/// and each panel's largest upper bound (sixteen rows at a time, with AVX2/FMA where the CPU
+/// has them); only the panels that reach the best lower bound are then looked at row by row.
+/// Both roundings of the bounds are within the radius' allowance, so either selects a
+/// superset of the rows that can be the largest.
 fn task_bounds(buf: &[f32], norms: &[f32], radius: &[f32], t: usize, r0: usize) -> TaskBounds {
     let n = norms.len();
     let panel_norms = |pi: usize| {
@@ -152,18 +155,25 @@ fn task_bounds(buf: &[f32], norms: &[f32], radius: &[f32], t: usize, r0: usize) 
         nr[..m].copy_from_slice(&norms[pi * PANEL..pi * PANEL + m]);
         (nr, m)
     };
+    #[cfg(target_arch = "x86_64")]
+    let fast = simd::available();
+    #[cfg(not(target_arch = "x86_64"))]
+    let fast = false;
     let mut lanes = vec![[f32::NEG_INFINITY; PANEL]; t];
+    let mut panel_hi = vec![f32::NEG_INFINITY; n.div_ceil(PANEL) * t];
     for (pi, pb) in buf.chunks_exact(t * PANEL).enumerate() {
         let (nr, m) = panel_norms(pi);
-        for ((blk, lj), &c) in pb.chunks_exact(PANEL).zip(&mut lanes).zip(radius) {
-            if m == PANEL {
-                for l in 0..PANEL {
-                    lj[l] = lj[l].max(blk[l] - nr[l] * c);
-                }
-            } else {
-                for l in 0..m {
-                    lj[l] = lj[l].max(blk[l] - nr[l] * c);
-                }
+        let his = &mut panel_hi[pi * t..(pi + 1) * t];
+        for (((blk, lj), &c), hi) in pb.chunks_exact(PANEL).zip(&mut lanes).zip(radius).zip(his) {
+            #[cfg(target_arch = "x86_64")]
+            if fast && m == PANEL {
+                *hi = simd::panel_bounds(blk, &nr, c, lj);
+                continue;
+            }
+            let _ = fast;
+            for l in 0..m {
+                lj[l] = lj[l].max(blk[l] - nr[l] * c);
+                *hi = hi.max(blk[l] + nr[l] * c);
             }
         }
     }
@@ -176,13 +186,13 @@ fn task_bounds(buf: &[f32], norms: &[f32], radius: &[f32], t: usize, r0: usize) 
         let (nr, m) = panel_norms(pi);
         for (j, (blk, &c)) in pb.chunks_exact(PANEL).zip(radius).enumerate() {
             let lo = low[j];
-            let hit = (0..m).fold(false, |h, l| h | (blk[l] + nr[l] * c >= lo));
-            if hit {
-                for l in 0..m {
-                    let hi = blk[l] + nr[l] * c;
-                    if hi >= lo {
-                        near[j].push(((r0 + pi * PANEL + l) as u32, hi));
-                    }
+            if panel_hi[pi * t + j] < lo {
+                continue;
+            }
+            for l in 0..m {
+                let hi = blk[l] + nr[l] * c;
+                if hi >= lo {
+                    near[j].push(((r0 + pi * PANEL + l) as u32, hi));
                 }
             }
         }

@@ -170,3 +170,43 @@ fn each_tile(
         }
     }
 }
+
+/// Pass 1 of [`super::task_bounds`] for one full panel and one input row with AVX2/FMA (the
+/// caller checked [`available`]): `lanes = max(lanes, blk − nr·c)` lane by lane; returns the
+/// panel's largest upper bound `max(blk + nr·c)`.
+pub(super) fn panel_bounds(
+    blk: &[f32],
+    nr: &[f32; crate::int8::PANEL],
+    c: f32,
+    lanes: &mut [f32; crate::int8::PANEL],
+) -> f32 {
+    assert!(blk.len() >= crate::int8::PANEL && available());
+    // SAFETY: AVX2 and FMA are available; every access is within the 16 values checked.
+    unsafe { panel_bounds_avx2(blk, nr, c, lanes) }
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn panel_bounds_avx2(
+    blk: &[f32],
+    nr: &[f32; crate::int8::PANEL],
+    c: f32,
+    lanes: &mut [f32; crate::int8::PANEL],
+) -> f32 {
+    use std::arch::x86_64::*;
+    let cv = _mm256_set1_ps(c);
+    let mut hi = _mm256_set1_ps(f32::NEG_INFINITY);
+    for h in 0..2 {
+        // SAFETY: 8·h + 8 <= 16 values in each.
+        unsafe {
+            let b = _mm256_loadu_ps(blk.as_ptr().add(8 * h));
+            let n = _mm256_loadu_ps(nr.as_ptr().add(8 * h));
+            let l = _mm256_loadu_ps(lanes.as_ptr().add(8 * h));
+            let lo = _mm256_fnmadd_ps(n, cv, b);
+            _mm256_storeu_ps(lanes.as_mut_ptr().add(8 * h), _mm256_max_ps(l, lo));
+            hi = _mm256_max_ps(hi, _mm256_fmadd_ps(n, cv, b));
+        }
+    }
+    let m = _mm_max_ps(_mm256_castps256_ps128(hi), _mm256_extractf128_ps::<1>(hi));
+    let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps::<1>(m, m)))
+}

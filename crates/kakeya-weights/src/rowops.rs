@@ -42,16 +42,14 @@ pub fn weighted_sum(p: &[f32], rows: &[f32], n: usize, t: usize, dim: usize, out
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 mod simd {
-    use std::arch::x86_64::{
-        __m256, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_set1_ps, _mm256_storeu_ps,
-    };
+    use std::arch::x86_64::{_mm256_fmadd_ps, _mm256_loadu_ps, _mm256_set1_ps, _mm256_storeu_ps};
 
     /// Outputs summed together: their accumulators stay in registers while the rows stream.
     const OUTS: usize = 4;
 
-    /// [`super::weighted_sum`]; the caller checked AVX2/FMA and the lengths. Eight columns
-    /// of up to [`OUTS`] outputs at a time are accumulated in registers over every row (each
-    /// row's eight values loaded once for all of them), in ascending row order as the
+    /// [`super::weighted_sum`]; the caller checked AVX2/FMA and the lengths. The rows stream
+    /// once, in order (each row's eight values loaded once for up to [`OUTS`] outputs, which
+    /// stay in L1); every output element takes its FMAs in ascending row order, as the
     /// portable loop.
     pub(super) fn weighted_sum(
         p: &[f32],
@@ -64,52 +62,47 @@ mod simd {
         let body = dim / 8 * 8;
         for j0 in (0..t).step_by(OUTS) {
             let m = (t - j0).min(OUTS);
-            // SAFETY: AVX2 and FMA are available (checked by the caller); every load and store
-            // stays within the `[n, dim]` rows and the `[t, dim]` outputs.
-            unsafe { columns(p, rows, n, t, dim, body, j0, m, out) };
-            for j in j0..j0 + m {
-                for r in 0..n {
-                    let w = p[r * t + j];
+            for r in 0..n {
+                let mut w = [0.0f32; OUTS];
+                w[..m].copy_from_slice(&p[r * t + j0..r * t + j0 + m]);
+                let row = &rows[r * dim..(r + 1) * dim];
+                let o = &mut out[j0 * dim..(j0 + m) * dim];
+                // SAFETY: AVX2 and FMA are available (checked by the caller); `row` holds
+                // `dim` values and `o` `m` rows of `dim`.
+                unsafe { row_into(&w, m, row, body, dim, o) };
+                for (k, &wk) in w.iter().enumerate().take(m) {
                     for c in body..dim {
-                        out[j * dim + c] = w.mul_add(rows[r * dim + c], out[j * dim + c]);
+                        o[k * dim + c] = wk.mul_add(row[c], o[k * dim + c]);
                     }
                 }
             }
         }
     }
 
-    /// Columns `0..body` of outputs `j0..j0 + m`.
-    #[allow(clippy::too_many_arguments)]
+    /// `o_k[c] = fma(w_k, row[c], o_k[c])` for `k < m`, columns `0..body`.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn columns(
-        p: &[f32],
-        rows: &[f32],
-        n: usize,
-        t: usize,
-        dim: usize,
-        body: usize,
-        j0: usize,
+    unsafe fn row_into(
+        w: &[f32; OUTS],
         m: usize,
-        out: &mut [f32],
+        row: &[f32],
+        body: usize,
+        dim: usize,
+        o: &mut [f32],
     ) {
-        let (pr, po) = (rows.as_ptr(), out.as_mut_ptr());
+        let (pr, po) = (row.as_ptr(), o.as_mut_ptr());
+        let mut wv = [_mm256_set1_ps(0.0); OUTS];
+        for (v, &x) in wv.iter_mut().zip(w) {
+            *v = _mm256_set1_ps(x);
+        }
         let mut c = 0;
         while c < body {
-            let mut acc: [__m256; OUTS] = [_mm256_set1_ps(0.0); OUTS];
-            for (k, a) in acc.iter_mut().enumerate().take(m) {
-                // SAFETY: output j0 + k < t, columns c..c + 8 <= dim.
-                *a = unsafe { _mm256_loadu_ps(po.add((j0 + k) * dim + c)) };
-            }
-            for r in 0..n {
-                // SAFETY: row r < n, columns c..c + 8 <= dim.
-                let v = unsafe { _mm256_loadu_ps(pr.add(r * dim + c)) };
-                for (k, a) in acc.iter_mut().enumerate().take(m) {
-                    *a = _mm256_fmadd_ps(_mm256_set1_ps(p[r * t + j0 + k]), v, *a);
+            // SAFETY: c + 8 <= body <= dim; output k < m rows of `dim`.
+            unsafe {
+                let v = _mm256_loadu_ps(pr.add(c));
+                for (k, wk) in wv.iter().enumerate().take(m) {
+                    let at = po.add(k * dim + c);
+                    _mm256_storeu_ps(at, _mm256_fmadd_ps(*wk, v, _mm256_loadu_ps(at)));
                 }
-            }
-            for (k, a) in acc.iter().enumerate().take(m) {
-                // SAFETY: as the loads above.
-                unsafe { _mm256_storeu_ps(po.add((j0 + k) * dim + c), *a) };
             }
             c += 8;
         }

@@ -1,10 +1,10 @@
 //! The engine: one thread that owns the model and every running sequence, and schedules
 //! them continuous-batching style. Each turn of its loop admits waiting requests (up to
-//! `max_seqs` sequences) and advances every sequence: the next prompt chunks of new sequences
-//! (up to one chunk's rows in all) and one token of each decoding sequence in one stacked
-//! forward (of up to [`QUANT_MAX_ROWS`] sequences), or — when one sequence runs alone and
-//! nothing waits — one speculative block of it. Every path gives each sequence exactly the tokens
-//! plain decoding gives it alone: batched rows are bit for bit single rows
+//! `max_seqs` sequences) and advances every sequence: the next prompt chunks of new
+//! sequences (up to one chunk's rows in all) and one token of each decoding sequence in one
+//! stacked forward (of up to [`QUANT_MAX_ROWS`] sequences), or — when one sequence runs alone
+//! and nothing waits — one speculative block of it. Every path gives each sequence exactly the
+//! tokens plain decoding gives it alone: batched rows are bit for bit single rows
 //! ([`Session::step_batch`]), speculation is lossless, and sampling draws are keyed by
 //! position. A sequence whose client went away is dropped at the next turn, freeing its
 //! caches.
@@ -504,11 +504,11 @@ fn prompt_batch(
     let mut rows = 0;
     for &i in prefilling {
         let n = (active[i].job.prompt.len() - active[i].prefilled).min(chunk);
-        let fits = any_count || rows + n + decoding.len() <= QUANT_MAX_ROWS;
-        if !fits
-            || (!batch.is_empty()
-                && (rows + n > chunk || decoding.len() + batch.len() >= QUANT_MAX_ROWS))
-        {
+        // Past the budget (the first chunk always fits it), or past the rows that keep bits.
+        let over_budget = !batch.is_empty()
+            && (rows + n > chunk || decoding.len() + batch.len() >= QUANT_MAX_ROWS);
+        let changes_bits = !any_count && rows + n + decoding.len() > QUANT_MAX_ROWS;
+        if over_budget || changes_bits {
             break;
         }
         batch.push(i);

@@ -1,7 +1,7 @@
 //! Prometheus metrics (`GET /metrics`, text format 0.0.4): requests by endpoint and status,
 //! tokens in and out, time to first token and inter-token latency, tokens committed per
-//! verifier forward, rows per batched forward, prompt chunks per forward, K/V bytes held, queue depth, running and
-//! cancelled sequences.
+//! verifier forward, rows per batched forward, prompt chunks per forward, K/V bytes held,
+//! queue depth, running and cancelled sequences.
 
 use std::collections::BTreeMap;
 use std::fmt::Write;

@@ -4,8 +4,6 @@
 //! verify block differ in the last bits), which would let speculative decoding of an HF
 //! checkpoint diverge from plain decoding at a near-tie.
 
-use rayon::prelude::*;
-
 use crate::kernel::{self, DenseRows};
 
 /// Weight rows per parallel task.
@@ -76,19 +74,16 @@ impl DenseMatrix {
             "DenseMatrix::matmul: input has the wrong length"
         );
         let cols = self.cols;
-        let mut by_row = vec![0.0f32; self.rows * t];
-        by_row
-            .par_chunks_mut(ROWS_PER_TASK * t)
-            .enumerate()
-            .for_each(|(task, out)| {
-                let (r0, n) = (task * ROWS_PER_TASK, out.len() / t);
-                let w = match &self.values {
-                    Values::F32(v) => DenseRows::F32(&v[r0 * cols..(r0 + n) * cols]),
-                    Values::Bf16(v) => DenseRows::Bf16(&v[r0 * cols..(r0 + n) * cols]),
-                };
-                kernel::dense_tile(w, n, x, t, cols, out);
-            });
-        kernel::by_input(by_row, self.rows, t)
+        let mut y = vec![0.0f32; t * self.rows];
+        kernel::by_input_tasks(self.rows, t, ROWS_PER_TASK, &mut y, |r0, out| {
+            let n = out.len() / t;
+            let w = match &self.values {
+                Values::F32(v) => DenseRows::F32(&v[r0 * cols..(r0 + n) * cols]),
+                Values::Bf16(v) => DenseRows::Bf16(&v[r0 * cols..(r0 + n) * cols]),
+            };
+            kernel::dense_tile(w, n, x, t, cols, out);
+        });
+        y
     }
 }
 

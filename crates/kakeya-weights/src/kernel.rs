@@ -265,19 +265,70 @@ pub(crate) fn dense_tile(
     }
 }
 
-/// Products laid out `[rows, t]` (per weight row) → `[t, rows]` (per input row).
-pub(crate) fn by_input(by_row: Vec<f32>, rows: usize, t: usize) -> Vec<f32> {
+/// Fills `y` (`[t, rows]`, by input row) from parallel tasks of `per_task` weight rows:
+/// `task(r0, block)` writes the products of rows `r0..r0 + n` as `block` (`[n, t]`, by weight
+/// row, the kernels' layout), and the task itself then puts them in their columns of `y` —
+/// no serial transpose after the parallel part.
+pub(crate) fn by_input_tasks(
+    rows: usize,
+    t: usize,
+    per_task: usize,
+    y: &mut [f32],
+    task: impl Fn(usize, &mut [f32]) + Sync,
+) {
+    use rayon::prelude::*;
+    assert_eq!(
+        y.len(),
+        rows * t,
+        "kernel::by_input_tasks: output has the wrong length"
+    );
     if t == 1 {
-        return by_row;
+        // One input: the two layouts are the same.
+        y.par_chunks_mut(per_task)
+            .enumerate()
+            .for_each(|(k, out)| task(k * per_task, out));
+        return;
     }
-    let mut y = vec![0.0f32; t * rows];
-    for r in 0..rows {
+    let out = Columns(y.as_mut_ptr());
+    (0..rows.div_ceil(per_task)).into_par_iter().for_each(|k| {
+        let (r0, n) = (k * per_task, (rows - k * per_task).min(per_task));
+        // On the stack when small (a decode step's tasks), else on the heap.
+        let mut stack = [0.0f32; 512];
+        let mut heap = Vec::new();
+        let block = if n * t <= stack.len() {
+            &mut stack[..n * t]
+        } else {
+            heap.resize(n * t, 0.0);
+            &mut heap[..]
+        };
+        task(r0, block);
         for j in 0..t {
-            y[j * rows + r] = by_row[r * t + j];
+            // SAFETY: `j · rows + r0 + n <= t · rows = y.len()`, and the columns
+            // `r0..r0 + n` of input row `j` belong to this task alone (the tasks' row ranges
+            // are disjoint), so no other reference to them exists while this one lives.
+            #[allow(unsafe_code)]
+            let dst = unsafe { std::slice::from_raw_parts_mut(out.at(j * rows + r0), n) };
+            for (i, d) in dst.iter_mut().enumerate() {
+                *d = block[i * t + j];
+            }
         }
-    }
-    y
+    });
 }
+
+/// The output of [`by_input_tasks`], shared by tasks that write disjoint columns of it.
+struct Columns(*mut f32);
+
+impl Columns {
+    /// The address `i` values in (within the output: the caller's to check).
+    fn at(&self, i: usize) -> *mut f32 {
+        self.0.wrapping_add(i)
+    }
+}
+
+// SAFETY: the tasks only write disjoint ranges through it (see `by_input_tasks`), and the
+// output outlives the parallel loop that borrows it.
+#[allow(unsafe_code)]
+unsafe impl Sync for Columns {}
 
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]

@@ -13,9 +13,8 @@
 //! (longer verify blocks, batched capture): the tile stays in L1 while it is summed against
 //! the inputs four at a time. Inputs of more than [`INPUTS_PER_PASS`] rows (prefill) go in
 //! passes of that many, so that a pass's inputs stay in L2. Rows are split across the rayon
-//! pool.
-
-use rayon::prelude::*;
+//! pool, each task putting its products straight into the output's `[t, rows]` layout
+//! ([`kernel::by_input_tasks`]).
 
 use crate::dequant::GgmlType;
 use crate::kernel::{self, Layout, TILE};
@@ -355,19 +354,18 @@ impl QuantMatrix {
             t * self.cols,
             "QuantMatrix::matmul: input has the wrong length"
         );
-        if t > INPUTS_PER_PASS {
-            let mut y = Vec::with_capacity(t * self.rows);
-            for chunk in x.chunks(INPUTS_PER_PASS * self.cols) {
-                y.extend(self.matmul(chunk, chunk.len() / self.cols));
-            }
-            return y;
+        let mut y = vec![0.0f32; t * self.rows];
+        // Passes of at most INPUTS_PER_PASS inputs, each into its own rows of `y`.
+        for (xc, yc) in x
+            .chunks(INPUTS_PER_PASS * self.cols)
+            .zip(y.chunks_mut(INPUTS_PER_PASS * self.rows))
+        {
+            let tc = xc.len() / self.cols;
+            kernel::by_input_tasks(self.rows, tc, ROWS_PER_TASK, yc, |r0, out| {
+                rows_dispatch(self, r0, out, xc, tc)
+            });
         }
-        let mut by_row = vec![0.0f32; self.rows * t];
-        by_row
-            .par_chunks_mut(ROWS_PER_TASK * t)
-            .enumerate()
-            .for_each(|(task, out)| rows_dispatch(self, task * ROWS_PER_TASK, out, x, t));
-        kernel::by_input(by_row, self.rows, t)
+        y
     }
 
     /// The dense values (for tests): must equal [`crate::dequant::dequantize`] bit for bit.

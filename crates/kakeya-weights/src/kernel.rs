@@ -330,6 +330,27 @@ impl Columns {
 #[allow(unsafe_code)]
 unsafe impl Sync for Columns {}
 
+/// Tests only: the AVX2 path even where AVX-512F is there, so that both are tested on any
+/// machine. Both give the same bits, so tests running meanwhile are unaffected.
+#[cfg(test)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+static AVX2_FORCED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Tests only: takes the AVX2 path of [`tiles_fused`] (`true`) or the best one (`false`).
+#[cfg(test)]
+pub(crate) fn force_avx2(on: bool) {
+    AVX2_FORCED.store(on, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// Whether a test asked for the AVX2 path.
+#[cfg(target_arch = "x86_64")]
+fn avx2_forced() -> bool {
+    #[cfg(test)]
+    return AVX2_FORCED.load(std::sync::atomic::Ordering::SeqCst);
+    #[cfg(not(test))]
+    false
+}
+
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 mod simd;

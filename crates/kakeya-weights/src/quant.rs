@@ -507,7 +507,13 @@ pub(crate) mod tests {
         // 9 rows: a last tile with one row; 11: with three (the two-pass path's second half
         // partly used); 403 rows: many tasks.
         let long = [((Q8_0, 512), 403), ((Q4K, 512), 403)];
-        for ((ty, cols), rows) in cases.flat_map(|c| [(c, 9), (c, 11)]).chain(long) {
+        // Each case on the best SIMD path this CPU has (AVX-512F or AVX2), then on AVX2.
+        let cases: Vec<_> = cases.flat_map(|c| [(c, 9), (c, 11)]).chain(long).collect();
+        for ((ty, cols), rows, avx2) in [false, true]
+            .into_iter()
+            .flat_map(|avx2| cases.iter().map(move |&(c, r)| (c, r, avx2)))
+        {
+            kernel::force_avx2(avx2);
             let data = blocks(ty, rows, cols);
             let dense = dequantize(ty, &data, rows * cols);
             let q = QuantMatrix::new(ty, rows, cols, &data).unwrap();
@@ -525,12 +531,13 @@ pub(crate) mod tests {
                         assert_eq!(
                             y[tt * rows + r].to_bits(),
                             want.to_bits(),
-                            "{ty:?} t={t} [{tt},{r}]"
+                            "{ty:?} t={t} [{tt},{r}] (AVX2 forced: {avx2})"
                         );
                     }
                 }
             }
         }
+        kernel::force_avx2(false);
     }
 
     #[test]

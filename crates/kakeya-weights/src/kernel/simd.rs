@@ -43,7 +43,7 @@ pub(super) fn tiles_fused(
     // SAFETY: AVX2 and FMA are available (checked by the caller through `available`),
     // AVX-512F where `zmm::available` says so, and the lengths were checked above.
     unsafe {
-        match (l.asym, super::zmm::available()) {
+        match (l.asym, super::zmm::available() && !super::avx2_forced()) {
             (true, true) => super::zmm::tiles_fused::<true>(l, tiles, x, t, rows, out),
             (false, true) => super::zmm::tiles_fused::<false>(l, tiles, x, t, rows, out),
             (true, false) => fused_tiles_avx2::<true>(l, tiles, x, t, rows, out),

@@ -308,8 +308,8 @@ pub(crate) fn by_input_tasks(
             // are disjoint), so no other reference to them exists while this one lives.
             #[allow(unsafe_code)]
             let dst = unsafe { std::slice::from_raw_parts_mut(out.at(j * rows + r0), n) };
-            for (i, d) in dst.iter_mut().enumerate() {
-                *d = block[i * t + j];
+            for (d, &v) in dst.iter_mut().zip(block[j..].iter().step_by(t)) {
+                *d = v;
             }
         }
     });

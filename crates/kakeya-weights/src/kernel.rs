@@ -265,6 +265,30 @@ pub(crate) fn dense_tile(
     }
 }
 
+/// Where a fused tile's results go: rows `k · TILE + r0 ..` of tile `k` (those below
+/// `rows`), columns `j0..` of `out` (`[rows, t]`) — for the AVX2 and the AVX-512 paths.
+#[cfg(target_arch = "x86_64")]
+struct TileOut {
+    k: usize,
+    rows: usize,
+    t: usize,
+    j0: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl TileOut {
+    /// Writes `res[i][..X]` (row `r0 + i` of the tile against `X` inputs).
+    fn put<const X: usize>(&self, r0: usize, res: &[[f32; X]], out: &mut [f32]) {
+        for (i, r) in res.iter().enumerate() {
+            let row = self.k * TILE + r0 + i;
+            if row < self.rows {
+                let at = row * self.t + self.j0;
+                out[at..at + X].copy_from_slice(r);
+            }
+        }
+    }
+}
+
 /// Fills `y` (`[t, rows]`, by input row) from parallel tasks of `per_task` weight rows:
 /// `task(r0, block)` writes the products of rows `r0..r0 + n` as `block` (`[n, t]`, by weight
 /// row, the kernels' layout), and the task itself then puts them in their columns of `y` —

@@ -105,14 +105,8 @@ unsafe fn chunk_avx2<const X: usize, const ASYM: bool>(
     j0: usize,
 ) {
     const HALF: usize = TILE / 2;
-    let mut put = |r0: usize, res: &[[f32; X]]| {
-        for (i, r) in res.iter().enumerate() {
-            let row = k * TILE + r0 + i;
-            if row < rows {
-                out[row * t + j0..row * t + j0 + X].copy_from_slice(r);
-            }
-        }
-    };
+    let at = super::TileOut { k, rows, t, j0 };
+    let mut put = |r0: usize, res: &[[f32; X]]| at.put(r0, res, out);
     // SAFETY (all calls): the tile and `x` are inside their slices (checked by the
     // caller), and the row ranges lie inside the tile.
     if X <= 2 {

@@ -58,39 +58,18 @@ pub(super) unsafe fn tiles_fused<const ASYM: bool>(
         while j0 < t {
             let xn = (t - j0).min(INPUTS);
             let xs = &x[j0 * cols..(j0 + xn) * cols];
-            let at = Put { k, rows, t, j0 };
+            let at = super::TileOut { k, rows, t, j0 };
             // SAFETY (all arms): tile `k` and the `xn` inputs lie inside their slices
             // (the caller's contract).
             unsafe {
                 match xn {
-                    1 => at.put(&tile_rows::<1, ASYM>(l, tile, xs), out),
-                    2 => at.put(&tile_rows::<2, ASYM>(l, tile, xs), out),
-                    3 => at.put(&tile_rows::<3, ASYM>(l, tile, xs), out),
-                    _ => at.put(&tile_rows::<INPUTS, ASYM>(l, tile, xs), out),
+                    1 => at.put(0, &tile_rows::<1, ASYM>(l, tile, xs), out),
+                    2 => at.put(0, &tile_rows::<2, ASYM>(l, tile, xs), out),
+                    3 => at.put(0, &tile_rows::<3, ASYM>(l, tile, xs), out),
+                    _ => at.put(0, &tile_rows::<INPUTS, ASYM>(l, tile, xs), out),
                 }
             }
             j0 += xn;
-        }
-    }
-}
-
-/// Where a tile's results go: tile `k`'s rows (those below `rows`), columns `j0..` of
-/// `out` (`[rows, t]`).
-struct Put {
-    k: usize,
-    rows: usize,
-    t: usize,
-    j0: usize,
-}
-
-impl Put {
-    fn put<const X: usize>(&self, res: &[[f32; X]; TILE], out: &mut [f32]) {
-        for (i, r) in res.iter().enumerate() {
-            let row = self.k * TILE + i;
-            if row < self.rows {
-                let at = row * self.t + self.j0;
-                out[at..at + X].copy_from_slice(r);
-            }
         }
     }
 }

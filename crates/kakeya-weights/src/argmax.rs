@@ -24,11 +24,16 @@ use crate::quant::QuantMatrix;
 
 /// Values per group this path handles.
 const GROUP: usize = 32;
-/// Weight rows per parallel task of the approximate pass.
-const ROWS_PER_TASK: usize = 256;
+/// Weight rows per parallel task of the approximate pass (128 tasks for a 262 144-row head:
+/// enough to balance two to sixteen threads, few enough that per-task costs vanish).
+const ROWS_PER_TASK: usize = 2048;
+/// Rows a task approximates at a time: their `[panel][t][PANEL]` products stay in L1 (8 KiB
+/// at eight inputs) until their bounds are taken.
+const ROWS_PER_CHUNK: usize = 256;
 const _: () = assert!(
-    ROWS_PER_TASK.is_multiple_of(crate::int8::PANEL),
-    "tasks are whole panels"
+    ROWS_PER_CHUNK.is_multiple_of(crate::int8::PANEL)
+        && ROWS_PER_TASK.is_multiple_of(ROWS_PER_CHUNK),
+    "chunks are whole panels, tasks whole chunks"
 );
 
 /// An input row with more candidates than `rows / FULL_ROW_SHARE` takes every row's exact
@@ -121,10 +126,6 @@ pub(crate) fn row_norms(m: &QuantMatrix) -> Vec<f32> {
     out
 }
 
-/// One task's part of pass 1: per input row, its best lower bound and its rows (index, upper
-/// bound) that reach it.
-type TaskBounds = (Vec<f32>, Vec<Vec<(u32, f32)>>);
-
 /// Whether `m` can take the certified path on this machine.
 pub(crate) fn applies(m: &QuantMatrix) -> bool {
     let l = m.layout();
@@ -140,15 +141,84 @@ fn approx_rows(l: Layout, tiles: &[u8], xr: &Rounded, t: usize, rows: usize, out
     let _ = (l, tiles, xr, t, rows, out);
 }
 
-/// Pass 1's bounds of one task (rows `r0..r0 + norms.len()`) from its approximations `buf`
-/// (`[panel][t][PANEL]`): per input row, the best lower bound `a − ‖w‖·C`, and the rows
-/// (ascending) whose upper bound `a + ‖w‖·C` reaches it. One sweep takes the lower bounds
+/// One task's part of pass 1, as it goes: per input row, the best lower bound seen so far
+/// (`low`) and the rows (index, upper bound) whose upper bound reached `low` when they were
+/// looked at (`near`). `low` only rises and never exceeds the best lower bound over all rows,
+/// so `near` holds every row of the task that reaches that final bound.
+struct TaskBounds {
+    low: Vec<f32>,
+    near: Vec<Vec<(u32, f32)>>,
+}
+
+/// A task's reusable buffers (one set per worker, not per task).
+struct Scratch {
+    /// One chunk's approximations, `[panel][t][PANEL]`.
+    buf: Vec<f32>,
+    /// The AVX2 pass's products, `[row][t]`, before they go into `buf`.
+    rows: Vec<f32>,
+    /// Per input row, the lanes' best lower bounds in one chunk.
+    lanes: Vec<[f32; PANEL]>,
+    /// Per panel and input row, the largest upper bound in one chunk.
+    panel_hi: Vec<f32>,
+}
+
+impl Scratch {
+    fn new(t: usize) -> Self {
+        let panels = ROWS_PER_CHUNK / PANEL;
+        Self {
+            buf: vec![0.0; panels * t * PANEL],
+            rows: vec![0.0; ROWS_PER_CHUNK * t],
+            lanes: vec![[f32::NEG_INFINITY; PANEL]; t],
+            panel_hi: vec![f32::NEG_INFINITY; panels * t],
+        }
+    }
+}
+
+/// The best lower bound of each input row over every task so far, shared so that a task can
+/// skip rows that an earlier task's bound already excludes: f32 bit patterns, only raised.
+struct SharedLow(Vec<std::sync::atomic::AtomicU32>);
+
+impl SharedLow {
+    fn new(t: usize) -> Self {
+        Self(
+            (0..t)
+                .map(|_| std::sync::atomic::AtomicU32::new(f32::NEG_INFINITY.to_bits()))
+                .collect(),
+        )
+    }
+
+    /// Raises the shared bounds to `low`'s where higher, and `low` to the shared ones.
+    fn merge(&self, low: &mut [f32]) {
+        use std::sync::atomic::Ordering::Relaxed;
+        for (shared, l) in self.0.iter().zip(low) {
+            let mut cur = shared.load(Relaxed);
+            while f32::from_bits(cur) < *l {
+                match shared.compare_exchange_weak(cur, l.to_bits(), Relaxed, Relaxed) {
+                    Ok(_) => break,
+                    Err(now) => cur = now,
+                }
+            }
+            *l = l.max(f32::from_bits(shared.load(Relaxed)));
+        }
+    }
+}
+
+/// Pass 1's bounds of one chunk (rows `r0..r0 + norms.len()`) from its approximations in
+/// `s.buf` (`[panel][t][PANEL]`), added to the task's `tb`. One sweep takes the lower bounds
 /// and each panel's largest upper bound (sixteen rows at a time, with AVX2/FMA where the CPU
 /// has them); only the panels that reach the best lower bound are then looked at row by row.
 /// Both roundings of the bounds are within the radius' allowance, so either selects a
 /// superset of the rows that can be the largest.
-fn task_bounds(buf: &[f32], norms: &[f32], radius: &[f32], t: usize, r0: usize) -> TaskBounds {
+fn chunk_bounds(
+    s: &mut Scratch,
+    norms: &[f32],
+    radius: &[f32],
+    t: usize,
+    r0: usize,
+    tb: &mut TaskBounds,
+) {
     let n = norms.len();
+    let panels = n.div_ceil(PANEL);
     let panel_norms = |pi: usize| {
         let mut nr = [0.0f32; PANEL];
         let m = (n - pi * PANEL).min(PANEL);
@@ -159,12 +229,20 @@ fn task_bounds(buf: &[f32], norms: &[f32], radius: &[f32], t: usize, r0: usize) 
     let fast = simd::available();
     #[cfg(not(target_arch = "x86_64"))]
     let fast = false;
-    let mut lanes = vec![[f32::NEG_INFINITY; PANEL]; t];
-    let mut panel_hi = vec![f32::NEG_INFINITY; n.div_ceil(PANEL) * t];
+    let buf = &s.buf[..panels * t * PANEL];
+    s.lanes
+        .iter_mut()
+        .for_each(|l| *l = [f32::NEG_INFINITY; PANEL]);
+    s.panel_hi[..panels * t].fill(f32::NEG_INFINITY);
     for (pi, pb) in buf.chunks_exact(t * PANEL).enumerate() {
         let (nr, m) = panel_norms(pi);
-        let his = &mut panel_hi[pi * t..(pi + 1) * t];
-        for (((blk, lj), &c), hi) in pb.chunks_exact(PANEL).zip(&mut lanes).zip(radius).zip(his) {
+        let his = &mut s.panel_hi[pi * t..(pi + 1) * t];
+        for (((blk, lj), &c), hi) in pb
+            .chunks_exact(PANEL)
+            .zip(&mut s.lanes)
+            .zip(radius)
+            .zip(his)
+        {
             #[cfg(target_arch = "x86_64")]
             if fast && m == PANEL {
                 *hi = simd::panel_bounds(blk, &nr, c, lj);
@@ -177,27 +255,24 @@ fn task_bounds(buf: &[f32], norms: &[f32], radius: &[f32], t: usize, r0: usize) 
             }
         }
     }
-    let low: Vec<f32> = lanes
-        .iter()
-        .map(|l| l.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)))
-        .collect();
-    let mut near = vec![Vec::new(); t];
+    for (lo, lanes) in tb.low.iter_mut().zip(&s.lanes) {
+        *lo = lanes.iter().fold(*lo, |a, &b| a.max(b));
+    }
     for (pi, pb) in buf.chunks_exact(t * PANEL).enumerate() {
         let (nr, m) = panel_norms(pi);
         for (j, (blk, &c)) in pb.chunks_exact(PANEL).zip(radius).enumerate() {
-            let lo = low[j];
-            if panel_hi[pi * t + j] < lo {
+            let lo = tb.low[j];
+            if s.panel_hi[pi * t + j] < lo {
                 continue;
             }
             for l in 0..m {
                 let hi = blk[l] + nr[l] * c;
                 if hi >= lo {
-                    near[j].push(((r0 + pi * PANEL + l) as u32, hi));
+                    tb.near[j].push(((r0 + pi * PANEL + l) as u32, hi));
                 }
             }
         }
     }
-    (low, near)
 }
 
 /// [`approx_rows`] through the panels: rows `r0..r0 + rows` (`r0` a multiple of the panel).
@@ -253,35 +328,49 @@ impl QuantMatrix {
             let p = self.panels();
             (p, p.rounded_from(&xr.q, &xr.s))
         });
-        // Pass 1, per task of rows: approximate products, the best lower bound of each input
-        // row, and the rows whose upper bound reaches it (a superset of the rows that reach
-        // the best lower bound over all tasks, which is at least as high).
+        // Pass 1, per task of rows, a chunk at a time: approximate products, the best lower
+        // bound of each input row, and the rows whose upper bound reaches the best lower bound
+        // known when they are looked at (a superset of the rows that reach the final one,
+        // which is at least as high).
+        let shared = SharedLow::new(t);
         let tasks: Vec<TaskBounds> = (0..rows.div_ceil(ROWS_PER_TASK))
             .into_par_iter()
-            .map(|task| {
-                let r0 = task * ROWS_PER_TASK;
-                let n = (rows - r0).min(ROWS_PER_TASK);
-                let mut buf = vec![0.0f32; n.div_ceil(PANEL) * t * PANEL];
-                match &panels {
-                    Some((p, pr)) => p.panel_products(pr, t, r0 / PANEL, &mut buf),
-                    None => {
-                        let tiles =
-                            &self.data()[r0 / TILE * l.tile()..(r0 + n).div_ceil(TILE) * l.tile()];
-                        let mut out = vec![0.0f32; n * t];
-                        approx_rows(l, tiles, &xr, t, n, &mut out);
-                        for (i, row) in out.chunks_exact(t).enumerate() {
-                            for (j, &a) in row.iter().enumerate() {
-                                buf[(i / PANEL) * t * PANEL + j * PANEL + i % PANEL] = a;
+            .map_init(
+                || Scratch::new(t),
+                |sc, task| {
+                    let mut tb = TaskBounds {
+                        low: vec![f32::NEG_INFINITY; t],
+                        near: vec![Vec::new(); t],
+                    };
+                    shared.merge(&mut tb.low);
+                    let end = (rows).min((task + 1) * ROWS_PER_TASK);
+                    for r0 in (task * ROWS_PER_TASK..end).step_by(ROWS_PER_CHUNK) {
+                        let n = (end - r0).min(ROWS_PER_CHUNK);
+                        let buf = &mut sc.buf[..n.div_ceil(PANEL) * t * PANEL];
+                        match &panels {
+                            Some((p, pr)) => p.panel_products(pr, t, r0 / PANEL, buf),
+                            None => {
+                                let tiles = &self.data()
+                                    [r0 / TILE * l.tile()..(r0 + n).div_ceil(TILE) * l.tile()];
+                                let out = &mut sc.rows[..n * t];
+                                approx_rows(l, tiles, &xr, t, n, out);
+                                for (i, row) in out.chunks_exact(t).enumerate() {
+                                    for (j, &a) in row.iter().enumerate() {
+                                        buf[(i / PANEL) * t * PANEL + j * PANEL + i % PANEL] = a;
+                                    }
+                                }
                             }
                         }
+                        chunk_bounds(sc, &norms[r0..r0 + n], &xr.radius, t, r0, &mut tb);
+                        shared.merge(&mut tb.low);
                     }
-                }
-                task_bounds(&buf, &norms[r0..r0 + n], &xr.radius, t, r0)
-            })
+                    tb
+                },
+            )
             .collect();
         let mut thr = vec![f32::NEG_INFINITY; t];
-        for (low, _) in &tasks {
-            for (m, &v) in thr.iter_mut().zip(low) {
+        for tb in &tasks {
+            for (m, &v) in thr.iter_mut().zip(&tb.low) {
                 *m = m.max(v);
             }
         }
@@ -293,7 +382,7 @@ impl QuantMatrix {
             .map(|j| {
                 tasks
                     .iter()
-                    .flat_map(|(_, near)| near[j].iter())
+                    .flat_map(|tb| tb.near[j].iter())
                     .filter(|&&(_, hi)| hi >= thr[j])
                     .map(|&(r, _)| r)
                     .collect()
@@ -469,6 +558,39 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn tasks_and_chunks_share_bounds_and_still_choose_exactly() {
+        if !simd::available() {
+            return;
+        }
+        // Three tasks (the last one a partial chunk), the largest product in the first, a
+        // middle or the last one, several input rows at once.
+        let (ty, rows, cols) = (GgmlType::Q8_0, 2 * ROWS_PER_TASK + 300, 256);
+        let m = QuantMatrix::new(ty, rows, cols, &blocks(ty, rows, cols)).unwrap();
+        let dense = m.to_dense();
+        let picks = [10, ROWS_PER_TASK + 7, rows - 3, ROWS_PER_CHUNK + 1];
+        let mut x = Vec::new();
+        for (j, &p) in picks.iter().enumerate() {
+            let noise = inputs(&m, 1, j as u32 + 5);
+            x.extend(
+                dense[p * cols..(p + 1) * cols]
+                    .iter()
+                    .zip(&noise)
+                    .map(|(w, n)| 300.0 * w + 0.1 * n),
+            );
+        }
+        for panels in [true, false] {
+            let got = m.certified_argmax(&x, picks.len(), panels).unwrap();
+            assert_eq!(got.ids, exact_argmax(&m, &x, picks.len()), "panels={panels}");
+            assert_eq!(got.ids, picks.map(|p| p as u32), "panels={panels}");
+            assert!(
+                got.candidates.iter().all(|&c| (1..30).contains(&c)),
+                "{:?}",
+                got.candidates
+            );
         }
     }
 

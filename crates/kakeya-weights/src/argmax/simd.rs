@@ -171,7 +171,7 @@ fn each_tile(
     }
 }
 
-/// Pass 1 of [`super::task_bounds`] for one full panel and one input row with AVX2/FMA (the
+/// Pass 1 of [`super::chunk_bounds`] for one full panel and one input row with AVX2/FMA (the
 /// caller checked [`available`]): `lanes = max(lanes, blk − nr·c)` lane by lane; returns the
 /// panel's largest upper bound `max(blk + nr·c)`.
 pub(super) fn panel_bounds(

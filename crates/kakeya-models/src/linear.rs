@@ -132,6 +132,15 @@ impl Linear {
     /// # Shapes
     /// - `x`: `[T, in]` → per map `[T, out_i]`
     pub fn forward_many(maps: &[&Self], x: Tensor<2>) -> Vec<Tensor<2>> {
+        if let Some(qs) = exact_quants(maps) {
+            // On the CPU: one host copy of the input, one parallel loop for all the maps.
+            let (t, device) = (x.dims()[0], x.device());
+            return QuantMatrix::matmul_many(&qs, &host_rows(x), t)
+                .into_iter()
+                .zip(&qs)
+                .map(|(y, q)| Tensor::from_data(TensorData::new(y, [t, q.rows()]), &device))
+                .collect();
+        }
         let weights: Vec<&Tensor<2>> = maps.iter().map(|m| &m.weight).collect();
         let Some(y) = crate::gpu::linear_rows(&x, &weights) else {
             return maps.iter().map(|m| m.forward(x.clone())).collect();
@@ -146,6 +155,30 @@ impl Linear {
                 y.clone().slice([0..t, at - n..at])
             })
             .collect()
+    }
+
+    /// Gemma's gated MLP, `down(gelu_tanh(gate(x)) · up(x))`. On a GPU, gate and up take
+    /// one launch and the gated GELU one kernel; on the CPU with quantised weights, gate and up
+    /// take one parallel loop and the gated GELU runs over the host rows
+    /// ([`crate::activation::gelu_tanh_mul`]), with no tensor between the three products.
+    ///
+    /// # Shapes
+    /// - `x`: `[T, in]` → `[T, down's out]`
+    pub fn gelu_mlp(gate: &Self, up: &Self, down: &Self, x: Tensor<2>) -> Tensor<2> {
+        if let (Some(gu), Some(d)) = (exact_quants(&[gate, up]), exact_quants(&[down])) {
+            let (t, device) = (x.dims()[0], x.device());
+            let mut gu = QuantMatrix::matmul_many(&gu, &host_rows(x), t).into_iter();
+            let (mut g, u) = (gu.next().expect("gate's"), gu.next().expect("up's"));
+            crate::activation::gelu_tanh_mul(&mut g, &u);
+            let y = d[0].matmul(&g, t);
+            return Tensor::from_data(TensorData::new(y, [t, d[0].rows()]), &device);
+        }
+        let gu = crate::gpu::linear_rows(&x, &[&gate.weight, &up.weight]);
+        let m = match gu.and_then(|gu| crate::gpu::gelu_mul_halves(&gu)) {
+            Some(m) => m,
+            None => crate::activation::gelu_tanh(gate.forward(x.clone())) * up.forward(x),
+        };
+        down.forward(m)
     }
 
     /// Per input row, the index of its largest output (first on ties) — exactly the argmax
@@ -163,6 +196,14 @@ impl Linear {
         let q = self.quant_for(t)?;
         q.argmax(&host_rows(x.clone()), t).map(|a| a.ids)
     }
+}
+
+/// The block kernel's matrices of `maps` when every one takes the exact block kernel (their
+/// weights quantised, on the CPU), else `None`.
+fn exact_quants<'a>(maps: &[&'a Linear]) -> Option<Vec<&'a QuantMatrix>> {
+    maps.iter()
+        .map(|m| m.quant.as_deref().filter(|_| m.kernel == Kernel::Exact))
+        .collect()
 }
 
 /// The row-order kernel's copy of `values` (`[out, in]`) when they live on the CPU.

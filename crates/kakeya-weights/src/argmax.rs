@@ -584,7 +584,11 @@ mod tests {
         }
         for panels in [true, false] {
             let got = m.certified_argmax(&x, picks.len(), panels).unwrap();
-            assert_eq!(got.ids, exact_argmax(&m, &x, picks.len()), "panels={panels}");
+            assert_eq!(
+                got.ids,
+                exact_argmax(&m, &x, picks.len()),
+                "panels={panels}"
+            );
             assert_eq!(got.ids, picks.map(|p| p as u32), "panels={panels}");
             assert!(
                 got.candidates.iter().all(|&c| (1..30).contains(&c)),

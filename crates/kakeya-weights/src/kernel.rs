@@ -300,22 +300,43 @@ pub(crate) fn by_input_tasks(
     y: &mut [f32],
     task: impl Fn(usize, &mut [f32]) + Sync,
 ) {
+    by_input_tasks_many(&mut [y], &[rows], t, per_task, |_, r0, block| {
+        task(r0, block)
+    });
+}
+
+/// [`by_input_tasks`] for several matrices against the same `t` inputs in one parallel loop
+/// (one wake-up of the pool instead of one per matrix): output `m` (`ys[m]`, `[t, rows[m]]`)
+/// is filled by `task(m, r0, block)`.
+pub(crate) fn by_input_tasks_many(
+    ys: &mut [&mut [f32]],
+    rows: &[usize],
+    t: usize,
+    per_task: usize,
+    task: impl Fn(usize, usize, &mut [f32]) + Sync,
+) {
     use rayon::prelude::*;
-    assert_eq!(
-        y.len(),
-        rows * t,
-        "kernel::by_input_tasks: output has the wrong length"
+    assert!(
+        ys.len() == rows.len() && ys.iter().zip(rows).all(|(y, &r)| y.len() == r * t),
+        "kernel::by_input_tasks: an output has the wrong length"
     );
-    if t == 1 {
-        // One input: the two layouts are the same.
-        y.par_chunks_mut(per_task)
-            .enumerate()
-            .for_each(|(k, out)| task(k * per_task, out));
-        return;
-    }
-    let out = Columns(y.as_mut_ptr());
-    (0..rows.div_ceil(per_task)).into_par_iter().for_each(|k| {
-        let (r0, n) = (k * per_task, (rows - k * per_task).min(per_task));
+    let outs: Vec<Columns> = ys.iter_mut().map(|y| Columns(y.as_mut_ptr())).collect();
+    let tasks: Vec<(usize, usize)> = rows
+        .iter()
+        .enumerate()
+        .flat_map(|(m, &r)| (0..r).step_by(per_task).map(move |r0| (m, r0)))
+        .collect();
+    tasks.par_iter().for_each(|&(m, r0)| {
+        let (out, n) = (&outs[m], (rows[m] - r0).min(per_task));
+        if t == 1 {
+            // One input: the two layouts are the same.
+            // SAFETY: `r0 + n <= rows[m] = ys[m].len()`, and the range belongs to this task
+            // alone (the tasks' row ranges of one output are disjoint).
+            #[allow(unsafe_code)]
+            let dst = unsafe { std::slice::from_raw_parts_mut(out.at(r0), n) };
+            task(m, r0, dst);
+            return;
+        }
         // On the stack when small (a decode step's tasks), else on the heap.
         let mut stack = [0.0f32; 512];
         let mut heap = Vec::new();
@@ -325,13 +346,14 @@ pub(crate) fn by_input_tasks(
             heap.resize(n * t, 0.0);
             &mut heap[..]
         };
-        task(r0, block);
+        task(m, r0, block);
         for j in 0..t {
-            // SAFETY: `j · rows + r0 + n <= t · rows = y.len()`, and the columns
+            // SAFETY: `j · rows + r0 + n <= t · rows = ys[m].len()`, and the columns
             // `r0..r0 + n` of input row `j` belong to this task alone (the tasks' row ranges
-            // are disjoint), so no other reference to them exists while this one lives.
+            // of one output are disjoint), so no other reference to them exists while this
+            // one lives.
             #[allow(unsafe_code)]
-            let dst = unsafe { std::slice::from_raw_parts_mut(out.at(j * rows + r0), n) };
+            let dst = unsafe { std::slice::from_raw_parts_mut(out.at(j * rows[m] + r0), n) };
             for (d, &v) in dst.iter_mut().zip(block[j..].iter().step_by(t)) {
                 *d = v;
             }
@@ -339,7 +361,7 @@ pub(crate) fn by_input_tasks(
     });
 }
 
-/// The output of [`by_input_tasks`], shared by tasks that write disjoint columns of it.
+/// An output of [`by_input_tasks_many`], shared by tasks that write disjoint columns of it.
 struct Columns(*mut f32);
 
 impl Columns {
@@ -349,8 +371,8 @@ impl Columns {
     }
 }
 
-// SAFETY: the tasks only write disjoint ranges through it (see `by_input_tasks`), and the
-// output outlives the parallel loop that borrows it.
+// SAFETY: the tasks only write disjoint ranges through it (see `by_input_tasks_many`), and
+// the output outlives the parallel loop that borrows it.
 #[allow(unsafe_code)]
 unsafe impl Sync for Columns {}
 

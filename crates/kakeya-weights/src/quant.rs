@@ -14,7 +14,7 @@
 //! the inputs four at a time. Inputs of more than [`INPUTS_PER_PASS`] rows (prefill) go in
 //! passes of that many, so that a pass's inputs stay in L2. Rows are split across the rayon
 //! pool, each task putting its products straight into the output's `[t, rows]` layout
-//! ([`kernel::by_input_tasks`]).
+//! ([`kernel::by_input_tasks_many`]).
 
 use crate::dequant::GgmlType;
 use crate::kernel::{self, Layout, TILE};
@@ -349,23 +349,40 @@ impl QuantMatrix {
     /// # Shapes
     /// - `x`: `[t, cols]` row-major → `[t, rows]` row-major
     pub fn matmul(&self, x: &[f32], t: usize) -> Vec<f32> {
-        assert_eq!(
-            x.len(),
-            t * self.cols,
+        Self::matmul_many(&[self], x, t)
+            .pop()
+            .expect("one matrix, one product")
+    }
+
+    /// `y_m = x · W_mᵀ` for several matrices of the same width (a layer's q, k and v, or gate
+    /// and up) in one parallel loop per pass: each product is [`Self::matmul`]'s, bit for bit.
+    ///
+    /// # Shapes
+    /// - `x`: `[t, cols]` row-major → per matrix `[t, rows_m]` row-major
+    pub fn matmul_many(ms: &[&Self], x: &[f32], t: usize) -> Vec<Vec<f32>> {
+        let cols = ms.first().map_or(0, |m| m.cols);
+        assert!(
+            ms.iter().all(|m| m.cols == cols) && x.len() == t * cols,
             "QuantMatrix::matmul: input has the wrong length"
         );
-        let mut y = vec![0.0f32; t * self.rows];
-        // Passes of at most INPUTS_PER_PASS inputs, each into its own rows of `y`.
-        for (xc, yc) in x
-            .chunks(INPUTS_PER_PASS * self.cols)
-            .zip(y.chunks_mut(INPUTS_PER_PASS * self.rows))
-        {
-            let tc = xc.len() / self.cols;
-            kernel::by_input_tasks(self.rows, tc, ROWS_PER_TASK, yc, |r0, out| {
-                rows_dispatch(self, r0, out, xc, tc)
+        let rows: Vec<usize> = ms.iter().map(|m| m.rows).collect();
+        let mut ys: Vec<Vec<f32>> = rows.iter().map(|&r| vec![0.0f32; t * r]).collect();
+        // Passes of at most INPUTS_PER_PASS inputs, each into its own rows of every `y`.
+        for (p, xc) in x.chunks(INPUTS_PER_PASS * cols).enumerate() {
+            let tc = xc.len() / cols;
+            let mut outs: Vec<&mut [f32]> = ys
+                .iter_mut()
+                .zip(&rows)
+                .map(|(y, &r)| {
+                    let at = p * INPUTS_PER_PASS * r;
+                    &mut y[at..at + tc * r]
+                })
+                .collect();
+            kernel::by_input_tasks_many(&mut outs, &rows, tc, ROWS_PER_TASK, |m, r0, out| {
+                rows_dispatch(ms[m], r0, out, xc, tc)
             });
         }
-        y
+        ys
     }
 
     /// The dense values (for tests): must equal [`crate::dequant::dequantize`] bit for bit.
@@ -490,6 +507,37 @@ pub(crate) mod tests {
                     &one[..],
                     "{ty:?} row {tt}"
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn several_matrices_at_once_give_each_ones_own_products() {
+        // A layer's q/k/v or gate/up in one parallel loop: formats and row counts differ
+        // (tasks end mid-matrix), the input is shared.
+        let cols = 256;
+        let ms: Vec<QuantMatrix> = [
+            (GgmlType::Q4K, 70),
+            (GgmlType::Q6K, 9),
+            (GgmlType::Q8_0, 33),
+        ]
+        .iter()
+        .map(|&(ty, rows)| QuantMatrix::new(ty, rows, cols, &blocks(ty, rows, cols)).unwrap())
+        .collect();
+        let refs: Vec<&QuantMatrix> = ms.iter().collect();
+        for t in [1, 5, 37] {
+            let x: Vec<f32> = (0..t * cols)
+                .map(|i| ((i * 41) % 29) as f32 * 0.05 - 0.6)
+                .collect();
+            let many = QuantMatrix::matmul_many(&refs, &x, t);
+            assert_eq!(many.len(), ms.len());
+            for (k, (m, y)) in ms.iter().zip(&many).enumerate() {
+                // Each alone, one input row at a time: the reference.
+                let mut want = Vec::new();
+                for j in 0..t {
+                    want.extend(m.matmul(&x[j * cols..(j + 1) * cols], 1));
+                }
+                assert_eq!(y, &want, "matrix {k}, t = {t}");
             }
         }
     }

@@ -6,7 +6,6 @@ use kakeya_weights::{AttentionKind, Gemma3Config};
 use super::attention::{Attention, AttentionCapture, SharedKv, Span};
 use super::moe::Moe;
 use super::per_layer::{PerLayerEmbed, PerLayerGate};
-use crate::activation::gelu_tanh;
 use crate::cache::{CacheSpec, KvLayers};
 use crate::error::{ModelError, Result};
 use crate::linear::{Kernel, Linear};
@@ -172,13 +171,7 @@ impl DecoderLayer {
         )?;
         let h = self.post_attn_norm.forward_add(a, x);
         let m = self.pre_ffn_norm.forward(h.clone());
-        // On a GPU, gate and up in one launch and the gated GELU in one kernel.
-        let gu = crate::gpu::linear_rows(&m, &[&self.gate_proj.weight, &self.up_proj.weight]);
-        let m = match gu.and_then(|gu| crate::gpu::gelu_mul_halves(&gu)) {
-            Some(m) => m,
-            None => gelu_tanh(self.gate_proj.forward(m.clone())) * self.up_proj.forward(m),
-        };
-        let mut m = self.down_proj.forward(m);
+        let mut m = Linear::gelu_mlp(&self.gate_proj, &self.up_proj, &self.down_proj, m);
         if let Some(moe) = &self.moe {
             m = moe.forward(h.clone(), m);
         }

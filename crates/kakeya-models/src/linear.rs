@@ -165,13 +165,10 @@ impl Linear {
     /// # Shapes
     /// - `x`: `[T, in]` → `[T, down's out]`
     pub fn gelu_mlp(gate: &Self, up: &Self, down: &Self, x: Tensor<2>) -> Tensor<2> {
-        if let (Some(gu), Some(d)) = (exact_quants(&[gate, up]), exact_quants(&[down])) {
+        if Self::gelu_mlp_on_host(gate, up, down) {
             let (t, device) = (x.dims()[0], x.device());
-            let mut gu = QuantMatrix::matmul_many(&gu, &host_rows(x), t).into_iter();
-            let (mut g, u) = (gu.next().expect("gate's"), gu.next().expect("up's"));
-            crate::activation::gelu_tanh_mul(&mut g, &u);
-            let y = d[0].matmul(&g, t);
-            return Tensor::from_data(TensorData::new(y, [t, d[0].rows()]), &device);
+            let y = Self::gelu_mlp_host(gate, up, down, &host_rows(x), t);
+            return Tensor::from_data(TensorData::new(y, [t, down.weight.dims()[0]]), &device);
         }
         let gu = crate::gpu::linear_rows(&x, &[&gate.weight, &up.weight]);
         let m = match gu.and_then(|gu| crate::gpu::gelu_mul_halves(&gu)) {
@@ -179,6 +176,23 @@ impl Linear {
             None => crate::activation::gelu_tanh(gate.forward(x.clone())) * up.forward(x),
         };
         down.forward(m)
+    }
+
+    /// Whether [`Self::gelu_mlp_host`] takes these maps (all three quantised, on the CPU).
+    pub fn gelu_mlp_on_host(gate: &Self, up: &Self, down: &Self) -> bool {
+        exact_quants(&[gate, up, down]).is_some()
+    }
+
+    /// [`Self::gelu_mlp`] over host rows when [`Self::gelu_mlp_on_host`].
+    ///
+    /// # Shapes
+    /// - `x`: `[t, in]` row-major → `[t, down's out]` row-major
+    pub fn gelu_mlp_host(gate: &Self, up: &Self, down: &Self, x: &[f32], t: usize) -> Vec<f32> {
+        let q = exact_quants(&[gate, up, down]).expect("gelu_mlp_host: quantised maps");
+        let mut gu = QuantMatrix::matmul_many(&q[..2], x, t).into_iter();
+        let (mut g, u) = (gu.next().expect("gate's"), gu.next().expect("up's"));
+        crate::activation::gelu_tanh_mul(&mut g, &u);
+        q[2].matmul(&g, t)
     }
 
     /// Per input row, the index of its largest output (first on ties) — exactly the argmax
@@ -212,7 +226,7 @@ fn row_copy(values: &[f32], [r, c]: [usize; 2], device: &Device) -> Option<Arc<D
 }
 
 /// The activations on the host, row-major.
-fn host_rows(x: Tensor<2>) -> Vec<f32> {
+pub(crate) fn host_rows(x: Tensor<2>) -> Vec<f32> {
     x.into_data()
         .try_into_vec::<f32>()
         .expect("activations are f32")

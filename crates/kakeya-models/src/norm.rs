@@ -27,6 +27,32 @@ impl RmsNorm {
         Self::normalize(x, self.eps) * self.scale.clone().unsqueeze::<D>()
     }
 
+    /// [`Self::forward`] over host rows in place (`x`: `[t, dim]`, row-major), on the CPU's
+    /// host paths: the mean of squares as a canonical-order dot product, then
+    /// `x · 1/sqrt(ms + eps) · m`. Each row's values depend on that row only.
+    pub fn forward_host(&self, x: &mut [f32]) {
+        let scale = self
+            .scale
+            .clone()
+            .into_data()
+            .try_into_vec::<f32>()
+            .expect("norm multipliers are f32");
+        let dim = scale.len();
+        assert!(
+            x.len().is_multiple_of(dim),
+            "RmsNorm::forward_host: rows of the wrong width"
+        );
+        let eps = self.eps as f32;
+        for row in x.chunks_exact_mut(dim) {
+            let mut ss = [0.0f32];
+            kakeya_weights::rowops::row_dots(row, 1, row, 1, dim, &mut ss);
+            let inv = 1.0 / (ss[0] / dim as f32 + eps).sqrt();
+            for (v, &m) in row.iter_mut().zip(&scale) {
+                *v = *v * inv * m;
+            }
+        }
+    }
+
     /// `x / sqrt(mean(x²) + eps)` over the last dimension, without the multiplier (callers
     /// with a multiplier per batch entry, such as f_θ's loss over stacked layers, apply it).
     ///
@@ -59,5 +85,49 @@ impl RmsNorm {
     pub fn forward_rope(&self, x: Tensor<3>, cos: &Tensor<2>, sin: &Tensor<2>) -> Tensor<3> {
         crate::gpu::rms_norm_rope(&x, &self.scale, self.eps, cos, sin)
             .unwrap_or_else(|| Rope::apply(self.forward(x), cos, sin))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::{Device, Tensor, TensorData};
+
+    use super::RmsNorm;
+
+    #[test]
+    fn the_host_rows_path_equals_the_tensor_path_to_rounding() {
+        let (t, dim) = (5, 640);
+        let device = Device::flex();
+        let scale: Vec<f32> = (0..dim).map(|i| 1.0 + (i % 7) as f32 * 0.1).collect();
+        let norm = RmsNorm {
+            scale: Tensor::from_data(TensorData::new(scale, [dim]), &device),
+            eps: 1e-6,
+        };
+        // Rows of very different sizes, one with a massive channel (Gemma's residual stream).
+        let x: Vec<f32> = (0..t * dim)
+            .map(|i| {
+                let (r, c) = (i / dim, i % dim);
+                let v = ((i * 37) % 23) as f32 * 0.09 - 1.0;
+                v * 10f32.powi(r as i32 - 2) + if r == 3 && c == 163 { 3e4 } else { 0.0 }
+            })
+            .collect();
+        let want = norm
+            .forward(Tensor::<2>::from_data(
+                TensorData::new(x.clone(), [t, dim]),
+                &device,
+            ))
+            .into_data()
+            .try_into_vec::<f32>()
+            .unwrap();
+        let mut got = x;
+        norm.forward_host(&mut got);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (g - w).abs() <= 2e-6 * w.abs().max(1e-3),
+                "[{}, {}]: {g} vs {w}",
+                i / dim,
+                i % dim
+            );
+        }
     }
 }

@@ -169,13 +169,19 @@ impl DecoderLayer {
             capture,
             shared,
         )?;
-        let h = self.post_attn_norm.forward_add(a, x);
-        let m = self.pre_ffn_norm.forward(h.clone());
-        let mut m = Linear::gelu_mlp(&self.gate_proj, &self.up_proj, &self.down_proj, m);
-        if let Some(moe) = &self.moe {
-            m = moe.forward(h.clone(), m);
-        }
-        let mut out = self.post_ffn_norm.forward_add(m, h);
+        let mut out = if self.moe.is_none()
+            && Linear::gelu_mlp_on_host(&self.gate_proj, &self.up_proj, &self.down_proj)
+        {
+            self.residual_tail_host(a, x)
+        } else {
+            let h = self.post_attn_norm.forward_add(a, x);
+            let m = self.pre_ffn_norm.forward(h.clone());
+            let mut m = Linear::gelu_mlp(&self.gate_proj, &self.up_proj, &self.down_proj, m);
+            if let Some(moe) = &self.moe {
+                m = moe.forward(h.clone(), m);
+            }
+            self.post_ffn_norm.forward_add(m, h)
+        };
         if let (Some(gate), Some(input)) = (&self.per_layer, per_layer_input) {
             out = gate.forward(out, input);
         }
@@ -183,6 +189,30 @@ impl DecoderLayer {
             out = out.mul_scalar(s);
         }
         Ok((out, cap))
+    }
+}
+
+impl DecoderLayer {
+    /// The layer after attention on the CPU, over host rows with no tensor in between:
+    /// `h = x + norm(a)`, then `h + norm(mlp(norm(h)))` (the dense MLP alone: no experts).
+    ///
+    /// # Shapes
+    /// - `a` (attention's output), `x` (the layer's input): `[R, hidden]` → `[R, hidden]`
+    fn residual_tail_host(&self, a: Tensor<2>, x: Tensor<2>) -> Tensor<2> {
+        let ([t, hidden], device) = (x.dims(), x.device());
+        let mut h = crate::linear::host_rows(a);
+        self.post_attn_norm.forward_host(&mut h);
+        for (v, r) in h.iter_mut().zip(crate::linear::host_rows(x)) {
+            *v += r;
+        }
+        let mut m = h.clone();
+        self.pre_ffn_norm.forward_host(&mut m);
+        let mut y = Linear::gelu_mlp_host(&self.gate_proj, &self.up_proj, &self.down_proj, &m, t);
+        self.post_ffn_norm.forward_host(&mut y);
+        for (v, r) in y.iter_mut().zip(&h) {
+            *v += r;
+        }
+        Tensor::from_data(TensorData::new(y, [t, hidden]), &device)
     }
 }
 

@@ -12,7 +12,7 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc::{Receiver, TryRecvError};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::time::Instant;
 
 use kakeya_models::linear::QUANT_MAX_ROWS;
@@ -313,6 +313,29 @@ impl<'m> Seq<'m> {
     }
 }
 
+/// How long the engine waits with nothing to do before it gives freed memory back.
+const TRIM_AFTER_IDLE: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// Hands the heap's free pages back to the OS (glibc's `malloc_trim`), so that an idle
+/// server holds what it uses — the weights and the caches of live sequences — and not what
+/// the allocator kept from finished requests (≈ 100 MiB, varying from one burst of requests
+/// to the next). A no-op on other C libraries.
+fn release_free_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        #[allow(unsafe_code)]
+        unsafe extern "C" {
+            fn malloc_trim(pad: usize) -> std::ffi::c_int;
+        }
+        // SAFETY: glibc's `malloc_trim` takes any padding, touches only the allocator's own
+        // free lists and is thread-safe; nothing is read back.
+        #[allow(unsafe_code)]
+        unsafe {
+            malloc_trim(0);
+        }
+    }
+}
+
 /// Runs the engine loop on the calling thread until [`Command::Shutdown`] (or every sender
 /// is gone). Call it from a rayon worker (the CLI runs its command on one): the kernels then
 /// split their work from inside the pool.
@@ -345,9 +368,16 @@ pub fn run(
         // Intake: block while idle.
         let mut commands_now = Vec::new();
         if active.is_empty() && queue.is_empty() {
-            match commands.recv() {
-                Ok(c) => commands_now.push(c),
-                Err(_) => return,
+            let next = match commands.recv_timeout(TRIM_AFTER_IDLE) {
+                Err(RecvTimeoutError::Timeout) => {
+                    release_free_memory();
+                    commands.recv().ok()
+                }
+                got => got.ok(),
+            };
+            match next {
+                Some(c) => commands_now.push(c),
+                None => return,
             }
         }
         loop {

@@ -313,29 +313,6 @@ impl<'m> Seq<'m> {
     }
 }
 
-/// How long the engine waits with nothing to do before it gives freed memory back.
-const TRIM_AFTER_IDLE: std::time::Duration = std::time::Duration::from_millis(500);
-
-/// Hands the heap's free pages back to the OS (glibc's `malloc_trim`), so that an idle
-/// server holds what it uses — the weights and the caches of live sequences — and not what
-/// the allocator kept from finished requests (≈ 100 MiB, varying from one burst of requests
-/// to the next). A no-op on other C libraries.
-fn release_free_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
-        #[allow(unsafe_code)]
-        unsafe extern "C" {
-            fn malloc_trim(pad: usize) -> std::ffi::c_int;
-        }
-        // SAFETY: glibc's `malloc_trim` takes any padding, touches only the allocator's own
-        // free lists and is thread-safe; nothing is read back.
-        #[allow(unsafe_code)]
-        unsafe {
-            malloc_trim(0);
-        }
-    }
-}
-
 /// Runs the engine loop on the calling thread until [`Command::Shutdown`] (or every sender
 /// is gone). Call it from a rayon worker (the CLI runs its command on one): the kernels then
 /// split their work from inside the pool.
@@ -368,9 +345,9 @@ pub fn run(
         // Intake: block while idle.
         let mut commands_now = Vec::new();
         if active.is_empty() && queue.is_empty() {
-            let next = match commands.recv_timeout(TRIM_AFTER_IDLE) {
+            let next = match commands.recv_timeout(crate::memory::TRIM_AFTER_IDLE) {
                 Err(RecvTimeoutError::Timeout) => {
-                    release_free_memory();
+                    crate::memory::release_free_memory();
                     commands.recv().ok()
                 }
                 got => got.ok(),

@@ -10,6 +10,7 @@
 pub mod api;
 pub mod engine;
 pub mod error;
+mod memory;
 pub mod metrics;
 pub mod routes;
 pub mod text;

@@ -343,7 +343,7 @@ impl QuantMatrix {
                         near: vec![Vec::new(); t],
                     };
                     shared.merge(&mut tb.low);
-                    let end = (rows).min((task + 1) * ROWS_PER_TASK);
+                    let end = rows.min((task + 1) * ROWS_PER_TASK);
                     for r0 in (task * ROWS_PER_TASK..end).step_by(ROWS_PER_CHUNK) {
                         let n = (end - r0).min(ROWS_PER_CHUNK);
                         let buf = &mut sc.buf[..n.div_ceil(PANEL) * t * PANEL];

@@ -432,11 +432,12 @@ impl Attention {
             )));
         }
         let (k, v) = (Tensor::cat(ks, 1), Tensor::cat(vs, 1));
-        // Row by row on the CPU at any length: each row reads only the keys it sees, so a
-        // causal prompt chunk costs half the square a masked product computes (pp512 +14–25 %,
-        // pp4096 4.5×), and a prompt row's bits are those of the same row decoded alone. On
-        // a GPU, long chunks take one masked product.
-        if t <= QUANT_MAX_ROWS || !crate::gpu::is_gpu(device) {
+        // Row by row wherever the rows' host loops read the buffers (f32 on the CPU), at any
+        // length: each row reads only the keys it sees, so a causal prompt chunk costs half
+        // the square a masked product computes (pp512 +14–25 %, pp4096 4.5×), and a prompt
+        // row's bits are those of the same row decoded alone. Elsewhere (a GPU, autodiff),
+        // long chunks take one masked product.
+        if t <= QUANT_MAX_ROWS || HostView::of(&q).is_some() {
             return Ok(self.attend_rows(q, start, &ready, k, v, device));
         }
         let groups = self.heads / self.kv_heads;

@@ -40,8 +40,18 @@ impl Tokenizer {
                 std::io::Error::new(std::io::ErrorKind::NotFound, "tokenizer file not found"),
             ));
         }
-        let inner = tokenizers::Tokenizer::from_file(path)
+        let mut inner = tokenizers::Tokenizer::from_file(path)
             .map_err(|e| err(format!("cannot load tokenizer: {e}")))?;
+        // `tokenizers` keeps each word's BPE merges in a cache per thread, up to 10 000 words
+        // a thread. A server tokenizes on a pool of threads, so its memory grew with every
+        // new word (≈ 3.7 KiB per request of `scripts/load_test.py`'s prompts, past 14 000
+        // requests); and merging a word costs microseconds against a forward's milliseconds.
+        // No cache, then.
+        if let tokenizers::ModelWrapper::BPE(bpe) = inner.get_model() {
+            let mut bpe = bpe.clone();
+            bpe.resize_cache(0);
+            inner.with_model(bpe);
+        }
         let base = inner.get_vocab_size(false);
         if base != model_vocab {
             return Err(err(format!(

@@ -74,6 +74,7 @@ pub struct ServeArgs {
 
 /// Runs `kakeya serve`.
 pub fn run(a: ServeArgs) -> Result<()> {
+    kakeya_server::keep_large_buffers_apart();
     if a.max_seqs == 0 {
         bail!("--max-seqs must be at least 1");
     }

@@ -11,6 +11,8 @@ pub mod api;
 pub mod engine;
 pub mod error;
 mod memory;
+
+pub use memory::keep_large_buffers_apart;
 pub mod metrics;
 pub mod routes;
 pub mod text;

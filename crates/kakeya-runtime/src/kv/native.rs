@@ -150,7 +150,9 @@ impl LayerCache for FullCache {
     }
 }
 
-/// Keeps the most recent `window - 1 + slack` positions in a ring.
+/// Keeps the most recent `window - 1 + slack` positions in a ring. Position `p` lives in slot
+/// `(p − origin) % capacity`; the slots are allocated as the ring fills (doubling from 64,
+/// like [`FullCache`]), so a sequence shorter than the window holds only what it uses.
 #[derive(Debug, Clone)]
 pub struct RingCache {
     window: usize,
@@ -198,13 +200,46 @@ impl RingCache {
         self.cap
     }
 
+    /// Slots allocated so far (at most [`Self::capacity`]).
+    fn allocated(&self) -> usize {
+        self.kv.as_ref().map_or(0, |(k, _)| k.dims()[1])
+    }
+
+    /// The slot of position `p`.
+    fn slot(&self, p: usize) -> usize {
+        (p - self.origin) % self.cap
+    }
+
+    /// Allocates slots `0..need` (`need <= cap`), keeping what the ring holds. Below the
+    /// capacity the ring has never wrapped: it holds positions `origin..len` in slots
+    /// `0..len − origin`.
+    fn ensure(&mut self, k: &Tensor<3>, need: usize) {
+        let have = self.allocated();
+        if need <= have {
+            return;
+        }
+        let [h, _, d] = k.dims();
+        let new = need.max(2 * have).max(64).min(self.cap);
+        let device = k.device();
+        let mut nk = Tensor::zeros([h, new, d], &device);
+        let mut nv = Tensor::zeros([h, new, d], &device);
+        let used = self.len - self.origin;
+        if let Some((ok, ov)) = self.kv.take()
+            && used > 0
+        {
+            nk = assign(nk, 0, seq_slice(&ok, 0, used));
+            nv = assign(nv, 0, seq_slice(&ov, 0, used));
+        }
+        self.kv = Some((nk, nv));
+    }
+
     /// Held positions `first..len` in chronological order.
     fn chronological(&self, buf: &Tensor<3>) -> Option<Tensor<3>> {
         let n = self.len - self.first;
         if n == 0 {
             return None;
         }
-        let s = self.first % self.cap;
+        let s = self.slot(self.first);
         Some(if s + n <= self.cap {
             seq_slice(buf, s, s + n)
         } else {
@@ -221,7 +256,7 @@ impl RingCache {
     /// Writes `vals` (positions `p0..p0+n`, `n <= cap`) at their slots.
     fn write(&self, buf: Tensor<3>, p0: usize, vals: Tensor<3>) -> Tensor<3> {
         let n = vals.dims()[1];
-        let s = p0 % self.cap;
+        let s = self.slot(p0);
         if s + n <= self.cap {
             assign(buf, s, vals)
         } else {
@@ -255,17 +290,9 @@ impl RingCache {
                 self.len
             )));
         }
-        let [h, t, d] = k.dims();
-        let (bk, bv) = match self.kv.take() {
-            Some(kv) => kv,
-            None => {
-                let device = k.device();
-                (
-                    Tensor::zeros([h, self.cap, d], &device),
-                    Tensor::zeros([h, self.cap, d], &device),
-                )
-            }
-        };
+        let t = k.dims()[1];
+        self.ensure(&k, (start + t - self.origin).min(self.cap));
+        let (bk, bv) = self.kv.take().expect("ensured");
         let keep = t.min(self.cap);
         let p0 = start + t - keep;
         let bk = self.write(bk, p0, seq_slice(&k, t - keep, t));
@@ -288,7 +315,7 @@ impl RingCache {
             return Vec::new();
         };
         let n = self.len - self.first;
-        let s = self.first % self.cap;
+        let s = self.slot(self.first);
         let head = n.min(self.cap - s);
         let mut out = vec![KvSegment::ready(
             seq_slice(bk, s, s + head),
@@ -437,5 +464,71 @@ impl LayerCache for KvCache {
             KvCache::Ring(r) => r.nbytes(),
             KvCache::Shared => 0,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::{Device, TensorData};
+
+    use super::*;
+
+    /// Positions `from..to` as K (value `p`) and V (value `−p`), one head of width 2.
+    fn rows(from: usize, to: usize) -> (Tensor<3>, Tensor<3>) {
+        let device = Device::flex();
+        let k: Vec<f32> = (from..to).flat_map(|p| [p as f32; 2]).collect();
+        let v: Vec<f32> = k.iter().map(|x| -x).collect();
+        let n = to - from;
+        (
+            Tensor::from_data(TensorData::new(k, [1, n, 2]), &device),
+            Tensor::from_data(TensorData::new(v, [1, n, 2]), &device),
+        )
+    }
+
+    fn held_positions(r: &RingCache) -> Vec<usize> {
+        let h = r.held().expect("holds positions");
+        let k = h.k.into_data().try_to_vec::<f32>().unwrap();
+        let v = h.v.into_data().try_to_vec::<f32>().unwrap();
+        for (i, &p) in h.positions.iter().enumerate() {
+            assert_eq!(
+                (k[2 * i], v[2 * i]),
+                (p as f32, -(p as f32)),
+                "{:?}",
+                h.positions
+            );
+        }
+        h.positions
+    }
+
+    #[test]
+    fn a_ring_allocates_as_it_fills_and_keeps_its_window_through_rollbacks() {
+        // Window 200, slack 2, from position 5: 201 slots.
+        let mut r = RingCache::starting_at(5, 200, 2);
+        let slot_bytes = 2 * 2 * ELEM_BYTES;
+        let (mut len, mut first) = (5, 5);
+        let mut sizes = Vec::new();
+        for step in 0..400 {
+            // Chunks of 1–9 positions; every fourth one is rolled back by 2.
+            let t = 1 + step % 9;
+            let (k, v) = rows(len, len + t);
+            r.push(k, v, len).unwrap();
+            len += t;
+            // A write evicts what falls out of the ring; a rollback brings nothing back.
+            first = first.max(len.saturating_sub(r.capacity()));
+            if step % 4 == 3 {
+                len -= 2;
+                r.truncate(len).unwrap();
+            }
+            let held = held_positions(&r);
+            let want: Vec<usize> = (first..len).collect();
+            assert_eq!(held, want, "step {step}");
+            let bytes = r.nbytes();
+            assert!(bytes >= held.len().min(64) * slot_bytes, "step {step}");
+            sizes.push(bytes / slot_bytes);
+        }
+        // 64 slots, then doubled, then the capacity; never more.
+        let mut distinct = sizes.clone();
+        distinct.dedup();
+        assert_eq!(distinct, vec![64, 128, 201], "{sizes:?}");
     }
 }

@@ -32,8 +32,9 @@ const MMAP_THRESHOLD: std::ffi::c_int = 4 << 20;
 /// heaps afterwards, and what the heaps keep — and so the resident memory of an idle server —
 /// then varies by tens of MiB from one burst of requests to the next. With the threshold
 /// fixed, buffers of 4 MiB and more are mapped on their own and returned whole when freed,
-/// smaller ones come from the heaps as before (measured in `docs/benchmarks.md`: the idle
-/// resident memory steady within 2 MiB over rounds of the load test, throughput unchanged).
+/// smaller ones come from the heaps as before (measured in `docs/benchmarks.md`: after the
+/// first round of the load test, the idle resident memory stays within a few MiB; throughput
+/// unchanged within the machine's noise).
 /// Call it first, before the weights load: the heaps then never take large buffers. A
 /// no-op on other C libraries.
 pub fn keep_large_buffers_apart() {

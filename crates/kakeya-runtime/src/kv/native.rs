@@ -62,26 +62,36 @@ pub struct FullCache {
 }
 
 impl FullCache {
-    fn capacity(&self) -> usize {
-        self.kv.as_ref().map_or(0, |(k, _)| k.dims()[1])
-    }
-
     fn ensure(&mut self, k: &Tensor<3>, need: usize) {
-        let cap = self.capacity();
-        if need <= cap {
-            return;
-        }
-        let [h, _, d] = k.dims();
-        let new_cap = need.max(2 * cap).max(64);
-        let device = k.device();
-        let mut nk = Tensor::zeros([h, new_cap, d], &device);
-        let mut nv = Tensor::zeros([h, new_cap, d], &device);
-        if let Some((ok, ov)) = self.kv.take() {
-            nk = assign(nk, 0, seq_slice(&ok, 0, self.len));
-            nv = assign(nv, 0, seq_slice(&ov, 0, self.len));
-        }
-        self.kv = Some((nk, nv));
+        grow(&mut self.kv, k, self.len, need, usize::MAX);
     }
+}
+
+/// Grows a K/V buffer pair to at least `need` positions (doubling, from 64, at most `limit`),
+/// keeping its first `used` positions; `like` gives the heads, width and device.
+fn grow(
+    kv: &mut Option<(Tensor<3>, Tensor<3>)>,
+    like: &Tensor<3>,
+    used: usize,
+    need: usize,
+    limit: usize,
+) {
+    let have = kv.as_ref().map_or(0, |(k, _)| k.dims()[1]);
+    if need <= have {
+        return;
+    }
+    let [h, _, d] = like.dims();
+    let new = need.max(2 * have).max(64).min(limit);
+    let device = like.device();
+    let mut nk = Tensor::zeros([h, new, d], &device);
+    let mut nv = Tensor::zeros([h, new, d], &device);
+    if let Some((ok, ov)) = kv.take()
+        && used > 0
+    {
+        nk = assign(nk, 0, seq_slice(&ok, 0, used));
+        nv = assign(nv, 0, seq_slice(&ov, 0, used));
+    }
+    *kv = Some((nk, nv));
 }
 
 impl FullCache {
@@ -200,11 +210,6 @@ impl RingCache {
         self.cap
     }
 
-    /// Slots allocated so far (at most [`Self::capacity`]).
-    fn allocated(&self) -> usize {
-        self.kv.as_ref().map_or(0, |(k, _)| k.dims()[1])
-    }
-
     /// The slot of position `p`.
     fn slot(&self, p: usize) -> usize {
         (p - self.origin) % self.cap
@@ -214,23 +219,7 @@ impl RingCache {
     /// capacity the ring has never wrapped: it holds positions `origin..len` in slots
     /// `0..len − origin`.
     fn ensure(&mut self, k: &Tensor<3>, need: usize) {
-        let have = self.allocated();
-        if need <= have {
-            return;
-        }
-        let [h, _, d] = k.dims();
-        let new = need.max(2 * have).max(64).min(self.cap);
-        let device = k.device();
-        let mut nk = Tensor::zeros([h, new, d], &device);
-        let mut nv = Tensor::zeros([h, new, d], &device);
-        let used = self.len - self.origin;
-        if let Some((ok, ov)) = self.kv.take()
-            && used > 0
-        {
-            nk = assign(nk, 0, seq_slice(&ok, 0, used));
-            nv = assign(nv, 0, seq_slice(&ov, 0, used));
-        }
-        self.kv = Some((nk, nv));
+        grow(&mut self.kv, k, self.len - self.origin, need, self.cap);
     }
 
     /// Held positions `first..len` in chronological order.

@@ -65,6 +65,11 @@ pub struct ServeArgs {
     /// Do not stop on runaway repetition.
     #[arg(long)]
     pub no_loop_guard: bool,
+    /// MiB of finished sequences kept for prompts that start the same way (prefix caching; 0:
+    /// off). Used only where it cannot change a token: the `full` KV mode on the CPU's
+    /// GGUF kernels.
+    #[arg(long, default_value_t = 256)]
+    pub prefix_cache_mib: usize,
     /// Seconds requests in flight get to finish after SIGTERM or Ctrl-C.
     #[arg(long, default_value_t = 30)]
     pub drain_secs: u64,
@@ -131,13 +136,20 @@ pub fn run(a: ServeArgs) -> Result<()> {
         .with_context(|| format!("cannot listen on {}:{}", a.host, a.port))?;
     let addr = listener.local_addr()?;
     eprintln!(
-        "kakeya serve: {model_name} on http://{addr} ({}; up to {} sequences at once; KV {})",
+        "kakeya serve: {model_name} on http://{addr} ({}; up to {} sequences at once; KV {}; prefix cache {})",
         match speculation {
             Some((k, _)) => format!("speculative with {k} drafts when a request runs alone"),
             None => "plain decoding".into(),
         },
         a.max_seqs,
-        policy.mode.name()
+        policy.mode.name(),
+        if a.prefix_cache_mib == 0 {
+            "off".to_string()
+        } else if kakeya_runtime::PrefixCache::applies(&model, &policy) {
+            format!("{} MiB", a.prefix_cache_mib)
+        } else {
+            "off (it would change numbers with this KV mode or device)".to_string()
+        }
     );
     let parts = EngineParts {
         model,
@@ -147,6 +159,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         restorer: restorer.map(|r| Box::new(r) as Box<dyn Restorer>),
         prefill_chunk: a.prefill_chunk,
         max_seqs: a.max_seqs,
+        prefix_cache_bytes: a.prefix_cache_mib << 20,
     };
     let cfg = HttpConfig {
         model_name,

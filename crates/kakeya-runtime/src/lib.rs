@@ -6,6 +6,7 @@ pub mod error;
 pub mod generate;
 pub mod guard;
 pub mod kv;
+pub mod prefix;
 pub mod sampler;
 pub mod session;
 pub mod spec;
@@ -20,6 +21,7 @@ pub use kv::{
     CompactStore, FThetaRestorer, FullCache, KvBytes, KvCache, KvMode, KvPolicy, OracleRestorer,
     Restorer, RingCache, SequenceKv,
 };
+pub use prefix::{PrefixCache, PrefixStats};
 pub use sampler::{Sampler, Sampling, Scores};
 pub use session::{KvSetup, Session};
 pub use spec::{

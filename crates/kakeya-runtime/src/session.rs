@@ -83,8 +83,9 @@ impl<'m> KvSetup<'m> {
     }
 }
 
-/// A model plus the KV state of one sequence.
-#[derive(Debug)]
+/// A model plus the KV state of one sequence. A clone shares the K/V buffers until either
+/// side writes them (copy on write): the prefix cache forks sessions this way.
+#[derive(Debug, Clone)]
 pub struct Session<'m> {
     model: &'m Gemma3Model,
     policy: KvPolicy,
@@ -418,6 +419,12 @@ impl<'m> Session<'m> {
     /// Runs one token; returns what `sampler` picks the next token from.
     pub fn step_for(&mut self, token: u32, sampler: &Sampler) -> Result<Scores> {
         Ok(scores(self.forward(&[token], sampler.wants(), &[])?))
+    }
+
+    /// Whether a [`Self::truncate`] to `len` would succeed with every cache native (a
+    /// prefix-cache fork).
+    pub fn natively_reaches(&self, len: usize) -> bool {
+        len <= self.len && self.kv.natively_reaches(len)
     }
 
     /// Forgets positions `>= len` (exactly, or an error when a cache already demoted a

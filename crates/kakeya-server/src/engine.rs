@@ -7,7 +7,8 @@
 //! tokens plain decoding gives it alone: batched rows are bit for bit single rows
 //! ([`Session::step_batch`]), speculation is lossless, and sampling draws are keyed by
 //! position. A sequence whose client went away is dropped at the next turn, freeing its
-//! caches.
+//! caches. A finished sequence's session goes to the prefix cache, where a later prompt that
+//! starts the same way takes its K/V instead of computing them (`PrefixCache`).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -18,14 +19,16 @@ use std::time::Instant;
 use kakeya_models::linear::QUANT_MAX_ROWS;
 use kakeya_models::{DFlashDrafter, Gemma3Model};
 use kakeya_runtime::{
-    DraftKind, GenerationConfig, KvBytes, KvMode, KvPolicy, KvSetup, Proposer, Restorer,
-    RuntimeError, Sampler, Scores, Session, SpecConfig, SpecDecoder, StopReason, TokenSink,
-    Verifier,
+    DraftKind, GenerationConfig, KvBytes, KvMode, KvPolicy, KvSetup, PrefixCache, Restorer,
+    RuntimeError, Sampler, Session, SpecConfig, StopReason,
 };
 use serde::Serialize;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::metrics::Metrics;
+
+mod seq;
+use seq::Seq;
 
 /// What the engine runs on.
 #[derive(Debug)]
@@ -46,6 +49,10 @@ pub struct EngineParts {
     pub prefill_chunk: usize,
     /// Most sequences prefilling or decoding at once.
     pub max_seqs: usize,
+    /// Bytes of finished sequences' sessions kept for prompts that start the same way (0: no
+    /// prefix cache; it is off anyway where it would change numbers, see
+    /// [`PrefixCache::applies`]).
+    pub prefix_cache_bytes: usize,
 }
 
 /// One request for the engine.
@@ -94,6 +101,8 @@ pub struct Outcome {
     pub stop_reason: StopReason,
     /// Prompt tokens.
     pub prompt_tokens: usize,
+    /// Prompt tokens whose K/V came from the prefix cache (not computed).
+    pub cached_prompt_tokens: usize,
     /// Tokens generated.
     pub completion_tokens: usize,
     /// `speculative` (blocks only), `batched` (plain steps, possibly stacked with other
@@ -124,195 +133,6 @@ pub enum Command {
     Shutdown,
 }
 
-/// One sequence in the engine.
-struct Seq<'m> {
-    job: Job,
-    draft: Option<DraftKind>,
-    verifier: Verifier<'m>,
-    proposer: Option<Box<dyn Proposer + 'm>>,
-    dec: Option<SpecDecoder>,
-    sampler: Sampler,
-    sink: TokenSink<'static>,
-    /// Prompt and committed tokens; the newest is not yet in the caches.
-    tokens: Vec<u32>,
-    prefilled: usize,
-    sent: usize,
-    stop: Option<StopReason>,
-    last_sent: Option<Instant>,
-    first_at: Option<Instant>,
-    batched_steps: usize,
-}
-
-impl<'m> Seq<'m> {
-    fn new(
-        job: Job,
-        model: &'m Gemma3Model,
-        setup: KvSetup<'m>,
-        drafter: Option<&'m DFlashDrafter>,
-        speculation: Option<(DraftKind, SpecConfig)>,
-    ) -> Result<Self, Box<(Job, RuntimeError)>> {
-        let ctx = model.config.max_position_embeddings;
-        let built = (|| {
-            if job.prompt.is_empty() || job.prompt.len() >= ctx {
-                return Err(RuntimeError::Input(format!(
-                    "the prompt has {} tokens; the model's context holds {ctx} (prompt and output)",
-                    job.prompt.len()
-                )));
-            }
-            let block = speculation.map_or(1, |(_, c)| c.block_size);
-            let verifier = Verifier::new(model, setup, block)?;
-            let proposer = speculation.map(|(k, _)| k.proposer(drafter)).transpose()?;
-            let dec = speculation
-                .map(|(_, c)| SpecDecoder::new(c, &job.cfg.sampling, ctx))
-                .transpose()?;
-            Ok((verifier, proposer, dec))
-        })();
-        match built {
-            Ok((verifier, proposer, dec)) => Ok(Self {
-                draft: speculation.map(|(k, _)| k),
-                sampler: Sampler::new(job.cfg.sampling.clone()),
-                sink: TokenSink::silent(&job.cfg),
-                tokens: Vec::new(),
-                prefilled: 0,
-                sent: 0,
-                stop: None,
-                last_sent: None,
-                first_at: None,
-                batched_steps: 0,
-                verifier,
-                proposer,
-                dec,
-                job,
-            }),
-            Err(e) => Err(Box::new((job, e))),
-        }
-    }
-
-    fn decoding(&self) -> bool {
-        self.stop.is_none() && self.prefilled == self.job.prompt.len()
-    }
-
-    /// Takes the token chosen for the next position (not yet in the caches).
-    fn accept(&mut self, tok: u32) {
-        self.tokens.push(tok);
-        self.stop = self.sink.push(tok);
-        let ctx = self.verifier.model().config.max_position_embeddings;
-        if self.stop.is_none() && self.verifier.len() >= ctx {
-            self.stop = Some(StopReason::ContextFull);
-            self.sink.flush();
-        }
-    }
-
-    /// Runs the next prefill chunk; the last one picks the first token.
-    fn prefill_chunk(&mut self, chunk: usize) -> Result<(), RuntimeError> {
-        let prompt = &self.job.prompt;
-        let end = (self.prefilled + chunk).min(prompt.len());
-        let scores = self.verifier.session_mut().prefill_for(
-            &prompt[self.prefilled..end],
-            chunk,
-            &self.sampler,
-        )?;
-        self.prefilled_to(end, &scores);
-        Ok(())
-    }
-
-    /// The prompt is in the caches up to `end`, `scores` being what its last row gave; the
-    /// whole prompt picks the first token.
-    fn prefilled_to(&mut self, end: usize, scores: &Scores) {
-        self.prefilled = end;
-        if end == self.job.prompt.len() {
-            self.tokens = self.job.prompt.clone();
-            let tok = self.sampler.pick_scores(scores, end);
-            self.accept(tok);
-        }
-    }
-
-    /// One speculative block.
-    fn block(&mut self, metrics: &Metrics) -> Result<(), RuntimeError> {
-        let (Some(dec), Some(proposer)) = (self.dec.as_mut(), self.proposer.as_mut()) else {
-            return Err(RuntimeError::Input("no speculation configured".into()));
-        };
-        let before = self.tokens.len();
-        self.stop = dec.block(
-            &mut self.verifier,
-            proposer.as_mut(),
-            &mut self.tokens,
-            &mut self.sink,
-        )?;
-        if self.stop.is_some() {
-            self.sink.flush();
-        }
-        metrics.committed(self.tokens.len() - before);
-        Ok(())
-    }
-
-    /// Sends what the sink released since last time; the final event when it stopped.
-    /// Returns false when the client is gone.
-    fn emit(&mut self, metrics: &Metrics) -> bool {
-        let released = self.sink.released();
-        if released.len() > self.sent {
-            let now = Instant::now();
-            let since = self.last_sent.unwrap_or(self.job.arrived);
-            let n = released.len() - self.sent;
-            metrics.tokens(n, (now - since).as_secs_f64(), self.last_sent.is_none());
-            if self.first_at.is_none() {
-                self.first_at = Some(now);
-            }
-            self.last_sent = Some(now);
-            let new = released[self.sent..].to_vec();
-            self.sent = released.len();
-            if self.job.events.send(Event::Tokens(new)).is_err() {
-                return false;
-            }
-        }
-        if let Some(reason) = self.stop {
-            let outcome = self.outcome(reason);
-            return self.job.events.send(Event::Done(Box::new(outcome))).is_ok();
-        }
-        true
-    }
-
-    fn outcome(&self, stop_reason: StopReason) -> Outcome {
-        let spec = self.dec.as_ref().map(SpecDecoder::stats);
-        let speculative = spec.filter(|s| s.blocks > 0).map(|s| SpecSummary {
-            draft: self.draft.unwrap_or(DraftKind::Combined),
-            blocks: s.blocks,
-            drafted: s.drafted,
-            accepted: s.accepted,
-            mean_acceptance_length: s.mean_acceptance_length,
-        });
-        let mode = match (&speculative, self.batched_steps) {
-            (Some(_), 0) => "speculative",
-            (Some(_), _) => "speculative+batched",
-            (None, _) => "batched",
-        };
-        let generated = self.sink.tokens().len();
-        let decode_secs = self
-            .first_at
-            .zip(self.last_sent)
-            .map_or(0.0, |(a, b)| (b - a).as_secs_f64());
-        let kv = self.verifier.kv_bytes();
-        Outcome {
-            stop_reason,
-            prompt_tokens: self.job.prompt.len(),
-            completion_tokens: generated,
-            mode,
-            batched_steps: self.batched_steps,
-            speculative,
-            kv_mode: self.verifier.session().policy().mode,
-            kv,
-            time_to_first_token_s: self
-                .first_at
-                .map_or(0.0, |t| (t - self.job.arrived).as_secs_f64()),
-            decode_tok_s: if decode_secs > 0.0 {
-                generated.saturating_sub(1) as f64 / decode_secs
-            } else {
-                0.0
-            },
-        }
-    }
-}
-
 /// Runs the engine loop on the calling thread until [`Command::Shutdown`] (or every sender
 /// is gone). Call it from a rayon worker (the CLI runs its command on one): the kernels then
 /// split their work from inside the pool.
@@ -330,7 +150,13 @@ pub fn run(
         restorer,
         prefill_chunk,
         max_seqs,
+        prefix_cache_bytes,
     } = parts;
+    let prefix_budget = if PrefixCache::applies(&model, &policy) {
+        prefix_cache_bytes
+    } else {
+        0
+    };
     let mut setup = KvSetup::new(policy);
     if let Some(d) = &drafter {
         setup = setup.drafter(d);
@@ -340,6 +166,7 @@ pub fn run(
     }
     let mut queue: VecDeque<Job> = VecDeque::new();
     let mut active: Vec<Seq<'_>> = Vec::new();
+    let mut prefix = PrefixCache::new(prefix_budget);
     let chunk = prefill_chunk.max(1);
     loop {
         // Intake: block while idle.
@@ -414,7 +241,14 @@ pub fn run(
             let Some(job) = queue.pop_front() else { break };
             waiting.fetch_sub(1, Ordering::SeqCst);
             metrics.admitted(job.prompt.len());
-            match Seq::new(job, &model, setup, drafter.as_ref(), speculation) {
+            match Seq::new(
+                job,
+                &model,
+                setup,
+                drafter.as_ref(),
+                speculation,
+                &mut prefix,
+            ) {
                 Ok(s) => active.push(s),
                 Err(failed) => {
                     let (job, e) = *failed;
@@ -478,16 +312,22 @@ pub fn run(
             let _ = s.job.events.send(Event::Failed(500, msg.clone()));
             metrics.ended(true);
         }
-        active.retain_mut(|s| {
-            let alive = s.emit(metrics);
-            if s.stop.is_some() || !alive {
-                metrics.ended(!alive);
-                return false;
+        let mut i = 0;
+        while i < active.len() {
+            let alive = active[i].emit(metrics);
+            if active[i].stop.is_none() && alive {
+                i += 1;
+                continue;
             }
-            true
-        });
+            metrics.ended(!alive);
+            let s = active.remove(i);
+            if alive {
+                prefix.insert(&s.tokens, s.verifier.into_session());
+            }
+        }
         let kv: usize = active.iter().map(|s| s.verifier.kv_bytes().total).sum();
         metrics.state(active.len(), queue.len(), kv);
+        metrics.prefix_cache(prefix.stats(), prefix.len(), prefix.bytes());
     }
 }
 

@@ -7,6 +7,8 @@ use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::Mutex;
 
+use kakeya_runtime::PrefixStats;
+
 /// A cumulative histogram with fixed upper bounds.
 #[derive(Debug, Clone)]
 struct Histogram {
@@ -67,6 +69,9 @@ struct Inner {
     kv_bytes: usize,
     queue_depth: usize,
     running: usize,
+    prefix: PrefixStats,
+    prefix_entries: usize,
+    prefix_bytes: usize,
 }
 
 /// The server's counters, shared by the HTTP handlers and the engine.
@@ -92,6 +97,9 @@ impl Default for Metrics {
                 kv_bytes: 0,
                 queue_depth: 0,
                 running: 0,
+                prefix: PrefixStats::default(),
+                prefix_entries: 0,
+                prefix_bytes: 0,
             }),
         }
     }
@@ -172,6 +180,15 @@ impl Metrics {
         });
     }
 
+    /// The prefix cache's figures: its counters so far, entries and bytes held now.
+    pub fn prefix_cache(&self, stats: PrefixStats, entries: usize, bytes: usize) {
+        self.with(|m| {
+            m.prefix = stats;
+            m.prefix_entries = entries;
+            m.prefix_bytes = bytes;
+        });
+    }
+
     /// Sequences running now (tests and the health check).
     pub fn running(&self) -> usize {
         self.with(|m| m.running)
@@ -200,6 +217,26 @@ impl Metrics {
                     "Sequences ended early (client gone, stop string, shutdown); their caches are freed.",
                     m.cancelled,
                 ),
+                (
+                    "kakeya_prefix_cache_hits_total",
+                    "Prompts that took a prefix's K/V from the prefix cache.",
+                    m.prefix.hits,
+                ),
+                (
+                    "kakeya_prefix_cache_misses_total",
+                    "Prompts that found no prefix worth taking in the prefix cache.",
+                    m.prefix.misses,
+                ),
+                (
+                    "kakeya_prefix_cache_reused_tokens_total",
+                    "Prompt tokens whose K/V came from the prefix cache instead of a forward.",
+                    m.prefix.reused_tokens,
+                ),
+                (
+                    "kakeya_prefix_cache_evictions_total",
+                    "Finished sequences dropped from the prefix cache to stay within its budget.",
+                    m.prefix.evictions,
+                ),
             ];
             for (name, help, v) in counters {
                 let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
@@ -208,6 +245,12 @@ impl Metrics {
                 ("kakeya_kv_bytes", "K/V bytes held by running sequences (every part).", m.kv_bytes),
                 ("kakeya_queue_depth", "Requests waiting for a sequence slot.", m.queue_depth),
                 ("kakeya_running_sequences", "Sequences prefilling or decoding.", m.running),
+                (
+                    "kakeya_prefix_cache_bytes",
+                    "Bytes held by the prefix cache's finished sequences (K/V and store, measured).",
+                    m.prefix_bytes,
+                ),
+                ("kakeya_prefix_cache_entries", "Finished sequences in the prefix cache.", m.prefix_entries),
             ];
             for (name, help, v) in gauges {
                 let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");

@@ -364,8 +364,16 @@ fn finish_reason(outcome: Option<&Outcome>, stopped_by_string: bool) -> &'static
     }
 }
 
-fn usage(prompt: usize, completion: usize) -> Value {
-    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+/// OpenAI's `usage`, with `prompt_tokens_details.cached_tokens`: the prompt tokens the prefix
+/// cache supplied.
+fn usage(prompt: usize, completion: usize, outcome: Option<&Outcome>) -> Value {
+    let cached = outcome.map_or(0, |o| o.cached_prompt_tokens);
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    })
 }
 
 fn extension(outcome: Option<&Outcome>, stopped_by_string: bool) -> Value {
@@ -481,7 +489,7 @@ async fn whole(
         "created": unix_now(),
         "model": st.cfg.model_name,
         "choices": [choice],
-        "usage": usage(p.ids.len(), generated),
+        "usage": usage(p.ids.len(), generated, outcome.as_deref()),
         "kakeya": extension(outcome.as_deref(), stopped),
     }))
     .into_response()
@@ -581,7 +589,7 @@ fn stream(
         let ext = extension(outcome.as_deref(), out.stopped);
         let _ = tx.send(chunk(last, Some(("kakeya", ext)))).await;
         if p.params.include_usage {
-            let u = usage(p.ids.len(), generated);
+            let u = usage(p.ids.len(), generated, outcome.as_deref());
             let _ = tx.send(chunk(json!([]), Some(("usage", u)))).await;
         }
         let _ = tx.send(SseEvent::default().data("[DONE]")).await;

@@ -85,7 +85,7 @@ pub struct KvBytes {
 }
 
 /// The KV state of one sequence.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct SequenceKv<'r> {
     specs: Vec<CacheSpec>,
     kv_widths: Vec<usize>,
@@ -181,6 +181,15 @@ impl<'r> SequenceKv<'r> {
     /// The compact store, mutably (the session appends committed rows).
     pub fn store_mut(&mut self) -> Option<&mut CompactStore> {
         self.store.as_mut()
+    }
+
+    /// Whether every layer keeps its cache natively and can be cut back to `len` exactly (what
+    /// a prefix-cache fork needs; the bounded tiers answer no).
+    pub fn natively_reaches(&self, len: usize) -> bool {
+        self.layers.iter().all(|l| match l {
+            LayerKv::Native(c) => c.reaches(len),
+            LayerKv::Tiered(_) | LayerKv::QuantAll(_) => false,
+        })
     }
 
     /// Forgets positions `>= len` in every layer (the store only ever holds committed

@@ -297,6 +297,17 @@ impl RingCache {
         self.first
     }
 
+    /// The oldest position the next query needs once the ring is cut back to `len`.
+    fn needs_from(&self, len: usize) -> usize {
+        (len + 1).saturating_sub(self.window).max(self.origin)
+    }
+
+    /// Whether [`LayerCache::truncate`] to `len` would succeed: every position the next query
+    /// then needs is still held.
+    pub fn reaches(&self, len: usize) -> bool {
+        (self.origin..=self.len).contains(&len) && self.first <= self.needs_from(len)
+    }
+
     /// Held positions, oldest first, as views of the ring's slots: one segment, or two when
     /// the held range wraps (no copy).
     fn in_place(&self) -> Vec<KvSegment> {
@@ -364,7 +375,7 @@ impl LayerCache for RingCache {
                 self.origin, self.len
             )));
         }
-        let need_from = (len + 1).saturating_sub(self.window).max(self.origin);
+        let need_from = self.needs_from(len);
         if self.first > need_from {
             return Err(ModelError::Cache(format!(
                 "cannot roll back to {len}: the ring already evicted position {need_from} (slack too small)"
@@ -410,6 +421,15 @@ impl KvCache {
             KvCache::Full(c) => c.held(),
             KvCache::Ring(r) => r.held(),
             KvCache::Shared => None,
+        }
+    }
+
+    /// Whether a truncation to `len` would succeed.
+    pub fn reaches(&self, len: usize) -> bool {
+        match self {
+            KvCache::Full(c) => len <= c.len,
+            KvCache::Ring(r) => r.reaches(len),
+            KvCache::Shared => true,
         }
     }
 }

@@ -11,7 +11,7 @@ use kakeya_models::{DraftContext, KvPart, ModelError};
 use super::rows::{Bits, Rows};
 
 /// Rows of drafter context K and V, f32 or quantised.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct CompactStore {
     k: Rows,
     v: Rows,

@@ -29,6 +29,18 @@ impl<'m> Verifier<'m> {
         })
     }
 
+    /// A verifier over `session` as it stands (a prefix-cache fork): the session must come
+    /// from this constructor's setup — the same model, KV setup and block size — so that its
+    /// caches already keep the rollback a block needs.
+    pub fn from_session(session: Session<'m>) -> Self {
+        Self { session }
+    }
+
+    /// The session, taken back (a finished sequence's, for the prefix cache).
+    pub fn into_session(self) -> Session<'m> {
+        self.session
+    }
+
     /// Positions in the caches.
     pub fn len(&self) -> usize {
         self.session.len()

@@ -7,6 +7,7 @@
 //! speculatively. Outputs are those of plain decoding (`kakeya infer`) for the same prompt
 //! and settings.
 
+mod answer;
 pub mod api;
 pub mod engine;
 pub mod error;

@@ -3,7 +3,6 @@
 //! events; a handler that is dropped (client gone) drops its event receiver, which frees the
 //! sequence in the engine.
 
-use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
@@ -13,20 +12,19 @@ use axum::Router;
 use axum::body::{Body, to_bytes};
 use axum::extract::{Path, State};
 use axum::http::{StatusCode, header};
-use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use kakeya_runtime::chat::format_chat;
-use kakeya_runtime::{GenerationConfig, RunawayGuard, StopReason};
+use kakeya_runtime::{GenerationConfig, RunawayGuard};
 use kakeya_weights::Tokenizer;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
+use crate::answer::{stream, whole};
 use crate::api::{ChatRequest, CompletionRequest, Limits, Params, Prompt, check_fields};
-use crate::engine::{Command, Event, Job, Outcome};
+use crate::engine::{Command, Event, Job};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
-use crate::text::TextOut;
 
 /// Settings of the HTTP side.
 #[derive(Debug, Clone)]
@@ -57,7 +55,7 @@ pub struct AppState {
     pub(crate) created: u64,
 }
 
-fn unix_now() -> u64 {
+pub(crate) fn unix_now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
@@ -154,13 +152,13 @@ async fn parse<T: serde::de::DeserializeOwned>(
 
 /// Which endpoint, for responses and metrics.
 #[derive(Clone, Copy, PartialEq)]
-enum Kind {
+pub(crate) enum Kind {
     Completion,
     Chat,
 }
 
 impl Kind {
-    fn path(self) -> &'static str {
+    pub(crate) fn path(self) -> &'static str {
         match self {
             Kind::Completion => "/v1/completions",
             Kind::Chat => "/v1/chat/completions",
@@ -169,10 +167,10 @@ impl Kind {
 }
 
 /// A checked request ready for the engine.
-struct Prepared {
-    ids: Vec<u32>,
-    params: Params,
-    stop_tokens: Vec<u32>,
+pub(crate) struct Prepared {
+    pub(crate) ids: Vec<u32>,
+    pub(crate) params: Params,
+    pub(crate) stop_tokens: Vec<u32>,
 }
 
 impl AppState {
@@ -346,44 +344,12 @@ impl AppState {
 }
 
 /// The engine dropped a sequence without ending it (it stopped).
-fn engine_gone() -> ApiError {
+pub(crate) fn engine_gone() -> ApiError {
     ApiError::other(
         StatusCode::INTERNAL_SERVER_ERROR,
         "server_error",
         "the engine stopped before the answer was complete",
     )
-}
-
-fn finish_reason(outcome: Option<&Outcome>, stopped_by_string: bool) -> &'static str {
-    if stopped_by_string {
-        return "stop";
-    }
-    match outcome.map(|o| o.stop_reason) {
-        Some(StopReason::MaxTokens | StopReason::ContextFull) => "length",
-        _ => "stop",
-    }
-}
-
-/// OpenAI's `usage`, with `prompt_tokens_details.cached_tokens`: the prompt tokens the prefix
-/// cache supplied.
-fn usage(prompt: usize, completion: usize, outcome: Option<&Outcome>) -> Value {
-    let cached = outcome.map_or(0, |o| o.cached_prompt_tokens);
-    json!({
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    })
-}
-
-fn extension(outcome: Option<&Outcome>, stopped_by_string: bool) -> Value {
-    let mut v = outcome.map_or(Value::Null, |o| {
-        serde_json::to_value(o).unwrap_or(Value::Null)
-    });
-    if let Some(obj) = v.as_object_mut() {
-        obj.insert("stop_string".into(), stopped_by_string.into());
-    }
-    v
 }
 
 async fn completions(State(st): State<Arc<AppState>>, body: Body) -> Response {
@@ -426,181 +392,4 @@ async fn handle(st: Arc<AppState>, body: Body, kind: Kind) -> Response {
     } else {
         whole(st, p, rx, kind, id).await
     }
-}
-
-/// A non-streamed answer: waits for the whole completion.
-async fn whole(
-    st: Arc<AppState>,
-    p: Prepared,
-    mut rx: mpsc::UnboundedReceiver<Event>,
-    kind: Kind,
-    id: String,
-) -> Response {
-    let mut out = TextOut::new(&st.tok, p.params.stop.clone());
-    let mut text = String::new();
-    let mut generated = 0;
-    let mut outcome = None;
-    while let Some(ev) = rx.recv().await {
-        match ev {
-            Event::Tokens(ids) => {
-                generated += ids.len();
-                text.push_str(&out.push(&ids));
-                if out.stopped {
-                    break; // dropping `rx` ends the sequence
-                }
-            }
-            Event::Done(o) => {
-                outcome = Some(o);
-                break;
-            }
-            Event::Failed(status, msg) => {
-                let status =
-                    StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-                st.metrics.request(kind.path(), status.as_u16());
-                return ApiError::other(status, "server_error", msg).into_response();
-            }
-        }
-    }
-    drop(rx);
-    if outcome.is_none() && !out.stopped {
-        st.metrics.request(kind.path(), 500);
-        return engine_gone().into_response();
-    }
-    text.push_str(&out.finish());
-    let stopped = out.stopped;
-    let reason = finish_reason(outcome.as_deref(), stopped);
-    let choice = match kind {
-        Kind::Completion => {
-            json!({"index": 0, "text": text, "logprobs": null, "finish_reason": reason})
-        }
-        Kind::Chat => {
-            json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": reason})
-        }
-    };
-    let object = if kind == Kind::Chat {
-        "chat.completion"
-    } else {
-        "text_completion"
-    };
-    st.metrics.request(kind.path(), 200);
-    axum::Json(json!({
-        "id": id,
-        "object": object,
-        "created": unix_now(),
-        "model": st.cfg.model_name,
-        "choices": [choice],
-        "usage": usage(p.ids.len(), generated, outcome.as_deref()),
-        "kakeya": extension(outcome.as_deref(), stopped),
-    }))
-    .into_response()
-}
-
-/// A streamed answer: OpenAI's chunks as server-sent events, then `data: [DONE]`.
-fn stream(
-    st: Arc<AppState>,
-    p: Prepared,
-    mut rx: mpsc::UnboundedReceiver<Event>,
-    kind: Kind,
-    id: String,
-) -> Response {
-    let (tx, events) = mpsc::channel::<SseEvent>(64);
-    let created = unix_now();
-    tokio::spawn(async move {
-        let object = if kind == Kind::Chat {
-            "chat.completion.chunk"
-        } else {
-            "text_completion"
-        };
-        let chunk = |choices: Value, extra: Option<(&str, Value)>| {
-            let mut v = json!({"id": id, "object": object, "created": created, "model": st.cfg.model_name, "choices": choices});
-            if let Some((k, x)) = extra {
-                v[k] = x;
-            }
-            SseEvent::default().data(v.to_string())
-        };
-        let piece = |text: &str| match kind {
-            Kind::Completion => {
-                json!([{"index": 0, "text": text, "logprobs": null, "finish_reason": null}])
-            }
-            Kind::Chat => {
-                json!([{"index": 0, "delta": {"content": text}, "logprobs": null, "finish_reason": null}])
-            }
-        };
-        if kind == Kind::Chat {
-            let first = json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]);
-            if tx.send(chunk(first, None)).await.is_err() {
-                return;
-            }
-        }
-        let mut out = TextOut::new(&st.tok, p.params.stop.clone());
-        let mut generated = 0;
-        let mut outcome = None;
-        while let Some(ev) = rx.recv().await {
-            match ev {
-                Event::Tokens(ids) => {
-                    generated += ids.len();
-                    let text = out.push(&ids);
-                    if !text.is_empty() && tx.send(chunk(piece(&text), None)).await.is_err() {
-                        return; // client gone: dropping `rx` frees the sequence
-                    }
-                    if out.stopped {
-                        break;
-                    }
-                }
-                Event::Done(o) => {
-                    outcome = Some(o);
-                    break;
-                }
-                Event::Failed(status, msg) => {
-                    let e = ApiError::other(
-                        StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
-                        "server_error",
-                        msg,
-                    );
-                    let _ = tx
-                        .send(SseEvent::default().data(e.body().to_string()))
-                        .await;
-                    let _ = tx.send(SseEvent::default().data("[DONE]")).await;
-                    return;
-                }
-            }
-        }
-        drop(rx);
-        if outcome.is_none() && !out.stopped {
-            let _ = tx
-                .send(SseEvent::default().data(engine_gone().body().to_string()))
-                .await;
-            let _ = tx.send(SseEvent::default().data("[DONE]")).await;
-            return;
-        }
-        let rest = out.finish();
-        if !rest.is_empty() && tx.send(chunk(piece(&rest), None)).await.is_err() {
-            return;
-        }
-        let reason = finish_reason(outcome.as_deref(), out.stopped);
-        let last = match kind {
-            Kind::Completion => {
-                json!([{"index": 0, "text": "", "logprobs": null, "finish_reason": reason}])
-            }
-            Kind::Chat => {
-                json!([{"index": 0, "delta": {}, "logprobs": null, "finish_reason": reason}])
-            }
-        };
-        let ext = extension(outcome.as_deref(), out.stopped);
-        let _ = tx.send(chunk(last, Some(("kakeya", ext)))).await;
-        if p.params.include_usage {
-            let u = usage(p.ids.len(), generated, outcome.as_deref());
-            let _ = tx.send(chunk(json!([]), Some(("usage", u)))).await;
-        }
-        let _ = tx.send(SseEvent::default().data("[DONE]")).await;
-    });
-    let body = futures_util::stream::unfold(events, |mut events| async move {
-        events
-            .recv()
-            .await
-            .map(|e| (Ok::<_, Infallible>(e), events))
-    });
-    Sse::new(body)
-        .keep_alive(KeepAlive::default())
-        .into_response()
 }

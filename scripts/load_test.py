@@ -104,8 +104,12 @@ def one_request(host: str, port: int, i: int, max_tokens: int) -> dict:
     return {"ttft": ttft or 0.0, "latency": time.perf_counter() - t0, "tokens": tokens}
 
 
-def run(host: str, port: int, clients: int, requests: int, max_tokens: int, first: int = 0) -> dict:
-    """`requests` requests over `clients` concurrent clients; aggregate figures."""
+def run(host: str, port: int, clients: int, requests: int, max_tokens: int, first: int = 0,
+        request=None) -> dict:
+    """`requests` requests over `clients` concurrent clients; aggregate figures. `request(host,
+    port, i, max_tokens)` sends request `i` (default: [`one_request`]) and returns its
+    `ttft`, `latency` and `tokens`, or an `error`."""
+    request = request or one_request
     todo: queue.Queue = queue.Queue()
     for i in range(requests):
         todo.put(first + i)
@@ -118,7 +122,7 @@ def run(host: str, port: int, clients: int, requests: int, max_tokens: int, firs
                 i = todo.get_nowait()
             except queue.Empty:
                 return
-            r = one_request(host, port, i, max_tokens)
+            r = request(host, port, i, max_tokens)
             with lock:
                 results.append(r)
 

@@ -14,13 +14,11 @@ Every request streams a greedy 32-token reply.
 import argparse
 import http.client
 import json
-import queue
 import signal
 import statistics
-import threading
 import time
 
-from load_test import start_server
+from load_test import run, start_server
 
 SYSTEM = (
     "You are the help desk of a small public library. Opening hours: Monday to Friday "
@@ -39,19 +37,19 @@ QUESTIONS = [
 ]
 
 
-def ask(host: str, port: int, i: int) -> dict:
-    """One streamed chat request; its time to first token and usage."""
+def ask(host: str, port: int, i: int, max_tokens: int) -> dict:
+    """One streamed chat request: its time to first token, latency and usage."""
     messages = [{"role": "system", "content": SYSTEM},
                 {"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} (ticket {i})"}]
-    body = json.dumps({"messages": messages, "max_tokens": 32, "temperature": 0, "stream": True,
-                       "stream_options": {"include_usage": True}})
+    body = json.dumps({"messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                       "stream": True, "stream_options": {"include_usage": True}})
     t0 = time.perf_counter()
     ttft, usage = None, None
     conn = http.client.HTTPConnection(host, port, timeout=600)
     conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
     resp = conn.getresponse()
     if resp.status != 200:
-        raise SystemExit(f"prefix_cache_bench: HTTP {resp.status}: {resp.read()[:200]!r}")
+        return {"error": f"HTTP {resp.status}: {resp.read()[:200]!r}"}
     for line in resp:
         line = line.strip()
         if not line.startswith(b"data:") or line == b"data: [DONE]":
@@ -62,39 +60,26 @@ def ask(host: str, port: int, i: int) -> dict:
         if ev.get("usage"):
             usage = ev["usage"]
     conn.close()
-    return {"ttft": ttft or 0.0, "tokens": usage["completion_tokens"], "prompt": usage["prompt_tokens"],
+    return {"ttft": ttft or 0.0, "latency": time.perf_counter() - t0,
+            "tokens": usage["completion_tokens"], "prompt": usage["prompt_tokens"],
             "cached": usage["prompt_tokens_details"]["cached_tokens"]}
 
 
-def run(host: str, port: int, clients: int, requests: int, first: int) -> dict:
-    todo: queue.Queue = queue.Queue()
-    for i in range(requests):
-        todo.put(first + i)
-    out: list[dict] = []
-    lock = threading.Lock()
+def measure(host: str, port: int, clients: int, requests: int, first: int) -> dict:
+    """`load_test.run` with these chat requests, plus their prompt and cached tokens."""
+    seen: list[dict] = []
 
-    def client() -> None:
-        while True:
-            try:
-                i = todo.get_nowait()
-            except queue.Empty:
-                return
-            r = ask(host, port, i)
-            with lock:
-                out.append(r)
+    def request(host: str, port: int, i: int, max_tokens: int) -> dict:
+        r = ask(host, port, i, max_tokens)
+        seen.append(r)
+        return r
 
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    return {"clients": clients, "requests": requests,
-            "prompt_tokens": statistics.mean(r["prompt"] for r in out),
-            "cached_tokens": statistics.mean(r["cached"] for r in out),
-            "ttft_p50_s": statistics.median(r["ttft"] for r in out),
-            "tok_s": sum(r["tokens"] for r in out) / wall}
+    fig = run(host, port, clients, requests, 32, first=first, request=request)
+    if fig["errors"]:
+        raise SystemExit(f"prefix_cache_bench: {fig['error_samples']}")
+    fig["prompt_tokens"] = statistics.mean(r["prompt"] for r in seen)
+    fig["cached_tokens"] = statistics.mean(r["cached"] for r in seen)
+    return fig
 
 
 def main() -> int:
@@ -106,10 +91,10 @@ def main() -> int:
     for name, extra in (("cache on", []), ("cache off", ["--prefix-cache-mib", "0"])):
         proc, host, port = start_server(args.kakeya, extra)
         try:
-            ask(host, port, 999)  # warm-up (with the cache on: the system prompt's first entry)
+            ask(host, port, 999, 32)  # warm-up (with the cache on: the system prompt's first entry)
             report[name] = []
             for clients, requests in ((1, 8), (8, 32)):
-                r = run(host, port, clients, requests, 100 * clients)
+                r = measure(host, port, clients, requests, 100 * clients)
                 report[name].append(r)
                 print(f"{name}: {clients} client(s), {requests} requests: prompt {r['prompt_tokens']:.0f} "
                       f"tokens, {r['cached_tokens']:.0f} from the cache; TTFT p50 "

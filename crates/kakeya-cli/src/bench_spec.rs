@@ -1,6 +1,7 @@
 //! `kakeya bench --drafter DIR` / `--replay-drafts`: autoregressive vs speculative decode
 //! measured side by side in one run over a prompt set, after warm-up, median of runs.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Instant;
 
@@ -137,6 +138,8 @@ pub struct SpecBench {
     schedule: Schedule,
     /// Verify forwards by block length over all measured prompts (length 1: plain steps).
     blocks_by_length: Vec<usize>,
+    /// The same by where the drafts would come from (the adaptive schedule's sources).
+    blocks_by_source: BTreeMap<&'static str, Vec<usize>>,
     probes: usize,
     gen_tokens: usize,
     runs: usize,
@@ -209,6 +212,7 @@ pub fn run(
     let (mut ar_tok, mut ar_secs, mut sp_tok, mut sp_secs) = (0usize, 0.0, 0usize, 0.0);
     let (mut blocks, mut committed, mut probes) = (0usize, 0usize, 0usize);
     let mut by_length = vec![0usize; block];
+    let mut by_source: BTreeMap<&'static str, Vec<usize>> = BTreeMap::new();
     let mut slot_tried = vec![0usize; block.saturating_sub(1)];
     let mut slot_hit = vec![0usize; block.saturating_sub(1)];
     for (pi, text) in prompts.iter().enumerate() {
@@ -257,6 +261,12 @@ pub fn run(
         {
             *n += c;
         }
+        for (&name, counts) in &st.schedule_stats.blocks_by_source {
+            let sum = by_source.entry(name).or_insert_with(|| vec![0; block]);
+            for (n, &c) in sum.iter_mut().zip(counts) {
+                *n += c;
+            }
+        }
         for (k, (&t, &h)) in st
             .per_position_drafted
             .iter()
@@ -288,6 +298,7 @@ pub fn run(
         block_size: block,
         schedule: spec.schedule,
         blocks_by_length: by_length,
+        blocks_by_source: by_source,
         probes,
         gen_tokens,
         runs,
@@ -316,6 +327,9 @@ pub fn print(b: &SpecBench) {
         "blocks by length (1 = plain step): {:?}; probes: {}",
         b.blocks_by_length, b.probes
     );
+    for (source, counts) in &b.blocks_by_source {
+        println!("  drafts from {source}: blocks by length {counts:?}");
+    }
     println!(
         "| prompt | prompt tok | AR tok/s | spec tok/s | speed-up | acceptance length | identical |"
     );

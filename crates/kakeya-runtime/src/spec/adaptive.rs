@@ -12,8 +12,47 @@
 //! wins, a cheap probe (one draft) runs now and then — the interval doubles after each probe
 //! that loses, up to [`MAX_PROBE_INTERVAL`] steps — so that the schedule notices when drafts
 //! get good again; a probe that wins forgets the old per-slot evidence.
+//!
+//! The acceptance evidence, the draft costs and the probes are kept per [`DraftSource`]: a
+//! prompt lookup whose three-token tail matched earlier text is right far more often than one
+//! whose single token did, or than a weak drafter, and it costs no forward. Before each block
+//! the driver asks the proposer which source it would draft from, and the schedule chooses the
+//! length for that source. The verify cost line is shared: it is the verifier's.
+
+use std::collections::BTreeMap;
 
 use serde::Serialize;
+
+/// Lookup sources the schedule tells apart: tails of 1, 2, and 3 or more matched tokens.
+const LOOKUP_CLASSES: usize = 3;
+/// Sources with evidence of their own: the model, each lookup class, and nothing.
+const SOURCES: usize = LOOKUP_CLASSES + 2;
+
+/// Where a block's drafts come from ([`super::Proposer::source`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DraftSource {
+    /// A model drafter (a forward per block).
+    Model,
+    /// Prompt lookup whose tail matched this many tokens of earlier text.
+    Lookup(usize),
+    /// Nothing to draft from: the block is a plain step.
+    Nothing,
+}
+
+impl DraftSource {
+    fn index(self) -> usize {
+        match self {
+            DraftSource::Model => 0,
+            DraftSource::Lookup(n) => n.clamp(1, LOOKUP_CLASSES),
+            DraftSource::Nothing => SOURCES - 1,
+        }
+    }
+
+    /// The name of source index `i` in the stats.
+    fn name(i: usize) -> &'static str {
+        ["model", "lookup_1", "lookup_2", "lookup_3_plus", "nothing"][i]
+    }
+}
 
 /// How block lengths are chosen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -47,6 +86,9 @@ const PRIOR_ROW_COST: f64 = 0.3;
 pub struct ScheduleStats {
     /// Blocks by length (index `b - 1`); length 1 is a plain decode step.
     pub blocks_by_length: Vec<usize>,
+    /// Blocks by where their drafts would come from (`model`, `lookup_1`, `lookup_2`,
+    /// `lookup_3_plus`, `nothing`), each with its blocks by length.
+    pub blocks_by_source: BTreeMap<&'static str, Vec<usize>>,
     /// Probe blocks run while plain decoding was winning.
     pub probes: usize,
     /// Mean measured seconds of a verify forward, by block length (0: never run).
@@ -55,22 +97,44 @@ pub struct ScheduleStats {
     pub draft_secs_by_length: Vec<f64>,
 }
 
+/// What one draft source has shown on this request.
+#[derive(Debug, Clone)]
+struct Evidence {
+    /// Decayed (reached, accepted) counts per draft slot.
+    slots: Vec<(f64, f64)>,
+    /// Decayed (sum, weight) of drafting seconds per block length.
+    draft: Vec<(f64, f64)>,
+    /// Blocks run with drafts of this source (probes included).
+    blocks: usize,
+    plain_since_probe: usize,
+    probe_interval: usize,
+}
+
+impl Evidence {
+    fn new(max: usize) -> Self {
+        Self {
+            slots: vec![(0.0, 0.0); max - 1],
+            draft: vec![(0.0, 0.0); max],
+            blocks: 0,
+            plain_since_probe: 0,
+            probe_interval: MIN_PROBE_INTERVAL,
+        }
+    }
+}
+
 /// Chooses each block's length and learns from its outcome.
 #[derive(Debug, Clone)]
 pub struct BlockSchedule {
     schedule: Schedule,
     max: usize,
-    /// Decayed (reached, accepted) counts per draft slot.
-    slots: Vec<(f64, f64)>,
-    /// Decayed (sum, weight) of seconds per block length, verify and draft.
+    /// Per [`DraftSource`] index.
+    sources: Vec<Evidence>,
+    /// Decayed (sum, weight) of verify seconds per block length.
     verify: Vec<(f64, f64)>,
     /// Decayed sums of the verify cost fit: weight, x, x², y, x·y (x = length − 1, y = secs).
     fit: [f64; 5],
-    draft: Vec<(f64, f64)>,
-    blocks: usize,
-    plain_since_probe: usize,
-    probe_interval: usize,
-    probing: bool,
+    /// The source of the block being run, and whether it is a probe.
+    current: (usize, bool),
     stats: ScheduleStats,
 }
 
@@ -81,14 +145,10 @@ impl BlockSchedule {
         Self {
             schedule,
             max,
-            slots: vec![(0.0, 0.0); max - 1],
+            sources: vec![Evidence::new(max); SOURCES],
             verify: vec![(0.0, 0.0); max],
             fit: [0.0; 5],
-            draft: vec![(0.0, 0.0); max],
-            blocks: 0,
-            plain_since_probe: 0,
-            probe_interval: MIN_PROBE_INTERVAL,
-            probing: false,
+            current: (0, false),
             stats: ScheduleStats {
                 blocks_by_length: vec![0; max],
                 ..ScheduleStats::default()
@@ -101,10 +161,12 @@ impl BlockSchedule {
         self.max
     }
 
-    /// Expected tokens committed by a block of `b` (the verifier's own token included).
-    pub fn expected_tokens(&self, b: usize) -> f64 {
+    /// Expected tokens committed by a block of `b` drafted by `source` (the verifier's own
+    /// token included).
+    pub fn expected_tokens(&self, source: DraftSource, b: usize) -> f64 {
         let (mut reach, mut e, mut prev) = (1.0, 1.0, 0.5);
-        for &(tried, hit) in self.slots.iter().take(b.saturating_sub(1)) {
+        let slots = &self.sources[source.index()].slots;
+        for &(tried, hit) in slots.iter().take(b.saturating_sub(1)) {
             let p = (hit + PRIOR_WEIGHT * prev) / (tried + PRIOR_WEIGHT);
             reach *= p;
             e += reach;
@@ -141,24 +203,27 @@ impl BlockSchedule {
         Some((alpha + beta * x).max(1e-9))
     }
 
-    /// Estimated draft seconds for a block of `b` (the nearest measured length; 0 for `b = 1`).
-    fn draft_secs(&self, b: usize) -> f64 {
+    /// Estimated seconds for `source` to draft a block of `b` (the nearest measured length; 0
+    /// for `b = 1`).
+    fn draft_secs(&self, source: DraftSource, b: usize) -> f64 {
         if b == 1 {
             return 0.0;
         }
+        let draft = &self.sources[source.index()].draft;
         (2..=self.max)
-            .filter(|&m| Self::mean(&self.draft, m).is_some())
+            .filter(|&m| Self::mean(draft, m).is_some())
             .min_by_key(|&m| m.abs_diff(b))
-            .and_then(|m| Self::mean(&self.draft, m))
+            .and_then(|m| Self::mean(draft, m))
             .unwrap_or(0.0)
     }
 
-    /// The length with the most committed tokens per second; speculation must beat plain
-    /// decoding by [`MARGIN`] (so that noise alone does not keep it on).
-    fn best(&self) -> Option<usize> {
+    /// The length with the most committed tokens per second for drafts of `source`;
+    /// speculation must beat plain decoding by [`MARGIN`] (so that noise alone does not keep
+    /// it on).
+    fn best(&self, source: DraftSource) -> Option<usize> {
         let rate = |b: usize| -> Option<f64> {
-            let cost = self.verify_secs(b)? + self.draft_secs(b);
-            Some(self.expected_tokens(b) / cost.max(1e-12))
+            let cost = self.verify_secs(b)? + self.draft_secs(source, b);
+            Some(self.expected_tokens(source, b) / cost.max(1e-12))
         };
         let plain = rate(1)?;
         let mut best = (1, plain * MARGIN);
@@ -171,51 +236,65 @@ impl BlockSchedule {
         Some(best.0)
     }
 
-    /// The length of the next block (before the remaining budget caps it).
-    pub fn next_len(&mut self) -> usize {
-        self.probing = false;
+    /// The length of the next block, drafted by `source` (before the remaining budget caps
+    /// it). With nothing to draft from, a plain step.
+    pub fn next_len(&mut self, source: DraftSource) -> usize {
+        let i = source.index();
+        self.current = (i, false);
         if self.schedule == Schedule::Fixed {
             return self.max;
         }
-        if self.blocks < WARMUP_BLOCKS {
+        if source == DraftSource::Nothing {
+            return 1;
+        }
+        if self.sources[i].blocks < WARMUP_BLOCKS {
             return 2.min(self.max);
         }
-        let b = self.best().unwrap_or(self.max);
+        let b = self.best(source).unwrap_or(self.max);
+        let ev = &mut self.sources[i];
         if b > 1 {
-            self.plain_since_probe = 0;
+            ev.plain_since_probe = 0;
             return b;
         }
-        self.plain_since_probe += 1;
-        if self.max > 1 && self.plain_since_probe > self.probe_interval {
-            self.plain_since_probe = 0;
-            self.probing = true;
+        ev.plain_since_probe += 1;
+        if self.max > 1 && ev.plain_since_probe > ev.probe_interval {
+            ev.plain_since_probe = 0;
+            self.current.1 = true;
             self.stats.probes += 1;
             return 2;
         }
         1
     }
 
-    /// Records a block: its length `b` (the last committed token and `drafted` drafts),
-    /// `accepted` drafts, and the seconds spent drafting and verifying.
+    /// Records the block [`Self::next_len`] chose: its length `b` (the last committed token
+    /// and `drafted` drafts), `accepted` drafts, and the seconds spent drafting and verifying.
     pub fn record(&mut self, drafted: usize, accepted: usize, draft_secs: f64, verify_secs: f64) {
         let b = (drafted + 1).min(self.max);
-        self.blocks += 1;
+        let (i, probing) = self.current;
         self.stats.blocks_by_length[b - 1] += 1;
-        if self.probing {
+        self.stats
+            .blocks_by_source
+            .entry(DraftSource::name(i))
+            .or_insert_with(|| vec![0; self.max])[b - 1] += 1;
+        let plain = self.verify_secs(1).unwrap_or(verify_secs);
+        let ev = &mut self.sources[i];
+        if drafted > 0 {
+            ev.blocks += 1;
+        }
+        if probing {
             // A probe that beat plain decoding means the drafts changed: the old evidence is
             // dropped, and probes come back to the shortest interval.
-            let plain = self.verify_secs(1).unwrap_or(verify_secs);
             let won = (accepted + 1) as f64 / (draft_secs + verify_secs) > 1.0 / plain;
             if won {
-                self.probe_interval = MIN_PROBE_INTERVAL;
-                for s in &mut self.slots {
+                ev.probe_interval = MIN_PROBE_INTERVAL;
+                for s in &mut ev.slots {
                     *s = (0.0, 0.0);
                 }
             } else {
-                self.probe_interval = (self.probe_interval * 2).min(MAX_PROBE_INTERVAL);
+                ev.probe_interval = (ev.probe_interval * 2).min(MAX_PROBE_INTERVAL);
             }
         }
-        for (k, slot) in self.slots.iter_mut().enumerate().take(drafted) {
+        for (k, slot) in ev.slots.iter_mut().enumerate().take(drafted) {
             if k > accepted {
                 break; // not reached: an earlier draft was rejected
             }
@@ -235,7 +314,7 @@ impl BlockSchedule {
             *f = DECAY * *f + v;
         }
         if drafted > 0 {
-            add(&mut self.draft[b - 1], draft_secs);
+            add(&mut self.sources[i].draft[b - 1], draft_secs);
         }
     }
 
@@ -246,9 +325,17 @@ impl BlockSchedule {
                 .map(|b| Self::mean(v, b).unwrap_or(0.0))
                 .collect()
         };
+        // Drafting seconds by length over every source, weighted by their blocks.
+        let draft = (0..self.max)
+            .map(|k| {
+                self.sources
+                    .iter()
+                    .fold((0.0, 0.0), |(s, w), e| (s + e.draft[k].0, w + e.draft[k].1))
+            })
+            .collect::<Vec<_>>();
         ScheduleStats {
             verify_secs_by_length: means(&self.verify),
-            draft_secs_by_length: means(&self.draft),
+            draft_secs_by_length: means(&draft),
             ..self.stats.clone()
         }
     }
@@ -262,7 +349,7 @@ mod tests {
     /// `1 + 0.3 (b - 1)` units, drafting `draft` units.
     fn run(s: &mut BlockSchedule, steps: usize, accept: impl Fn(usize) -> usize, draft: f64) {
         for i in 0..steps {
-            let b = s.next_len();
+            let b = s.next_len(DraftSource::Model);
             let a = if b > 1 { accept(i).min(b - 1) } else { 0 };
             let d = if b > 1 { draft } else { 0.0 };
             s.record(b - 1, a, d, 1.0 + 0.3 * (b - 1) as f64);
@@ -278,7 +365,7 @@ mod tests {
         // Nearly every step is plain; probes back off to the longest interval.
         assert!(plain > 960, "{st:?}");
         assert!(st.probes < 20, "{st:?}");
-        assert_eq!(s.probe_interval, MAX_PROBE_INTERVAL);
+        assert_eq!(s.sources[0].probe_interval, MAX_PROBE_INTERVAL);
     }
 
     #[test]
@@ -318,14 +405,56 @@ mod tests {
     #[test]
     fn expected_tokens_follow_the_slot_rates() {
         let mut s = BlockSchedule::new(Schedule::Adaptive, 4);
-        assert!((s.expected_tokens(1) - 1.0).abs() < 1e-12);
+        assert!((s.expected_tokens(DraftSource::Model, 1) - 1.0).abs() < 1e-12);
         for _ in 0..200 {
+            s.next_len(DraftSource::Model);
             s.record(3, 3, 0.0, 1.0);
         }
-        assert!(s.expected_tokens(4) > 3.9, "{}", s.expected_tokens(4));
+        assert!(
+            s.expected_tokens(DraftSource::Model, 4) > 3.9,
+            "{}",
+            s.expected_tokens(DraftSource::Model, 4)
+        );
         for _ in 0..200 {
+            s.next_len(DraftSource::Model);
             s.record(3, 0, 0.0, 1.0);
         }
-        assert!(s.expected_tokens(4) < 1.1, "{}", s.expected_tokens(4));
+        assert!(
+            s.expected_tokens(DraftSource::Model, 4) < 1.1,
+            "{}",
+            s.expected_tokens(DraftSource::Model, 4)
+        );
+    }
+
+    #[test]
+    fn each_source_keeps_its_own_evidence() {
+        // Three-token lookups always right, the model never: long blocks for the one, plain
+        // steps (and rare probes) for the other, within one request.
+        let mut s = BlockSchedule::new(Schedule::Adaptive, 8);
+        for i in 0..600 {
+            let source = if i % 3 == 0 {
+                DraftSource::Lookup(3)
+            } else {
+                DraftSource::Model
+            };
+            let b = s.next_len(source);
+            let a = if source == DraftSource::Model {
+                0
+            } else {
+                b - 1
+            };
+            s.record(b - 1, a, 0.0, 1.0 + 0.3 * (b - 1) as f64);
+        }
+        let st = s.stats();
+        let lookup = &st.blocks_by_source["lookup_3_plus"];
+        let model = &st.blocks_by_source["model"];
+        assert!(lookup[7] > 180, "{st:?}");
+        assert!(model[0] > 370, "{st:?}");
+        // Longer tails count as three; with nothing to draft from, a plain step.
+        assert_eq!(
+            DraftSource::Lookup(9).index(),
+            DraftSource::Lookup(3).index()
+        );
+        assert_eq!(s.next_len(DraftSource::Nothing), 1);
     }
 }

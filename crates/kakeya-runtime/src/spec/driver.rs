@@ -199,9 +199,10 @@ impl SpecDecoder {
         if pos >= ctx {
             return Ok(Some(StopReason::ContextFull));
         }
+        let source = proposer.source(tokens);
         let b = self
             .schedule
-            .next_len()
+            .next_len(source)
             .min(ctx - pos)
             .min(sink.remaining())
             .max(1);

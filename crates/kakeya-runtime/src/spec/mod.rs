@@ -12,7 +12,7 @@ pub mod proposer;
 pub mod sampled;
 pub mod verifier;
 
-pub use adaptive::{BlockSchedule, Schedule, ScheduleStats};
+pub use adaptive::{BlockSchedule, DraftSource, Schedule, ScheduleStats};
 pub use driver::{Costs, SpecConfig, SpecDecoder, SpecStats, speculative_generate};
 pub use ngram::{CombinedProposer, NGRAM_BLOCK, NgramMatch, NgramProposer};
 pub use proposer::{DFlashProposer, DraftKind, Proposer, ReplayProposer};

@@ -4,6 +4,7 @@ use kakeya_models::{DFlashDrafter, DraftContext, DraftRequest};
 
 use serde::{Deserialize, Serialize};
 
+use super::adaptive::DraftSource;
 use super::ngram::{CombinedProposer, NgramProposer};
 use crate::error::{Result, RuntimeError};
 use crate::kv::CompactStore;
@@ -21,6 +22,13 @@ pub trait Proposer: Send {
         n: usize,
         store: Option<&mut CompactStore>,
     ) -> Result<Vec<u32>>;
+
+    /// Where the next [`Self::propose`] on `tokens` would draft from, found without a forward:
+    /// the adaptive schedule keeps its evidence per source. Default: a model.
+    fn source(&mut self, tokens: &[u32]) -> DraftSource {
+        let _ = tokens;
+        DraftSource::Model
+    }
 
     /// The drafter whose context the session's compact store must hold, if any.
     fn drafter(&self) -> Option<&DFlashDrafter> {
@@ -135,7 +143,8 @@ pub enum DraftKind {
     /// Prompt lookup: the tokens that followed the latest earlier match of the last 3, 2 or 1
     /// tokens (no drafter needed).
     Ngram,
-    /// Prompt lookup when the last 2+ tokens match earlier text, the DFlash drafter otherwise.
+    /// Prompt lookup when the last 3, 2 or 1 tokens match earlier text, the DFlash drafter
+    /// otherwise.
     Combined,
 }
 

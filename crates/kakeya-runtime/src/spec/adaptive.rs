@@ -17,7 +17,9 @@
 //! prompt lookup whose three-token tail matched earlier text is right far more often than one
 //! whose single token did, or than a weak drafter, and it costs no forward. Before each block
 //! the driver asks the proposer which source it would draft from, and the schedule chooses the
-//! length for that source. The verify cost line is shared: it is the verifier's.
+//! length for that source. The verify cost line is shared: it is the verifier's. A lookup's
+//! probe costs one verified row and no forward, so lookups are probed after 2 … 16 plain
+//! steps of their own instead of 16 … 128.
 
 use std::collections::BTreeMap;
 
@@ -77,6 +79,9 @@ const DECAY: f64 = 0.95;
 const MIN_PROBE_INTERVAL: usize = 16;
 /// Most plain steps between probes.
 pub const MAX_PROBE_INTERVAL: usize = 128;
+/// The probe intervals of a lookup source, whose drafts cost no forward: a probe costs one
+/// verified row, so lookups are retried far sooner than a drafter.
+const LOOKUP_PROBE_INTERVALS: (usize, usize) = (2, 16);
 /// Cost of each extra verified row relative to one decode step, until measured (the CPU
 /// block kernel: an 8-row block ≈ 3 steps).
 const PRIOR_ROW_COST: f64 = 0.3;
@@ -108,16 +113,19 @@ struct Evidence {
     blocks: usize,
     plain_since_probe: usize,
     probe_interval: usize,
+    /// Shortest and longest probe intervals.
+    intervals: (usize, usize),
 }
 
 impl Evidence {
-    fn new(max: usize) -> Self {
+    fn new(max: usize, intervals: (usize, usize)) -> Self {
         Self {
             slots: vec![(0.0, 0.0); max - 1],
             draft: vec![(0.0, 0.0); max],
             blocks: 0,
             plain_since_probe: 0,
-            probe_interval: MIN_PROBE_INTERVAL,
+            probe_interval: intervals.0,
+            intervals,
         }
     }
 }
@@ -145,7 +153,17 @@ impl BlockSchedule {
         Self {
             schedule,
             max,
-            sources: vec![Evidence::new(max); SOURCES],
+            sources: (0..SOURCES)
+                .map(|i| {
+                    let lookup = (1..=LOOKUP_CLASSES).contains(&i);
+                    let intervals = if lookup {
+                        LOOKUP_PROBE_INTERVALS
+                    } else {
+                        (MIN_PROBE_INTERVAL, MAX_PROBE_INTERVAL)
+                    };
+                    Evidence::new(max, intervals)
+                })
+                .collect(),
             verify: vec![(0.0, 0.0); max],
             fit: [0.0; 5],
             current: (0, false),
@@ -286,12 +304,12 @@ impl BlockSchedule {
             // dropped, and probes come back to the shortest interval.
             let won = (accepted + 1) as f64 / (draft_secs + verify_secs) > 1.0 / plain;
             if won {
-                ev.probe_interval = MIN_PROBE_INTERVAL;
+                ev.probe_interval = ev.intervals.0;
                 for s in &mut ev.slots {
                     *s = (0.0, 0.0);
                 }
             } else {
-                ev.probe_interval = (ev.probe_interval * 2).min(MAX_PROBE_INTERVAL);
+                ev.probe_interval = (ev.probe_interval * 2).min(ev.intervals.1);
             }
         }
         for (k, slot) in ev.slots.iter_mut().enumerate().take(drafted) {
@@ -450,6 +468,24 @@ mod tests {
         let model = &st.blocks_by_source["model"];
         assert!(lookup[7] > 180, "{st:?}");
         assert!(model[0] > 370, "{st:?}");
+        // A lookup that goes wrong is retried soon (its drafts cost no forward); a drafter
+        // that goes wrong backs off to the longest interval.
+        let mut s = BlockSchedule::new(Schedule::Adaptive, 8);
+        for i in 0..800 {
+            let source = if i % 2 == 0 {
+                DraftSource::Lookup(1)
+            } else {
+                DraftSource::Model
+            };
+            let b = s.next_len(source);
+            s.record(b - 1, 0, 0.0, 1.0 + 0.3 * (b - 1) as f64);
+        }
+        let st = s.stats();
+        let (lookup, model) = (
+            st.blocks_by_source["lookup_1"][1],
+            st.blocks_by_source["model"][1],
+        );
+        assert!(lookup >= 400 / 17 && model <= 10, "{st:?}");
         // Longer tails count as three; with nothing to draft from, a plain step.
         assert_eq!(
             DraftSource::Lookup(9).index(),

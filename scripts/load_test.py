@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """Load test of `kakeya serve` on loopback: starts the server, measures how aggregate
 throughput grows from one stream to eight (batching at work; the two alternated, medians
-of three), then runs rounds of many
-concurrent streaming clients and reports errors, time to first token (p50/p99), aggregate
-tokens/s and the server's resident memory after each round. Standard library only.
+of three; a lone stream decodes speculatively), then runs rounds of many concurrent
+streaming clients and reports errors, time to first token (p50/p99), aggregate tokens/s and
+the server's resident memory after each round; last, the single stream again on a server
+that never speculates (`--no-drafter`), the reference for what batching alone gives.
+Standard library only.
 
     python3 scripts/load_test.py                      # default model, 64 clients, 2 rounds
     python3 scripts/load_test.py --clients 64 --requests 128 --max-tokens 32 --json out.json
@@ -158,6 +160,9 @@ def main() -> int:
     ap.add_argument("--scaling-tokens", type=int, default=64, help="tokens per request of the 1-vs-8 streams runs")
     ap.add_argument("--scaling-runs", type=int, default=3,
                     help="alternations of the 1-stream and 8-stream runs (the ratio of their medians)")
+    ap.add_argument("--no-plain-reference", action="store_true",
+                    help="skip the single stream on a plain-decoding server (--no-drafter), the "
+                         "reference that shows what batching alone gives")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
 
@@ -198,6 +203,22 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
             report["exit_status"] = "killed"
+    if not args.no_plain_reference and report.get("eight_streams_tok_s"):
+        # The same single-stream requests on a server that never speculates: the 8 streams
+        # above against it are what batching alone gives.
+        plain, host, port = start_server(args.kakeya, [*args.server_args.split(), "--no-drafter"])
+        try:
+            run(host, port, 2, 2, 8)  # warm-up
+            runs = [run(host, port, 1, 4, args.scaling_tokens, first=1000 + 100 * k)
+                    for k in range(args.scaling_runs)]
+        finally:
+            plain.send_signal(signal.SIGTERM)
+            plain.wait(timeout=60)
+        med = statistics.median(r["tok_s"] for r in runs)
+        report["one_stream_plain_runs"], report["one_stream_plain_tok_s"] = runs, med
+        report["eight_over_plain_one"] = report["eight_streams_tok_s"] / med if med else 0.0
+        print(f"reference: 1 stream without speculation (--no-drafter) {med:.1f} tok/s; "
+              f"8 streams above = {report['eight_over_plain_one']:.2f}x that", flush=True)
     errors = sum(r["errors"] for r in report.get("rounds", []))
     rss = [r["rss_bytes"] for r in report.get("rounds", [])]
     # Growth = a trend, not the allocator's round-to-round noise: the last idle round against

@@ -49,14 +49,36 @@ fn extension(outcome: Option<&Outcome>, stopped_by_string: bool) -> Value {
     v
 }
 
+/// A request handed to the engine, to be answered.
+pub(crate) struct Pending {
+    pub(crate) st: Arc<AppState>,
+    pub(crate) p: Prepared,
+    /// The engine's events for it.
+    pub(crate) rx: mpsc::UnboundedReceiver<Event>,
+    pub(crate) kind: Kind,
+    /// The response id (`cmpl-…` or `chatcmpl-…`).
+    pub(crate) id: String,
+}
+
+impl Pending {
+    /// Its parts: the state, the request, the engine's events, the endpoint, the id.
+    #[allow(clippy::type_complexity)]
+    fn into_parts(
+        self,
+    ) -> (
+        Arc<AppState>,
+        Prepared,
+        mpsc::UnboundedReceiver<Event>,
+        Kind,
+        String,
+    ) {
+        (self.st, self.p, self.rx, self.kind, self.id)
+    }
+}
+
 /// A non-streamed answer: waits for the whole completion.
-pub(crate) async fn whole(
-    st: Arc<AppState>,
-    p: Prepared,
-    mut rx: mpsc::UnboundedReceiver<Event>,
-    kind: Kind,
-    id: String,
-) -> Response {
+pub(crate) async fn whole(pending: Pending) -> Response {
+    let (st, p, mut rx, kind, id) = pending.into_parts();
     let mut out = TextOut::new(&st.tok, p.params.stop.clone());
     let mut text = String::new();
     let mut generated = 0;
@@ -117,13 +139,8 @@ pub(crate) async fn whole(
 }
 
 /// A streamed answer: OpenAI's chunks as server-sent events, then `data: [DONE]`.
-pub(crate) fn stream(
-    st: Arc<AppState>,
-    p: Prepared,
-    mut rx: mpsc::UnboundedReceiver<Event>,
-    kind: Kind,
-    id: String,
-) -> Response {
+pub(crate) fn stream(pending: Pending) -> Response {
+    let (st, p, mut rx, kind, id) = pending.into_parts();
     let (tx, events) = mpsc::channel::<SseEvent>(64);
     let created = unix_now();
     tokio::spawn(async move {

@@ -20,7 +20,7 @@ use kakeya_weights::Tokenizer;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
-use crate::answer::{stream, whole};
+use crate::answer::{Pending, stream, whole};
 use crate::api::{ChatRequest, CompletionRequest, Limits, Params, Prompt, check_fields};
 use crate::engine::{Command, Event, Job};
 use crate::error::ApiError;
@@ -386,10 +386,20 @@ async fn handle(st: Arc<AppState>, body: Body, kind: Kind) -> Response {
         },
         st.next_id.fetch_add(1, Ordering::Relaxed)
     );
-    if p.params.stream {
+    let streamed = p.params.stream;
+    if streamed {
         st.metrics.request(kind.path(), 200);
-        stream(st, p, rx, kind, id)
+    }
+    let pending = Pending {
+        st,
+        p,
+        rx,
+        kind,
+        id,
+    };
+    if streamed {
+        stream(pending)
     } else {
-        whole(st, p, rx, kind, id).await
+        whole(pending).await
     }
 }

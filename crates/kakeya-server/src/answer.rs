@@ -76,41 +76,78 @@ impl Pending {
     }
 }
 
+/// A request's engine events read as text, through its stop strings: each answer form (JSON,
+/// SSE) reads them the same way.
+struct Reader<'t> {
+    rx: mpsc::UnboundedReceiver<Event>,
+    out: TextOut<'t>,
+    generated: usize,
+    outcome: Option<Box<Outcome>>,
+}
+
+impl<'t> Reader<'t> {
+    fn new(rx: mpsc::UnboundedReceiver<Event>, out: TextOut<'t>) -> Self {
+        Self {
+            rx,
+            out,
+            generated: 0,
+            outcome: None,
+        }
+    }
+
+    /// The text the next tokens add (possibly empty); `None` once the sequence ended or a stop
+    /// string cut it; an error when it failed or the engine went away first.
+    async fn read(&mut self) -> Option<Result<String, ApiError>> {
+        if self.out.stopped || self.outcome.is_some() {
+            return None;
+        }
+        match self.rx.recv().await {
+            Some(Event::Tokens(ids)) => {
+                self.generated += ids.len();
+                Some(Ok(self.out.push(&ids)))
+            }
+            Some(Event::Done(o)) => {
+                self.outcome = Some(o);
+                None
+            }
+            Some(Event::Failed(status, msg)) => Some(Err(ApiError::other(
+                StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+                "server_error",
+                msg,
+            ))),
+            None => Some(Err(engine_gone())),
+        }
+    }
+
+    /// Ends the reading (dropping the receiver ends the sequence, if it still runs): the text
+    /// still held back, the outcome, the tokens generated, and whether a stop string cut it.
+    fn finish(mut self) -> (String, Option<Box<Outcome>>, usize, bool) {
+        drop(self.rx);
+        (
+            self.out.finish(),
+            self.outcome,
+            self.generated,
+            self.out.stopped,
+        )
+    }
+}
+
 /// A non-streamed answer: waits for the whole completion.
 pub(crate) async fn whole(pending: Pending) -> Response {
-    let (st, p, mut rx, kind, id) = pending.into_parts();
-    let mut out = TextOut::new(&st.tok, p.params.stop.clone());
+    let (st, p, rx, kind, id) = pending.into_parts();
+    let mut reader = Reader::new(rx, TextOut::new(&st.tok, p.params.stop.clone()));
     let mut text = String::new();
-    let mut generated = 0;
-    let mut outcome = None;
-    while let Some(ev) = rx.recv().await {
-        match ev {
-            Event::Tokens(ids) => {
-                generated += ids.len();
-                text.push_str(&out.push(&ids));
-                if out.stopped {
-                    break; // dropping `rx` ends the sequence
-                }
-            }
-            Event::Done(o) => {
-                outcome = Some(o);
-                break;
-            }
-            Event::Failed(status, msg) => {
-                let status =
-                    StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-                st.metrics.request(kind.path(), status.as_u16());
-                return ApiError::other(status, "server_error", msg).into_response();
+    while let Some(read) = reader.read().await {
+        match read {
+            Ok(piece) => text.push_str(&piece),
+            Err(e) => {
+                st.metrics.request(kind.path(), e.status.as_u16());
+                return e.into_response();
             }
         }
     }
-    drop(rx);
-    if outcome.is_none() && !out.stopped {
-        st.metrics.request(kind.path(), 500);
-        return engine_gone().into_response();
-    }
-    text.push_str(&out.finish());
-    let stopped = out.stopped;
+    let (rest, outcome, generated, stopped) = reader.finish();
+    text.push_str(&rest);
     let reason = finish_reason(outcome.as_deref(), stopped);
     let choice = match kind {
         Kind::Completion => {
@@ -140,7 +177,7 @@ pub(crate) async fn whole(pending: Pending) -> Response {
 
 /// A streamed answer: OpenAI's chunks as server-sent events, then `data: [DONE]`.
 pub(crate) fn stream(pending: Pending) -> Response {
-    let (st, p, mut rx, kind, id) = pending.into_parts();
+    let (st, p, rx, kind, id) = pending.into_parts();
     let (tx, events) = mpsc::channel::<SseEvent>(64);
     let created = unix_now();
     tokio::spawn(async move {
@@ -170,31 +207,15 @@ pub(crate) fn stream(pending: Pending) -> Response {
                 return;
             }
         }
-        let mut out = TextOut::new(&st.tok, p.params.stop.clone());
-        let mut generated = 0;
-        let mut outcome = None;
-        while let Some(ev) = rx.recv().await {
-            match ev {
-                Event::Tokens(ids) => {
-                    generated += ids.len();
-                    let text = out.push(&ids);
+        let mut reader = Reader::new(rx, TextOut::new(&st.tok, p.params.stop.clone()));
+        while let Some(read) = reader.read().await {
+            match read {
+                Ok(text) => {
                     if !text.is_empty() && tx.send(chunk(piece(&text), None)).await.is_err() {
-                        return; // client gone: dropping `rx` frees the sequence
-                    }
-                    if out.stopped {
-                        break;
+                        return; // client gone: dropping the reader frees the sequence
                     }
                 }
-                Event::Done(o) => {
-                    outcome = Some(o);
-                    break;
-                }
-                Event::Failed(status, msg) => {
-                    let e = ApiError::other(
-                        StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
-                        "server_error",
-                        msg,
-                    );
+                Err(e) => {
                     let _ = tx
                         .send(SseEvent::default().data(e.body().to_string()))
                         .await;
@@ -203,19 +224,11 @@ pub(crate) fn stream(pending: Pending) -> Response {
                 }
             }
         }
-        drop(rx);
-        if outcome.is_none() && !out.stopped {
-            let _ = tx
-                .send(SseEvent::default().data(engine_gone().body().to_string()))
-                .await;
-            let _ = tx.send(SseEvent::default().data("[DONE]")).await;
-            return;
-        }
-        let rest = out.finish();
+        let (rest, outcome, generated, stopped) = reader.finish();
         if !rest.is_empty() && tx.send(chunk(piece(&rest), None)).await.is_err() {
             return;
         }
-        let reason = finish_reason(outcome.as_deref(), out.stopped);
+        let reason = finish_reason(outcome.as_deref(), stopped);
         let last = match kind {
             Kind::Completion => {
                 json!([{"index": 0, "text": "", "logprobs": null, "finish_reason": reason}])
@@ -224,7 +237,7 @@ pub(crate) fn stream(pending: Pending) -> Response {
                 json!([{"index": 0, "delta": {}, "logprobs": null, "finish_reason": reason}])
             }
         };
-        let ext = extension(outcome.as_deref(), out.stopped);
+        let ext = extension(outcome.as_deref(), stopped);
         let _ = tx.send(chunk(last, Some(("kakeya", ext)))).await;
         if p.params.include_usage {
             let u = usage(p.ids.len(), generated, outcome.as_deref());

@@ -85,9 +85,12 @@ impl<'m> PrefixCache<'m> {
             .entries
             .iter()
             .enumerate()
-            .map(|(i, e)| (common_prefix(&e.tokens, &prompt[..most]), e.used, i))
-            // A ring that already dropped a position the prefix needs cannot go back that far.
-            .filter(|&(n, _, i)| n >= MIN_REUSE && self.entries[i].session.natively_reaches(n))
+            .filter_map(|(i, e)| {
+                let n = common_prefix(&e.tokens, &prompt[..most]);
+                // A ring that already dropped a position the prefix needs cannot go back
+                // that far.
+                (n >= MIN_REUSE && e.session.natively_reaches(n)).then_some((n, e.used, i))
+            })
             // Longest; among equals the most recently used.
             .max_by_key(|&(n, used, _)| (n, used));
         let Some((n, _, i)) = best else {

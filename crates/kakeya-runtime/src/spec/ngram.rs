@@ -61,12 +61,15 @@ impl NgramProposer {
     /// Up to `n` tokens that followed the match (none without one).
     pub fn draft(&self, tokens: &[u32], n: usize) -> (Option<NgramMatch>, Vec<u32>) {
         match self.find(tokens) {
-            Some(m) => {
-                let end = (m.next + n).min(tokens.len());
-                (Some(m), tokens[m.next..end].to_vec())
-            }
+            Some(m) => (Some(m), Self::following(tokens, m, n)),
             None => (None, Vec::new()),
         }
+    }
+
+    /// Up to `n` tokens that followed match `m` of `tokens`.
+    fn following(tokens: &[u32], m: NgramMatch, n: usize) -> Vec<u32> {
+        let end = (m.next + n).min(tokens.len());
+        tokens[m.next..end].to_vec()
     }
 }
 
@@ -128,8 +131,8 @@ impl Proposer for CombinedProposer<'_> {
         n: usize,
         store: Option<&mut CompactStore>,
     ) -> Result<Vec<u32>> {
-        if self.lookup(tokens).is_some() {
-            let d = self.ngram.draft(tokens, n).1;
+        if let Some(m) = self.lookup(tokens) {
+            let d = NgramProposer::following(tokens, m, n);
             if !d.is_empty() {
                 self.counts.0 += 1;
                 return Ok(d);

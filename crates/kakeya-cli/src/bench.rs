@@ -61,6 +61,8 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
     #[command(flatten)]
+    pub table: crate::ngram::TableArgs,
+    #[command(flatten)]
     pub kv: KvArgs,
 }
 
@@ -260,8 +262,9 @@ fn run_spec(
     let drafts = if a.replay_drafts {
         crate::bench_spec::Drafts::Replay
     } else {
-        kind.proposer(drafter.as_ref())?; // a kind without its drafter: refused now
-        crate::bench_spec::Drafts::Kind(kind, drafter.as_ref())
+        let table = a.table.load(&a.model, model.config.vocab_size)?;
+        kind.proposer(drafter.as_ref(), table.clone())?; // a kind without its drafter: refused now
+        crate::bench_spec::Drafts::Kind(kind, drafter.as_ref(), table)
     };
     let b = crate::bench_spec::run(
         model,

@@ -65,8 +65,12 @@ pub fn read_prompts(path: &Path) -> Result<Vec<String>> {
 
 /// What drafts the tokens.
 pub enum Drafts<'a> {
-    /// A proposer kind, with the drafter it uses.
-    Kind(DraftKind, Option<&'a DFlashDrafter>),
+    /// A proposer kind, with the drafter it uses and the static n-gram table its lookups use.
+    Kind(
+        DraftKind,
+        Option<&'a DFlashDrafter>,
+        Option<std::sync::Arc<kakeya_runtime::NgramTable>>,
+    ),
     /// The AR output itself (every draft right): the engine's ceiling and overhead.
     Replay,
 }
@@ -74,7 +78,7 @@ pub enum Drafts<'a> {
 impl Drafts<'_> {
     fn drafter(&self) -> Option<&DFlashDrafter> {
         match self {
-            Drafts::Kind(_, d) => *d,
+            Drafts::Kind(_, d, _) => *d,
             Drafts::Replay => None,
         }
     }
@@ -140,6 +144,8 @@ pub struct SpecBench {
     blocks_by_length: Vec<usize>,
     /// The same by where the drafts would come from (the adaptive schedule's sources).
     blocks_by_source: BTreeMap<&'static str, Vec<usize>>,
+    /// Drafts accepted by source.
+    accepted_by_source: BTreeMap<&'static str, usize>,
     probes: usize,
     gen_tokens: usize,
     runs: usize,
@@ -163,7 +169,7 @@ fn run_spec(
     (spec, base): (SpecConfig, KvSetup<'_>),
 ) -> Result<Generation> {
     let mut proposer: Box<dyn Proposer + '_> = match drafts {
-        Drafts::Kind(kind, d) => kind.proposer(*d)?,
+        Drafts::Kind(kind, d, t) => kind.proposer(*d, t.clone())?,
         Drafts::Replay => Box::new(ReplayProposer::new(ids, reference)),
     };
     let setup = match drafts.drafter() {
@@ -213,6 +219,7 @@ pub fn run(
     let (mut blocks, mut committed, mut probes) = (0usize, 0usize, 0usize);
     let mut by_length = vec![0usize; block];
     let mut by_source: BTreeMap<&'static str, Vec<usize>> = BTreeMap::new();
+    let mut accepted_by_source: BTreeMap<&'static str, usize> = BTreeMap::new();
     let mut slot_tried = vec![0usize; block.saturating_sub(1)];
     let mut slot_hit = vec![0usize; block.saturating_sub(1)];
     for (pi, text) in prompts.iter().enumerate() {
@@ -267,6 +274,9 @@ pub fn run(
                 *n += c;
             }
         }
+        for (&name, &a) in &st.schedule_stats.accepted_by_source {
+            *accepted_by_source.entry(name).or_default() += a;
+        }
         for (k, (&t, &h)) in st
             .per_position_drafted
             .iter()
@@ -292,13 +302,19 @@ pub fn run(
     let sp_rate = sp_tok as f64 / sp_secs.max(1e-9);
     Ok(SpecBench {
         drafts: match drafts {
-            Drafts::Kind(k, _) => k.name().into(),
+            Drafts::Kind(k, _, t) => match (k, t) {
+                (DraftKind::Ngram | DraftKind::Combined, Some(t)) => {
+                    format!("{} (n-gram table: {} contexts)", k.name(), t.len())
+                }
+                _ => k.name().into(),
+            },
             Drafts::Replay => "replay (AR output; every draft right)".into(),
         },
         block_size: block,
         schedule: spec.schedule,
         blocks_by_length: by_length,
         blocks_by_source: by_source,
+        accepted_by_source,
         probes,
         gen_tokens,
         runs,
@@ -328,7 +344,12 @@ pub fn print(b: &SpecBench) {
         b.blocks_by_length, b.probes
     );
     for (source, counts) in &b.blocks_by_source {
-        println!("  drafts from {source}: blocks by length {counts:?}");
+        let drafted: usize = counts.iter().skip(1).sum();
+        let accepted = b.accepted_by_source.get(source).copied().unwrap_or(0);
+        println!(
+            "  drafts from {source}: blocks by length {counts:?}; {:.2} drafts accepted per drafted block",
+            accepted as f64 / drafted.max(1) as f64
+        );
     }
     println!(
         "| prompt | prompt tok | AR tok/s | spec tok/s | speed-up | acceptance length | identical |"

@@ -82,6 +82,8 @@ pub struct InferArgs {
     #[arg(long)]
     pub no_loop_guard: bool,
     #[command(flatten)]
+    pub table: crate::ngram::TableArgs,
+    #[command(flatten)]
     pub kv: KvArgs,
 }
 
@@ -165,11 +167,13 @@ fn print_stats(g: &Generation) {
     }
 }
 
-/// How a run drafts: the proposer kind, its drafter (when it uses one) and the schedule.
-#[derive(Clone, Copy)]
+/// How a run drafts: the proposer kind, its drafter (when it uses one), the static n-gram
+/// table of its lookups and the schedule.
+#[derive(Clone)]
 struct Spec<'d> {
     kind: DraftKind,
     drafter: Option<&'d DFlashDrafter>,
+    table: Option<std::sync::Arc<kakeya_runtime::NgramTable>>,
     config: SpecConfig,
 }
 
@@ -189,7 +193,7 @@ fn decode(
                 None => setup,
             };
             let mut verifier = Verifier::new(model, setup, s.config.block_size)?;
-            let mut proposer = s.kind.proposer(s.drafter)?;
+            let mut proposer = s.kind.proposer(s.drafter, s.table)?;
             speculative_generate(
                 &mut verifier,
                 proposer.as_mut(),
@@ -252,6 +256,7 @@ pub fn run(a: InferArgs) -> Result<()> {
         Some(Spec {
             kind,
             drafter: drafter.as_ref(),
+            table: a.table.load(&a.model, model.config.vocab_size)?,
             config: crate::draft::schedule(a.block_size, longest),
         })
     } else {
@@ -297,6 +302,7 @@ pub fn run(a: InferArgs) -> Result<()> {
     let mut ids = vec![tok.bos];
     ids.extend(tok.encode(&text)?);
     let mut printer = Printer(TextStream::new(&tok));
+    let draft_name = spec.as_ref().map(|s| s.kind.name());
     let g = if a.json {
         decode(&model, setup, spec, &ids, &cfg, &mut |_| {})?
     } else {
@@ -322,7 +328,7 @@ pub fn run(a: InferArgs) -> Result<()> {
         });
         if let Some(sp) = &g.spec {
             stats["speculative"] = serde_json::to_value(sp)?;
-            stats["speculative"]["draft"] = spec.map(|s| s.kind.name()).into();
+            stats["speculative"]["draft"] = draft_name.into();
         }
         if let Some(ar) = &ar {
             stats["ar_decode_tok_s"] = ar.stats.decode_tok_s.into();

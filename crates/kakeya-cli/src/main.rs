@@ -14,6 +14,7 @@ mod eval;
 mod eval_report;
 mod infer;
 mod kv;
+mod ngram;
 mod serve;
 mod train;
 
@@ -45,6 +46,8 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Evaluate the KV modes (needle-in-a-haystack recall against the full cache).
     Eval(eval::EvalArgs),
+    /// Build the static n-gram table that prompt-lookup drafting falls back on.
+    Ngram(ngram::NgramArgs),
 }
 
 fn main() -> ExitCode {
@@ -84,6 +87,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Capture(a) => capture::run(a),
         Command::Train(a) => train::run(a),
         Command::Serve(a) => serve::run(a),
+        Command::Ngram(a) => ngram::run(a),
         Command::Eval(a) => match a.what {
             eval::EvalWhat::Niah(n) => eval::run(n),
         },

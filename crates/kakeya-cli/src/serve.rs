@@ -74,6 +74,8 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 30)]
     pub drain_secs: u64,
     #[command(flatten)]
+    pub table: crate::ngram::TableArgs,
+    #[command(flatten)]
     pub kv: KvArgs,
 }
 
@@ -128,6 +130,10 @@ pub fn run(a: ServeArgs) -> Result<()> {
         restorer,
     } = kv;
     let drafter = drafter.or(store_drafter);
+    let table = match speculation {
+        Some(_) => a.table.load(&a.model, model.config.vocab_size)?,
+        None => None,
+    };
     let model_name = a.model_name.clone().unwrap_or_else(|| {
         path.file_stem()
             .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned())
@@ -155,6 +161,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         model,
         drafter,
         speculation,
+        table,
         policy,
         restorer: restorer.map(|r| Box::new(r) as Box<dyn Restorer>),
         prefill_chunk: a.prefill_chunk,

@@ -25,8 +25,8 @@ pub use prefix::{PrefixCache, PrefixStats};
 pub use sampler::{Sampler, Sampling, Scores};
 pub use session::{KvSetup, Session};
 pub use spec::{
-    CombinedProposer, Costs, DFlashProposer, DraftKind, DraftSource, NgramProposer, Proposer,
-    ReplayProposer, Schedule, SpecConfig, SpecDecoder, SpecStats, Verifier, accept_greedy,
-    speculative_generate,
+    CombinedProposer, Costs, DFlashProposer, DraftKind, DraftSource, NgramProposer, NgramTable,
+    Proposer, ReplayProposer, Schedule, SpecConfig, SpecDecoder, SpecStats, Verifier,
+    accept_greedy, speculative_generate,
 };
 pub use stream::TextStream;

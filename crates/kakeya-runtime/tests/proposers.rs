@@ -79,10 +79,30 @@ fn ngram_and_combined_proposers_are_lossless_fixed_and_adaptive() {
     let v = verifier(31);
     let d = drafter(&v, 8, 7);
     let n = 48;
-    let (mut ngram_accepted, mut combined_counts) = (0, (0, 0));
+    // A static table of the model's own continuations of other prompts.
+    let corpus: Vec<Vec<u32>> = (100..124)
+        .map(|i| {
+            let p = prompt(i);
+            let mut s = p.clone();
+            s.extend(greedy(&v, &p, n));
+            s
+        })
+        .collect();
+    let table = std::sync::Arc::new(
+        kakeya_runtime::NgramTable::build(
+            corpus.iter().map(|s| s.as_slice()),
+            4,
+            v.config.vocab_size as u32,
+            [0; 32],
+        )
+        .unwrap(),
+    );
+    let (mut ngram_accepted, mut combined_counts, mut table_blocks) = (0, (0, 0), 0);
     for i in 0..12 {
         let p = prompt(i);
         let want = greedy(&v, &p, n);
+        // Even prompts draft with the table, odd ones without.
+        let table = (i % 2 == 0).then(|| table.clone());
         for sc in [
             SpecConfig::fixed(8),
             SpecConfig::adaptive(8),
@@ -91,29 +111,30 @@ fn ngram_and_combined_proposers_are_lossless_fixed_and_adaptive() {
             let g = spec(
                 &v,
                 KvSetup::full(0),
-                &mut NgramProposer::default(),
+                &mut NgramProposer::with_table(table.clone()),
                 &p,
                 n,
                 sc,
             );
             assert_eq!(g.tokens, want, "ngram, prompt {i}, {sc:?}");
             ngram_accepted += g.spec.unwrap().accepted;
-            let mut c = CombinedProposer::new(Box::new(DFlashProposer::new(&d)));
+            let mut c = CombinedProposer::new(Box::new(DFlashProposer::new(&d)), table.clone());
             let g = spec(&v, KvSetup::full(0).drafter(&d), &mut c, &p, n, sc);
             assert_eq!(g.tokens, want, "combined, prompt {i}, {sc:?}");
             combined_counts.0 += c.counts.0;
             combined_counts.1 += c.counts.1;
+            table_blocks += c.table_blocks;
         }
     }
     // Tiny random models repeat themselves: lookups must have been right, and the combined
-    // proposer must have used both of its sources.
+    // proposer must have used each of its sources.
     assert!(
         ngram_accepted > 100,
         "{ngram_accepted} n-gram drafts accepted"
     );
     assert!(
-        combined_counts.0 > 0 && combined_counts.1 > 0,
-        "{combined_counts:?}"
+        combined_counts.0 > 0 && combined_counts.1 > 0 && table_blocks > 0,
+        "{combined_counts:?}, {table_blocks} table blocks"
     );
 }
 

@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{default_drafter, load, model_dir, trained_drafter};
+use common::{default_drafter, default_table, load, model_dir, trained_drafter};
 use kakeya_models::testing::{drafter_config, random_drafter};
 use kakeya_models::{DFlashDrafter, Gemma3Model};
 use kakeya_runtime::{
@@ -286,15 +286,19 @@ fn drafter_is_lossless(
                 blocks += s.blocks;
             }
         }
-        // The default engine settings: lookup-or-drafter, adaptive blocks; and lookup alone.
+        // The default engine settings: lookup, the default n-gram table, then the drafter,
+        // adaptive blocks; and lookup with the table alone.
         let runs: [(Box<dyn Proposer>, KvSetup<'_>, SpecConfig); 2] = [
             (
-                Box::new(CombinedProposer::new(Box::new(DFlashProposer::new(d)))),
+                Box::new(CombinedProposer::new(
+                    Box::new(DFlashProposer::new(d)),
+                    Some(default_table()),
+                )),
                 KvSetup::full(0).drafter(d),
                 SpecConfig::adaptive(8),
             ),
             (
-                Box::new(NgramProposer::default()),
+                Box::new(NgramProposer::with_table(Some(default_table()))),
                 KvSetup::full(0),
                 SpecConfig::fixed(8),
             ),

@@ -19,8 +19,8 @@ use std::time::Instant;
 use kakeya_models::linear::QUANT_MAX_ROWS;
 use kakeya_models::{DFlashDrafter, Gemma3Model};
 use kakeya_runtime::{
-    DraftKind, GenerationConfig, KvBytes, KvMode, KvPolicy, KvSetup, PrefixCache, Restorer,
-    RuntimeError, Sampler, Session, SpecConfig, StopReason,
+    DraftKind, GenerationConfig, KvBytes, KvMode, KvPolicy, KvSetup, NgramTable, PrefixCache,
+    Restorer, RuntimeError, Sampler, Session, SpecConfig, StopReason,
 };
 use serde::Serialize;
 use tokio::sync::mpsc::UnboundedSender;
@@ -40,6 +40,8 @@ pub struct EngineParts {
     /// How a sequence that runs alone drafts: the proposer and the block schedule; `None`:
     /// plain decoding only.
     pub speculation: Option<(DraftKind, SpecConfig)>,
+    /// The static n-gram table the proposer's lookups fall back on.
+    pub table: Option<Arc<NgramTable>>,
     /// How sequences keep their K/V.
     pub policy: KvPolicy,
     /// f_θ, for the restored KV modes.
@@ -146,6 +148,7 @@ pub fn run(
         model,
         drafter,
         speculation,
+        table,
         policy,
         restorer,
         prefill_chunk,
@@ -246,6 +249,7 @@ pub fn run(
                 &model,
                 setup,
                 drafter.as_ref(),
+                table.as_ref(),
                 speculation,
                 &mut prefix,
             ) {

@@ -44,6 +44,7 @@ impl Engine {
                 model,
                 drafter: Some(drafter),
                 speculation: Some((DraftKind::Combined, SpecConfig::adaptive(4))),
+                table: None,
                 policy: KvPolicy::default(),
                 restorer: None,
                 prefill_chunk: 8,

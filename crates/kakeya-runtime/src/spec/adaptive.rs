@@ -18,17 +18,19 @@
 //! whose single token did, or than a weak drafter, and it costs no forward. Before each block
 //! the driver asks the proposer which source it would draft from, and the schedule chooses the
 //! length for that source. The verify cost line is shared: it is the verifier's. A lookup's
-//! probe costs one verified row and no forward, so lookups are probed after 2 … 16 plain
-//! steps of their own instead of 16 … 128.
+//! probe costs one verified row and no forward, so lookups (in the sequence or in a static
+//! n-gram table) are probed after 2 … 16 plain steps of their own instead of 16 … 128.
 
 use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-/// Lookup sources the schedule tells apart: tails of 1, 2, and 3 or more matched tokens.
+/// Lookup sources the schedule tells apart, for the sequence and for the table alike: tails
+/// (contexts) of 1, 2, and 3 or more matched tokens.
 const LOOKUP_CLASSES: usize = 3;
-/// Sources with evidence of their own: the model, each lookup class, and nothing.
-const SOURCES: usize = LOOKUP_CLASSES + 2;
+/// Sources with evidence of their own: the model, each lookup class of the sequence and of the
+/// table, and nothing.
+const SOURCES: usize = 2 * LOOKUP_CLASSES + 2;
 
 /// Where a block's drafts come from ([`super::Proposer::source`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,6 +39,9 @@ pub enum DraftSource {
     Model,
     /// Prompt lookup whose tail matched this many tokens of earlier text.
     Lookup(usize),
+    /// A static n-gram table ([`super::NgramTable`]) whose longest held context has this
+    /// many tokens.
+    Table(usize),
     /// Nothing to draft from: the block is a plain step.
     Nothing,
 }
@@ -46,13 +51,28 @@ impl DraftSource {
         match self {
             DraftSource::Model => 0,
             DraftSource::Lookup(n) => n.clamp(1, LOOKUP_CLASSES),
+            DraftSource::Table(n) => LOOKUP_CLASSES + n.clamp(1, LOOKUP_CLASSES),
             DraftSource::Nothing => SOURCES - 1,
         }
     }
 
+    /// Whether its drafts cost no forward.
+    fn is_lookup(i: usize) -> bool {
+        (1..SOURCES - 1).contains(&i)
+    }
+
     /// The name of source index `i` in the stats.
     fn name(i: usize) -> &'static str {
-        ["model", "lookup_1", "lookup_2", "lookup_3_plus", "nothing"][i]
+        [
+            "model",
+            "lookup_1",
+            "lookup_2",
+            "lookup_3_plus",
+            "table_1",
+            "table_2",
+            "table_3_plus",
+            "nothing",
+        ][i]
     }
 }
 
@@ -92,8 +112,11 @@ pub struct ScheduleStats {
     /// Blocks by length (index `b - 1`); length 1 is a plain decode step.
     pub blocks_by_length: Vec<usize>,
     /// Blocks by where their drafts would come from (`model`, `lookup_1`, `lookup_2`,
-    /// `lookup_3_plus`, `nothing`), each with its blocks by length.
+    /// `lookup_3_plus`, `table_1`, `table_2`, `table_3_plus`, `nothing`), each with its blocks
+    /// by length.
     pub blocks_by_source: BTreeMap<&'static str, Vec<usize>>,
+    /// Drafts accepted, by source.
+    pub accepted_by_source: BTreeMap<&'static str, usize>,
     /// Probe blocks run while plain decoding was winning.
     pub probes: usize,
     /// Mean measured seconds of a verify forward, by block length (0: never run).
@@ -155,8 +178,7 @@ impl BlockSchedule {
             max,
             sources: (0..SOURCES)
                 .map(|i| {
-                    let lookup = (1..=LOOKUP_CLASSES).contains(&i);
-                    let intervals = if lookup {
+                    let intervals = if DraftSource::is_lookup(i) {
                         LOOKUP_PROBE_INTERVALS
                     } else {
                         (MIN_PROBE_INTERVAL, MAX_PROBE_INTERVAL)
@@ -295,6 +317,13 @@ impl BlockSchedule {
             .entry(DraftSource::name(i))
             .or_insert_with(|| vec![0; self.max])[b - 1] += 1;
         let plain = self.verify_secs(1).unwrap_or(verify_secs);
+        if drafted > 0 {
+            *self
+                .stats
+                .accepted_by_source
+                .entry(DraftSource::name(i))
+                .or_default() += accepted;
+        }
         let ev = &mut self.sources[i];
         if drafted > 0 {
             ev.blocks += 1;
@@ -492,5 +521,26 @@ mod tests {
             DraftSource::Lookup(3).index()
         );
         assert_eq!(s.next_len(DraftSource::Nothing), 1);
+        // The table's classes are sources of their own, probed as soon as lookups.
+        let indices: Vec<usize> = [
+            DraftSource::Model,
+            DraftSource::Lookup(1),
+            DraftSource::Lookup(2),
+            DraftSource::Lookup(3),
+            DraftSource::Table(1),
+            DraftSource::Table(2),
+            DraftSource::Table(5),
+            DraftSource::Nothing,
+        ]
+        .map(DraftSource::index)
+        .to_vec();
+        assert_eq!(indices, (0..SOURCES).collect::<Vec<_>>());
+        assert_eq!(
+            DraftSource::name(DraftSource::Table(4).index()),
+            "table_3_plus"
+        );
+        assert!(DraftSource::is_lookup(DraftSource::Table(1).index()));
+        assert!(!DraftSource::is_lookup(DraftSource::Model.index()));
+        assert!(!DraftSource::is_lookup(DraftSource::Nothing.index()));
     }
 }

@@ -10,6 +10,7 @@ pub mod driver;
 pub mod ngram;
 pub mod proposer;
 pub mod sampled;
+pub mod table;
 pub mod verifier;
 
 pub use adaptive::{BlockSchedule, DraftSource, Schedule, ScheduleStats};
@@ -17,6 +18,7 @@ pub use driver::{Costs, SpecConfig, SpecDecoder, SpecStats, speculative_generate
 pub use ngram::{CombinedProposer, NGRAM_BLOCK, NgramMatch, NgramProposer};
 pub use proposer::{DFlashProposer, DraftKind, Proposer, ReplayProposer};
 pub use sampled::sampled_posterior;
+pub use table::NgramTable;
 pub use verifier::Verifier;
 
 /// Greedy acceptance: the number of drafts accepted, i.e. the longest prefix with

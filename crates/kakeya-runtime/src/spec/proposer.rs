@@ -1,11 +1,14 @@
 //! Proposers: what drafts the tokens a verifier then checks.
 
+use std::sync::Arc;
+
 use kakeya_models::{DFlashDrafter, DraftContext, DraftRequest};
 
 use serde::{Deserialize, Serialize};
 
 use super::adaptive::DraftSource;
 use super::ngram::{CombinedProposer, NgramProposer};
+use super::table::NgramTable;
 use crate::error::{Result, RuntimeError};
 use crate::kv::CompactStore;
 
@@ -140,11 +143,11 @@ impl Proposer for ReplayProposer {
 pub enum DraftKind {
     /// The DFlash drafter.
     Dflash,
-    /// Prompt lookup: the tokens that followed the latest earlier match of the last 3, 2 or 1
-    /// tokens (no drafter needed).
+    /// Prompt lookup: the tokens that followed the latest earlier match of the last 6 … 1
+    /// tokens, else the static n-gram table's (if one is loaded); no drafter needed.
     Ngram,
-    /// Prompt lookup when the last 3, 2 or 1 tokens match earlier text, the DFlash drafter
-    /// otherwise.
+    /// Prompt lookup when the last 6 … 1 tokens match earlier text, the static n-gram
+    /// table next (if one is loaded), the DFlash drafter otherwise.
     Combined,
 }
 
@@ -166,17 +169,20 @@ impl DraftKind {
         }
     }
 
-    /// A proposer of this kind (`drafter` must be given for the kinds that need one).
+    /// A proposer of this kind (`drafter` must be given for the kinds that need one; `table`
+    /// backs the lookups of `ngram` and `combined`).
     pub fn proposer<'d>(
         self,
         drafter: Option<&'d DFlashDrafter>,
+        table: Option<Arc<NgramTable>>,
     ) -> Result<Box<dyn Proposer + 'd>> {
         Ok(match (self, drafter) {
-            (DraftKind::Ngram, _) => Box::new(NgramProposer::default()),
+            (DraftKind::Ngram, _) => Box::new(NgramProposer::with_table(table)),
             (DraftKind::Dflash, Some(d)) => Box::new(DFlashProposer::new(d)),
-            (DraftKind::Combined, Some(d)) => {
-                Box::new(CombinedProposer::new(Box::new(DFlashProposer::new(d))))
-            }
+            (DraftKind::Combined, Some(d)) => Box::new(CombinedProposer::new(
+                Box::new(DFlashProposer::new(d)),
+                table,
+            )),
             (k, None) => {
                 return Err(RuntimeError::Input(format!(
                     "--draft {} drafts with a DFlash drafter: pass --drafter DIR (or use --draft ngram)",

@@ -54,6 +54,12 @@ pub fn default_drafter(verifier: &Gemma3Model) -> DFlashDrafter {
     DFlashDrafter::from_checkpoint(ck, verifier).unwrap()
 }
 
+/// The default model's static n-gram table (`checkpoints/ngram-gemma3-270m.bin`).
+pub fn default_table() -> std::sync::Arc<kakeya_runtime::NgramTable> {
+    let path = root().join("checkpoints/ngram-gemma3-270m.bin");
+    std::sync::Arc::new(kakeya_runtime::NgramTable::load(&path).expect("default n-gram table"))
+}
+
 /// Speculative greedy decoding of `prompt` with `drafter` at its own block size.
 pub fn speculative(
     verifier: &Gemma3Model,

@@ -1,12 +1,13 @@
 //! One sequence in the engine: its verifier (a fresh session, or one forked from the prefix
 //! cache), proposer, sampler and stop rules, and what it sends its client.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use kakeya_models::{DFlashDrafter, Gemma3Model};
 use kakeya_runtime::{
-    DraftKind, KvSetup, PrefixCache, Proposer, RuntimeError, Sampler, Scores, SpecConfig,
-    SpecDecoder, StopReason, TokenSink, Verifier,
+    DraftKind, KvSetup, NgramTable, PrefixCache, Proposer, RuntimeError, Sampler, Scores,
+    SpecConfig, SpecDecoder, StopReason, TokenSink, Verifier,
 };
 
 use super::{Event, Job, Outcome, SpecSummary};
@@ -41,6 +42,7 @@ impl<'m> Seq<'m> {
         model: &'m Gemma3Model,
         setup: KvSetup<'m>,
         drafter: Option<&'m DFlashDrafter>,
+        table: Option<&Arc<NgramTable>>,
         speculation: Option<(DraftKind, SpecConfig)>,
         prefix: &mut PrefixCache<'m>,
     ) -> Result<Self, Box<(Job, RuntimeError)>> {
@@ -59,7 +61,9 @@ impl<'m> Seq<'m> {
                 Some(session) => Verifier::from_session(session),
                 None => Verifier::new(model, setup, block)?,
             };
-            let proposer = speculation.map(|(k, _)| k.proposer(drafter)).transpose()?;
+            let proposer = speculation
+                .map(|(k, _)| k.proposer(drafter, table.cloned()))
+                .transpose()?;
             let dec = speculation
                 .map(|(_, c)| SpecDecoder::new(c, &job.cfg.sampling, ctx))
                 .transpose()?;

@@ -74,8 +74,12 @@ impl NgramProposer {
     }
 
     /// The match the next draft would come from, if any: the most recent earlier occurrence
-    /// of the longest tail that has one — except that a one-token tail, a weak match, takes
-    /// the most recent occurrence followed by the table's choice when there is one.
+    /// of the longest tail that has one. A one-token tail is a weak match, so it picks among
+    /// its occurrences: the most recent one followed by the table's choice, if any is; else
+    /// the most recent one followed by the token that most often followed it (ties: the more
+    /// recent). On the default model's greedy outputs each of the two choices commits more per
+    /// block than the most recent occurrence, on every held-out prompt set measured
+    /// (`docs/train-drafter.md`).
     pub fn find(&self, tokens: &[u32]) -> Option<NgramMatch> {
         let len = tokens.len();
         for n in (self.min.max(1)..=self.max).rev() {
@@ -88,20 +92,11 @@ impl NgramProposer {
             let Some(latest) = found.next() else {
                 continue;
             };
-            let want = if n == 1 {
-                self.table
-                    .as_ref()
-                    .and_then(|t| t.next(tokens))
-                    .map(|x| x.1)
+            let start = if n == 1 {
+                let all: Vec<usize> = std::iter::once(latest).chain(found).collect();
+                self.pick_one_token_occurrence(tokens, &all)
             } else {
-                None
-            };
-            let start = match want {
-                Some(w) => std::iter::once(latest)
-                    .chain(found)
-                    .find(|&i| tokens[i + n] == w)
-                    .unwrap_or(latest),
-                None => latest,
+                latest
             };
             return Some(NgramMatch {
                 len: n,
@@ -109,6 +104,31 @@ impl NgramProposer {
             });
         }
         None
+    }
+
+    /// Among `occurrences` (latest first) of the last token, the one a one-token tail drafts
+    /// from (see [`Self::find`]).
+    fn pick_one_token_occurrence(&self, tokens: &[u32], occurrences: &[usize]) -> usize {
+        let after = |i: usize| tokens[i + 1];
+        if let Some(want) = self
+            .table
+            .as_ref()
+            .and_then(|t| t.next(tokens))
+            .map(|x| x.1)
+            && let Some(&i) = occurrences.iter().find(|&&i| after(i) == want)
+        {
+            return i;
+        }
+        // (count, rank of its latest occurrence) per following token.
+        let mut counts: std::collections::HashMap<u32, (usize, usize)> = Default::default();
+        for (rank, &i) in occurrences.iter().enumerate() {
+            counts.entry(after(i)).or_insert((0, rank)).0 += 1;
+        }
+        let best = counts
+            .into_values()
+            .max_by_key(|&(count, rank)| (count, std::cmp::Reverse(rank)))
+            .map_or(0, |(_, rank)| rank);
+        occurrences[best]
     }
 
     /// `n` tokens that followed the match (none without one).
@@ -371,9 +391,13 @@ mod tests {
         let mut p = NgramProposer::with_table(Some(table.clone()));
         assert_eq!(p.find(&t), Some(NgramMatch { len: 1, next: 1 }));
         assert_eq!(p.propose(&t, 2, None).unwrap(), vec![1, 9]);
-        // No occurrence agrees: the most recent one.
+        // No occurrence agrees: the most recent one (each follower once).
         let t = [7, 3, 7, 2, 5, 7];
         assert_eq!(p.propose(&t, 2, None).unwrap(), vec![2, 5]);
+        // ... or the most recent of the follower seen most often, with or without a table.
+        let t = [7, 4, 1, 7, 4, 2, 7, 9, 7];
+        assert_eq!(p.find(&t), Some(NgramMatch { len: 1, next: 4 }));
+        assert_eq!(plain.propose(&t, 4, None).unwrap(), vec![4, 2, 7, 9]);
         // Longer tails keep the most recent occurrence.
         let t = [4, 7, 1, 4, 7, 2, 4, 7];
         assert_eq!(p.propose(&t, 1, None).unwrap(), vec![2]);

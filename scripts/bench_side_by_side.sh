@@ -16,6 +16,7 @@ runs=5
 if [[ "${1:-}" == "--runs" ]]; then runs="$2"; fi
 model=models/gemma-3-270m/gemma-3-270m-q4_k_m.gguf
 drafter=checkpoints/drafter-gemma3-270m-v3
+table=checkpoints/ngram-gemma3-270m.bin
 out=runs/side-by-side
 mkdir -p "$out"
 
@@ -40,8 +41,8 @@ mv "$out/kakeya.json.tmp" "$out/kakeya.json"
 echo "## kakeya bench --kernel int8 (opt-in: int8 inputs, integer dot products; not the f32 model's numbers)"
 RAYON_NUM_THREADS=2 "$kakeya" bench --model "$model" --kernel int8 --runs "$runs" --warmup 1 --json > "$out/kakeya-int8.json.tmp"
 mv "$out/kakeya-int8.json.tmp" "$out/kakeya-int8.json"
-echo "## kakeya bench --drafter (default settings: combined proposer, adaptive blocks)"
-RAYON_NUM_THREADS=2 "$kakeya" bench --model "$model" --drafter "$drafter" --runs 1 --warmup 1 --json > "$out/spec.json.tmp"
+echo "## kakeya bench --drafter (default settings: combined proposer with the n-gram table, adaptive blocks)"
+RAYON_NUM_THREADS=2 "$kakeya" bench --model "$model" --drafter "$drafter" --ngram-table "$table" --runs 1 --warmup 1 --json > "$out/spec.json.tmp"
 mv "$out/spec.json.tmp" "$out/spec.json"
 echo "## llama-bench -t 2 (after)"
 python3 scripts/bench_llama_cpp.py --model "$model" --threads 2 --reps "$runs" --json "$out/llama-after.json"

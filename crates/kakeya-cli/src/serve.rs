@@ -144,7 +144,14 @@ pub fn run(a: ServeArgs) -> Result<()> {
     eprintln!(
         "kakeya serve: {model_name} on http://{addr} ({}; up to {} sequences at once; KV {}; prefix cache {})",
         match speculation {
-            Some((k, _)) => format!("speculative with {k} drafts when a request runs alone"),
+            Some((k, _)) => format!(
+                "speculative with {k} drafts{} when a request runs alone",
+                match (&table, k) {
+                    (Some(t), DraftKind::Ngram | DraftKind::Combined) =>
+                        format!(" and an n-gram table of {} contexts", t.len()),
+                    _ => String::new(),
+                }
+            ),
             None => "plain decoding".into(),
         },
         a.max_seqs,

@@ -140,3 +140,32 @@ fn a_table_of_the_models_own_continuations_drafts_losslessly() {
     let err = fails(&["ngram", "build", "--data", d, "--out", t, "--order", "0"]);
     assert!(err.contains("order"), "{err}");
 }
+
+/// The committed table of the default model is what `kakeya ngram build` makes of the
+/// committed token captures, byte for byte (the command in `docs/train-drafter.md`): a change
+/// to how tables are counted or pruned must come with the rebuilt file.
+#[test]
+fn the_committed_default_table_is_rebuilt_byte_for_byte() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let dir = Scratch::new("ngram-default");
+    let out = dir.0.join("table.bin");
+    let data = |d: &str| root.join("data").join(d).to_str().unwrap().to_string();
+    let (large, sampled) = (data("tokens-drafter-270m-large"), data("tokens-sampled"));
+    run_ok(&[
+        "ngram",
+        "build",
+        "--data",
+        &large,
+        "--data",
+        &sampled,
+        "--heldout-every",
+        "50",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let committed = std::fs::read(root.join("checkpoints/ngram-gemma3-270m.bin")).unwrap();
+    assert!(
+        std::fs::read(&out).unwrap() == committed,
+        "checkpoints/ngram-gemma3-270m.bin differs from a rebuild: rebuild it"
+    );
+}

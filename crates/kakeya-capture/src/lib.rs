@@ -14,5 +14,5 @@ pub mod schema;
 pub use config::CaptureConfig;
 pub use error::{CaptureError, Result};
 pub use job::{Models, Progress, RunOptions, Summary, merge, run};
-pub use reader::{Dataset, Query, SequenceBatch};
+pub use reader::{Dataset, Query, SequenceBatch, held_out};
 pub use schema::Manifest;

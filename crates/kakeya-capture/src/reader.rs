@@ -15,6 +15,13 @@ use crate::error::{CaptureError, Result};
 use crate::job::read_manifest;
 use crate::schema::Manifest;
 
+/// Whether sequence `seq` is one of the held-out ones when every `every`-th is (ids
+/// `every − 1`, `2·every − 1`, …; `every = 0`: none). The trainers and `kakeya ngram build`
+/// hold out the same sequences by this one rule.
+pub fn held_out(seq: usize, every: usize) -> bool {
+    every > 0 && seq % every == every - 1
+}
+
 /// What to read.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Query {

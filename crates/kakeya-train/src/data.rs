@@ -172,7 +172,7 @@ pub fn load(ds: &Dataset, targets: &[usize], heldout_every: usize) -> Result<Tra
         if s.anchor_range().is_empty() {
             continue;
         }
-        if b.seq % heldout_every == heldout_every - 1 {
+        if kakeya_capture::held_out(b.seq, heldout_every) {
             heldout.push(s);
         } else {
             train.push(s);

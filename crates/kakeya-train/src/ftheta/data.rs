@@ -190,7 +190,7 @@ pub fn check(
     done.sort_unstable();
     let (heldout, train): (Vec<usize>, Vec<usize>) = done
         .into_iter()
-        .partition(|&i| (i + 1) % heldout_every == 0);
+        .partition(|&i| kakeya_capture::held_out(i, heldout_every));
     if train.is_empty() || heldout.is_empty() {
         return Err(TrainError::invalid(
             &dir,

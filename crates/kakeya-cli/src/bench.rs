@@ -262,7 +262,7 @@ fn run_spec(
     let drafts = if a.replay_drafts {
         crate::bench_spec::Drafts::Replay
     } else {
-        let table = a.table.load(&a.model, model.config.vocab_size)?;
+        let table = a.table.load(&a.model, model.config.vocab_size, kind)?;
         kind.proposer(drafter.as_ref(), table.clone())?; // a kind without its drafter: refused now
         crate::bench_spec::Drafts::Kind(kind, drafter.as_ref(), table)
     };

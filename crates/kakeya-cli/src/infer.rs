@@ -256,7 +256,7 @@ pub fn run(a: InferArgs) -> Result<()> {
         Some(Spec {
             kind,
             drafter: drafter.as_ref(),
-            table: a.table.load(&a.model, model.config.vocab_size)?,
+            table: a.table.load(&a.model, model.config.vocab_size, kind)?,
             config: crate::draft::schedule(a.block_size, longest),
         })
     } else {

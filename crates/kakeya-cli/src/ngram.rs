@@ -8,7 +8,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
 use kakeya_capture::{Dataset, Query};
-use kakeya_runtime::NgramTable;
+use kakeya_runtime::{DraftKind, NgramTable};
 
 use crate::common::ModelArgs;
 
@@ -81,7 +81,7 @@ fn build(a: BuildArgs) -> Result<()> {
         }
         for b in ds.read(&Query::default())? {
             let b = b?;
-            if a.heldout_every == 0 || b.seq % a.heldout_every != a.heldout_every - 1 {
+            if !kakeya_capture::held_out(b.seq, a.heldout_every) {
                 seqs.push(b.token);
             }
         }
@@ -134,9 +134,17 @@ pub struct TableArgs {
 }
 
 impl TableArgs {
-    /// The table the run drafts with: `--ngram-table`, or the default model's, checked against
-    /// the model's vocabulary.
-    pub fn load(&self, model: &ModelArgs, vocab: usize) -> Result<Option<Arc<NgramTable>>> {
+    /// The table a run drafting with `kind` uses: `--ngram-table`, or the default model's,
+    /// checked against the model's vocabulary; none for a kind that does not look up.
+    pub fn load(
+        &self,
+        model: &ModelArgs,
+        vocab: usize,
+        kind: DraftKind,
+    ) -> Result<Option<Arc<NgramTable>>> {
+        if !kind.looks_up() {
+            return Ok(None);
+        }
         let path = match &self.ngram_table {
             Some(p) => p.clone(),
             None if self.no_ngram_table || model.model.is_some() => return Ok(None),

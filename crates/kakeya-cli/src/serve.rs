@@ -131,7 +131,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     } = kv;
     let drafter = drafter.or(store_drafter);
     let table = match speculation {
-        Some(_) => a.table.load(&a.model, model.config.vocab_size)?,
+        Some((kind, _)) => a.table.load(&a.model, model.config.vocab_size, kind)?,
         None => None,
     };
     let model_name = a.model_name.clone().unwrap_or_else(|| {

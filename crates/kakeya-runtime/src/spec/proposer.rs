@@ -160,6 +160,11 @@ impl DraftKind {
         self != DraftKind::Ngram
     }
 
+    /// Whether it drafts by lookups (the kinds a static n-gram table backs).
+    pub fn looks_up(self) -> bool {
+        self != DraftKind::Dflash
+    }
+
     /// Its name (`--draft`, stats).
     pub fn name(self) -> &'static str {
         match self {

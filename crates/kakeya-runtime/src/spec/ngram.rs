@@ -66,11 +66,12 @@ impl NgramProposer {
         Some(self.table.as_ref()?.next(tokens)?.0)
     }
 
-    /// Up to `n` tokens of the table after `tokens` (none without a table).
-    fn table_draft(&self, tokens: &[u32], n: usize) -> Vec<u32> {
+    /// Up to `n` tokens of the table after `tokens`, and the context length the first came
+    /// from (0 and none without a table).
+    fn table_draft(&self, tokens: &[u32], n: usize) -> (usize, Vec<u32>) {
         self.table
             .as_ref()
-            .map_or_else(Vec::new, |t| t.draft(tokens, n).1)
+            .map_or_else(|| (0, Vec::new()), |t| t.draft(tokens, n))
     }
 
     /// The match the next draft would come from, if any: the most recent earlier occurrence
@@ -167,16 +168,16 @@ impl Proposer for NgramProposer {
         Ok(if m.is_some() {
             d
         } else {
-            self.table_draft(tokens, n)
+            self.table_draft(tokens, n).1
         })
     }
 
     fn source(&mut self, tokens: &[u32]) -> DraftSource {
-        match (self.find(tokens), self.table_order(tokens)) {
-            (Some(m), _) => DraftSource::Lookup(m.len),
-            (None, Some(order)) => DraftSource::Table(order),
-            (None, None) => DraftSource::Nothing,
+        if let Some(m) = self.find(tokens) {
+            return DraftSource::Lookup(m.len);
         }
+        self.table_order(tokens)
+            .map_or(DraftSource::Nothing, DraftSource::Table)
     }
 }
 
@@ -242,9 +243,9 @@ impl Proposer for CombinedProposer<'_> {
                 self.counts.0 += 1;
                 return Ok(d);
             }
-        } else if self.table(tokens).is_some() {
-            let d = self.ngram.table_draft(tokens, n);
-            if !d.is_empty() {
+        } else {
+            let (order, d) = self.ngram.table_draft(tokens, n);
+            if order >= self.table_min && !d.is_empty() {
                 self.table_blocks += 1;
                 return Ok(d);
             }
@@ -254,11 +255,11 @@ impl Proposer for CombinedProposer<'_> {
     }
 
     fn source(&mut self, tokens: &[u32]) -> DraftSource {
-        match (self.lookup(tokens), self.table(tokens)) {
-            (Some(m), _) => DraftSource::Lookup(m.len),
-            (None, Some(order)) => DraftSource::Table(order),
-            (None, None) => DraftSource::Model,
+        if let Some(m) = self.lookup(tokens) {
+            return DraftSource::Lookup(m.len);
         }
+        self.table(tokens)
+            .map_or(DraftSource::Model, DraftSource::Table)
     }
 
     fn drafter(&self) -> Option<&kakeya_models::DFlashDrafter> {

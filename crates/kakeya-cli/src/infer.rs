@@ -303,6 +303,10 @@ pub fn run(a: InferArgs) -> Result<()> {
     ids.extend(tok.encode(&text)?);
     let mut printer = Printer(TextStream::new(&tok));
     let draft_name = spec.as_ref().map(|s| s.kind.name());
+    let table_bytes = spec
+        .as_ref()
+        .and_then(|s| s.table.as_ref())
+        .map(|t| t.nbytes());
     let g = if a.json {
         decode(&model, setup, spec, &ids, &cfg, &mut |_| {})?
     } else {
@@ -325,6 +329,7 @@ pub fn run(a: InferArgs) -> Result<()> {
         stats["weights_bytes"] = serde_json::json!({
             "drafter": drafter.as_ref().or(kv.store_drafter.as_ref()).map(|d| d.nbytes()),
             "f_theta": kv.restorer.as_ref().map(kakeya_runtime::Restorer::nbytes),
+            "ngram_table": table_bytes,
         });
         if let Some(sp) = &g.spec {
             stats["speculative"] = serde_json::to_value(sp)?;

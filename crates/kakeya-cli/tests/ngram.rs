@@ -92,6 +92,16 @@ fn a_table_of_the_models_own_continuations_drafts_losslessly() {
     assert!(by_source(&with, "blocks_by_source") > 0, "{with}");
     assert!(by_source(&with, "accepted_by_source") > 0, "{with}");
     assert_eq!(by_source(&without, "blocks_by_source"), 0, "{without}");
+    // The table's bytes are counted apart from the K/V.
+    let held = std::fs::metadata(&table).unwrap().len() as usize;
+    let counted = with["stats"]["weights_bytes"]["ngram_table"]
+        .as_u64()
+        .unwrap() as usize;
+    assert!(
+        counted >= held * 3 / 4 && counted <= held * 2,
+        "{counted} vs file {held}"
+    );
+    assert!(without["stats"]["weights_bytes"]["ngram_table"].is_null());
 
     // Bad tables: missing, not a table, truncated, another vocabulary; each names the file.
     let missing = dir.0.as_path().join("missing.bin");

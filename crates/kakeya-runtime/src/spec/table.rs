@@ -148,6 +148,11 @@ impl NgramTable {
         (first, out)
     }
 
+    /// Bytes its entries hold (the buffer's capacity, header fields aside).
+    pub fn nbytes(&self) -> usize {
+        self.entries.capacity() * std::mem::size_of::<(u64, u32)>()
+    }
+
     /// Contexts held.
     pub fn len(&self) -> usize {
         self.entries.len()

@@ -5,10 +5,10 @@ use std::sync::Arc;
 use burn::tensor::{Device, Tensor, TensorData};
 use kakeya_weights::{DenseMatrix, QuantMatrix};
 
-/// On the CPU, quantised weights take the block kernel at any row count (in passes of this
-/// many input rows), and inputs of at most this many rows (decode steps, verify blocks) take
-/// the certified argmax for their greedy choice, or, for non-quantised weights, the row-order
-/// kernel; longer inputs of non-quantised weights use the dense f32 matmul.
+/// On the CPU, quantised weights take the block kernel at any row count, and their certified
+/// argmax (the greedy choice of decode steps and verify blocks) searches this many rows at a
+/// time; inputs of at most this many rows of non-quantised weights take the row-order
+/// kernel, longer ones the dense f32 matmul.
 pub const QUANT_MAX_ROWS: usize = 16;
 
 /// Inputs of fewer rows take the exact products for their greedy choice: one row is
@@ -92,11 +92,6 @@ impl Linear {
         self.weight.shape().num_elements() * 4
             + self.quant.as_deref().map_or(0, QuantMatrix::nbytes)
             + self.rows.as_deref().map_or(0, DenseMatrix::nbytes)
-    }
-
-    /// The block kernel's matrix when it takes this input (`t` rows).
-    fn quant_for(&self, t: usize) -> Option<&QuantMatrix> {
-        self.quant.as_deref().filter(|_| t <= QUANT_MAX_ROWS)
     }
 
     /// # Shapes
@@ -203,12 +198,21 @@ impl Linear {
     /// # Shapes
     /// - `x`: `[T, in]` → `T` ids
     pub fn argmax(&self, x: &Tensor<2>) -> Option<Vec<u32>> {
-        let t = x.dims()[0];
+        let [t, cols] = x.dims();
         if t < CERTIFIED_MIN_ROWS {
             return None;
         }
-        let q = self.quant_for(t)?;
-        q.argmax(&host_rows(x.clone()), t).map(|a| a.ids)
+        let q = self.quant.as_deref()?;
+        // More rows than one search takes (a batch of several sequences' blocks): searches of
+        // at most `QUANT_MAX_ROWS` rows each, split evenly (so none has fewer than
+        // `CERTIFIED_MIN_ROWS`). Each row's answer is exact, so the split changes nothing.
+        let xs = host_rows(x.clone());
+        let per = t.div_ceil(t.div_ceil(QUANT_MAX_ROWS));
+        let mut ids = Vec::with_capacity(t);
+        for rows in xs.chunks(per * cols) {
+            ids.extend(q.argmax(rows, rows.len() / cols)?.ids);
+        }
+        Some(ids)
     }
 }
 
@@ -230,4 +234,55 @@ pub(crate) fn host_rows(x: Tensor<2>) -> Vec<f32> {
     x.into_data()
         .try_into_vec::<f32>()
         .expect("activations are f32")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kakeya_weights::dequant::GgmlType;
+
+    /// The certified argmax of more rows than one search takes equals the argmax of the exact
+    /// products, row by row, however the rows are split.
+    #[test]
+    fn argmax_of_any_row_count_is_the_products_argmax() {
+        let (vocab, hidden) = (300, 64);
+        let dev = Device::flex();
+        let mut seed = 11u32;
+        let mut next = || {
+            seed = seed.wrapping_mul(1_103_515_245).wrapping_add(12345);
+            (seed >> 16) as u8
+        };
+        let mut blocks = Vec::new();
+        for b in 0..vocab * hidden / 32 {
+            blocks.extend(half::f16::from_f32(0.01 * (1 + b % 5) as f32).to_le_bytes());
+            blocks.extend((0..32).map(|_| next()));
+        }
+        let q = QuantMatrix::new(GgmlType::Q8_0, vocab, hidden, &blocks).unwrap();
+        let weight = Tensor::<2>::from_data(TensorData::new(q.to_dense(), [vocab, hidden]), &dev);
+        let head = Linear {
+            quant: Some(Arc::new(q)),
+            ..Linear::dense(weight)
+        };
+        for t in [2, 16, 17, 33, 40] {
+            let x: Vec<f32> = (0..t * hidden)
+                .map(|i| ((i * 37 + 11 * t) % 41) as f32 * 0.05 - 1.0)
+                .collect();
+            let x = Tensor::<2>::from_data(TensorData::new(x, [t, hidden]), &dev);
+            let logits = host_rows(head.forward(x.clone()));
+            let want: Vec<u32> = logits
+                .chunks(vocab)
+                .map(|r| {
+                    let best = r.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    r.iter().position(|&v| v == best).unwrap() as u32
+                })
+                .collect();
+            #[cfg(target_arch = "x86_64")]
+            if std::is_x86_feature_detected!("avx2") {
+                assert_eq!(head.argmax(&x).as_deref(), Some(&want[..]), "{t} rows");
+            }
+            if let Some(ids) = head.argmax(&x) {
+                assert_eq!(ids, want, "{t} rows");
+            }
+        }
+    }
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use kakeya_runtime::{DraftKind, Restorer};
+use kakeya_runtime::{Costs, DraftKind, Restorer};
 use kakeya_server::{EngineParts, HttpConfig, Limits};
 
 use crate::common::{ModelArgs, check_block_size, drafter_dir, load_drafter};
@@ -73,6 +73,12 @@ pub struct ServeArgs {
     /// Seconds requests in flight get to finish after SIGTERM or Ctrl-C.
     #[arg(long, default_value_t = 30)]
     pub drain_secs: u64,
+    /// Tests and simulations: `STEP_US,ROW_US,DRAFT_US` — speculation's schedule (alone and
+    /// beside other sequences) is told that a forward of `R` rows costs `STEP_US + ROW_US ·
+    /// (R − 1)` µs and a draft `DRAFT_US` µs per token, instead of the measured seconds, so
+    /// that its choices do not depend on the machine's load.
+    #[arg(long, hide = true, value_parser = parse_costs)]
+    pub modelled_costs: Option<Costs>,
     #[command(flatten)]
     pub table: crate::ngram::TableArgs,
     #[command(flatten)]
@@ -122,7 +128,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
         if let Some(b) = a.block_size {
             check_block_size(b, model.config.max_position_embeddings)?;
         }
-        Some((kind, crate::draft::schedule(a.block_size, longest)))
+        let spec = crate::draft::schedule(a.block_size, longest);
+        Some((kind, a.modelled_costs.map_or(spec, |c| spec.with_costs(c))))
     };
     let KvRun {
         policy,
@@ -189,4 +196,20 @@ pub fn run(a: ServeArgs) -> Result<()> {
     kakeya_server::serve(parts, tok, cfg, listener, Duration::from_secs(a.drain_secs))?;
     eprintln!("kakeya serve: stopped");
     Ok(())
+}
+
+/// `STEP_US,ROW_US,DRAFT_US` → [`Costs::Linear`].
+fn parse_costs(s: &str) -> std::result::Result<Costs, String> {
+    let v: Vec<u32> = s
+        .split(',')
+        .map(|x| x.trim().parse::<u32>().map_err(|e| format!("{x:?}: {e}")))
+        .collect::<std::result::Result<_, _>>()?;
+    match v[..] {
+        [step_us, row_us, draft_us] => Ok(Costs::Linear {
+            step_us,
+            row_us,
+            draft_us,
+        }),
+        _ => Err(format!("expected STEP_US,ROW_US,DRAFT_US, got {s:?}")),
+    }
 }

@@ -23,10 +23,10 @@ pub use kv::{
 };
 pub use prefix::{PrefixCache, PrefixStats};
 pub use sampler::{Sampler, Sampling, Scores};
-pub use session::{KvSetup, Session};
+pub use session::{KvSetup, Session, Verified};
 pub use spec::{
-    CombinedProposer, Costs, DFlashProposer, DraftKind, DraftSource, NgramProposer, NgramTable,
-    Proposer, ReplayProposer, Schedule, SpecConfig, SpecDecoder, SpecStats, Verifier,
+    CombinedProposer, CostLine, Costs, DFlashProposer, DraftKind, DraftSource, NgramProposer,
+    NgramTable, Proposer, ReplayProposer, Schedule, SpecConfig, SpecDecoder, SpecStats, Verifier,
     accept_greedy, speculative_generate,
 };
 pub use stream::TextStream;

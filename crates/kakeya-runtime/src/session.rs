@@ -26,6 +26,15 @@ pub fn logits_row(logits: Tensor<2>) -> Vec<f32> {
 }
 
 /// The last position's [`Scores`] of a forward that asked for logits or the greedy choice.
+/// What [`Session::verify_batch`] gives one session.
+#[derive(Debug, Clone)]
+pub enum Verified {
+    /// The greedy choice after every row of its block.
+    Greedy(Vec<u32>),
+    /// What its sampler picks the token after its chunk from.
+    Scores(Scores),
+}
+
 fn scores(out: ForwardOutput) -> Scores {
     match out.greedy {
         Some(ids) => Scores::Greedy(*ids.last().expect("one greedy choice per wanted row")),
@@ -326,11 +335,54 @@ impl<'m> Session<'m> {
         chunks: &[&[u32]],
         samplers: &[&Sampler],
     ) -> Result<Vec<Scores>> {
-        if sessions.len() != chunks.len() || samplers.len() != chunks.len() {
+        Self::check_batch(sessions, chunks, samplers.len())?;
+        let wants: Vec<Logits> = samplers.iter().map(|s| s.wants()).collect();
+        let outs = Self::forward_many(sessions, chunks, &wants, &[])?;
+        for s in sessions.iter_mut() {
+            s.commit()?;
+        }
+        Ok(outs.into_iter().map(scores).collect())
+    }
+
+    /// [`Self::run_batch`] where some sessions verify a block: session `i` with `samplers[i]
+    /// = None` runs `blocks[i]` (its newest token, then drafts) and gets the greedy choice
+    /// after every row, as [`crate::Verifier::verify`] gives it — the rows stay in its caches
+    /// until it truncates the rejected ones ([`Self::truncate`]); the others run their chunk
+    /// as `run_batch` does. Bit for bit each session's own forward under `run_batch`'s
+    /// conditions.
+    pub fn verify_batch(
+        sessions: &mut [&mut Session<'m>],
+        blocks: &[&[u32]],
+        samplers: &[Option<&Sampler>],
+    ) -> Result<Vec<Verified>> {
+        Self::check_batch(sessions, blocks, samplers.len())?;
+        let wants: Vec<Logits> = samplers
+            .iter()
+            .map(|s| s.map_or(Logits::GreedyAll, Sampler::wants))
+            .collect();
+        let outs = Self::forward_many(sessions, blocks, &wants, &[])?;
+        let mut verified = Vec::with_capacity(outs.len());
+        for ((s, out), sampler) in sessions.iter_mut().zip(outs).zip(samplers) {
+            verified.push(if sampler.is_some() {
+                s.commit()?;
+                Verified::Scores(scores(out))
+            } else {
+                Verified::Greedy(out.greedy.expect("asked for the greedy choices"))
+            });
+        }
+        Ok(verified)
+    }
+
+    /// Refuses a batch whose counts disagree or whose chunk is empty or past the context.
+    fn check_batch(
+        sessions: &[&mut Session<'m>],
+        chunks: &[&[u32]],
+        samplers: usize,
+    ) -> Result<()> {
+        if sessions.len() != chunks.len() || samplers != chunks.len() {
             return Err(RuntimeError::Input(format!(
-                "{} chunks and {} samplers for {} sessions",
+                "{} chunks and {samplers} samplers for {} sessions",
                 chunks.len(),
-                samplers.len(),
                 sessions.len()
             )));
         }
@@ -346,12 +398,7 @@ impl<'m> Session<'m> {
                 s.model.config.max_position_embeddings
             )));
         }
-        let wants: Vec<Logits> = samplers.iter().map(|s| s.wants()).collect();
-        let outs = Self::forward_many(sessions, chunks, &wants, &[])?;
-        for s in sessions.iter_mut() {
-            s.commit()?;
-        }
-        Ok(outs.into_iter().map(scores).collect())
+        Ok(())
     }
 
     /// Runs `chunks[i]` at session `i`'s next positions, all in one forward (committing what

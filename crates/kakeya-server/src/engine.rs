@@ -19,8 +19,9 @@ use std::time::Instant;
 use kakeya_models::linear::QUANT_MAX_ROWS;
 use kakeya_models::{DFlashDrafter, Gemma3Model};
 use kakeya_runtime::{
-    DraftKind, GenerationConfig, KvBytes, KvMode, KvPolicy, KvSetup, NgramTable, PrefixCache,
-    Restorer, RuntimeError, Sampler, Session, SpecConfig, StopReason,
+    CostLine, Costs, DraftKind, GenerationConfig, KvBytes, KvMode, KvPolicy, KvSetup, NgramTable,
+    PrefixCache, Restorer, RuntimeError, Sampler, Sampling, Session, SpecConfig, StopReason,
+    Verified, accept_greedy,
 };
 use serde::Serialize;
 use tokio::sync::mpsc::UnboundedSender;
@@ -171,6 +172,27 @@ pub fn run(
     let mut active: Vec<Seq<'_>> = Vec::new();
     let mut prefix = PrefixCache::new(prefix_budget);
     let chunk = prefill_chunk.max(1);
+    // Seconds of the stacked decode forwards against their rows: what a draft row beside
+    // other sequences costs.
+    let mut costs = CostLine::new(PRIOR_ROW_COST);
+    // Or the model of them the speculation settings give (tests, simulations).
+    let modelled = match speculation {
+        Some((
+            _,
+            SpecConfig {
+                costs: Costs::Linear {
+                    step_us, row_us, ..
+                },
+                ..
+            },
+        )) => Some((f64::from(step_us) * 1e-6, f64::from(row_us) * 1e-6)),
+        _ => None,
+    };
+    let max_rows = if model.rows_invariant_at_any_count() {
+        usize::MAX
+    } else {
+        QUANT_MAX_ROWS
+    };
     loop {
         // Intake: block while idle.
         let mut commands_now = Vec::new();
@@ -301,9 +323,12 @@ pub fn run(
                 failed.push((i, e.to_string()));
             }
         } else {
+            let threshold = draft_threshold(modelled.or(costs.coefficients()), decoding.len());
             for group in decoding.chunks(QUANT_MAX_ROWS) {
-                if let Err(e) = step_group(&mut active, group, &[], chunk, metrics) {
-                    failed.extend(group.iter().map(|&i| (i, e.to_string())));
+                let t0 = Instant::now();
+                match verify_group(&mut active, group, threshold, max_rows, metrics) {
+                    Ok(rows) => costs.add(rows - 1, t0.elapsed().as_secs_f64()),
+                    Err(e) => failed.extend(group.iter().map(|&i| (i, e.to_string()))),
                 }
             }
         }
@@ -436,6 +461,95 @@ fn step_group(
         metrics.committed(1);
     }
     Ok(())
+}
+
+/// A stacked forward's cost of each row beyond the first, relative to one row, until measured
+/// (the CPU block kernel: 8 rows ≈ 2 single-row steps).
+const PRIOR_ROW_COST: f64 = 0.15;
+
+/// The chance of being committed from which a draft row beside `n` sequences' steps pays: its
+/// cost against the batch's tokens per second without it, `β · n / T(n)` for a forward of
+/// `R` rows costing `T = α + β·(R − 1)` seconds (`coefficients`: `(α, β)`, the prior's when
+/// nothing was measured yet).
+fn draft_threshold(coefficients: Option<(f64, f64)>, n: usize) -> f64 {
+    let (alpha, beta) = coefficients.unwrap_or((1.0, PRIOR_ROW_COST));
+    let plain = alpha + beta * (n.max(1) - 1) as f64;
+    (beta * n as f64 / plain.max(1e-12)).min(1.0)
+}
+
+/// One decode step of the sequences `group` (indices into `active`) in one stacked forward,
+/// where each greedy speculative sequence verifies a block — its newest token, then the drafts
+/// its lookups offer whose chance of being committed is at least `threshold` — and every other
+/// sequence takes a plain step; at most `max_rows` rows in all. Returns the rows run.
+fn verify_group(
+    active: &mut [Seq<'_>],
+    group: &[usize],
+    threshold: f64,
+    max_rows: usize,
+    metrics: &Metrics,
+) -> Result<usize, RuntimeError> {
+    let mut spare = max_rows.saturating_sub(group.len());
+    let mut blocks: Vec<Vec<u32>> = Vec::with_capacity(group.len());
+    let mut verifies: Vec<bool> = Vec::with_capacity(group.len());
+    for &i in group {
+        let s = &mut active[i];
+        let last = *s.tokens.last().expect("a decoding sequence has tokens");
+        let ctx = s.verifier.model().config.max_position_embeddings;
+        let mut block = vec![last];
+        // Sampled sequences take plain steps (`drafts_beside` offers them none).
+        let verifies_block = match (s.dec.as_mut(), s.proposer.as_mut()) {
+            (Some(dec), Some(proposer)) if s.sampler.mode() == &Sampling::Greedy => {
+                let room = 1 + spare
+                    .min(s.sink.remaining().saturating_sub(1))
+                    .min(ctx.saturating_sub(s.verifier.len() + 1));
+                let drafts = dec.drafts_beside(proposer.as_mut(), &s.tokens, room, threshold)?;
+                spare -= drafts.len();
+                block.extend(drafts);
+                true
+            }
+            _ => false,
+        };
+        blocks.push(block);
+        verifies.push(verifies_block);
+    }
+    let rows = blocks.iter().map(Vec::len).sum();
+    let samplers: Vec<Sampler> = group.iter().map(|&i| active[i].sampler.clone()).collect();
+    let wants: Vec<Option<&Sampler>> = samplers
+        .iter()
+        .zip(&verifies)
+        .map(|(s, &v)| (!v).then_some(s))
+        .collect();
+    let mut slots: Vec<Option<&mut Session<'_>>> = active
+        .iter_mut()
+        .map(|s| Some(s.verifier.session_mut()))
+        .collect();
+    let mut sessions: Vec<&mut Session<'_>> = group
+        .iter()
+        .map(|&i| slots[i].take().expect("each sequence once"))
+        .collect();
+    let block_refs: Vec<&[u32]> = blocks.iter().map(Vec::as_slice).collect();
+    let verified = Session::verify_batch(&mut sessions, &block_refs, &wants)?;
+    drop(sessions);
+    drop(slots);
+    metrics.batch(group.len());
+    for ((&i, v), block) in group.iter().zip(verified).zip(&blocks) {
+        let s = &mut active[i];
+        s.batched_steps += 1;
+        let before = s.tokens.len();
+        match v {
+            Verified::Greedy(posterior) => {
+                let a = accept_greedy(&block[1..], &posterior);
+                metrics.drafts_beside(block.len() - 1, a);
+                s.commit_beside(&block[1..], &posterior)?;
+            }
+            Verified::Scores(l) => {
+                let tok = s.sampler.pick_scores(&l, s.verifier.len());
+                s.accept(tok);
+            }
+        }
+        metrics.committed(s.tokens.len() - before);
+    }
+    Ok(rows)
 }
 
 /// The number of requests waiting for a slot, shared with the HTTP side (which refuses new

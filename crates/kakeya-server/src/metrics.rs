@@ -66,6 +66,8 @@ struct Inner {
     committed_per_forward: Histogram,
     batch_rows: Histogram,
     prompt_chunks: Histogram,
+    drafts_beside: u64,
+    drafts_beside_accepted: u64,
     kv_bytes: usize,
     queue_depth: usize,
     running: usize,
@@ -94,6 +96,8 @@ impl Default for Metrics {
                 committed_per_forward: Histogram::new(COMMITTED),
                 batch_rows: Histogram::new(COMMITTED),
                 prompt_chunks: Histogram::new(COMMITTED),
+                drafts_beside: 0,
+                drafts_beside_accepted: 0,
                 kv_bytes: 0,
                 queue_depth: 0,
                 running: 0,
@@ -153,6 +157,15 @@ impl Metrics {
     /// A batched decode forward over `rows` sequences.
     pub fn batch(&self, rows: usize) {
         self.with(|m| m.batch_rows.observe(rows as f64));
+    }
+
+    /// A block verified beside other sequences in a batched decode forward: `drafted` draft
+    /// rows, `accepted` of them accepted.
+    pub fn drafts_beside(&self, drafted: usize, accepted: usize) {
+        self.with(|m| {
+            m.drafts_beside += drafted as u64;
+            m.drafts_beside_accepted += accepted as u64;
+        });
     }
 
     /// A forward that ran the next prompt chunks of `n` sequences.
@@ -216,6 +229,16 @@ impl Metrics {
                     "kakeya_sequences_cancelled_total",
                     "Sequences ended early (client gone, stop string, shutdown); their caches are freed.",
                     m.cancelled,
+                ),
+                (
+                    "kakeya_batched_drafts_total",
+                    "Draft tokens verified beside other sequences' steps in batched decode forwards.",
+                    m.drafts_beside,
+                ),
+                (
+                    "kakeya_batched_drafts_accepted_total",
+                    "Of those, the drafts accepted.",
+                    m.drafts_beside_accepted,
                 ),
                 (
                     "kakeya_prefix_cache_hits_total",

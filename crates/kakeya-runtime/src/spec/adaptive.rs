@@ -25,6 +25,8 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
+use super::cost::CostLine;
+
 /// Lookup sources the schedule tells apart, for the sequence and for the table alike: tails
 /// (contexts) of 1, 2, and 3 or more matched tokens.
 const LOOKUP_CLASSES: usize = 3;
@@ -91,8 +93,11 @@ pub enum Schedule {
 const WARMUP_BLOCKS: usize = 1;
 /// How much faster than plain decoding a block length must be expected to be to run.
 const MARGIN: f64 = 1.02;
-/// Pseudo-tries a slot's estimate takes from the previous slot's rate (slot 1: from ½).
+/// Pseudo-tries a slot's estimate takes from the previous slot's rate (slot 1: from
+/// [`PRIOR_RATE`]).
 const PRIOR_WEIGHT: f64 = 0.5;
+/// The acceptance rate a draft slot is assumed to have before any evidence.
+const PRIOR_RATE: f64 = 0.5;
 /// Weight of an old observation after each new one.
 const DECAY: f64 = 0.95;
 /// Plain steps before the first probe, and after a probe that won.
@@ -162,8 +167,8 @@ pub struct BlockSchedule {
     sources: Vec<Evidence>,
     /// Decayed (sum, weight) of verify seconds per block length.
     verify: Vec<(f64, f64)>,
-    /// Decayed sums of the verify cost fit: weight, x, x², y, x·y (x = length − 1, y = secs).
-    fit: [f64; 5],
+    /// Verify seconds against the block length.
+    fit: CostLine,
     /// The source of the block being run, and whether it is a probe.
     current: (usize, bool),
     stats: ScheduleStats,
@@ -187,7 +192,7 @@ impl BlockSchedule {
                 })
                 .collect(),
             verify: vec![(0.0, 0.0); max],
-            fit: [0.0; 5],
+            fit: CostLine::new(PRIOR_ROW_COST),
             current: (0, false),
             stats: ScheduleStats {
                 blocks_by_length: vec![0; max],
@@ -204,15 +209,28 @@ impl BlockSchedule {
     /// Expected tokens committed by a block of `b` drafted by `source` (the verifier's own
     /// token included).
     pub fn expected_tokens(&self, source: DraftSource, b: usize) -> f64 {
-        let (mut reach, mut e, mut prev) = (1.0, 1.0, 0.5);
-        let slots = &self.sources[source.index()].slots;
-        for &(tried, hit) in slots.iter().take(b.saturating_sub(1)) {
-            let p = (hit + PRIOR_WEIGHT * prev) / (tried + PRIOR_WEIGHT);
-            reach *= p;
-            e += reach;
-            prev = p;
-        }
-        e
+        let mut reach = 1.0;
+        1.0 + self
+            .slot_rates(source)
+            .take(b.saturating_sub(1))
+            .map(|p| {
+                reach *= p;
+                reach
+            })
+            .sum::<f64>()
+    }
+
+    /// The estimated rate at which each draft slot of `source` is accepted once reached. A
+    /// slot with little evidence leans on the previous slot's rate (slot 1 on ½).
+    fn slot_rates(&self, source: DraftSource) -> impl Iterator<Item = f64> + '_ {
+        let mut prev = PRIOR_RATE;
+        self.sources[source.index()]
+            .slots
+            .iter()
+            .map(move |&(tried, hit)| {
+                prev = (hit + PRIOR_WEIGHT * prev) / (tried + PRIOR_WEIGHT);
+                prev
+            })
     }
 
     fn mean(v: &[(f64, f64)], b: usize) -> Option<f64> {
@@ -220,27 +238,10 @@ impl BlockSchedule {
         (w > 0.0).then(|| s / w)
     }
 
-    /// Estimated verify seconds of a block of `b`: a line `α + β·(b − 1)` fitted by decayed
-    /// least squares to every verify measured on this request (so one noisy timing of a length
-    /// that is rarely run cannot stick); with one length measured so far, the prior per-row
-    /// cost sets the slope. `None` before any measurement.
+    /// Estimated verify seconds of a block of `b` ([`CostLine`] over every verify measured on
+    /// this request). `None` before any measurement.
     fn verify_secs(&self, b: usize) -> Option<f64> {
-        let [s0, s1, s2, sy, sxy] = self.fit;
-        if s0 <= 0.0 {
-            return None;
-        }
-        let x = (b - 1) as f64;
-        let det = s0 * s2 - s1 * s1;
-        let (alpha, beta) = if det > 1e-9 * s0 * s0 {
-            let beta = ((s0 * sxy - s1 * sy) / det).max(0.0);
-            ((sy - beta * s1) / s0, beta)
-        } else {
-            // One length so far: the mean at the mean length, the prior's slope.
-            let (xm, ym) = (s1 / s0, sy / s0);
-            let alpha = ym / (1.0 + PRIOR_ROW_COST * xm);
-            (alpha, PRIOR_ROW_COST * alpha)
-        };
-        Some((alpha + beta * x).max(1e-9))
+        self.fit.at(b - 1)
     }
 
     /// Estimated seconds for `source` to draft a block of `b` (the nearest measured length; 0
@@ -279,6 +280,23 @@ impl BlockSchedule {
     /// The length of the next block, drafted by `source` (before the remaining budget caps
     /// it). With nothing to draft from, a plain step.
     pub fn next_len(&mut self, source: DraftSource) -> usize {
+        self.choose(source, None)
+    }
+
+    /// The length of the next block when its rows are verified beside other sequences' in a
+    /// stacked forward, where a draft row pays when it is committed with chance at least
+    /// `threshold` (its cost against the batch's tokens per second): the most drafts of
+    /// `source` whose every one is expected to be committed that often. Drafts that need a
+    /// forward of their own (a model drafter's) are not run beside others: a plain step.
+    pub fn next_len_beside(&mut self, source: DraftSource, threshold: f64) -> usize {
+        if source == DraftSource::Model {
+            self.current = (source.index(), false);
+            return 1;
+        }
+        self.choose(source, Some(threshold))
+    }
+
+    fn choose(&mut self, source: DraftSource, beside: Option<f64>) -> usize {
         let i = source.index();
         self.current = (i, false);
         if self.schedule == Schedule::Fixed {
@@ -287,17 +305,34 @@ impl BlockSchedule {
         if source == DraftSource::Nothing {
             return 1;
         }
-        if self.sources[i].blocks < WARMUP_BLOCKS {
+        // Beside other sequences, a draft row costs a share of the batch's forward: a
+        // source with no evidence is tried (warm-up blocks, probes) only where a draft right
+        // as often as the prior says (½) pays.
+        let explore = beside.is_none_or(|threshold| threshold <= PRIOR_RATE);
+        if explore && self.sources[i].blocks < WARMUP_BLOCKS {
             return 2.min(self.max);
         }
-        let b = self.best(source).unwrap_or(self.max);
+        let b = match beside {
+            None => self.best(source).unwrap_or(self.max),
+            Some(threshold) => {
+                let mut reach = 1.0;
+                1 + self
+                    .slot_rates(source)
+                    .take(self.max - 1)
+                    .take_while(|p| {
+                        reach *= p;
+                        reach >= threshold
+                    })
+                    .count()
+            }
+        };
         let ev = &mut self.sources[i];
         if b > 1 {
             ev.plain_since_probe = 0;
             return b;
         }
         ev.plain_since_probe += 1;
-        if self.max > 1 && ev.plain_since_probe > ev.probe_interval {
+        if explore && self.max > 1 && ev.plain_since_probe > ev.probe_interval {
             ev.plain_since_probe = 0;
             self.current.1 = true;
             self.stats.probes += 1;
@@ -310,13 +345,36 @@ impl BlockSchedule {
     /// and `drafted` drafts), `accepted` drafts, and the seconds spent drafting and verifying.
     pub fn record(&mut self, drafted: usize, accepted: usize, draft_secs: f64, verify_secs: f64) {
         let b = (drafted + 1).min(self.max);
+        let plain = self.verify_secs(1).unwrap_or(verify_secs);
+        // A probe wins when it beat plain decoding.
+        let won = (accepted + 1) as f64 / (draft_secs + verify_secs) > 1.0 / plain;
+        self.outcome(drafted, accepted, won);
+        let add = |v: &mut (f64, f64), x: f64| *v = (DECAY * v.0 + x, DECAY * v.1 + 1.0);
+        add(&mut self.verify[b - 1], verify_secs);
+        self.fit.add(b - 1, verify_secs);
+        if drafted > 0 {
+            let i = self.current.0;
+            add(&mut self.sources[i].draft[b - 1], draft_secs);
+        }
+    }
+
+    /// Records the block [`Self::next_len_beside`] chose: `drafted` drafts, `accepted` of
+    /// them. Its seconds were the batch's, not this sequence's, and are not recorded; a
+    /// probe wins when its draft was accepted.
+    pub fn record_beside(&mut self, drafted: usize, accepted: usize) {
+        self.outcome(drafted, accepted, drafted > 0 && accepted == drafted);
+    }
+
+    /// The acceptance evidence and the stats of a block; `won`: whether it beat plain
+    /// decoding (matters for probes).
+    fn outcome(&mut self, drafted: usize, accepted: usize, won: bool) {
+        let b = (drafted + 1).min(self.max);
         let (i, probing) = self.current;
         self.stats.blocks_by_length[b - 1] += 1;
         self.stats
             .blocks_by_source
             .entry(DraftSource::name(i))
             .or_insert_with(|| vec![0; self.max])[b - 1] += 1;
-        let plain = self.verify_secs(1).unwrap_or(verify_secs);
         if drafted > 0 {
             *self
                 .stats
@@ -329,9 +387,8 @@ impl BlockSchedule {
             ev.blocks += 1;
         }
         if probing {
-            // A probe that beat plain decoding means the drafts changed: the old evidence is
-            // dropped, and probes come back to the shortest interval.
-            let won = (accepted + 1) as f64 / (draft_secs + verify_secs) > 1.0 / plain;
+            // A probe that won means the drafts changed: the old evidence is dropped, and
+            // probes come back to the shortest interval.
             if won {
                 ev.probe_interval = ev.intervals.0;
                 for s in &mut ev.slots {
@@ -349,19 +406,6 @@ impl BlockSchedule {
                 DECAY * slot.0 + 1.0,
                 DECAY * slot.1 + f64::from(u8::from(k < accepted)),
             );
-        }
-        let add = |v: &mut (f64, f64), x: f64| *v = (DECAY * v.0 + x, DECAY * v.1 + 1.0);
-        add(&mut self.verify[b - 1], verify_secs);
-        let x = (b - 1) as f64;
-        for (f, v) in self
-            .fit
-            .iter_mut()
-            .zip([1.0, x, x * x, verify_secs, x * verify_secs])
-        {
-            *f = DECAY * *f + v;
-        }
-        if drafted > 0 {
-            add(&mut self.sources[i].draft[b - 1], draft_secs);
         }
     }
 
@@ -389,158 +433,4 @@ impl BlockSchedule {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Feeds blocks whose drafts are accepted with the given per-slot outcome; verify cost
-    /// `1 + 0.3 (b - 1)` units, drafting `draft` units.
-    fn run(s: &mut BlockSchedule, steps: usize, accept: impl Fn(usize) -> usize, draft: f64) {
-        for i in 0..steps {
-            let b = s.next_len(DraftSource::Model);
-            let a = if b > 1 { accept(i).min(b - 1) } else { 0 };
-            let d = if b > 1 { draft } else { 0.0 };
-            s.record(b - 1, a, d, 1.0 + 0.3 * (b - 1) as f64);
-        }
-    }
-
-    #[test]
-    fn useless_drafts_fall_back_to_plain_decoding_with_rare_probes() {
-        let mut s = BlockSchedule::new(Schedule::Adaptive, 8);
-        run(&mut s, 1000, |_| 0, 0.2);
-        let st = s.stats();
-        let plain = st.blocks_by_length[0];
-        // Nearly every step is plain; probes back off to the longest interval.
-        assert!(plain > 960, "{st:?}");
-        assert!(st.probes < 20, "{st:?}");
-        assert_eq!(s.sources[0].probe_interval, MAX_PROBE_INTERVAL);
-    }
-
-    #[test]
-    fn good_drafts_keep_long_blocks() {
-        let mut s = BlockSchedule::new(Schedule::Adaptive, 8);
-        run(&mut s, 200, |_| 7, 0.1);
-        assert!(s.stats().blocks_by_length[7] > 190, "{:?}", s.stats());
-    }
-
-    #[test]
-    fn middling_drafts_pick_a_middle_length() {
-        // Slots 1–2 always right, later ones always wrong: a block of 3 is best.
-        let mut s = BlockSchedule::new(Schedule::Adaptive, 8);
-        run(&mut s, 300, |_| 2, 0.0);
-        let st = s.stats();
-        assert!(st.blocks_by_length[2] > 250, "{st:?}");
-    }
-
-    #[test]
-    fn recovers_when_drafts_get_good_again() {
-        let mut s = BlockSchedule::new(Schedule::Adaptive, 8);
-        run(&mut s, 300, |_| 0, 0.2);
-        run(&mut s, 400, |_| 7, 0.2);
-        let st = s.stats();
-        // After at most one long probe interval, long blocks take over.
-        assert!(st.blocks_by_length[7] > 100, "{st:?}");
-    }
-
-    #[test]
-    fn fixed_never_changes() {
-        let mut s = BlockSchedule::new(Schedule::Fixed, 4);
-        run(&mut s, 50, |_| 0, 1.0);
-        assert_eq!(s.stats().blocks_by_length, vec![0, 0, 0, 50]);
-        assert_eq!(s.stats().probes, 0);
-    }
-
-    #[test]
-    fn expected_tokens_follow_the_slot_rates() {
-        let mut s = BlockSchedule::new(Schedule::Adaptive, 4);
-        assert!((s.expected_tokens(DraftSource::Model, 1) - 1.0).abs() < 1e-12);
-        for _ in 0..200 {
-            s.next_len(DraftSource::Model);
-            s.record(3, 3, 0.0, 1.0);
-        }
-        assert!(
-            s.expected_tokens(DraftSource::Model, 4) > 3.9,
-            "{}",
-            s.expected_tokens(DraftSource::Model, 4)
-        );
-        for _ in 0..200 {
-            s.next_len(DraftSource::Model);
-            s.record(3, 0, 0.0, 1.0);
-        }
-        assert!(
-            s.expected_tokens(DraftSource::Model, 4) < 1.1,
-            "{}",
-            s.expected_tokens(DraftSource::Model, 4)
-        );
-    }
-
-    #[test]
-    fn each_source_keeps_its_own_evidence() {
-        // Three-token lookups always right, the model never: long blocks for the one, plain
-        // steps (and rare probes) for the other, within one request.
-        let mut s = BlockSchedule::new(Schedule::Adaptive, 8);
-        for i in 0..600 {
-            let source = if i % 3 == 0 {
-                DraftSource::Lookup(3)
-            } else {
-                DraftSource::Model
-            };
-            let b = s.next_len(source);
-            let a = if source == DraftSource::Model {
-                0
-            } else {
-                b - 1
-            };
-            s.record(b - 1, a, 0.0, 1.0 + 0.3 * (b - 1) as f64);
-        }
-        let st = s.stats();
-        let lookup = &st.blocks_by_source["lookup_3_plus"];
-        let model = &st.blocks_by_source["model"];
-        assert!(lookup[7] > 180, "{st:?}");
-        assert!(model[0] > 370, "{st:?}");
-        // A lookup that goes wrong is retried soon (its drafts cost no forward); a drafter
-        // that goes wrong backs off to the longest interval.
-        let mut s = BlockSchedule::new(Schedule::Adaptive, 8);
-        for i in 0..800 {
-            let source = if i % 2 == 0 {
-                DraftSource::Lookup(1)
-            } else {
-                DraftSource::Model
-            };
-            let b = s.next_len(source);
-            s.record(b - 1, 0, 0.0, 1.0 + 0.3 * (b - 1) as f64);
-        }
-        let st = s.stats();
-        let (lookup, model) = (
-            st.blocks_by_source["lookup_1"][1],
-            st.blocks_by_source["model"][1],
-        );
-        assert!(lookup >= 400 / 17 && model <= 10, "{st:?}");
-        // Longer tails count as three; with nothing to draft from, a plain step.
-        assert_eq!(
-            DraftSource::Lookup(9).index(),
-            DraftSource::Lookup(3).index()
-        );
-        assert_eq!(s.next_len(DraftSource::Nothing), 1);
-        // The table's classes are sources of their own, probed as soon as lookups.
-        let indices: Vec<usize> = [
-            DraftSource::Model,
-            DraftSource::Lookup(1),
-            DraftSource::Lookup(2),
-            DraftSource::Lookup(3),
-            DraftSource::Table(1),
-            DraftSource::Table(2),
-            DraftSource::Table(5),
-            DraftSource::Nothing,
-        ]
-        .map(DraftSource::index)
-        .to_vec();
-        assert_eq!(indices, (0..SOURCES).collect::<Vec<_>>());
-        assert_eq!(
-            DraftSource::name(DraftSource::Table(4).index()),
-            "table_3_plus"
-        );
-        assert!(DraftSource::is_lookup(DraftSource::Table(1).index()));
-        assert!(!DraftSource::is_lookup(DraftSource::Model.index()));
-        assert!(!DraftSource::is_lookup(DraftSource::Nothing.index()));
-    }
-}
+mod tests;

@@ -226,15 +226,84 @@ impl SpecDecoder {
             sampled_posterior(&rows, vocab, pos + 1, &self.sampler)
         };
         let a = accept_greedy(&drafts, &posterior);
-        let next = posterior[a];
         verifier.rollback(pos + a + 1)?;
         let verify_secs = tv.elapsed().as_secs_f64();
         let (seen_draft, seen_verify) = self.costs.seen(drafts.len(), (draft_secs, verify_secs));
         self.schedule
             .record(drafts.len(), a, seen_draft, seen_verify);
+        self.stats.draft_secs += draft_secs;
+        self.stats.verify_secs += verify_secs;
+        Ok(self.commit(&drafts, &posterior, a, tokens, sink))
+    }
+
+    /// Drafts for a block whose rows are verified beside other sequences' in one stacked
+    /// forward (a server's batch), after `tokens` (its newest not yet in the caches), at most
+    /// `room − 1` of them: as many as the schedule expects each to be committed with chance
+    /// at least `threshold` ([`BlockSchedule::next_len_beside`]). None for sampled
+    /// sequences, nor where the drafts would need a forward of their own (a model drafter).
+    /// Verify `[newest, drafts...]` with the batch, then call [`Self::commit_beside`].
+    pub fn drafts_beside(
+        &mut self,
+        proposer: &mut dyn Proposer,
+        tokens: &[u32],
+        room: usize,
+        threshold: f64,
+    ) -> Result<Vec<u32>> {
+        if self.sampler.mode() != &Sampling::Greedy {
+            return Ok(Vec::new());
+        }
+        let source = proposer.source(tokens);
+        let b = self
+            .schedule
+            .next_len_beside(source, threshold)
+            .min(room)
+            .max(1);
+        if b == 1 {
+            return Ok(Vec::new());
+        }
+        // A lookup's drafts; one that comes back empty would fall to the model drafter,
+        // which needs the caches' compact store: no drafts then.
+        let mut drafts = proposer.propose(tokens, b - 1, None).unwrap_or_default();
+        drafts.truncate(b - 1);
+        Ok(drafts)
+    }
+
+    /// Commits a block from [`Self::drafts_beside`] that the batch verified: `posterior`
+    /// holds the greedy choice after each of its rows. Rolls the verifier back past the
+    /// rejected drafts and appends the committed tokens to `tokens`, offering them to `sink`;
+    /// `Some(reason)` when generation stops.
+    pub fn commit_beside(
+        &mut self,
+        verifier: &mut Verifier<'_>,
+        drafts: &[u32],
+        posterior: &[u32],
+        tokens: &mut Vec<u32>,
+        sink: &mut TokenSink<'_>,
+    ) -> Result<Option<StopReason>> {
+        if posterior.len() != drafts.len() + 1 {
+            return Err(RuntimeError::Input(format!(
+                "{} choices for a block of {} drafts",
+                posterior.len(),
+                drafts.len()
+            )));
+        }
+        let a = accept_greedy(drafts, posterior);
+        verifier.rollback(verifier.len() - drafts.len() + a)?;
+        self.schedule.record_beside(drafts.len(), a);
+        Ok(self.commit(drafts, posterior, a, tokens, sink))
+    }
+
+    /// The stats of a verified block whose first `a` drafts were accepted, and its tokens:
+    /// those drafts and the verifier's choice after them.
+    fn commit(
+        &mut self,
+        drafts: &[u32],
+        posterior: &[u32],
+        a: usize,
+        tokens: &mut Vec<u32>,
+        sink: &mut TokenSink<'_>,
+    ) -> Option<StopReason> {
         let st = &mut self.stats;
-        st.draft_secs += draft_secs;
-        st.verify_secs += verify_secs;
         st.blocks += 1;
         st.drafted += drafts.len();
         st.accepted += a;
@@ -242,14 +311,14 @@ impl SpecDecoder {
             self.slot_tried[k] += 1;
             self.slot_hit[k] += usize::from(k < a);
         }
-        for &tok in drafts[..a].iter().chain([&next]) {
+        for &tok in drafts[..a].iter().chain([&posterior[a]]) {
             self.committed += 1;
             tokens.push(tok);
             if let Some(r) = sink.push(tok) {
-                return Ok(Some(r));
+                return Some(r);
             }
         }
-        Ok(None)
+        None
     }
 
     /// The figures so far.

@@ -6,6 +6,7 @@
 //! [Leviathan et al., arXiv:2211.17192; DFlash, arXiv:2602.06036]
 
 pub mod adaptive;
+pub mod cost;
 pub mod driver;
 pub mod ngram;
 pub mod proposer;
@@ -14,6 +15,7 @@ pub mod table;
 pub mod verifier;
 
 pub use adaptive::{BlockSchedule, DraftSource, Schedule, ScheduleStats};
+pub use cost::CostLine;
 pub use driver::{Costs, SpecConfig, SpecDecoder, SpecStats, speculative_generate};
 pub use ngram::{CombinedProposer, NGRAM_BLOCK, NgramMatch, NgramProposer};
 pub use proposer::{DFlashProposer, DraftKind, Proposer, ReplayProposer};

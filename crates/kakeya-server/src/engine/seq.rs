@@ -149,6 +149,34 @@ impl<'m> Seq<'m> {
         Ok(())
     }
 
+    /// Commits a block the batch verified beside other sequences' rows
+    /// ([`SpecDecoder::commit_beside`]): `drafts` after the newest token, `posterior` the
+    /// greedy choice after each row.
+    pub(super) fn commit_beside(
+        &mut self,
+        drafts: &[u32],
+        posterior: &[u32],
+    ) -> Result<(), RuntimeError> {
+        let Some(dec) = self.dec.as_mut() else {
+            return Err(RuntimeError::Input("no speculation configured".into()));
+        };
+        self.stop = dec.commit_beside(
+            &mut self.verifier,
+            drafts,
+            posterior,
+            &mut self.tokens,
+            &mut self.sink,
+        )?;
+        let ctx = self.verifier.model().config.max_position_embeddings;
+        if self.stop.is_none() && self.verifier.len() >= ctx {
+            self.stop = Some(StopReason::ContextFull);
+        }
+        if self.stop.is_some() {
+            self.sink.flush();
+        }
+        Ok(())
+    }
+
     /// Sends what the sink released since last time; the final event when it stopped.
     /// Returns false when the client is gone.
     pub(super) fn emit(&mut self, metrics: &Metrics) -> bool {

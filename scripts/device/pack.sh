@@ -21,8 +21,9 @@
 #            one run of everything a GPU session measures on the default model
 #            (run_all.sh): f_θ step time (FTHETA_DATA, default data/capture-f-theta-270m-s8:
 #            a capture of the first 8 prompts with the v2 drafter; with the fused build too),
-#            the golden test, AR and speculative decoding, the drafter's capture and step time,
-#            and transformers on the same GGUF.
+#            the golden test, AR and speculative decoding (the default settings: the v3 drafter
+#            and the n-gram table), `kakeya serve`'s load test on the GPU, the drafter's capture
+#            and step time, and transformers on the same GGUF.
 #   f-theta: scripts/device/pack.sh f-theta <kakeya --features cuda> [kakeya --features cuda,fusion]
 #            the small f_θ capture (FTHETA_DATA) and the step-time config (FTHETA_STEPS steps,
 #            default 60); run.sh times f_θ training steps with each build.
@@ -111,6 +112,11 @@ PY
         -e 's#^checkpoint_every = .*#checkpoint_every = 1000#' -e 's#^eval_every = .*#eval_every = 1000#' \
         -e 's#^eval_anchors = .*#eval_anchors = 64#' \
         configs/train/drafter-270m-large.toml > .xfer/stage/dtrain.toml
+    # The default settings' speculation (the v3 drafter and the n-gram table), and the load test
+    # for `kakeya serve` on the GPU.
+    cp -r checkpoints/drafter-gemma3-270m-v3 .xfer/stage/drafter-v3
+    cp checkpoints/ngram-gemma3-270m.bin .xfer/stage/ngram.bin
+    cp scripts/load_test.py .xfer/stage/
     cp scripts/device/run_all.sh .xfer/run.sh
     ;;
 f-theta)

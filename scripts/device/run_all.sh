@@ -6,7 +6,10 @@
 #                                capture), the build with Burn's fusion too when it came along
 #   golden.log                   the golden test with the model on CUDA
 #   bench-ar.json                `kakeya bench --device cuda`: pp512, tg128
-#   bench-spec.json              AR vs speculative, 20 built-in prompts × 128 tokens
+#   bench-spec.json              AR vs speculative, 20 built-in prompts × 128 tokens, the default
+#                                settings (v3 drafter, n-gram table)
+#   serve.json                   scripts/load_test.py on `kakeya serve --device cuda`: 1 vs 8
+#                                streams, one round of 64 clients, the plain single stream
 #   drafter.json                 the drafter's capture on CUDA (64 prompts) and training steps
 #   hf.json                      transformers on the same GGUF and GPU
 # (KAKEYA_DEVICE=cpu dry-runs it on a machine without a GPU.)
@@ -16,6 +19,8 @@ budget=${BUDGET:-470}
 root=$(sed -n 's/^root_at_build=//p' $X/build-root 2>/dev/null); root=${root:-/work/main}
 if [ "$root" != "$R" ] && [ ! -e "$root" ]; then mkdir -p "$(dirname "$root")" && ln -s "$R" "$root"; fi
 mkdir -p checkpoints && rm -rf checkpoints/drafter-gemma3-270m-v2 && mv $X/drafter checkpoints/drafter-gemma3-270m-v2
+rm -rf checkpoints/drafter-gemma3-270m-v3 && mv $X/drafter-v3 checkpoints/drafter-gemma3-270m-v3
+mv $X/ngram.bin checkpoints/ngram-gemma3-270m.bin
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site $X/whl/*.whl \
     && export PYTHONPATH=/tmp/site
 # step NAME LIMIT OUT ERR COMMAND...: runs COMMAND under `timeout LIMIT` (cut to what the budget
@@ -62,8 +67,12 @@ grep -E "max \||logit|diverg|test result" $OUT/golden.log | tail -12
 step bench-ar 100 $OUT/bench-ar.json $OUT/bench-ar.log $X/kakeya-cuda bench --device $dev --runs 3 --warmup 1 --json
 summary bench $OUT/bench-ar.json
 step bench-spec 150 $OUT/bench-spec.json $OUT/bench-spec.log $X/kakeya-cuda bench --device $dev \
-    --drafter checkpoints/drafter-gemma3-270m-v2 --runs 1 --warmup 1 --json
+    --drafter checkpoints/drafter-gemma3-270m-v3 --runs 1 --warmup 1 --json
 summary spec $OUT/bench-spec.json
+# The server on the GPU (issue 17's batching, issue 18's engine on the device).
+step serve 150 $OUT/serve.log - python3 $X/load_test.py --kakeya $X/kakeya-cuda --server-args "--device $dev" \
+    --rounds 1 --json $OUT/serve.json
+grep -E "medians|round|reference|errors" $OUT/serve.log
 # The drafter on the GPU: capture 64 prompts' continuations and hidden states, then train.
 step drafter-capture 60 $OUT/drafter-capture.log - $X/kakeya-cuda capture --config $X/dcap.toml --device $dev
 tail -1 $OUT/drafter-capture.log

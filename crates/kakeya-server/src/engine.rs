@@ -2,9 +2,11 @@
 //! them continuous-batching style. Each turn of its loop admits waiting requests (up to
 //! `max_seqs` sequences) and advances every sequence: the next prompt chunks of new
 //! sequences (up to one chunk's rows in all) and one token of each decoding sequence in one
-//! stacked forward (of up to [`QUANT_MAX_ROWS`] sequences), or — when one sequence runs alone
-//! and nothing waits — one speculative block of it. Every path gives each sequence exactly the
-//! tokens plain decoding gives it alone: batched rows are bit for bit single rows
+//! stacked forward (of up to [`QUANT_MAX_ROWS`] sequences, where greedy speculative sequences
+//! verify the lookup drafts that pay for their rows beside the others: `verify_group`), or —
+//! when one sequence runs alone and nothing waits — one speculative block of it. Every path
+//! gives each sequence exactly the tokens plain decoding gives it alone: batched rows are bit
+//! for bit single rows
 //! ([`Session::step_batch`]), speculation is lossless, and sampling draws are keyed by
 //! position. A sequence whose client went away is dropped at the next turn, freeing its
 //! caches. A finished sequence's session goes to the prefix cache, where a later prompt that

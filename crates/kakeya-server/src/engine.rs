@@ -326,7 +326,14 @@ pub fn run(
             }
         } else {
             let threshold = draft_threshold(modelled.or(costs.coefficients()), decoding.len());
-            for group in decoding.chunks(QUANT_MAX_ROWS) {
+            // One forward for every decoding sequence where any row count keeps each row's
+            // bits (GGUF blocks on the CPU), else groups within the block kernel's rows.
+            let per_forward = if max_rows == usize::MAX {
+                decoding.len().max(1)
+            } else {
+                QUANT_MAX_ROWS
+            };
+            for group in decoding.chunks(per_forward) {
                 let t0 = Instant::now();
                 match verify_group(&mut active, group, threshold, max_rows, metrics) {
                     Ok(rows) => costs.add(rows - 1, t0.elapsed().as_secs_f64()),

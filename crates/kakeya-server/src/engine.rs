@@ -302,7 +302,17 @@ pub fn run(
             .collect();
         let batch = prompt_batch(&active, &prefilling, &decoding, chunk, &model);
         if !batch.is_empty() {
-            if let Err(e) = step_group(&mut active, &decoding, &batch, chunk, metrics) {
+            // The decoding sequences step beside the prompt chunks, without drafts.
+            let group = verify_group(
+                &mut active,
+                &decoding,
+                &batch,
+                chunk,
+                None,
+                max_rows,
+                metrics,
+            );
+            if let Err(e) = group {
                 failed.extend(decoding.iter().chain(&batch).map(|&j| (j, e.to_string())));
             }
         } else if let Some(&i) = prefilling.first() {
@@ -335,7 +345,15 @@ pub fn run(
             };
             for group in decoding.chunks(per_forward) {
                 let t0 = Instant::now();
-                match verify_group(&mut active, group, threshold, max_rows, metrics) {
+                match verify_group(
+                    &mut active,
+                    group,
+                    &[],
+                    chunk,
+                    Some(threshold),
+                    max_rows,
+                    metrics,
+                ) {
                     Ok(rows) => costs.add(rows - 1, t0.elapsed().as_secs_f64()),
                     Err(e) => failed.extend(group.iter().map(|&i| (i, e.to_string()))),
                 }
@@ -406,72 +424,6 @@ fn prompt_batch(
     batch
 }
 
-/// One plain decode step of the sequences `group` (indices into `active`) in one stacked
-/// forward — with the next prompt chunk (of at most `chunk` tokens) of each sequence in
-/// `prefill` (not in `group`) in the same forward.
-fn step_group(
-    active: &mut [Seq<'_>],
-    group: &[usize],
-    prefill: &[usize],
-    chunk: usize,
-    metrics: &Metrics,
-) -> Result<(), RuntimeError> {
-    let mut order: Vec<usize> = group.to_vec();
-    let mut chunks: Vec<Vec<u32>> = group
-        .iter()
-        .map(|&i| {
-            vec![
-                *active[i]
-                    .tokens
-                    .last()
-                    .expect("a decoding sequence has tokens"),
-            ]
-        })
-        .collect();
-    for &i in prefill {
-        let s = &active[i];
-        let end = (s.prefilled + chunk).min(s.job.prompt.len());
-        chunks.push(s.job.prompt[s.prefilled..end].to_vec());
-        order.push(i);
-    }
-    let samplers: Vec<Sampler> = order.iter().map(|&i| active[i].sampler.clone()).collect();
-    // Sessions in `order`'s order (each index once).
-    let mut slots: Vec<Option<&mut Session<'_>>> = active
-        .iter_mut()
-        .map(|s| Some(s.verifier.session_mut()))
-        .collect();
-    let mut sessions: Vec<&mut Session<'_>> = order
-        .iter()
-        .map(|&i| slots[i].take().expect("each sequence once"))
-        .collect();
-    let chunk_refs: Vec<&[u32]> = chunks.iter().map(Vec::as_slice).collect();
-    let scores = Session::run_batch(
-        &mut sessions,
-        &chunk_refs,
-        &samplers.iter().collect::<Vec<_>>(),
-    )?;
-    drop(sessions);
-    drop(slots);
-    if !group.is_empty() {
-        metrics.batch(group.len());
-    }
-    if !prefill.is_empty() {
-        metrics.prompt_chunks(prefill.len());
-    }
-    for ((&i, l), c) in order.iter().zip(scores).zip(&chunks) {
-        let s = &mut active[i];
-        if prefill.contains(&i) {
-            s.prefilled_to(s.prefilled + c.len(), &l);
-            continue;
-        }
-        s.batched_steps += 1;
-        let tok = s.sampler.pick_scores(&l, s.verifier.len());
-        s.accept(tok);
-        metrics.committed(1);
-    }
-    Ok(())
-}
-
 /// A stacked forward's cost of each row beyond the first, relative to one row, until measured
 /// (the CPU block kernel: 8 rows ≈ 2 single-row steps).
 const PRIOR_ROW_COST: f64 = 0.15;
@@ -488,26 +440,41 @@ fn draft_threshold(coefficients: Option<(f64, f64)>, n: usize) -> f64 {
 
 /// One decode step of the sequences `group` (indices into `active`) in one stacked forward,
 /// where each greedy speculative sequence verifies a block — its newest token, then the drafts
-/// its lookups offer whose chance of being committed is at least `threshold` — and every other
-/// sequence takes a plain step; at most `max_rows` rows in all. Returns the rows run.
+/// its lookups offer whose chance of being committed is at least `threshold` (`None`: no
+/// drafts) — and every other sequence takes a plain step; with, in the same forward, the next prompt chunk (of at most
+/// `chunk` tokens) of each sequence in `prefill` (not in `group`); at most `max_rows` rows in
+/// all (the drafts give way). Returns the rows run.
 fn verify_group(
     active: &mut [Seq<'_>],
     group: &[usize],
-    threshold: f64,
+    prefill: &[usize],
+    chunk: usize,
+    threshold: Option<f64>,
     max_rows: usize,
     metrics: &Metrics,
 ) -> Result<usize, RuntimeError> {
-    let mut spare = max_rows.saturating_sub(group.len());
-    let mut blocks: Vec<Vec<u32>> = Vec::with_capacity(group.len());
-    let mut verifies: Vec<bool> = Vec::with_capacity(group.len());
+    let prompt_chunks: Vec<Vec<u32>> = prefill
+        .iter()
+        .map(|&i| {
+            let s = &active[i];
+            let end = (s.prefilled + chunk).min(s.job.prompt.len());
+            s.job.prompt[s.prefilled..end].to_vec()
+        })
+        .collect();
+    let prompt_rows: usize = prompt_chunks.iter().map(Vec::len).sum();
+    let mut spare = max_rows.saturating_sub(group.len() + prompt_rows);
+    let mut blocks: Vec<Vec<u32>> = Vec::with_capacity(group.len() + prefill.len());
+    let mut verifies: Vec<bool> = Vec::with_capacity(group.len() + prefill.len());
     for &i in group {
         let s = &mut active[i];
         let last = *s.tokens.last().expect("a decoding sequence has tokens");
         let ctx = s.verifier.model().config.max_position_embeddings;
         let mut block = vec![last];
         // Sampled sequences take plain steps (`drafts_beside` offers them none).
-        let verifies_block = match (s.dec.as_mut(), s.proposer.as_mut()) {
-            (Some(dec), Some(proposer)) if s.sampler.mode() == &Sampling::Greedy => {
+        let verifies_block = match (s.dec.as_mut(), s.proposer.as_mut(), threshold) {
+            (Some(dec), Some(proposer), Some(threshold))
+                if s.sampler.mode() == &Sampling::Greedy =>
+            {
                 let room = 1 + spare
                     .min(s.sink.remaining().saturating_sub(1))
                     .min(ctx.saturating_sub(s.verifier.len() + 1));
@@ -521,18 +488,22 @@ fn verify_group(
         blocks.push(block);
         verifies.push(verifies_block);
     }
+    blocks.extend(prompt_chunks);
+    verifies.extend(prefill.iter().map(|_| false));
+    let order: Vec<usize> = group.iter().chain(prefill).copied().collect();
     let rows = blocks.iter().map(Vec::len).sum();
-    let samplers: Vec<Sampler> = group.iter().map(|&i| active[i].sampler.clone()).collect();
+    let samplers: Vec<Sampler> = order.iter().map(|&i| active[i].sampler.clone()).collect();
     let wants: Vec<Option<&Sampler>> = samplers
         .iter()
         .zip(&verifies)
         .map(|(s, &v)| (!v).then_some(s))
         .collect();
+    // Sessions in `order`'s order (each index once).
     let mut slots: Vec<Option<&mut Session<'_>>> = active
         .iter_mut()
         .map(|s| Some(s.verifier.session_mut()))
         .collect();
-    let mut sessions: Vec<&mut Session<'_>> = group
+    let mut sessions: Vec<&mut Session<'_>> = order
         .iter()
         .map(|&i| slots[i].take().expect("each sequence once"))
         .collect();
@@ -540,9 +511,21 @@ fn verify_group(
     let verified = Session::verify_batch(&mut sessions, &block_refs, &wants)?;
     drop(sessions);
     drop(slots);
-    metrics.batch(group.len());
-    for ((&i, v), block) in group.iter().zip(verified).zip(&blocks) {
-        let s = &mut active[i];
+    if !group.is_empty() {
+        metrics.batch(group.len());
+    }
+    if !prefill.is_empty() {
+        metrics.prompt_chunks(prefill.len());
+    }
+    for (k, (&i, v)) in order.iter().zip(verified).enumerate() {
+        let (s, block) = (&mut active[i], &blocks[k]);
+        if k >= group.len() {
+            let Verified::Scores(l) = v else {
+                unreachable!("a prompt chunk gets its sampler's scores")
+            };
+            s.prefilled_to(s.prefilled + block.len(), &l);
+            continue;
+        }
         s.batched_steps += 1;
         let before = s.tokens.len();
         match v {

@@ -239,7 +239,6 @@ pub(crate) fn host_rows(x: Tensor<2>) -> Vec<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kakeya_weights::dequant::GgmlType;
 
     /// The certified argmax of more rows than one search takes equals the argmax of the exact
     /// products, row by row, however the rows are split.
@@ -247,22 +246,7 @@ mod tests {
     fn argmax_of_any_row_count_is_the_products_argmax() {
         let (vocab, hidden) = (300, 64);
         let dev = Device::flex();
-        let mut seed = 11u32;
-        let mut next = || {
-            seed = seed.wrapping_mul(1_103_515_245).wrapping_add(12345);
-            (seed >> 16) as u8
-        };
-        let mut blocks = Vec::new();
-        for b in 0..vocab * hidden / 32 {
-            blocks.extend(half::f16::from_f32(0.01 * (1 + b % 5) as f32).to_le_bytes());
-            blocks.extend((0..32).map(|_| next()));
-        }
-        let q = QuantMatrix::new(GgmlType::Q8_0, vocab, hidden, &blocks).unwrap();
-        let weight = Tensor::<2>::from_data(TensorData::new(q.to_dense(), [vocab, hidden]), &dev);
-        let head = Linear {
-            quant: Some(Arc::new(q)),
-            ..Linear::dense(weight)
-        };
+        let head = crate::testing::random_q8_0_linear(vocab, hidden, 0.5, 11);
         for t in [2, 16, 17, 33, 40] {
             let x: Vec<f32> = (0..t * hidden)
                 .map(|i| ((i * 37 + 11 * t) % 41) as f32 * 0.05 - 1.0)

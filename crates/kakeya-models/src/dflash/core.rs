@@ -526,33 +526,14 @@ mod tests {
     /// argmax, no logits) are exactly the greedy choices of its logits.
     #[test]
     fn a_reduced_quantised_head_drafts_the_argmax_of_its_logits() {
-        use std::sync::Arc;
-
         use burn::tensor::{Tensor, TensorData};
-        use kakeya_weights::QuantMatrix;
-        use kakeya_weights::dequant::GgmlType;
 
-        use super::{DraftHead, Linear};
+        use super::DraftHead;
 
         let dev = burn::tensor::Device::flex();
         let (vocab, hidden) = (96, 64);
-        // Q8_0 blocks: an f16 scale, then 32 int8 values.
-        let mut seed = 7u32;
-        let mut next = || {
-            seed = seed.wrapping_mul(1_103_515_245).wrapping_add(12345);
-            (seed >> 16) as u8
-        };
-        let mut blocks = Vec::new();
-        for b in 0..vocab * hidden / 32 {
-            blocks.extend(half::f16::from_f32(0.01 * (1 + b % 7) as f32).to_le_bytes());
-            blocks.extend((0..32).map(|_| next()));
-        }
-        let q = QuantMatrix::new(GgmlType::Q8_0, vocab, hidden, &blocks).unwrap();
-        let embed = Tensor::<2>::from_data(TensorData::new(q.to_dense(), [vocab, hidden]), &dev);
-        let head = Linear {
-            quant: Some(Arc::new(q)),
-            ..Linear::dense(embed.clone())
-        };
+        let head = crate::testing::random_q8_0_linear(vocab, hidden, 0.5, 7);
+        let embed = head.weight.clone();
         let d2t: Vec<u32> = (0..vocab as u32).rev().step_by(3).collect();
         let reduced = DraftHead::new(head, &embed, Some(d2t));
         let DraftHead::Reduced { head: h, .. } = &reduced else {

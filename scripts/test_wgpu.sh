@@ -2,8 +2,9 @@
 # The tiny-model equivalences on the wgpu device over Mesa's lavapipe (a Vulkan driver that runs
 # on the CPU): no GPU needed. Installs the driver when missing (Debian/Ubuntu, as root), then
 # runs kakeya-runtime's `tests/wgpu_device.rs` (inference, speculative decoding, KV modes), the
-# trainer tests of kakeya-train with training on the device and kakeya-capture's capture tests
-# with the verifier on the device (`KAKEYA_TEST_DEVICE=wgpu`),
+# trainer tests of kakeya-train with training on the device, `kakeya serve --device wgpu`
+# (kakeya-cli's `tests/serve_device.rs`) and kakeya-capture's capture tests with the verifier
+# on the device (`KAKEYA_TEST_DEVICE=wgpu`),
 # both built with `--features wgpu`, writing the output to runs/wgpu/lavapipe-<date>.log. Not
 # part of scripts/test.sh (the wgpu builds take ≈ 20 min; CI keeps `cargo check --features
 # wgpu`).
@@ -33,6 +34,8 @@ log="runs/wgpu/lavapipe-$(date -u +%Y%m%dT%H%M%SZ).log"
     KAKEYA_TEST_DEVICE=wgpu cargo test -p kakeya-train --features wgpu --locked \
         --test train_f_theta --test gemma4_f_theta --test train_drafter --test gemma4_drafter \
         -- --test-threads 1
+    # `kakeya serve --device wgpu`: requests alone and together equal `kakeya infer` on wgpu.
+    KAKEYA_TEST_DEVICE=wgpu cargo test -p kakeya-cli --features wgpu --locked --test serve_device
     # Capture with the verifier on the device (the batch-invariance tests stay on the CPU).
     KAKEYA_TEST_DEVICE=wgpu cargo test -p kakeya-capture --features wgpu --locked \
         --test gemma4 --test roundtrip -- --test-threads 1 values_read_back sampled_positions gemma4

@@ -4,105 +4,13 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
-use std::sync::mpsc;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::http::{self, get, post};
-use common::{kakeya, run_ok, tiny_model_dir};
-use kakeya_models::testing::{
-    Scratch, chat_tokenizer_json, drafter_config, random_drafter, tiny_config,
-};
+use common::server::{Server, infer_text, tiny};
+use kakeya_models::testing::Scratch;
 use serde_json::{Value, json};
-
-/// A running `kakeya serve`, killed when dropped.
-struct Server {
-    child: Child,
-    addr: String,
-    stderr: mpsc::Receiver<String>,
-}
-
-impl Server {
-    fn start(model: &Path, extra: &[&str]) -> Self {
-        let mut child = kakeya()
-            .args(["serve", "--model", model.to_str().unwrap(), "--port", "0"])
-            .args(extra)
-            .stderr(Stdio::piped())
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap();
-        let (tx, rx) = mpsc::channel();
-        let err = child.stderr.take().unwrap();
-        std::thread::spawn(move || {
-            for line in BufReader::new(err).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let addr = loop {
-            let line = rx
-                .recv_timeout(deadline.saturating_duration_since(Instant::now()))
-                .expect("the server printed its address");
-            if let Some(rest) = line.split("http://").nth(1) {
-                break rest.split_whitespace().next().unwrap().to_string();
-            }
-        };
-        Self {
-            child,
-            addr,
-            stderr: rx,
-        }
-    }
-
-    fn post(&self, path: &str, body: &Value) -> http::Response {
-        post(&self.addr, path, body)
-    }
-
-    /// A metric's value (the first sample line starting with `name`).
-    fn metric(&self, name: &str) -> f64 {
-        let text = get(&self.addr, "/metrics").body;
-        text.lines()
-            .find(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
-            .and_then(|l| l.rsplit(' ').next())
-            .map_or(0.0, |v| v.parse().unwrap())
-    }
-}
-
-impl Server {
-    /// Waits (up to 30 s) until metric `name` reads `value` (the engine updates its gauges
-    /// after it has answered).
-    fn wait_metric(&self, name: &str, value: f64) {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while self.metric(name) != value {
-            assert!(
-                Instant::now() < deadline,
-                "{name} stays {}, not {value}",
-                self.metric(name)
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// The tiny model with the chat tokenizer (special turn tokens), and a random drafter for it.
-fn tiny(s: &Scratch) -> (PathBuf, PathBuf) {
-    let m = tiny_model_dir(&s.0, "m", 16, 3);
-    std::fs::write(m.join("tokenizer.json"), chat_tokenizer_json(97)).unwrap();
-    let d = s.0.join("d");
-    random_drafter(&drafter_config(&tiny_config(16), 1, 4), 5)
-        .write_dir(&d)
-        .unwrap();
-    (m, d)
-}
 
 /// The text a streamed answer adds up to, and its last chunk with a finish reason.
 fn streamed(r: &http::Response, chat: bool) -> (String, Value) {
@@ -129,13 +37,6 @@ fn streamed(r: &http::Response, chat: bool) -> (String, Value) {
         }
     }
     (text, last)
-}
-
-fn infer_text(model: &Path, args: &[&str]) -> (String, Value) {
-    let mut all = vec!["infer", "--model", model.to_str().unwrap(), "--json"];
-    all.extend(args);
-    let v: Value = serde_json::from_str(&run_ok(&all)).unwrap();
-    (v["text"].as_str().unwrap().to_string(), v)
 }
 
 #[test]

@@ -1,0 +1,80 @@
+//! `kakeya serve` on the test device (`KAKEYA_TEST_DEVICE`: the CPU by default;
+//! `scripts/test_wgpu.sh` runs it on wgpu over Mesa's lavapipe, built with `--features
+//! wgpu`): greedy requests alone and two at once, plainly and speculatively, each equal to
+//! `kakeya infer` on the same device.
+
+mod common;
+
+use common::http::post;
+use common::server::{Server, infer_text, tiny};
+use kakeya_models::testing::Scratch;
+use serde_json::json;
+
+/// The device the binary runs on, as `--device` names it.
+fn device() -> String {
+    match std::env::var("KAKEYA_TEST_DEVICE")
+        .unwrap_or_default()
+        .as_str()
+    {
+        "" => "cpu".to_string(),
+        d => d.to_string(),
+    }
+}
+
+#[test]
+fn the_server_on_the_test_device_answers_what_infer_gives_alone_and_batched() {
+    let s = Scratch::new("serve-device");
+    let (m, d) = tiny(&s);
+    let dev = device();
+    let prompts = ["w9 w10 w11 w12", "w30 w31 w9", "w50 w51 w52 w53 w54"];
+    let want: Vec<String> = prompts
+        .iter()
+        .map(|p| {
+            infer_text(
+                &m,
+                &[
+                    "--prompt",
+                    p,
+                    "--max-tokens",
+                    "40",
+                    "--no-drafter",
+                    "--device",
+                    &dev,
+                ],
+            )
+            .0
+        })
+        .collect();
+    let body = |p: &str| json!({"prompt": p, "max_tokens": 40, "temperature": 0});
+    for extra in [vec!["--no-drafter"], vec!["--drafter", d.to_str().unwrap()]] {
+        let mut args = vec!["--device", dev.as_str()];
+        args.extend(extra.iter().copied());
+        let srv = Server::start(&m, &args);
+        // One at a time (a lone sequence speculates when it can).
+        for (p, w) in prompts.iter().zip(&want) {
+            let v = srv.post("/v1/completions", &body(p)).json();
+            assert_eq!(
+                v["choices"][0]["text"].as_str(),
+                Some(w.as_str()),
+                "{extra:?} {v}"
+            );
+        }
+        // All at once: stacked forwards (drafts beside each other where they pay).
+        let addr = srv.addr.clone();
+        let together: Vec<String> = std::thread::scope(|sc| {
+            let handles = prompts.map(|p| {
+                let (addr, b) = (addr.clone(), body(p));
+                sc.spawn(move || {
+                    let v = post(&addr, "/v1/completions", &b).json();
+                    v["choices"][0]["text"]
+                        .as_str()
+                        .unwrap_or_else(|| panic!("{v}"))
+                        .to_string()
+                })
+            });
+            handles.map(|h| h.join().unwrap()).to_vec()
+        });
+        assert_eq!(together, want, "{extra:?}: together");
+        srv.wait_metric("kakeya_running_sequences", 0.0);
+    }
+}

@@ -483,7 +483,7 @@ fn sigterm_drains_requests_in_flight_or_aborts_them_after_the_drain_time() {
 #[test]
 fn a_bounded_kv_mode_serves_what_infer_gives_alone_and_batched() {
     let s = Scratch::new("serve-kv");
-    let (m, _) = tiny(&s);
+    let (m, d) = tiny(&s);
     let kv = ["--kv-mode", "quant8", "--kv-sink", "2", "--kv-window", "8"];
     let prompts: Vec<String> = (0..4)
         .map(|i| {
@@ -500,27 +500,41 @@ fn a_bounded_kv_mode_serves_what_infer_gives_alone_and_batched() {
             infer_text(&m, &args).0
         })
         .collect();
-    let mut args = vec!["--no-drafter"];
-    args.extend(kv);
-    let srv = Server::start(&m, &args);
-    let addr = srv.addr.clone();
-    let got: Vec<Value> = std::thread::scope(|sc| {
-        let hs: Vec<_> = prompts
-            .iter()
-            .map(|p| {
-                let (addr, b) = (
-                    addr.clone(),
-                    json!({"prompt": p, "max_tokens": 30, "temperature": 0}),
-                );
-                sc.spawn(move || post(&addr, "/v1/completions", &b).json())
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    for (v, w) in got.iter().zip(&want) {
-        assert_eq!(v["choices"][0]["text"], w.as_str(), "{v}");
-        assert_eq!(v["kakeya"]["kv_mode"], "quant8");
-        assert!(v["kakeya"]["kv"]["quantised"].as_u64().unwrap() > 0, "{v}");
+    // Plain steps, then speculation (drafts verified beside the other sequences' rows, the
+    // rejected ones rolled back out of the bounded caches).
+    let spec = [
+        "--drafter",
+        d.to_str().unwrap(),
+        "--modelled-costs",
+        "1000,50,0",
+    ];
+    for extra in [&["--no-drafter"][..], &spec[..]] {
+        let mut args = extra.to_vec();
+        args.extend(kv);
+        let srv = Server::start(&m, &args);
+        let addr = srv.addr.clone();
+        let got: Vec<Value> = std::thread::scope(|sc| {
+            let hs: Vec<_> = prompts
+                .iter()
+                .map(|p| {
+                    let (addr, b) = (
+                        addr.clone(),
+                        json!({"prompt": p, "max_tokens": 30, "temperature": 0}),
+                    );
+                    sc.spawn(move || post(&addr, "/v1/completions", &b).json())
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (v, w) in got.iter().zip(&want) {
+            assert_eq!(v["choices"][0]["text"], w.as_str(), "{extra:?}: {v}");
+            assert_eq!(v["kakeya"]["kv_mode"], "quant8");
+            assert!(v["kakeya"]["kv"]["quantised"].as_u64().unwrap() > 0, "{v}");
+        }
+        if extra == spec {
+            let drafted = srv.metric("kakeya_batched_drafts_total");
+            assert!(drafted > 0.0, "no drafts beside other sequences");
+        }
     }
 }
 

@@ -1,11 +1,14 @@
 //! The KV modes through the binary on a tiny random model: `infer --kv-mode` stats, policy
-//! files, f_θ loading (refusing another pair), speculative == plain in a restored mode, and
+//! files, f_θ loading (refusing another pair), speculative == plain in a restored mode (and
+//! `kakeya serve` in one, sequences drafting beside each other), and
 //! `eval niah`: the report, resume == uninterrupted, refused resumes and bad input.
 
 mod common;
 
 use std::path::{Path, PathBuf};
 
+use common::http::post;
+use common::server::Server;
 use common::{fails, run_ok, tiny_model_dir};
 use kakeya_capture::job::sha256_path;
 use kakeya_models::testing::{
@@ -124,6 +127,67 @@ fn infer_reports_the_mode_and_its_bytes() {
     let by_file = json(&run_ok(&args));
     assert_eq!(by_file["tokens"], seen[1]);
     assert_eq!(by_file["stats"]["kv_policy"]["window"], 4);
+}
+
+/// `kakeya serve` in a restored mode: sequences decoding together verify drafts beside each
+/// other, rolling back the compact store with the caches, and each gets `infer`'s text.
+#[test]
+fn a_restored_mode_serves_speculatively_what_infer_gives() {
+    let sc = Scratch::new("kv-cli-serve");
+    let (m, d, f) = pair(&sc);
+    let kv = [
+        "--kv-mode",
+        "restored",
+        "--kv-sink",
+        "2",
+        "--kv-window",
+        "4",
+        "--drafter",
+        s(&d),
+        "--f-theta",
+        s(&f),
+    ];
+    let prompts: Vec<String> = (0..3).map(|i| words(24, i)).collect();
+    let want: Vec<serde_json::Value> = prompts
+        .iter()
+        .map(|p| {
+            let mut args = vec![
+                "infer",
+                "--model",
+                s(&m),
+                "--prompt",
+                p,
+                "--max-tokens",
+                "24",
+            ];
+            args.extend(kv);
+            args.push("--json");
+            json(&run_ok(&args))["text"].clone()
+        })
+        .collect();
+    let mut args = kv.to_vec();
+    args.extend(["--modelled-costs", "1000,50,0"]);
+    let srv = Server::start(&m, &args);
+    let addr = srv.addr.clone();
+    let got: Vec<serde_json::Value> = std::thread::scope(|scope| {
+        let hs: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                let body = serde_json::json!({"prompt": p, "max_tokens": 24, "temperature": 0});
+                let addr = addr.clone();
+                scope.spawn(move || post(&addr, "/v1/completions", &body).json())
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (v, w) in got.iter().zip(&want) {
+        assert_eq!(&v["choices"][0]["text"], w, "{v}");
+        assert_eq!(v["kakeya"]["kv_mode"], "restored");
+    }
+    assert!(
+        srv.metric("kakeya_batched_drafts_total") > 0.0,
+        "no drafts beside others"
+    );
 }
 
 #[test]

@@ -56,6 +56,22 @@ fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
+/// `--kv-mode mode` with sink 2, window 4, the drafter `d` and the f_θ `f`.
+fn mode_args<'a>(mode: &'a str, d: &'a Path, f: &'a Path) -> [&'a str; 10] {
+    [
+        "--kv-mode",
+        mode,
+        "--kv-sink",
+        "2",
+        "--kv-window",
+        "4",
+        "--drafter",
+        s(d),
+        "--f-theta",
+        s(f),
+    ]
+}
+
 #[test]
 fn infer_reports_the_mode_and_its_bytes() {
     let sc = Scratch::new("kv-cli-infer");
@@ -81,21 +97,8 @@ fn infer_reports_the_mode_and_its_bytes() {
         "restored-q4",
     ] {
         let mut args = base.to_vec();
-        args.extend([
-            "--kv-mode",
-            mode,
-            "--kv-sink",
-            "2",
-            "--kv-window",
-            "4",
-            "--drafter",
-            s(&d),
-            "--f-theta",
-            s(&f),
-            "--block-size",
-            "4",
-            "--compare-ar",
-        ]);
+        args.extend(mode_args(mode, &d, &f));
+        args.extend(["--block-size", "4", "--compare-ar"]);
         let v = json(&run_ok(&args));
         let st = &v["stats"];
         assert_eq!(st["kv_mode"], mode);
@@ -135,18 +138,7 @@ fn infer_reports_the_mode_and_its_bytes() {
 fn a_restored_mode_serves_speculatively_what_infer_gives() {
     let sc = Scratch::new("kv-cli-serve");
     let (m, d, f) = pair(&sc);
-    let kv = [
-        "--kv-mode",
-        "restored",
-        "--kv-sink",
-        "2",
-        "--kv-window",
-        "4",
-        "--drafter",
-        s(&d),
-        "--f-theta",
-        s(&f),
-    ];
+    let kv = mode_args("restored", &d, &f);
     let prompts: Vec<String> = (0..3).map(|i| words(24, i)).collect();
     let want: Vec<serde_json::Value> = prompts
         .iter()

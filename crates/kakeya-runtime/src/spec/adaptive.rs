@@ -287,9 +287,10 @@ impl BlockSchedule {
     /// stacked forward, where a draft row pays when it is committed with chance at least
     /// `threshold` (its cost against the batch's tokens per second): the most drafts of
     /// `source` whose every one is expected to be committed that often. Drafts that need a
-    /// forward of their own (a model drafter's) are not run beside others: a plain step.
+    /// forward of their own (a model drafter's) are not run beside others, whatever the
+    /// schedule: a plain step, as with nothing to draft from.
     pub fn next_len_beside(&mut self, source: DraftSource, threshold: f64) -> usize {
-        if source == DraftSource::Model {
+        if matches!(source, DraftSource::Model | DraftSource::Nothing) {
             self.current = (source.index(), false);
             return 1;
         }

@@ -261,9 +261,9 @@ impl SpecDecoder {
         if b == 1 {
             return Ok(Vec::new());
         }
-        // A lookup's drafts; one that comes back empty would fall to the model drafter,
-        // which needs the caches' compact store: no drafts then.
-        let mut drafts = proposer.propose(tokens, b - 1, None).unwrap_or_default();
+        // A lookup's or the table's drafts (the schedule gave a model drafter no slot): no
+        // forward, so no compact store.
+        let mut drafts = proposer.propose(tokens, b - 1, None)?;
         drafts.truncate(b - 1);
         Ok(drafts)
     }

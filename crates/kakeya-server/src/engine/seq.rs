@@ -99,6 +99,11 @@ impl<'m> Seq<'m> {
     pub(super) fn accept(&mut self, tok: u32) {
         self.tokens.push(tok);
         self.stop = self.sink.push(tok);
+        self.stop_at_context_end();
+    }
+
+    /// Stops a sequence that has filled the model's context, flushing what its sink holds.
+    fn stop_at_context_end(&mut self) {
         let ctx = self.verifier.model().config.max_position_embeddings;
         if self.stop.is_none() && self.verifier.len() >= ctx {
             self.stop = Some(StopReason::ContextFull);
@@ -167,13 +172,10 @@ impl<'m> Seq<'m> {
             &mut self.tokens,
             &mut self.sink,
         )?;
-        let ctx = self.verifier.model().config.max_position_embeddings;
-        if self.stop.is_none() && self.verifier.len() >= ctx {
-            self.stop = Some(StopReason::ContextFull);
-        }
         if self.stop.is_some() {
             self.sink.flush();
         }
+        self.stop_at_context_end();
         Ok(())
     }
 

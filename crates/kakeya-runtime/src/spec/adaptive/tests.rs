@@ -189,4 +189,9 @@ fn beside_others_drafts_only_what_is_committed_often_enough() {
     // Nothing to draft from, or a drafter that needs a forward: plain steps.
     assert_eq!(fresh.next_len_beside(DraftSource::Nothing, 0.0), 1);
     assert_eq!(fresh.next_len_beside(DraftSource::Model, 0.0), 1);
+    // A fixed schedule drafts its length from lookups, and nothing without one.
+    let mut fixed = BlockSchedule::new(Schedule::Fixed, 8);
+    assert_eq!(fixed.next_len_beside(src, 0.99), 8);
+    assert_eq!(fixed.next_len_beside(DraftSource::Nothing, 0.0), 1);
+    assert_eq!(fixed.next_len_beside(DraftSource::Model, 0.0), 1);
 }

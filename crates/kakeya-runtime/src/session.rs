@@ -335,13 +335,14 @@ impl<'m> Session<'m> {
         chunks: &[&[u32]],
         samplers: &[&Sampler],
     ) -> Result<Vec<Scores>> {
-        Self::check_batch(sessions, chunks, samplers.len())?;
-        let wants: Vec<Logits> = samplers.iter().map(|s| s.wants()).collect();
-        let outs = Self::forward_many(sessions, chunks, &wants, &[])?;
-        for s in sessions.iter_mut() {
-            s.commit()?;
-        }
-        Ok(outs.into_iter().map(scores).collect())
+        let wants: Vec<Option<&Sampler>> = samplers.iter().copied().map(Some).collect();
+        Ok(Self::verify_batch(sessions, chunks, &wants)?
+            .into_iter()
+            .map(|v| match v {
+                Verified::Scores(s) => s,
+                Verified::Greedy(_) => unreachable!("every session has a sampler"),
+            })
+            .collect())
     }
 
     /// [`Self::run_batch`] where some sessions verify a block: session `i` with `samplers[i]

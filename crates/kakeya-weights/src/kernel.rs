@@ -7,8 +7,8 @@
 //! result is bit-identical whether it is decoded alone or verified in a block — the property
 //! lossless speculative decoding rests on. On x86-64 with AVX2+FMA each weight is rebuilt in
 //! a register from its int8 value and used for up to four input rows (explicit 8-wide FMAs;
-//! more input rows are taken in chunks of four against each tile); with AVX-512F two weight
-//! rows share each 16-wide register ([`zmm`]); elsewhere the tile is rebuilt to f32 and a
+//! more input rows are taken in chunks of four against each tile); with AVX-512F and VL two
+//! weight rows share each 16-wide register, against up to eight input rows ([`zmm`]); elsewhere the tile is rebuilt to f32 and a
 //! scalar loop with `f32::mul_add` computes the same bits
 //! (`crate::quant`'s tests compare every path with [`dot`] bit for bit).
 
@@ -168,8 +168,9 @@ pub(crate) fn prefetch(bytes: &[u8]) {
     let _ = bytes;
 }
 
-/// Most input rows the fused kernel sums against a tile in one pass; more are taken in
-/// chunks of this many per tile (the tile stays in L1 between chunks).
+/// Most input rows the AVX2 fused kernel sums against a tile in one pass; more are taken in
+/// chunks of this many per tile (the tile stays in L1 between chunks). The AVX-512 path,
+/// with twice the registers, takes eight (`zmm::INPUTS`).
 pub(crate) const FUSED_INPUTS: usize = 4;
 
 /// `out[r · t + j] = dot(w_r, x_j)` for `rows` weight rows held in `tiles` (whole tiles, the

@@ -22,17 +22,21 @@ use std::sync::OnceLock;
 use super::{LANES, Layout, TILE};
 
 /// Most input rows summed against a tile in one pass (more are taken in chunks of this many,
-/// the tile re-read from L1): eight accumulators, two weights, four scales and offsets.
-/// Eight inputs (sixteen accumulators) made LLVM spill and shuffle registers: 1.3× slower.
-const INPUTS: usize = 4;
+/// the tile re-read from L1): sixteen accumulators, two weights, two scales (two offsets),
+/// one input — 21–23 of the 32 zmm registers. The half- and quarter-width instructions
+/// around them (the int8 loads, the reductions) need AVX-512VL to reach registers 16–31:
+/// without it LLVM kept every accumulator in zmm0–15, and eight inputs spilled (1.3× slower
+/// than four). With it, eight inputs run 1.1–1.2× four's products per second at 8–32 input
+/// rows (Zen 5, `qbench`, layer 3); twelve were no faster.
+const INPUTS: usize = 8;
 
 /// Weight-row pairs of a tile.
 const PAIRS: usize = TILE / 2;
 
-/// Whether this CPU has AVX-512F (besides the AVX2+FMA the callers check).
+/// Whether this CPU has AVX-512F and AVX-512VL (besides the AVX2+FMA the callers check).
 pub(super) fn available() -> bool {
     static OK: OnceLock<bool> = OnceLock::new();
-    *OK.get_or_init(|| is_x86_feature_detected!("avx512f"))
+    *OK.get_or_init(|| is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vl"))
 }
 
 /// [`super::tiles_fused`]: `out[r · t + j] = dot(w_r, x_j)` for the `rows` weight rows in
@@ -40,9 +44,10 @@ pub(super) fn available() -> bool {
 /// [`INPUTS`] input rows at a time (the tile stays in L1 for the next ones).
 ///
 /// # Safety
-/// AVX2, FMA and AVX-512F must be available, `tiles` must hold `rows.div_ceil(TILE)` tiles
-/// of layout `l`, `x` at least `t · l.cols()` values and `out` at least `rows · t`.
-#[target_feature(enable = "avx2,fma,avx512f")]
+/// AVX2, FMA, AVX-512F and AVX-512VL must be available, `tiles` must hold
+/// `rows.div_ceil(TILE)` tiles of layout `l`, `x` at least `t · l.cols()` values and `out` at
+/// least `rows · t`.
+#[target_feature(enable = "avx2,fma,avx512f,avx512vl")]
 pub(super) unsafe fn tiles_fused<const ASYM: bool>(
     l: Layout,
     tiles: &[u8],
@@ -66,6 +71,10 @@ pub(super) unsafe fn tiles_fused<const ASYM: bool>(
                     1 => at.put(0, &tile_rows::<1, ASYM>(l, tile, xs), out),
                     2 => at.put(0, &tile_rows::<2, ASYM>(l, tile, xs), out),
                     3 => at.put(0, &tile_rows::<3, ASYM>(l, tile, xs), out),
+                    4 => at.put(0, &tile_rows::<4, ASYM>(l, tile, xs), out),
+                    5 => at.put(0, &tile_rows::<5, ASYM>(l, tile, xs), out),
+                    6 => at.put(0, &tile_rows::<6, ASYM>(l, tile, xs), out),
+                    7 => at.put(0, &tile_rows::<7, ASYM>(l, tile, xs), out),
                     _ => at.put(0, &tile_rows::<INPUTS, ASYM>(l, tile, xs), out),
                 }
             }
@@ -75,7 +84,7 @@ pub(super) unsafe fn tiles_fused<const ASYM: bool>(
 }
 
 /// `[a; 8]` in the low half, `[b; 8]` in the high half.
-#[target_feature(enable = "avx2,fma,avx512f")]
+#[target_feature(enable = "avx2,fma,avx512f,avx512vl")]
 #[inline]
 fn halves(a: f32, b: f32) -> __m512 {
     _mm512_castpd_ps(_mm512_insertf64x4::<1>(
@@ -88,9 +97,9 @@ fn halves(a: f32, b: f32) -> __m512 {
 /// `[X, cols]`): `res[r][j]`.
 ///
 /// # Safety
-/// AVX2, FMA and AVX-512F must be available; `tile` must hold a whole tile of layout `l`
-/// and `x` at least `X · l.cols()` values.
-#[target_feature(enable = "avx2,fma,avx512f")]
+/// AVX2, FMA, AVX-512F and AVX-512VL must be available; `tile` must hold a whole tile of
+/// layout `l` and `x` at least `X · l.cols()` values.
+#[target_feature(enable = "avx2,fma,avx512f,avx512vl")]
 #[inline]
 unsafe fn tile_rows<const X: usize, const ASYM: bool>(
     l: Layout,

@@ -11,12 +11,6 @@ use kakeya_weights::{DenseMatrix, QuantMatrix};
 /// kernel, longer ones the dense f32 matmul.
 pub const QUANT_MAX_ROWS: usize = 16;
 
-/// Inputs of fewer rows take the exact products for their greedy choice: one row is
-/// memory-bound either way, and the certified search's extra work made it slower (Gemma 3
-/// 270M's head, Zen 4, quiet: 6.4 ms against 5.4 ms for the products; 8 rows 14.5 against
-/// 29.5 ms — `qbench token_embd`).
-pub const CERTIFIED_MIN_ROWS: usize = 2;
-
 /// A weight `[out, in]` (PyTorch layout) applied as `x · Wᵀ`, with its GGUF blocks when the
 /// checkpoint had them. Both hold the same values; the block kernel reads ~4× fewer bytes.
 #[derive(Debug, Clone)]
@@ -191,21 +185,21 @@ impl Linear {
     }
 
     /// Per input row, the index of its largest output (first on ties) — exactly the argmax
-    /// of [`Self::forward`]'s rows — when the block kernel takes this input, it has at least
-    /// [`CERTIFIED_MIN_ROWS`] rows and the certified search applies
-    /// ([`QuantMatrix::argmax`]); `None` otherwise (compute the outputs).
+    /// of [`Self::forward`]'s rows — when the block kernel takes this input and the certified
+    /// search applies and pays at this row count ([`QuantMatrix::argmax_pays`]); `None`
+    /// otherwise (compute the outputs).
     ///
     /// # Shapes
     /// - `x`: `[T, in]` → `T` ids
     pub fn argmax(&self, x: &Tensor<2>) -> Option<Vec<u32>> {
         let [t, cols] = x.dims();
-        if t < CERTIFIED_MIN_ROWS {
+        let q = self.quant.as_deref()?;
+        if !q.argmax_pays(t) {
             return None;
         }
-        let q = self.quant.as_deref()?;
         // More rows than one search takes (a batch of several sequences' blocks): searches of
-        // at most `QUANT_MAX_ROWS` rows each, split evenly (so none has fewer than
-        // `CERTIFIED_MIN_ROWS`). Each row's answer is exact, so the split changes nothing.
+        // at most `QUANT_MAX_ROWS` rows each, split evenly (so none has fewer than eight).
+        // Each row's answer is exact, so the split changes nothing.
         let xs = host_rows(x.clone());
         let per = t.div_ceil(t.div_ceil(QUANT_MAX_ROWS));
         let mut ids = Vec::with_capacity(t);

@@ -1,6 +1,6 @@
 //! `kakeya serve` on a tiny random model, over real HTTP on an ephemeral loopback port:
-//! completions and chat, streamed and not, equal to `kakeya infer`; concurrent clients;
-//! disconnects; hostile requests; SIGTERM.
+//! completions and chat, streamed and not, equal to `kakeya infer`; disconnects; hostile
+//! requests; SIGTERM (concurrent clients: `serve_batching.rs`).
 
 mod common;
 
@@ -8,36 +8,9 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::http::{self, get, post};
-use common::server::{Server, infer_text, tiny};
+use common::server::{Server, infer_text, streamed, tiny};
 use kakeya_models::testing::Scratch;
 use serde_json::{Value, json};
-
-/// The text a streamed answer adds up to, and its last chunk with a finish reason.
-fn streamed(r: &http::Response, chat: bool) -> (String, Value) {
-    assert_eq!(r.status, 200, "{}", r.body);
-    let events = r.events();
-    assert_eq!(
-        events.last().map(String::as_str),
-        Some("[DONE]"),
-        "{events:?}"
-    );
-    let mut text = String::new();
-    let mut last = Value::Null;
-    for e in &events[..events.len() - 1] {
-        let v: Value = serde_json::from_str(e).unwrap();
-        let c = &v["choices"][0];
-        let piece = if chat {
-            &c["delta"]["content"]
-        } else {
-            &c["text"]
-        };
-        text.push_str(piece.as_str().unwrap_or(""));
-        if !c["finish_reason"].is_null() {
-            last = v.clone();
-        }
-    }
-    (text, last)
-}
 
 #[test]
 fn completions_and_chat_equal_infer_streamed_or_not_plain_or_speculative() {
@@ -144,121 +117,6 @@ fn completions_and_chat_equal_infer_streamed_or_not_plain_or_speculative() {
         assert_eq!(models["data"][0]["id"], "m");
         assert_eq!(get(&srv.addr, "/health").status, 200);
     }
-}
-
-#[test]
-fn concurrent_clients_get_their_own_answers_through_shared_forwards() {
-    let s = Scratch::new("serve-concurrent");
-    let (m, d) = tiny(&s);
-    // Speculation's costs modelled (a forward of R rows: 1 ms + 0.05 ms per extra row), so
-    // that whether drafts run beside other sequences does not hang on the machine's load.
-    let srv = Server::start(
-        &m,
-        &[
-            "--drafter",
-            d.to_str().unwrap(),
-            "--modelled-costs",
-            "1000,50,0",
-        ],
-    );
-    let prompts: Vec<String> = (0..16)
-        .map(|i| format!("w{} w{} w{}", 9 + i, 40 + i, 70 + i))
-        .collect();
-    let body = |p: &str, i: usize| {
-        if i.is_multiple_of(2) {
-            json!({"prompt": p, "max_tokens": 150, "ignore_eos": true, "temperature": 0})
-        } else {
-            json!({"prompt": p, "max_tokens": 150, "ignore_eos": true, "temperature": 0.8, "seed": i})
-        }
-    };
-    // One at a time first (each runs alone: speculative), then all 16 at once (batched).
-    let alone: Vec<String> = prompts
-        .iter()
-        .enumerate()
-        .map(|(i, p)| {
-            srv.post("/v1/completions", &body(p, i)).json()["choices"][0]["text"]
-                .as_str()
-                .unwrap()
-                .to_string()
-        })
-        .collect();
-    let (rows0, forwards0) = (
-        srv.metric("kakeya_batch_rows_sum"),
-        srv.metric("kakeya_batch_rows_count"),
-    );
-    let (chunks0, prompt_forwards0) = (
-        srv.metric("kakeya_prompt_chunks_sum"),
-        srv.metric("kakeya_prompt_chunks_count"),
-    );
-    let addr = srv.addr.clone();
-    let together: Vec<(String, String)> = std::thread::scope(|sc| {
-        let handles: Vec<_> = prompts
-            .iter()
-            .enumerate()
-            .map(|(i, p)| {
-                let (addr, b) = (addr.clone(), body(p, i));
-                sc.spawn(move || {
-                    let mut b = b;
-                    if i % 4 == 1 {
-                        b["stream"] = json!(true);
-                        let r = post(&addr, "/v1/completions", &b);
-                        (streamed(&r, false).0, "stream".to_string())
-                    } else {
-                        let v = post(&addr, "/v1/completions", &b).json();
-                        (
-                            v["choices"][0]["text"]
-                                .as_str()
-                                .unwrap_or_else(|| panic!("{v}"))
-                                .to_string(),
-                            v["kakeya"]["mode"].as_str().unwrap().to_string(),
-                        )
-                    }
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    for (i, ((text, _), want)) in together.iter().zip(&alone).enumerate() {
-        assert_eq!(text, want, "client {i}");
-    }
-    // The prompts differ, so the answers do (independence, not one shared answer).
-    let distinct: std::collections::BTreeSet<&String> = alone.iter().collect();
-    assert!(distinct.len() > 8, "{alone:?}");
-    // Decode steps were shared: some forwards stacked several sequences.
-    let rows = srv.metric("kakeya_batch_rows_sum") - rows0;
-    let forwards = srv.metric("kakeya_batch_rows_count") - forwards0;
-    assert!(
-        rows > forwards * 1.5,
-        "rows {rows} over {forwards} batched forwards"
-    );
-    assert!(together.iter().any(|(_, mode)| mode.contains("batched")));
-    // Prompts that arrived together shared forwards too.
-    let chunks = srv.metric("kakeya_prompt_chunks_sum") - chunks0;
-    let prompt_forwards = srv.metric("kakeya_prompt_chunks_count") - prompt_forwards0;
-    assert!(
-        chunks >= 16.0 && chunks > prompt_forwards,
-        "{chunks} prompt chunks in {prompt_forwards} forwards"
-    );
-    // Two greedy clients at once: their blocks are verified in one forward, the drafts of
-    // each beside the other's rows, and each still gets its answer alone.
-    let accepted0 = srv.metric("kakeya_batched_drafts_accepted_total");
-    let pair: Vec<String> = std::thread::scope(|sc| {
-        let handles = [0, 2].map(|i| {
-            let (addr, b) = (addr.clone(), body(&prompts[i], i));
-            sc.spawn(move || {
-                post(&addr, "/v1/completions", &b).json()["choices"][0]["text"].to_string()
-            })
-        });
-        handles.map(|h| h.join().unwrap()).to_vec()
-    });
-    assert_eq!(
-        pair,
-        [&alone[0], &alone[2]].map(|t| Value::from(t.as_str()).to_string())
-    );
-    let accepted = srv.metric("kakeya_batched_drafts_accepted_total") - accepted0;
-    assert!(accepted > 0.0, "no draft accepted beside another sequence");
-    srv.wait_metric("kakeya_running_sequences", 0.0);
-    srv.wait_metric("kakeya_kv_bytes", 0.0);
 }
 
 #[test]

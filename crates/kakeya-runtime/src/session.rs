@@ -209,6 +209,28 @@ impl<'m> Session<'m> {
         Ok(self.kv.store_mut())
     }
 
+    /// Stops keeping the drafter's compact store: frees it, with the hidden states waiting for
+    /// their rows, and later forwards take no hidden states at the drafter's target layers for
+    /// this sequence. For a sequence that will not draft with the drafter — a server's
+    /// sequence decoding beside others, whose drafts come from lookups — that work is waste
+    /// (≈ 5 % of an eight-sequence step on the CPU). Returns whether a store was released:
+    /// false when there is none, or when the KV mode's restoration reads it (kept).
+    pub fn release_store(&mut self) -> bool {
+        if self.policy.mode.restores() || self.kv.store().is_none() {
+            return false;
+        }
+        self.kv.drop_store();
+        self.pending = None;
+        self.backlog.clear();
+        true
+    }
+
+    /// Whether the session keeps the drafter's compact store (it had a drafter, and
+    /// [`Self::release_store`] did not release it).
+    pub fn keeps_store(&self) -> bool {
+        self.kv.store().is_some()
+    }
+
     /// Commits every position in the caches: their hidden states join the backlog of store
     /// rows (computed at once in the restored modes, whose forwards read the store).
     pub fn commit(&mut self) -> Result<()> {
@@ -430,7 +452,12 @@ impl<'m> Session<'m> {
         for s in sessions.iter_mut() {
             s.commit()?;
         }
-        let targets: &[usize] = drafter.map_or(&[], |d| d.config.target_layer_ids.as_slice());
+        // The drafter's target layers, when a session keeps its store (a batch asks every
+        // request for the same layers; the sessions without a store drop theirs).
+        let targets: &[usize] = match drafter {
+            Some(d) if sessions.iter().any(|s| s.keeps_store()) => &d.config.target_layer_ids,
+            _ => &[],
+        };
         let layers: Vec<usize> = hidden_after.iter().chain(targets).copied().collect();
         let reqs: Vec<ForwardRequest<'_>> = sessions
             .iter()
@@ -451,7 +478,9 @@ impl<'m> Session<'m> {
         for ((s, out), tokens) in sessions.iter_mut().zip(&mut outs).zip(chunks) {
             if !targets.is_empty() {
                 let aux = out.hidden.split_off(hidden_after.len());
-                s.pending = Some((s.len, Tensor::cat(aux, 1)));
+                if s.keeps_store() {
+                    s.pending = Some((s.len, Tensor::cat(aux, 1)));
+                }
             }
             s.len += tokens.len();
         }

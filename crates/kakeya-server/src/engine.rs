@@ -329,6 +329,7 @@ pub fn run(
             && !still_prefilling
             && queue.is_empty()
             && active[decoding[0]].dec.is_some()
+            && active[decoding[0]].proposer.is_some()
         {
             let i = decoding[0];
             if let Err(e) = active[i].block(metrics) {
@@ -463,6 +464,11 @@ fn verify_group(
         .collect();
     let prompt_rows: usize = prompt_chunks.iter().map(Vec::len).sum();
     let mut spare = max_rows.saturating_sub(group.len() + prompt_rows);
+    if group.len() + prefill.len() > 1 {
+        for &i in group {
+            active[i].beside_others();
+        }
+    }
     let mut blocks: Vec<Vec<u32>> = Vec::with_capacity(group.len() + prefill.len());
     let mut verifies: Vec<bool> = Vec::with_capacity(group.len() + prefill.len());
     for &i in group {

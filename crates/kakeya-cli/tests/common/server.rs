@@ -108,3 +108,30 @@ pub fn infer_text(model: &Path, args: &[&str]) -> (String, Value) {
     let v: Value = serde_json::from_str(&run_ok(&all)).unwrap();
     (v["text"].as_str().unwrap().to_string(), v)
 }
+
+/// The text a streamed answer adds up to, and its last chunk with a finish reason.
+pub fn streamed(r: &http::Response, chat: bool) -> (String, Value) {
+    assert_eq!(r.status, 200, "{}", r.body);
+    let events = r.events();
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
+    let mut text = String::new();
+    let mut last = Value::Null;
+    for e in &events[..events.len() - 1] {
+        let v: Value = serde_json::from_str(e).unwrap();
+        let c = &v["choices"][0];
+        let piece = if chat {
+            &c["delta"]["content"]
+        } else {
+            &c["text"]
+        };
+        text.push_str(piece.as_str().unwrap_or(""));
+        if !c["finish_reason"].is_null() {
+            last = v.clone();
+        }
+    }
+    (text, last)
+}

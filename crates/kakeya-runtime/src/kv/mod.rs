@@ -183,6 +183,11 @@ impl<'r> SequenceKv<'r> {
         self.store.as_mut()
     }
 
+    /// Frees the compact store, if there is one; the caches stay as they are.
+    pub fn drop_store(&mut self) {
+        self.store = None;
+    }
+
     /// Whether every layer keeps its cache natively and can be cut back to `len` exactly (what
     /// a prefix-cache fork needs; the bounded tiers answer no).
     pub fn natively_reaches(&self, len: usize) -> bool {

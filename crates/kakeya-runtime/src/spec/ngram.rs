@@ -179,6 +179,10 @@ impl Proposer for NgramProposer {
         self.table_order(tokens)
             .map_or(DraftSource::Nothing, DraftSource::Table)
     }
+
+    fn lookups(&self) -> Option<Box<dyn Proposer>> {
+        Some(Box::new(self.clone()))
+    }
 }
 
 /// Prompt lookup when the context backs it, the static table next, a model drafter otherwise:
@@ -264,6 +268,10 @@ impl Proposer for CombinedProposer<'_> {
 
     fn drafter(&self) -> Option<&kakeya_models::DFlashDrafter> {
         self.model.drafter()
+    }
+
+    fn lookups(&self) -> Option<Box<dyn Proposer>> {
+        self.ngram.lookups()
     }
 }
 

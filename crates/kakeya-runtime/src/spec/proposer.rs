@@ -37,6 +37,12 @@ pub trait Proposer: Send {
     fn drafter(&self) -> Option<&DFlashDrafter> {
         None
     }
+
+    /// The part of this proposer that drafts by lookups alone (no drafter, so no compact
+    /// store needed), if it has one: what a sequence whose store was released drafts with.
+    fn lookups(&self) -> Option<Box<dyn Proposer>> {
+        None
+    }
 }
 
 /// The position and id of the newest committed token.

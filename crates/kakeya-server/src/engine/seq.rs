@@ -61,9 +61,13 @@ impl<'m> Seq<'m> {
                 Some(session) => Verifier::from_session(session),
                 None => Verifier::new(model, setup, block)?,
             };
-            let proposer = speculation
+            let mut proposer = speculation
                 .map(|(k, _)| k.proposer(drafter, table.cloned()))
                 .transpose()?;
+            if drafter.is_some() && !verifier.session().keeps_store() {
+                // Forked from a sequence that released its store beside others.
+                proposer = proposer.and_then(|p| p.lookups());
+            }
             let dec = speculation
                 .map(|(_, c)| SpecDecoder::new(c, &job.cfg.sampling, ctx))
                 .transpose()?;
@@ -88,6 +92,16 @@ impl<'m> Seq<'m> {
                 job,
             }),
             Err(e) => Err(Box::new((job, e))),
+        }
+    }
+
+    /// A decode step beside other sequences' rows: the sequence drafts from lookups from now
+    /// on (the drafter's drafts need a forward of their own, taken only alone), so it stops
+    /// keeping the drafter's compact store ([`kakeya_runtime::Session::release_store`]; kept
+    /// where the KV mode reads it).
+    pub(super) fn beside_others(&mut self) {
+        if self.verifier.session_mut().release_store() {
+            self.proposer = self.proposer.take().and_then(|p| p.lookups());
         }
     }
 

@@ -9,13 +9,12 @@ use common::server::{Server, streamed, tiny};
 use kakeya_models::testing::Scratch;
 use serde_json::{Value, json};
 
-#[test]
-fn concurrent_clients_get_their_own_answers_through_shared_forwards() {
-    let s = Scratch::new("serve-concurrent");
-    let (m, d) = tiny(&s);
-    // Speculation's costs modelled (a forward of R rows: 1 ms + 0.05 ms per extra row), so
-    // that whether drafts run beside other sequences does not hang on the machine's load.
-    let srv = Server::start(
+/// The tiny model served with its drafter, speculation's costs modelled (a forward of R rows:
+/// 1 ms + 0.05 ms per extra row), so that whether drafts run beside other sequences does not
+/// hang on the machine's load.
+fn speculative_server(s: &Scratch) -> Server {
+    let (m, d) = tiny(s);
+    Server::start(
         &m,
         &[
             "--drafter",
@@ -23,7 +22,13 @@ fn concurrent_clients_get_their_own_answers_through_shared_forwards() {
             "--modelled-costs",
             "1000,50,0",
         ],
-    );
+    )
+}
+
+#[test]
+fn concurrent_clients_get_their_own_answers_through_shared_forwards() {
+    let s = Scratch::new("serve-concurrent");
+    let srv = speculative_server(&s);
     let prompts: Vec<String> = (0..16)
         .map(|i| format!("w{} w{} w{}", 9 + i, 40 + i, 70 + i))
         .collect();
@@ -133,16 +138,7 @@ fn concurrent_clients_get_their_own_answers_through_shared_forwards() {
 #[test]
 fn a_sequence_that_meets_another_releases_the_drafters_store_and_answers_the_same() {
     let s = Scratch::new("serve-release");
-    let (m, d) = tiny(&s);
-    let srv = Server::start(
-        &m,
-        &[
-            "--drafter",
-            d.to_str().unwrap(),
-            "--modelled-costs",
-            "1000,50,0",
-        ],
-    );
+    let srv = speculative_server(&s);
     let long =
         json!({"prompt": "w9 w10 w11", "max_tokens": 400, "ignore_eos": true, "temperature": 0});
     let short =

@@ -8,9 +8,9 @@
 //! lossless speculative decoding rests on. On x86-64 with AVX2+FMA each weight is rebuilt in
 //! a register from its int8 value and used for up to four input rows (explicit 8-wide FMAs;
 //! more input rows are taken in chunks of four against each tile); with AVX-512F and VL two
-//! weight rows share each 16-wide register, against up to eight input rows ([`zmm`]); elsewhere the tile is rebuilt to f32 and a
-//! scalar loop with `f32::mul_add` computes the same bits
-//! (`crate::quant`'s tests compare every path with [`dot`] bit for bit).
+//! weight rows share each 16-wide register, against up to eight input rows ([`zmm`]);
+//! elsewhere the tile is rebuilt to f32 and a scalar loop with `f32::mul_add` computes the
+//! same bits (`crate::quant`'s tests compare every path with [`dot`] bit for bit).
 
 /// Accumulator lanes of the canonical order.
 const LANES: usize = 8;

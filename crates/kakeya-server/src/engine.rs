@@ -442,9 +442,9 @@ fn draft_threshold(coefficients: Option<(f64, f64)>, n: usize) -> f64 {
 /// One decode step of the sequences `group` (indices into `active`) in one stacked forward,
 /// where each greedy speculative sequence verifies a block — its newest token, then the drafts
 /// its lookups offer whose chance of being committed is at least `threshold` (`None`: no
-/// drafts) — and every other sequence takes a plain step; with, in the same forward, the next prompt chunk (of at most
-/// `chunk` tokens) of each sequence in `prefill` (not in `group`); at most `max_rows` rows in
-/// all (the drafts give way). Returns the rows run.
+/// drafts) — and every other sequence takes a plain step; with, in the same forward, the next
+/// prompt chunk (of at most `chunk` tokens) of each sequence in `prefill` (not in `group`); at
+/// most `max_rows` rows in all (the drafts give way). Returns the rows run.
 fn verify_group(
     active: &mut [Seq<'_>],
     group: &[usize],

@@ -61,37 +61,50 @@ impl<'m> Seq<'m> {
                 Some(session) => Verifier::from_session(session),
                 None => Verifier::new(model, setup, block)?,
             };
-            let mut proposer = speculation
+            let proposer = speculation
                 .map(|(k, _)| k.proposer(drafter, table.cloned()))
                 .transpose()?;
-            if drafter.is_some() && !verifier.session().keeps_store() {
-                // Forked from a sequence that released its store beside others.
-                proposer = proposer.and_then(|p| p.lookups());
-            }
             let dec = speculation
                 .map(|(_, c)| SpecDecoder::new(c, &job.cfg.sampling, ctx))
                 .transpose()?;
             Ok((verifier, proposer, dec))
         })();
         match built {
-            Ok((verifier, proposer, dec)) => Ok(Self {
-                draft: speculation.map(|(k, _)| k),
-                sampler: Sampler::new(job.cfg.sampling.clone()),
-                sink: TokenSink::silent(&job.cfg),
-                tokens: Vec::new(),
-                prefilled: verifier.len(),
-                cached: verifier.len(),
-                sent: 0,
-                stop: None,
-                last_sent: None,
-                first_at: None,
-                batched_steps: 0,
-                verifier,
-                proposer,
-                dec,
-                job,
-            }),
+            Ok((verifier, proposer, dec)) => {
+                let mut s = Self {
+                    draft: speculation.map(|(k, _)| k),
+                    sampler: Sampler::new(job.cfg.sampling.clone()),
+                    sink: TokenSink::silent(&job.cfg),
+                    tokens: Vec::new(),
+                    prefilled: verifier.len(),
+                    cached: verifier.len(),
+                    sent: 0,
+                    stop: None,
+                    last_sent: None,
+                    first_at: None,
+                    batched_steps: 0,
+                    verifier,
+                    proposer,
+                    dec,
+                    job,
+                };
+                // A fork of a sequence that released its store drafts from lookups.
+                s.match_proposer_to_store();
+                Ok(s)
+            }
             Err(e) => Err(Box::new((job, e))),
+        }
+    }
+
+    /// A proposer whose drafter reads the compact store gives way to its lookups where the
+    /// session keeps no store.
+    fn match_proposer_to_store(&mut self) {
+        let needs_store = self
+            .proposer
+            .as_ref()
+            .is_some_and(|p| p.drafter().is_some());
+        if needs_store && !self.verifier.session().keeps_store() {
+            self.proposer = self.proposer.take().and_then(|p| p.lookups());
         }
     }
 
@@ -100,9 +113,8 @@ impl<'m> Seq<'m> {
     /// keeping the drafter's compact store ([`kakeya_runtime::Session::release_store`]; kept
     /// where the KV mode reads it).
     pub(super) fn beside_others(&mut self) {
-        if self.verifier.session_mut().release_store() {
-            self.proposer = self.proposer.take().and_then(|p| p.lookups());
-        }
+        self.verifier.session_mut().release_store();
+        self.match_proposer_to_store();
     }
 
     pub(super) fn decoding(&self) -> bool {

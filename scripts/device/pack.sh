@@ -16,12 +16,14 @@
 #            baseline build when given, alternating, and transformers on the same weights), runs
 #            the test binaries (built with --features cuda) with KAKEYA_TEST_DEVICE=cuda, then
 #            profiles decode steps.
-#   all:     scripts/device/pack.sh all <kakeya --features cuda> <golden test binary, cuda> \
-#                [kakeya --features cuda,fusion]
+#   all:     [ALT=<kakeya --features cuda,fusion>] scripts/device/pack.sh all \
+#                <kakeya --features cuda> <golden test binary, cuda> [more test binaries, cuda...]
 #            one run of everything a GPU session measures on the default model
 #            (run_all.sh): f_θ step time (FTHETA_DATA, default data/capture-f-theta-270m-s8:
 #            a capture of the first 8 prompts with the v2 drafter; with the fused build too),
-#            the golden test, AR and speculative decoding (the default settings: the v3 drafter
+#            the golden test, the further test binaries with KAKEYA_TEST_DEVICE=cuda (e.g.
+#            kakeya-runtime's wgpu_device, kakeya-models' gpu_kernels; the Gemma 4 fixtures go
+#            along), AR and speculative decoding (the default settings: the v3 drafter
 #            and the n-gram table), `kakeya serve`'s load test on the GPU, the drafter's capture
 #            and step time, and transformers on the same GGUF.
 #   f-theta: scripts/device/pack.sh f-theta <kakeya --features cuda> [kakeya --features cuda,fusion]
@@ -37,7 +39,9 @@ mode=${1:?usage: pack.sh infer|profile|all|f-theta <kakeya built with --features
 bin=${2:?usage: pack.sh infer|profile|all|f-theta <kakeya built with --features cuda> [golden test binary]}
 bin=$(realpath "$bin")
 case $mode in
-infer|all) golden=$(realpath "${3:?$mode needs the golden test binary}"); alt=${4:+$(realpath "$4")};;
+infer) golden=$(realpath "${3:?$mode needs the golden test binary}"); alt=${4:+$(realpath "$4")};;
+all) golden=$(realpath "${3:?$mode needs the golden test binary}"); alt=${ALT:+$(realpath "$ALT")}
+    tests=(); for t in "${@:4}"; do tests+=("$(realpath "$t")"); done;;
 profile) base=${3:+$(realpath "$3")}; tests=(); for t in "${@:4}"; do tests+=("$(realpath "$t")"); done;;
 f-theta) alt=${3:+$(realpath "$3")};;
 esac
@@ -53,6 +57,12 @@ stage_f_theta() {
         -e 's#runs/train-f-theta-270m#/tmp/x/ft-run#' -e 's#runs/f-theta-gemma3-270m#/tmp/x/ft-export#' \
         -e 's#^checkpoint_every = .*#checkpoint_every = 1000#' -e 's#^eval_every = .*#eval_every = 1000#' \
         configs/train/f-theta-270m.toml > .xfer/stage/ft.toml
+}
+# Test binaries built with --features cuda, run on the device with KAKEYA_TEST_DEVICE=cuda; the
+# device equivalences (tests/wgpu_device.rs) read the Gemma 4 fixtures.
+stage_tests() {
+    for t in "${tests[@]}"; do xz -T2 -6 -c "$t" > ".xfer/stage/test-$(basename "$t" | sed 's/-[0-9a-f]*$//').xz"; done
+    [ ${#tests[@]} -eq 0 ] || cp -r tests/fixtures/gemma4 .xfer/stage/fixtures-gemma4
 }
 cd "$(dirname "$0")/../.."
 mkdir -p .git/info && grep -qx '/.xfer/' .git/info/exclude 2>/dev/null || echo '/.xfer/' >> .git/info/exclude
@@ -82,9 +92,7 @@ PY
     rm -rf "$tmp"
     xz -T2 -6 -c models/gemma-3-270m/tokenizer.json > .xfer/stage/tokenizer.json.xz
     [ -z "$base" ] || xz -T2 -6 -c "$base" > .xfer/stage/kakeya-base.xz
-    for t in "${tests[@]}"; do xz -T2 -6 -c "$t" > ".xfer/stage/test-$(basename "$t" | sed 's/-[0-9a-f]*$//').xz"; done
-    # The device equivalences (tests/wgpu_device.rs) read the Gemma 4 fixtures.
-    [ ${#tests[@]} -eq 0 ] || cp -r tests/fixtures/gemma4 .xfer/stage/fixtures-gemma4
+    stage_tests
     cp scripts/device/run_profile.sh .xfer/run.sh
     ;;
 all)
@@ -92,6 +100,7 @@ all)
     stage_f_theta
     xz -T2 -6 -c "$golden" > .xfer/stage/golden-cuda.xz
     [ -z "$alt" ] || xz -T2 -6 -c "$alt" > .xfer/stage/kakeya-alt.xz
+    stage_tests
     xz -T2 -6 -c models/gemma-3-270m/tokenizer.json > .xfer/stage/tokenizer.json.xz
     python3 -m pip download -q --no-deps --only-binary=:all: -d .xfer/stage/whl gguf==0.19.0
     echo "root_at_build=$(pwd)" > .xfer/stage/build-root

@@ -1,19 +1,23 @@
 #!/bin/bash
 # Device side of `scripts/device/pack.sh all`: in one call, what a GPU session measures on the
 # default model, most important first, each step under its own time limit (the whole stays
-# under BUDGET seconds, default 470: later steps are skipped when it is spent). Output in $OUT:
+# under BUDGET seconds, default 470: later steps are skipped when it is spent). Output in
+# $OUT/all.tgz (at most 8 files come back; rewritten after each step, so a cut-off run keeps
+# what it finished):
 #   ft-cuda.json, ft-fused.json  f_θ training steps on CUDA (the 270M config on the small
 #                                capture), the build with Burn's fusion too when it came along
 #   golden.log                   the golden test with the model on CUDA
+#   test-NAME.log                each further test binary carried, KAKEYA_TEST_DEVICE=cuda
 #   bench-ar.json                `kakeya bench --device cuda`: pp512, tg128
 #   bench-spec.json              AR vs speculative, 20 built-in prompts × 128 tokens, the default
 #                                settings (v3 drafter, n-gram table)
+#   hf.json                      transformers on the same GGUF and GPU
 #   serve.json                   scripts/load_test.py on `kakeya serve --device cuda`: 1 vs 8
 #                                streams, one round of 64 clients, the plain single stream
 #   drafter.json                 the drafter's capture on CUDA (64 prompts) and training steps
-#   hf.json                      transformers on the same GGUF and GPU
-# (KAKEYA_DEVICE=cpu dry-runs it on a machine without a GPU.)
+# (KAKEYA_DEVICE=cpu dry-runs it on a machine without a GPU; STEP_LIMIT=S caps every step at S s.)
 source .xfer/unpack.sh
+O=/tmp/out; mkdir -p $O
 dev=${KAKEYA_DEVICE:-cuda}
 budget=${BUDGET:-470}
 root=$(sed -n 's/^root_at_build=//p' $X/build-root 2>/dev/null); root=${root:-/work/main}
@@ -31,9 +35,11 @@ step() {
     local left=$((budget - SECONDS))
     if [ $left -lt 20 ]; then echo "== $name: skipped (budget spent)"; return; fi
     [ $limit -gt $left ] && limit=$left
+    [ -n "${STEP_LIMIT:-}" ] && [ $limit -gt $STEP_LIMIT ] && limit=$STEP_LIMIT
     echo "== $name (limit ${limit}s)"
     if [ "$err" = - ]; then timeout "$limit" "$@" > "$out" 2>&1; else timeout "$limit" "$@" > "$out" 2> "$err"; fi
     rc=$?; echo "== $name: rc=$rc in $((SECONDS - t)) s"
+    tar czf $OUT/all.tgz -C $O .
 }
 summary() { python3 - "$@" <<'PY'
 import json, sys
@@ -54,30 +60,40 @@ elif kind == 'spec':
 PY
 }
 # f_θ step time: the plain build, then the fused one.
-step ft-cuda 100 $OUT/ft-cuda.log - $X/kakeya-cuda train f-theta --config $X/ft.toml --device $dev
-cp /tmp/x/ft-run/report.json $OUT/ft-cuda.json 2>/dev/null; summary train $OUT/ft-cuda.json; tail -2 $OUT/ft-cuda.log
+step ft-cuda 100 $O/ft-cuda.log - $X/kakeya-cuda train f-theta --config $X/ft.toml --device $dev
+cp /tmp/x/ft-run/report.json $O/ft-cuda.json 2>/dev/null; summary train $O/ft-cuda.json; tail -2 $O/ft-cuda.log
 if [ -x $X/kakeya-alt ]; then
     rm -rf /tmp/x/ft-run /tmp/x/ft-export
-    step ft-fused 100 $OUT/ft-fused.log - $X/kakeya-alt train f-theta --config $X/ft.toml --device $dev
-    cp /tmp/x/ft-run/report.json $OUT/ft-fused.json 2>/dev/null; summary train $OUT/ft-fused.json; tail -2 $OUT/ft-fused.log
+    step ft-fused 100 $O/ft-fused.log - $X/kakeya-alt train f-theta --config $X/ft.toml --device $dev
+    cp /tmp/x/ft-run/report.json $O/ft-fused.json 2>/dev/null; summary train $O/ft-fused.json; tail -2 $O/ft-fused.log
 fi
-step golden 90 $OUT/golden.log - env KAKEYA_TEST_DEVICE=$dev $X/golden-cuda --include-ignored --nocapture \
+step golden 90 $O/golden.log - env KAKEYA_TEST_DEVICE=$dev $X/golden-cuda --include-ignored --nocapture \
     --test-threads 1 logits_and_greedy_match_transformers
-grep -E "max \||logit|diverg|test result" $OUT/golden.log | tail -12
-step bench-ar 100 $OUT/bench-ar.json $OUT/bench-ar.log $X/kakeya-cuda bench --device $dev --runs 3 --warmup 1 --json
-summary bench $OUT/bench-ar.json
-step bench-spec 150 $OUT/bench-spec.json $OUT/bench-spec.log $X/kakeya-cuda bench --device $dev \
+grep -E "max \||logit|diverg|test result" $O/golden.log | tail -12
+# The tiny-model device equivalences and the kernel tests (when their binaries came along).
+[ -d $X/fixtures-gemma4 ] && mkdir -p tests/fixtures && rm -rf tests/fixtures/gemma4 && cp -r $X/fixtures-gemma4 tests/fixtures/gemma4
+for t in $X/test-*; do
+    [ -x "$t" ] || continue
+    name=$(basename "$t")
+    step $name 90 $O/$name.log - env KAKEYA_TEST_DEVICE=$dev "$t" --test-threads 1 --nocapture
+    grep -E "^test |test result|panicked" $O/$name.log | tail -16
+done
+step bench-ar 100 $O/bench-ar.json $O/bench-ar.log $X/kakeya-cuda bench --device $dev --runs 3 --warmup 1 --json
+summary bench $O/bench-ar.json
+step bench-spec 150 $O/bench-spec.json $O/bench-spec.log $X/kakeya-cuda bench --device $dev \
     --drafter checkpoints/drafter-gemma3-270m-v3 --runs 1 --warmup 1 --json
-summary spec $OUT/bench-spec.json
+summary spec $O/bench-spec.json
+# transformers on the same GGUF and GPU, side by side.
+step hf 150 $O/hf.log - env PYTHONUNBUFFERED=1 python3 scripts/device/hf_bench.py models/gemma-3-270m --json $O/hf.json
+tail -3 $O/hf.log
 # The server on the GPU (issue 17's batching, issue 18's engine on the device).
-step serve 150 $OUT/serve.log - python3 $X/load_test.py --kakeya $X/kakeya-cuda --server-args "--device $dev" \
-    --rounds 1 --json $OUT/serve.json
-grep -E "medians|round|reference|errors" $OUT/serve.log
+step serve 150 $O/serve.log - python3 $X/load_test.py --kakeya $X/kakeya-cuda --server-args "--device $dev" \
+    --rounds 1 --json $O/serve.json
+grep -E "medians|round|reference|errors" $O/serve.log
 # The drafter on the GPU: capture 64 prompts' continuations and hidden states, then train.
-step drafter-capture 60 $OUT/drafter-capture.log - $X/kakeya-cuda capture --config $X/dcap.toml --device $dev
-tail -1 $OUT/drafter-capture.log
-step drafter-train 80 $OUT/drafter-train.log - $X/kakeya-cuda train drafter --config $X/dtrain.toml --device $dev
-cp /tmp/x/dr-run/report.json $OUT/drafter.json 2>/dev/null; summary train $OUT/drafter.json; tail -2 $OUT/drafter-train.log
-step hf 150 $OUT/hf.log - env PYTHONUNBUFFERED=1 python3 scripts/device/hf_bench.py models/gemma-3-270m --json $OUT/hf.json
-tail -3 $OUT/hf.log
+step drafter-capture 60 $O/drafter-capture.log - $X/kakeya-cuda capture --config $X/dcap.toml --device $dev
+tail -1 $O/drafter-capture.log
+step drafter-train 80 $O/drafter-train.log - $X/kakeya-cuda train drafter --config $X/dtrain.toml --device $dev
+cp /tmp/x/dr-run/report.json $O/drafter.json 2>/dev/null; summary train $O/drafter.json; tail -2 $O/drafter-train.log
+tar czf $OUT/all.tgz -C $O .
 echo "== done in $SECONDS s"

@@ -15,7 +15,10 @@
 #   serve.json                   scripts/load_test.py on `kakeya serve --device cuda`: 1 vs 8
 #                                streams, one round of 64 clients, the plain single stream
 #   drafter.json                 the drafter's capture on CUDA (64 prompts) and training steps
-# (KAKEYA_DEVICE=cpu dry-runs it on a machine without a GPU; STEP_LIMIT=S caps every step at S s.)
+#   bench-batch-N.json           `kakeya bench --device cuda --batch N` (N = 1, 8, 16): decode of
+#                                N sequences together (the server's batching on the GPU)
+# (KAKEYA_DEVICE=cpu dry-runs it on a machine without a GPU; STEP_LIMIT=S caps every step at S s;
+# SKIP="NAME ..." skips those steps.)
 source .xfer/unpack.sh
 O=/tmp/out; mkdir -p $O
 dev=${KAKEYA_DEVICE:-cuda}
@@ -33,6 +36,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 step() {
     local name=$1 limit=$2 out=$3 err=$4 t=$SECONDS rc; shift 4
     local left=$((budget - SECONDS))
+    case " ${SKIP:-} " in *" $name "*) echo "== $name: skipped (SKIP)"; return;; esac
     if [ $left -lt 20 ]; then echo "== $name: skipped (budget spent)"; return; fi
     [ $limit -gt $left ] && limit=$left
     [ -n "${STEP_LIMIT:-}" ] && [ $limit -gt $STEP_LIMIT ] && limit=$STEP_LIMIT
@@ -44,6 +48,15 @@ step() {
 summary() { python3 - "$@" <<'PY'
 import json, sys
 kind, path = sys.argv[1], sys.argv[2]
+if kind == 'phases':
+    import re, statistics
+    rows = {}
+    for line in open(path, errors='replace'):
+        line = re.sub(r'\x1b\[[0-9;]*m', '', line)
+        for k, v in re.findall(r'(\w+_ms)=([0-9.]+)', line):
+            rows.setdefault(k, []).append(float(v))
+    print('   median host ms:', {k: round(statistics.median(v[10:] or v), 2) for k, v in rows.items()})
+    sys.exit()
 try:
     d = json.load(open(path))
 except Exception as e:
@@ -60,12 +73,14 @@ elif kind == 'spec':
 PY
 }
 # f_θ step time: the plain build, then the fused one.
-step ft-cuda 100 $O/ft-cuda.log - $X/kakeya-cuda train f-theta --config $X/ft.toml --device $dev
-cp /tmp/x/ft-run/report.json $O/ft-cuda.json 2>/dev/null; summary train $O/ft-cuda.json; tail -2 $O/ft-cuda.log
+step ft-cuda 100 $O/ft-cuda.log - env KAKEYA_LOG=kakeya_train=debug $X/kakeya-cuda train f-theta --config $X/ft.toml --device $dev
+cp /tmp/x/ft-run/report.json $O/ft-cuda.json 2>/dev/null; summary train $O/ft-cuda.json; summary phases $O/ft-cuda.log
+grep -v DEBUG $O/ft-cuda.log | tail -2
 if [ -x $X/kakeya-alt ]; then
     rm -rf /tmp/x/ft-run /tmp/x/ft-export
-    step ft-fused 100 $O/ft-fused.log - $X/kakeya-alt train f-theta --config $X/ft.toml --device $dev
-    cp /tmp/x/ft-run/report.json $O/ft-fused.json 2>/dev/null; summary train $O/ft-fused.json; tail -2 $O/ft-fused.log
+    step ft-fused 100 $O/ft-fused.log - env KAKEYA_LOG=kakeya_train=debug $X/kakeya-alt train f-theta --config $X/ft.toml --device $dev
+    cp /tmp/x/ft-run/report.json $O/ft-fused.json 2>/dev/null; summary train $O/ft-fused.json; summary phases $O/ft-fused.log
+    grep -v DEBUG $O/ft-fused.log | tail -2
 fi
 step golden 90 $O/golden.log - env KAKEYA_TEST_DEVICE=$dev $X/golden-cuda --include-ignored --nocapture \
     --test-threads 1 logits_and_greedy_match_transformers
@@ -83,6 +98,12 @@ summary bench $O/bench-ar.json
 step bench-spec 150 $O/bench-spec.json $O/bench-spec.log $X/kakeya-cuda bench --device $dev \
     --drafter checkpoints/drafter-gemma3-270m-v3 --runs 1 --warmup 1 --json
 summary spec $O/bench-spec.json
+# Decode of several sequences together (the server's batched steps), against one.
+for n in 1 8 16; do
+    step bench-batch-$n 60 $O/bench-batch-$n.json $O/bench-batch-$n.log $X/kakeya-cuda bench --device $dev \
+        --batch $n --prompt-tokens 16 --gen-tokens 64 --runs 3 --warmup 1 --json
+    summary bench $O/bench-batch-$n.json
+done
 # transformers on the same GGUF and GPU, side by side.
 step hf 150 $O/hf.log - env PYTHONUNBUFFERED=1 python3 scripts/device/hf_bench.py models/gemma-3-270m --json $O/hf.json
 tail -3 $O/hf.log

@@ -412,7 +412,8 @@ fn matmul_keeps_f32_operands() {
 }
 
 /// One AdamW update in one kernel against the update computed here on the host, in f32 and in
-/// the composed update's order (`kakeya_train::optim::AdamW::update`); with and without decay.
+/// the composed update's order (`kakeya_train::optim::AdamW::update`); with and without decay,
+/// with the gradient as it is (scale 1) and scaled by a clip factor read from the device.
 #[test]
 fn adamw_matches_the_update_step_by_step() {
     let d = device();
@@ -422,7 +423,7 @@ fn adamw_matches_the_update_step_by_step() {
     let g: Vec<f32> = values(n, 12).iter().map(|x| 0.1 * x).collect();
     let m: Vec<f32> = values(n, 13).iter().map(|x| 0.01 * x).collect();
     let v: Vec<f32> = values(n, 14).iter().map(|x| 1e-4 * x * x).collect();
-    for lr_decay in [0.0, 1e-3 * 0.01] {
+    for (lr_decay, scale) in [(0.0, 1.0f32), (1e-3 * 0.01, 0.37)] {
         let h = gpu::AdamwStep {
             beta1: 0.9,
             beta2: 0.95,
@@ -433,13 +434,15 @@ fn adamw_matches_the_update_step_by_step() {
             lr_decay,
         };
         let t = |x: &[f32]| tensor(x.to_vec(), [r, c], &d);
-        let (p2, m2, v2) = gpu::adamw(&t(&p), &t(&g), &t(&m), &t(&v), &h).expect("on a GPU");
+        let s = tensor(vec![scale], [1], &d);
+        let (p2, m2, v2) = gpu::adamw(&t(&p), &t(&g), &s, &t(&m), &t(&v), &h).expect("on a GPU");
         let (p2, m2, v2) = (host(p2), host(m2), host(v2));
         let f = |x: f64| x as f32;
         let (mut wp, mut wm, mut wv) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
         for i in 0..n {
-            wm[i] = m[i] * f(h.beta1) + g[i] * f(1.0 - h.beta1);
-            wv[i] = v[i] * f(h.beta2) + g[i] * g[i] * f(1.0 - h.beta2);
+            let gi = g[i] * scale;
+            wm[i] = m[i] * f(h.beta1) + gi * f(1.0 - h.beta1);
+            wv[i] = v[i] * f(h.beta2) + gi * gi * f(1.0 - h.beta2);
             let step = (wm[i] / f(h.bias1)) / ((wv[i] / f(h.bias2)).sqrt() + f(h.eps));
             wp[i] = (p[i] - p[i] * f(h.lr_decay)) - step * f(h.lr);
         }

@@ -50,11 +50,19 @@ pub struct AdamW {
     pub weight_decay: f64,
 }
 
-/// `(Σ‖g‖²)^½` over all gradients, summed on the device: one read-back per step, not one per
-/// tensor (each a round trip on a GPU).
-pub fn global_norm(grads: &[Tensor<2>]) -> f64 {
+/// `Σ‖g‖²` over all gradients, summed on the device.
+///
+/// # Shapes
+/// - `grads`: each `[r, c]` → `[1]`
+pub fn squared_norm(grads: &[Tensor<2>]) -> Tensor<1> {
     let squares: Vec<Tensor<1>> = grads.iter().map(|g| g.clone().square().sum()).collect();
-    f64::from(Tensor::cat(squares, 0).sum().into_scalar::<f32>()).sqrt()
+    Tensor::cat(squares, 0).sum()
+}
+
+/// `(Σ‖g‖²)^½` over all gradients: one read-back, not one per tensor (each a round trip on a
+/// GPU).
+pub fn global_norm(grads: &[Tensor<2>]) -> f64 {
+    f64::from(squared_norm(grads).into_scalar::<f32>()).sqrt()
 }
 
 /// The factor that brings a gradient norm down to `clip` (1 when below it or `clip` is 0).
@@ -66,13 +74,50 @@ pub fn clip_factor(norm: f64, clip: f64) -> f64 {
     }
 }
 
+/// [`clip_factor`] on the device, from the norm there (no read-back; f32 arithmetic).
+///
+/// # Shapes
+/// - `norm`: `[1]` → `[1]`
+fn clip_factor_on_device(norm: &Tensor<1>, clip: f64) -> Tensor<1> {
+    let f = norm.clone().add_scalar(1e-6).recip().mul_scalar(clip);
+    if clip > 0.0 {
+        f.mask_fill(norm.clone().lower_equal_elem(clip), 1.0)
+    } else {
+        norm.ones_like()
+    }
+}
+
+/// A step's training loss and gradient norm before clipping, left on the device until the
+/// trainer reads them (one read-back a step: on a GPU each read waits for the queue to drain).
+#[derive(Debug, Clone)]
+pub struct StepValues(Tensor<1>);
+
+impl StepValues {
+    /// `(loss, gradient norm)`, read back.
+    pub fn read(self) -> (f64, f64) {
+        let v = self
+            .0
+            .into_data()
+            .convert::<f32>()
+            .try_into_vec::<f32>()
+            .expect("f32 step values");
+        (f64::from(v[0]), f64::from(v[1]))
+    }
+}
+
 impl AdamW {
-    /// One update of `p` with gradient `g` (already clipped) at 1-based step `t`; `decay`
-    /// says whether weight decay applies (not to norm multipliers).
+    /// One update of `p` with gradient `g` at 1-based step `t`; `decay` says whether weight
+    /// decay applies (not to norm multipliers). On a GPU the update is one kernel that first
+    /// multiplies `g` by `gpu_scale` (the clip's factor, left on the device; none: 1); elsewhere
+    /// `g` comes already clipped and `gpu_scale` is not read.
+    ///
+    /// # Shapes
+    /// - `p`, `g`: `[r, c]`, `gpu_scale`: `[1]` → `[r, c]`
     pub fn update(
         &self,
         p: Tensor<2>,
         g: Tensor<2>,
+        gpu_scale: Option<&Tensor<1>>,
         mom: &mut Moments,
         t: usize,
         decay: bool,
@@ -94,9 +139,19 @@ impl AdamW {
             bias2: bc2,
             lr_decay,
         };
-        if let Some((p, m, v)) = gpu::adamw(&p, &g, &mom.m, &mom.v, &h) {
-            (mom.m, mom.v) = (m, v);
-            return p;
+        if gpu::is_gpu(&p.device()) {
+            let ones;
+            let scale = match gpu_scale {
+                Some(s) => s,
+                None => {
+                    ones = Tensor::<1>::ones([1], &p.device());
+                    &ones
+                }
+            };
+            if let Some((p, m, v)) = gpu::adamw(&p, &g, scale, &mom.m, &mom.v, &h) {
+                (mom.m, mom.v) = (m, v);
+                return p;
+            }
         }
         mom.m = mom
             .m
@@ -124,7 +179,13 @@ impl AdamW {
 
 /// Back-propagates `loss` to `leaves` (gradient-tracking copies of `params`, in order), clips
 /// the global gradient norm to `clip`, and applies one AdamW update at 1-based step `t`;
-/// `decay(shape)` says whether a tensor takes weight decay. Returns the norm before clipping.
+/// `decay(shape)` says whether a tensor takes weight decay. Returns the loss and the norm before
+/// clipping, still on the device: on a GPU nothing in the step waits for the device (the clip's
+/// factor is computed there and goes into the update kernel); on the CPU, where a read costs
+/// nothing, the factor is read and the gradients scaled on the host's side as before.
+///
+/// # Shapes
+/// - `loss`: `[1]` (autodiff), `leaves` and `params`: each `[r, c]`
 #[allow(clippy::too_many_arguments)] // the step's inputs, each used once
 pub fn backward_and_step(
     loss: Tensor<1>,
@@ -135,24 +196,32 @@ pub fn backward_and_step(
     clip: f64,
     t: usize,
     decay: &dyn Fn(&[usize]) -> bool,
-) -> f64 {
+) -> StepValues {
+    let value = loss.clone().inner().reshape([1]);
     let grads = loss.backward();
     let grads: Vec<Tensor<2>> = leaves
         .iter()
         .zip(params.iter())
         .map(|(leaf, (_, _, p))| leaf.grad(&grads).unwrap_or_else(|| p.zeros_like()))
         .collect();
-    let norm = global_norm(&grads);
-    let factor = clip_factor(norm, clip);
+    let squared = squared_norm(&grads);
+    let norm = squared.clone().sqrt();
+    let on_gpu = gpu::is_gpu(&norm.device());
+    let (factor, gpu_scale) = if on_gpu {
+        (1.0, Some(clip_factor_on_device(&norm, clip)))
+    } else {
+        let n = f64::from(squared.into_scalar::<f32>()).sqrt();
+        (clip_factor(n, clip), None)
+    };
     for (((_, shape, p), g), mom) in params.iter_mut().zip(grads).zip(moments) {
         let g = if factor < 1.0 {
             g.mul_scalar(factor)
         } else {
             g
         };
-        *p = opt.update(p.clone(), g, mom, t, decay(shape));
+        *p = opt.update(p.clone(), g, gpu_scale.as_ref(), mom, t, decay(shape));
     }
-    norm
+    StepValues(Tensor::cat(vec![value, norm], 0))
 }
 
 #[cfg(test)]
@@ -176,7 +245,7 @@ mod tests {
             eps: 1e-12,
             weight_decay: 0.0,
         };
-        let out = opt.update(p, g, &mut mom, 1, true);
+        let out = opt.update(p, g, None, &mut mom, 1, true);
         let v = out.into_data().try_to_vec::<f32>().unwrap();
         assert!(
             (v[0] - 0.9).abs() < 1e-6 && (v[1] + 1.9).abs() < 1e-6,

@@ -360,19 +360,10 @@ where
         let started = Instant::now();
         let leaves = leaves(params.tensors());
         let loss_t = trainer.loss(t, params, &leaves)?;
-        let loss = f64::from(loss_t.clone().into_scalar::<f32>());
-        if !loss.is_finite() {
-            return Err(TrainError::NonFinite {
-                step: t + 1,
-                value: loss,
-                kept: last_saved
-                    .map_or_else(|| "none was saved yet".to_string(), |s| format!("step {s}")),
-                dir: out.join("state"),
-            });
-        }
+        let forward = started.elapsed();
         let (opt, clip) = trainer.optimizer(t);
         let decay = |shape: &[usize]| trainer.decays(shape);
-        let grad_norm = backward_and_step(
+        let values = backward_and_step(
             loss_t,
             &leaves,
             params.tensors_mut(),
@@ -382,6 +373,27 @@ where
             t + 1,
             &decay,
         );
+        let queued = started.elapsed();
+        // The step's one read-back: on a GPU, the wait for the queued work.
+        let (loss, grad_norm) = values.read();
+        tracing::debug!(
+            step = t + 1,
+            forward_ms = forward.as_secs_f64() * 1e3,
+            backward_and_update_ms = (queued - forward).as_secs_f64() * 1e3,
+            read_ms = (started.elapsed() - queued).as_secs_f64() * 1e3,
+            "step phases (host time; a GPU runs the queued work meanwhile)"
+        );
+        if !loss.is_finite() {
+            // The update already ran (the loss is read with the gradient norm, after it): the
+            // parameters in memory are spoilt, the last saved state is not.
+            return Err(TrainError::NonFinite {
+                step: t + 1,
+                value: loss,
+                kept: last_saved
+                    .map_or_else(|| "none was saved yet".to_string(), |s| format!("step {s}")),
+                dir: out.join("state"),
+            });
+        }
         st.step += 1;
         ran += 1;
         let rec = StepRecord {

@@ -243,14 +243,16 @@ pub struct AdamwStep {
 }
 
 /// One AdamW update on a GPU in one kernel: `Some((p, m, v))` after the step where the kernels
-/// apply. The same arithmetic, in the same order, as `kakeya_train::optim::AdamW::update`.
+/// apply. The same arithmetic, in the same order, as `kakeya_train::optim::AdamW::update` with
+/// the gradient first multiplied by `scale[0]` (the global clip's factor, left on the device).
 ///
 /// # Shapes
-/// - `p`, `g`, `m`, `v`: `[r, c]` → three `[r, c]`
+/// - `p`, `g`, `m`, `v`: `[r, c]`, `scale`: `[1]` → three `[r, c]`
 #[cfg_attr(not(feature = "cube"), allow(unused_variables))]
 pub fn adamw(
     p: &Tensor<2>,
     g: &Tensor<2>,
+    scale: &Tensor<1>,
     m: &Tensor<2>,
     v: &Tensor<2>,
     h: &AdamwStep,
@@ -259,6 +261,7 @@ pub fn adamw(
         let out: Tensor<3> = Tensor::from_dispatch(<Dispatch as DecodeKernels>::adamw(
             p.clone().into_dispatch(),
             g.clone().into_dispatch(),
+            scale.clone().into_dispatch(),
             m.clone().into_dispatch(),
             v.clone().into_dispatch(),
             h.beta1 as f32,

@@ -102,17 +102,19 @@ pub trait DecodeKernels: burn::backend::Backend {
     #[fusion(dtype = lhs, shape = matmul_shape(lhs, rhs))]
     fn matmul_f32(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self>;
 
-    /// One AdamW update of a parameter `p` with gradient `g` and moments `m`, `v` (bias
-    /// corrections `bias1`, `bias2` of the step; `lr_decay` = lr · weight decay, 0 for none),
-    /// in the composed update's order: the new parameter, first and second moments stacked.
+    /// One AdamW update of a parameter `p` with gradient `g · scale[0]` and moments `m`, `v`
+    /// (bias corrections `bias1`, `bias2` of the step; `lr_decay` = lr · weight decay, 0 for
+    /// none), in the composed update's order: the new parameter, first and second moments
+    /// stacked.
     ///
     /// # Shapes
-    /// - `p`, `g`, `m`, `v`: `[...]` (one shape) → `[3, ...]`
+    /// - `p`, `g`, `m`, `v`: `[...]` (one shape), `scale`: `[1]` → `[3, ...]`
     #[allow(clippy::too_many_arguments)]
     #[fusion(dtype = p, shape = three_planes(p))]
     fn adamw(
         p: FloatTensor<Self>,
         g: FloatTensor<Self>,
+        scale: FloatTensor<Self>,
         m: FloatTensor<Self>,
         v: FloatTensor<Self>,
         beta1: f32,
@@ -233,6 +235,7 @@ impl DecodeKernels for CubeBackend {
     fn adamw(
         p: FloatTensor<Self>,
         g: FloatTensor<Self>,
+        scale: FloatTensor<Self>,
         m: FloatTensor<Self>,
         v: FloatTensor<Self>,
         beta1: f32,
@@ -256,7 +259,7 @@ impl DecodeKernels for CubeBackend {
             bias2,
             lr_decay,
         };
-        optim::adamw(p, g, m, v, h)
+        optim::adamw(p, g, scale, m, v, h)
     }
 
     fn matmul_f32(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {

@@ -23,13 +23,15 @@ pub(super) struct Scalars {
 }
 
 /// One unit per element, in the order of the composed update (`kakeya_train::optim::AdamW`):
-/// the moments, the bias-corrected step, the decoupled decay, then the step. Writes the new
-/// parameter, first moment and second moment as three planes of `n`.
+/// the gradient times `scale[0]` (the global clip's factor, computed on the device: no
+/// read-back), the moments, the bias-corrected step, the decoupled decay, then the step. Writes
+/// the new parameter, first moment and second moment as three planes of `n`.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 fn adamw_kernel(
     p: &[f32],
     g: &[f32],
+    scale: &[f32],
     m: &[f32],
     v: &[f32],
     out: &mut [f32],
@@ -46,7 +48,7 @@ fn adamw_kernel(
 ) {
     let i = ABSOLUTE_POS;
     if i < n {
-        let gi = g[i];
+        let gi = g[i] * scale[0];
         let mi = m[i] * beta1 + gi * one_minus_beta1;
         let vi = v[i] * beta2 + gi * gi * one_minus_beta2;
         let step = (mi / bias1) / (f32::sqrt(vi / bias2) + eps);
@@ -62,11 +64,18 @@ fn adamw_kernel(
 pub(super) fn adamw(
     p: CubeTensor,
     g: CubeTensor,
+    scale: CubeTensor,
     m: CubeTensor,
     v: CubeTensor,
     h: Scalars,
 ) -> CubeTensor {
-    for (t, what) in [(&p, "p"), (&g, "g"), (&m, "m"), (&v, "v")] {
+    for (t, what) in [
+        (&p, "p"),
+        (&g, "g"),
+        (&scale, "scale"),
+        (&m, "m"),
+        (&v, "v"),
+    ] {
         f32_only(t, what);
     }
     let shape = p.meta.shape().clone();
@@ -78,7 +87,12 @@ pub(super) fn adamw(
             "adamw: parameter, gradient and moments differ in size"
         );
     }
-    let [p, g, m, v] = [p, g, m, v].map(into_contiguous);
+    assert_eq!(
+        scale.meta.shape().num_elements(),
+        1,
+        "adamw: the gradient's scale is one number"
+    );
+    let [p, g, scale, m, v] = [p, g, scale, m, v].map(into_contiguous);
     let mut dims = vec![3];
     dims.extend((0..shape.num_dims()).map(|i| shape[i]));
     let out = dense_output(&p, Shape::from(dims));
@@ -91,6 +105,7 @@ pub(super) fn adamw(
         CubeDim::new_1d(ELEMENT_UNITS as u32),
         p.clone().into_buffer_arg(),
         g.into_buffer_arg(),
+        scale.into_buffer_arg(),
         m.into_buffer_arg(),
         v.into_buffer_arg(),
         out.clone().into_buffer_arg(),

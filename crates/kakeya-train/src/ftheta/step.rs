@@ -61,17 +61,63 @@ fn stacked(data: Vec<f32>, layers: usize, rows: usize, device: &Device) -> Tenso
     Tensor::from_data(TensorData::new(data, [layers, rows, cols]), device)
 }
 
+/// What gathering a group's targets needs of it: its verifier layers and each one's head width
+/// (plain data, for the reader's thread).
+#[derive(Debug, Clone)]
+pub struct GroupLayout {
+    ids: Vec<usize>,
+    head_dims: Vec<usize>,
+}
+
+/// The layouts of `groups`, in order.
+pub fn layouts(groups: &[GroupFrozen]) -> Vec<GroupLayout> {
+    groups
+        .iter()
+        .map(|g| GroupLayout {
+            ids: g.ids.clone(),
+            head_dims: g.layers.iter().map(|l| l.head_dim).collect(),
+        })
+        .collect()
+}
+
+/// One group's targets for a pass, gathered on the host: each buffer one upload
+/// ([`HostTargets::upload`]).
+#[derive(Debug, Clone)]
+pub struct HostTargets {
+    layers: usize,
+    q: Option<Vec<f32>>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    o: Option<Vec<f32>>,
+    rows: Rows,
+    scales: Vec<TargetScales>,
+}
+
+impl HostTargets {
+    /// The tensors on `device`.
+    fn upload(self, device: &Device) -> GroupTargets {
+        let (l, r, nq) = (self.layers, self.rows.k_pos.len(), self.rows.q_pos.len());
+        GroupTargets {
+            q_raw: self.q.map(|q| stacked(q, l, nq, device)),
+            k: stacked(self.k, l, r, device),
+            v: stacked(self.v, l, r, device),
+            o: self.o.map(|o| stacked(o, l, nq, device)),
+            rows: self.rows,
+            scales: self.scales,
+        }
+    }
+}
+
 /// One group's targets for a batch of sequences (`q_pos[i]`: the queries of `batch[i]`), their
-/// rows one after the other, padded to multiples of `pad` ([`Rows::pad`]): each tensor one
-/// upload, the constants from the host data.
-fn targets(
+/// rows one after the other, padded to multiples of `pad` ([`Rows::pad`]), with the constants
+/// from the host data.
+fn gather(
     batch: &[&SeqData],
-    g: &GroupFrozen,
+    g: &GroupLayout,
     q_pos: &[Vec<usize>],
     attention: bool,
     pad: usize,
-    device: &Device,
-) -> GroupTargets {
+) -> HostTargets {
     let (mut k, mut v, mut q, mut o) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut rows = Rows::default();
     for (s, qp) in batch.iter().zip(q_pos) {
@@ -79,7 +125,7 @@ fn targets(
     }
     let (pad_rows, pad_queries) = rows.pad(pad);
     let mut scales = vec![TargetScales::default(); batch.len()];
-    for (&id, fr) in g.ids.iter().zip(&g.layers) {
+    for (&id, &head_dim) in g.ids.iter().zip(&g.head_dims) {
         for ((s, qp), sc) in batch.iter().zip(q_pos).zip(&mut scales) {
             let d = &s.layers[id];
             k.extend_from_slice(&d.k);
@@ -88,7 +134,7 @@ fn targets(
             if attention {
                 q.extend(rows_of(&d.q, d.q.len() / s.len, qp));
             }
-            sc.push(&d.k, &d.v, o_rows.as_deref(), fr.head_dim);
+            sc.push(&d.k, &d.v, o_rows.as_deref(), head_dim);
             o.extend(o_rows.unwrap_or_default());
         }
         let zeros = |out: &mut Vec<f32>, n: usize, of: &[f32], len: usize| {
@@ -102,15 +148,53 @@ fn targets(
             zeros(&mut o, pad_queries, &first.o, n0);
         }
     }
-    let (l, r, nq) = (g.ids.len(), rows.k_pos.len(), rows.q_pos.len());
-    GroupTargets {
-        q_raw: attention.then(|| stacked(q, l, nq, device)),
-        k: stacked(k, l, r, device),
-        v: stacked(v, l, r, device),
-        o: attention.then(|| stacked(o, l, nq, device)),
+    HostTargets {
+        layers: g.ids.len(),
+        q: attention.then_some(q),
+        k,
+        v,
+        o: attention.then_some(o),
         rows,
         scales,
     }
+}
+
+/// A step's host work, done ahead of it (on the reader's thread in training): per pass of
+/// [`Passes`], how many of the step's sequences it takes and each group's gathered targets.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    passes: Vec<(usize, Vec<HostTargets>)>,
+}
+
+/// [`Prepared`] for 0-based step `t` over `batch`: the query draw and the gathering of
+/// [`batch_loss`], without the device.
+pub fn prepare_step(
+    layouts: &[GroupLayout],
+    batch: &[SeqData],
+    cfg: &FThetaTrainConfig,
+    t: usize,
+    passes: Passes,
+) -> Prepared {
+    let attention = cfg.loss.kind.needs_attention();
+    let passes = batch
+        .chunks(passes.sequences.max(1))
+        .map(|part| {
+            let part: Vec<&SeqData> = part.iter().collect();
+            let q: Vec<Vec<usize>> = part
+                .iter()
+                .map(|s| {
+                    let n = cfg.loss.queries_per_sequence;
+                    queries(cfg.train.seed, t, s.seq, s.len, n)
+                })
+                .collect();
+            let tgs = layouts
+                .iter()
+                .map(|g| gather(&part, g, &q, attention, passes.pad))
+                .collect();
+            (part.len(), tgs)
+        })
+        .collect();
+    Prepared { passes }
 }
 
 /// The sum over the layers of the per-layer losses of a batch of sequences, each term the sum
@@ -301,21 +385,26 @@ pub fn batch_loss_in(
     device: &Device,
     passes: Passes,
 ) -> Tensor<1> {
-    let attention = cfg.loss.kind.needs_attention();
+    let prepared = prepare_step(&layouts(frozen), batch, cfg, t, passes);
+    prepared_loss(model, frozen, batch, prepared, cfg, device)
+}
+
+/// [`batch_loss`] of a step prepared ahead ([`prepare_step`] over the same `batch`): each
+/// pass's targets uploaded, then its loss.
+pub fn prepared_loss(
+    model: &FTheta,
+    frozen: &[GroupFrozen],
+    batch: &[SeqData],
+    prepared: Prepared,
+    cfg: &FThetaTrainConfig,
+    device: &Device,
+) -> Tensor<1> {
     let mut total: Option<Tensor<1>> = None;
-    for part in batch.chunks(passes.sequences.max(1)) {
-        let part: Vec<&SeqData> = part.iter().collect();
-        let q: Vec<Vec<usize>> = part
-            .iter()
-            .map(|s| {
-                let n = cfg.loss.queries_per_sequence;
-                queries(cfg.train.seed, t, s.seq, s.len, n)
-            })
-            .collect();
-        let tgs: Vec<GroupTargets> = frozen
-            .iter()
-            .map(|g| targets(&part, g, &q, attention, passes.pad, device))
-            .collect();
+    let mut first = 0;
+    for (n, host) in prepared.passes {
+        let part: Vec<&SeqData> = batch[first..first + n].iter().collect();
+        first += n;
+        let tgs: Vec<GroupTargets> = host.into_iter().map(|h| h.upload(device)).collect();
         let (l, _) = sequence_loss(model, frozen, &part, &tgs, cfg, device, false);
         total = Some(match total {
             Some(x) => x + l,
@@ -341,7 +430,7 @@ pub fn optimizer_step(
     moments: &mut [Moments],
 ) -> (f64, f64) {
     let (opt, clip) = adamw(cfg, t);
-    let norm = backward_and_step(
+    let (_, norm) = backward_and_step(
         loss,
         leaves,
         &mut params.tensors,
@@ -350,7 +439,8 @@ pub fn optimizer_step(
         clip,
         t + 1,
         &|_| true,
-    );
+    )
+    .read();
     (opt.lr, norm)
 }
 
@@ -414,9 +504,9 @@ pub fn evaluate(
         let q = evenly(s.len, cfg.output.eval_queries);
         nq += q.len();
         let attention = cfg.loss.kind.needs_attention();
-        let tgs: Vec<GroupTargets> = frozen
+        let tgs: Vec<GroupTargets> = layouts(frozen)
             .iter()
-            .map(|g| targets(&[s], g, std::slice::from_ref(&q), attention, 1, &device))
+            .map(|g| gather(&[s], g, std::slice::from_ref(&q), attention, 1).upload(&device))
             .collect();
         let (l, diags) = if oracle {
             let mut diags = Vec::new();

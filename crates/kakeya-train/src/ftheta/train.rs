@@ -25,7 +25,10 @@ use super::data::{self, DataInfo, SeqData};
 use super::loss::Diagnostics;
 use super::lstsq::{Normal, params_from_fits};
 use super::params::FThetaParams;
-use super::step::{GroupFrozen, adamw, batch_loss, evaluate, frozen_groups, frozen_layers};
+use super::step::{
+    GroupFrozen, GroupLayout, Passes, Prepared, adamw, evaluate, frozen_groups, frozen_layers,
+    layouts, prepare_step, prepared_loss,
+};
 use crate::error::{Result, TrainError};
 use crate::optim::AdamW;
 use crate::run::{self, Cadence, Trainer};
@@ -198,14 +201,17 @@ const READ_AHEAD: usize = 4;
 
 /// The reader thread: streams each step's sequences ahead of the step, [`READ_AHEAD`] steps at
 /// a time, their sequences decoded side by side on up to 8 threads — one sequence's Parquet
-/// row group takes tens of milliseconds to decode on one core, longer than a step on a GPU.
+/// row group takes tens of milliseconds to decode on one core, longer than a step on a GPU —
+/// and each step's targets gathered for upload ([`prepare_step`]: milliseconds of copying per
+/// step, which the step's thread no longer waits for).
 fn spawn_reader(
     cfg: &FThetaTrainConfig,
     info: &DataInfo,
     ds: &Dataset,
     start: usize,
+    (groups, passes): (Vec<GroupLayout>, Passes),
 ) -> (Batches, std::thread::JoinHandle<()>) {
-    let (tx, rx) = mpsc::sync_channel::<Result<(usize, Vec<SeqData>)>>(2 * READ_AHEAD);
+    let (tx, rx) = mpsc::sync_channel::<Result<Step>>(2 * READ_AHEAD);
     let (cfg, info, ds) = (cfg.clone(), info.clone(), ds.clone());
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
     let handle = std::thread::spawn(move || {
@@ -240,7 +246,11 @@ fn spawn_reader(
                 let n = wanted.iter().filter(|w| w.0 == t).count();
                 let batch: Result<Vec<SeqData>> = read.by_ref().take(n).collect();
                 let failed = batch.is_err();
-                if tx.send(batch.map(|b| (t, b))).is_err() || failed {
+                let step = batch.map(|b| {
+                    let prepared = prepare_step(&groups, &b, &cfg, t, passes);
+                    (t, b, prepared)
+                });
+                if tx.send(step).is_err() || failed {
                     return;
                 }
             }
@@ -249,8 +259,11 @@ fn spawn_reader(
     (rx, handle)
 }
 
-/// What the reader sends: each step's sequences, in step order.
-type Batches = mpsc::Receiver<Result<(usize, Vec<SeqData>)>>;
+/// One step from the reader: its 0-based index, sequences and prepared targets.
+type Step = (usize, Vec<SeqData>, Prepared);
+
+/// What the reader sends: each step, in step order.
+type Batches = mpsc::Receiver<Result<Step>>;
 
 /// The least-squares start (see [`super::lstsq`]): one pass over the training sequences'
 /// drafter K/V and raw verifier K/V.
@@ -369,7 +382,8 @@ pub fn train_f_theta(
         st.extra.floor = Some(evaluate(&model, &frozen, &held, cfg, 0, true));
     }
 
-    let (rx, reader) = spawn_reader(cfg, &info, &ds, st.step);
+    let ahead = (layouts(&frozen), Passes::for_device(&ad));
+    let (rx, reader) = spawn_reader(cfg, &info, &ds, st.step, ahead);
     let mut trainer = FThetaRun {
         cfg,
         dir: &info.dir,
@@ -456,7 +470,7 @@ pub fn train_f_theta(
 struct FThetaRun<'a> {
     cfg: &'a FThetaTrainConfig,
     dir: &'a Path,
-    rx: mpsc::Receiver<Result<(usize, Vec<SeqData>)>>,
+    rx: Batches,
     frozen: Vec<GroupFrozen>,
     frozen_ad: Vec<GroupFrozen>,
     held: &'a [SeqData],
@@ -469,19 +483,25 @@ impl Trainer for FThetaRun<'_> {
     type Eval = FEval;
 
     fn loss(&mut self, t: usize, params: &FThetaParams, leaves: &[Tensor<2>]) -> Result<Tensor<1>> {
-        let (bt, batch) = self
+        let waited = std::time::Instant::now();
+        let (bt, batch, prepared) = self
             .rx
             .recv()
             .map_err(|_| TrainError::invalid(self.dir, "the data reader stopped"))??;
         debug_assert_eq!(bt, t);
+        tracing::debug!(
+            step = t + 1,
+            data_wait_ms = waited.elapsed().as_secs_f64() * 1e3,
+            "waited for the reader"
+        );
         self.saturated += batch.iter().map(|s| s.saturated).sum::<usize>();
         let model = params.model(leaves);
-        Ok(batch_loss(
+        Ok(prepared_loss(
             &model,
             &self.frozen_ad,
             &batch,
+            prepared,
             self.cfg,
-            t,
             &self.ad,
         ))
     }

@@ -196,14 +196,15 @@ fn pick(cfg: &FThetaTrainConfig, info: &DataInfo, t: usize) -> Vec<usize> {
     chosen
 }
 
-/// Steps whose sequences the reader decodes together.
+/// Steps the reader prepares together, at least (more where more threads are: one step per
+/// thread and round).
 const READ_AHEAD: usize = 4;
 
-/// The reader thread: streams each step's sequences ahead of the step, [`READ_AHEAD`] steps at
-/// a time, their sequences decoded side by side on up to 8 threads — one sequence's Parquet
-/// row group takes tens of milliseconds to decode on one core, longer than a step on a GPU —
-/// and each step's targets gathered for upload ([`prepare_step`]: milliseconds of copying per
-/// step, which the step's thread no longer waits for).
+/// The reader thread: streams each step's sequences ahead of the step with its targets gathered
+/// for upload ([`prepare_step`]), a round of steps at a time, the steps of a round side by side
+/// on up to 16 threads. One sequence's Parquet row group takes tens of milliseconds to decode on
+/// one core and a step's gathering milliseconds more, longer than a step on a GPU: each thread
+/// does one step (a round of 16 steps takes about as long as one step's reading).
 fn spawn_reader(
     cfg: &FThetaTrainConfig,
     info: &DataInfo,
@@ -211,29 +212,30 @@ fn spawn_reader(
     start: usize,
     (groups, passes): (Vec<GroupLayout>, Passes),
 ) -> (Batches, std::thread::JoinHandle<()>) {
-    let (tx, rx) = mpsc::sync_channel::<Result<Step>>(2 * READ_AHEAD);
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(16));
+    let round = threads.max(READ_AHEAD);
+    let (tx, rx) = mpsc::sync_channel::<Result<Step>>(2 * round);
     let (cfg, info, ds) = (cfg.clone(), info.clone(), ds.clone());
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
     let handle = std::thread::spawn(move || {
         let mut t0 = start;
         while t0 < cfg.train.steps {
-            let steps: Vec<usize> = (t0..(t0 + READ_AHEAD).min(cfg.train.steps)).collect();
+            let steps: Vec<usize> = (t0..(t0 + round).min(cfg.train.steps)).collect();
             t0 += steps.len();
-            let wanted: Vec<(usize, usize)> = steps
-                .iter()
-                .flat_map(|&t| pick(&cfg, &info, t).into_iter().map(move |s| (t, s)))
-                .collect();
-            let per = wanted.len().div_ceil(threads).max(1);
-            let read: Vec<Result<SeqData>> = std::thread::scope(|scope| {
-                let parts: Vec<_> = wanted
+            let per = steps.len().div_ceil(threads).max(1);
+            let one = |t: usize| -> Result<Step> {
+                let batch = pick(&cfg, &info, t)
+                    .into_iter()
+                    .map(|s| info.read(&ds, s))
+                    .collect::<Result<Vec<SeqData>>>()?;
+                let prepared = prepare_step(&groups, &batch, &cfg, t, passes);
+                Ok((t, batch, prepared))
+            };
+            let done: Vec<Result<Step>> = std::thread::scope(|scope| {
+                let parts: Vec<_> = steps
                     .chunks(per)
                     .map(|part| {
-                        let (info, ds) = (&info, &ds);
-                        scope.spawn(move || {
-                            part.iter()
-                                .map(|&(_, s)| info.read(ds, s))
-                                .collect::<Vec<_>>()
-                        })
+                        let one = &one;
+                        scope.spawn(move || part.iter().map(|&t| one(t)).collect::<Vec<_>>())
                     })
                     .collect();
                 parts
@@ -241,15 +243,8 @@ fn spawn_reader(
                     .flat_map(|h| h.join().expect("a reader thread panicked"))
                     .collect()
             });
-            let mut read = read.into_iter();
-            for &t in &steps {
-                let n = wanted.iter().filter(|w| w.0 == t).count();
-                let batch: Result<Vec<SeqData>> = read.by_ref().take(n).collect();
-                let failed = batch.is_err();
-                let step = batch.map(|b| {
-                    let prepared = prepare_step(&groups, &b, &cfg, t, passes);
-                    (t, b, prepared)
-                });
+            for step in done {
+                let failed = step.is_err();
                 if tx.send(step).is_err() || failed {
                     return;
                 }

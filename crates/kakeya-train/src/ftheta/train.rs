@@ -202,9 +202,10 @@ const READ_AHEAD: usize = 4;
 
 /// The reader thread: streams each step's sequences ahead of the step with its targets gathered
 /// for upload ([`prepare_step`]), a round of steps at a time, the steps of a round side by side
-/// on up to 16 threads. One sequence's Parquet row group takes tens of milliseconds to decode on
+/// on up to 8 threads. One sequence's Parquet row group takes tens of milliseconds to decode on
 /// one core and a step's gathering milliseconds more, longer than a step on a GPU: each thread
-/// does one step (a round of 16 steps takes about as long as one step's reading).
+/// does one step, so a round of 8 steps takes about as long as one step's reading. (16 threads
+/// on the H100 machine's 16 cores kept up too but slowed the step's own thread.)
 fn spawn_reader(
     cfg: &FThetaTrainConfig,
     info: &DataInfo,
@@ -212,7 +213,7 @@ fn spawn_reader(
     start: usize,
     (groups, passes): (Vec<GroupLayout>, Passes),
 ) -> (Batches, std::thread::JoinHandle<()>) {
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(16));
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
     let round = threads.max(READ_AHEAD);
     let (tx, rx) = mpsc::sync_channel::<Result<Step>>(2 * round);
     let (cfg, info, ds) = (cfg.clone(), info.clone(), ds.clone());

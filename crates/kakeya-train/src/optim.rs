@@ -79,12 +79,11 @@ pub fn clip_factor(norm: f64, clip: f64) -> f64 {
 /// # Shapes
 /// - `norm`: `[1]` → `[1]`
 fn clip_factor_on_device(norm: &Tensor<1>, clip: f64) -> Tensor<1> {
-    let f = norm.clone().add_scalar(1e-6).recip().mul_scalar(clip);
-    if clip > 0.0 {
-        f.mask_fill(norm.clone().lower_equal_elem(clip), 1.0)
-    } else {
-        norm.ones_like()
+    if clip <= 0.0 {
+        return norm.ones_like();
     }
+    let f = norm.clone().add_scalar(1e-6).recip().mul_scalar(clip);
+    f.mask_fill(norm.clone().lower_equal_elem(clip), 1.0)
 }
 
 /// A step's training loss and gradient norm before clipping, left on the device until the

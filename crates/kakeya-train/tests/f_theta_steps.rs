@@ -104,7 +104,9 @@ fn step_batch(f: &Value) -> Vec<SeqData> {
 type Step = (f64, f64, f64, Vec<(String, Vec<f32>)>);
 
 fn trainer_steps(f: &Value, cfg: &FThetaTrainConfig) -> Vec<Step> {
-    let d = Device::flex();
+    // On a GPU (`KAKEYA_TEST_DEVICE`) the clip's factor stays on the device and goes into the
+    // AdamW kernel: the same five steps must match torch's there too.
+    let d = kakeya_models::testing::test_device();
     let ad = d.clone().autodiff();
     let mut params = params(f, &d);
     let frozen = frozen_groups(&frozen(f, &ad), &params.config);

@@ -236,6 +236,7 @@ fn stacked_layers_give_each_layers_own_terms() {
                 v: stack3(&|t| t.v.clone()),
                 o: Some(stack3(&|t| t.o.clone().unwrap())),
                 scales: vec![scales],
+                attention: None,
             };
             let decoded = |path: &kakeya_models::ftheta::FThetaPath, z: &Tensor<2>| {
                 let each = fr.ids.iter().map(|&l| path.decode(z.clone(), l)).collect();

@@ -90,11 +90,73 @@ pub struct GroupFrozen {
     pub(super) v_scale: Option<Tensor<4>>,
     /// `o_projᵀ` of each member, `[L, heads · head_dim, hidden]`.
     o_proj_t: Tensor<3>,
-    /// Distinct windows and RoPEs of the members, and each member's index into them.
+    /// What the masks and RoPE tables are built from.
+    shape: AttentionShape,
+    /// Each member's index into the distinct windows and RoPEs (once on the device:
+    /// `window_of` per KV head, `[L · kv_heads]`; `rope_of`, `[L]`).
+    window_of: Tensor<1, Int>,
+    rope_of: Tensor<1, Int>,
+}
+
+/// The host side of a group's attention: its members' distinct windows and RoPEs and the query
+/// heads per KV head, from which a set of rows' masks and RoPE tables are built (plain data:
+/// the f_θ reader builds them ahead of a step, [`AttentionShape::host`]).
+#[derive(Debug, Clone)]
+pub struct AttentionShape {
     windows: Vec<Option<usize>>,
-    window_of: Vec<usize>,
     ropes: Vec<Rope>,
-    rope_of: Vec<usize>,
+    groups: usize,
+}
+
+/// A set of rows' masks and RoPE tables on the host ([`AttentionShape::host`]), one upload
+/// each.
+#[derive(Debug, Clone)]
+pub struct HostAttention {
+    /// Every distinct RoPE's cosines then sines at the queries, `[ropes, 2, Q, d/2]`.
+    q_tables: Vec<f32>,
+    /// The same at the keys, `[ropes, 2, R, d/2]`.
+    k_tables: Vec<f32>,
+    /// Every distinct window's additive mask, `[windows, G · Q, R]`.
+    mask: Vec<f32>,
+}
+
+impl AttentionShape {
+    /// The masks and tables of `rows` (a query sees the keys of its own sequence its layer's
+    /// mask lets through).
+    pub fn host(&self, rows: &Rows) -> HostAttention {
+        let tables = |positions: &[usize]| {
+            let mut all = Vec::new();
+            for r in &self.ropes {
+                let (cos, sin) = r.host_tables(positions);
+                all.extend(cos);
+                all.extend(sin);
+            }
+            all
+        };
+        let (nq, n) = (rows.q_pos.len(), rows.k_pos.len());
+        let mut mask = Vec::with_capacity(self.windows.len() * self.groups * nq * n);
+        for &w in &self.windows {
+            let row: Vec<f32> = (0..nq)
+                .flat_map(|i| (0..n).map(move |j| (i, j)))
+                .map(|(i, j)| {
+                    let same = rows.q_seq[i] == rows.k_seq[j];
+                    if same && visible(w, rows.q_pos[i], rows.k_pos[j]) {
+                        0.0
+                    } else {
+                        MASKED
+                    }
+                })
+                .collect();
+            for _ in 0..self.groups {
+                mask.extend_from_slice(&row);
+            }
+        }
+        HostAttention {
+            q_tables: tables(&rows.q_pos),
+            k_tables: tables(&rows.k_pos),
+            mask,
+        }
+    }
 }
 
 /// The distinct values of `items` (first-appearance order) and each item's index into them.
@@ -156,18 +218,32 @@ impl GroupFrozen {
         );
         let (windows, window_of) = distinct(layers.iter().map(|l| l.window));
         let (ropes, rope_of) = distinct(layers.iter().map(|l| l.rope.clone()));
+        let device = f.o_proj.device();
+        let per_head: Vec<usize> = window_of
+            .iter()
+            .flat_map(|&w| std::iter::repeat_n(w, f.kv_heads))
+            .collect();
+        let shape = AttentionShape {
+            windows,
+            ropes,
+            groups: f.heads / f.kv_heads,
+        };
         Self {
             ids,
+            window_of: index(&per_head, &device),
+            rope_of: index(&rope_of, &device),
+            shape,
             layers,
             q_scale,
             k_scale,
             v_scale,
             o_proj_t,
-            windows,
-            window_of,
-            ropes,
-            rope_of,
         }
+    }
+
+    /// See [`AttentionShape`].
+    pub fn attention_shape(&self) -> &AttentionShape {
+        &self.shape
     }
 
     pub(super) fn first(&self) -> &LayerFrozen {
@@ -198,60 +274,28 @@ impl GroupFrozen {
         }
     }
 
-    /// Each member's RoPE tables at `positions`, `[L, 1, T, d/2]` each: the distinct RoPEs'
-    /// tables in one upload, picked per member on the device.
-    fn tables(&self, positions: &[usize], device: &Device) -> (Tensor<4>, Tensor<4>) {
-        let mut all = Vec::new();
-        for r in &self.ropes {
-            let (cos, sin) = r.host_tables(positions);
-            all.extend(cos);
-            all.extend(sin);
-        }
-        let (k, t) = (self.ropes.len(), positions.len());
-        let half = all.len() / (2 * k * t).max(1);
-        let kinds = Tensor::<4>::from_data(TensorData::new(all, [k, 2, t, half]), device);
-        let per_layer = kinds.select(0, index(&self.rope_of, device));
+    /// Each member's RoPE tables from the distinct RoPEs' (`host`: `[ropes, 2, T, d/2]`, one
+    /// upload), picked per member on the device: `[L, 1, T, d/2]` each.
+    fn tables(&self, host: Vec<f32>, t: usize, device: &Device) -> (Tensor<4>, Tensor<4>) {
+        let k = self.shape.ropes.len();
+        let half = host.len() / (2 * k * t).max(1);
+        let kinds = Tensor::<4>::from_data(TensorData::new(host, [k, 2, t, half]), device);
+        let per_layer = kinds.select(0, self.rope_of.clone());
         (per_layer.clone().narrow(1, 0, 1), per_layer.narrow(1, 1, 1))
     }
 
-    /// Each member's additive mask of the queries over the keys of `rows` (a query sees the
-    /// keys of its own sequence its layer's mask lets through), rows group-major as
-    /// [`grouped_attention`] reads them: `[L · kv_heads, G · Q, R]`.
-    fn mask(&self, rows: &Rows, device: &Device) -> Tensor<3> {
-        let f = self.first();
-        let groups = f.heads / f.kv_heads;
-        let (nq, n) = (rows.q_pos.len(), rows.k_pos.len());
-        let mut all = Vec::with_capacity(self.windows.len() * groups * nq * n);
-        for &w in &self.windows {
-            let row: Vec<f32> = (0..nq)
-                .flat_map(|i| (0..n).map(move |j| (i, j)))
-                .map(|(i, j)| {
-                    let same = rows.q_seq[i] == rows.k_seq[j];
-                    if same && visible(w, rows.q_pos[i], rows.k_pos[j]) {
-                        0.0
-                    } else {
-                        MASKED
-                    }
-                })
-                .collect();
-            for _ in 0..groups {
-                all.extend_from_slice(&row);
-            }
-        }
-        let kinds = Tensor::<3>::from_data(
-            TensorData::new(all, [self.windows.len(), groups * nq, n]),
-            device,
-        );
-        let per_head: Vec<usize> = self
-            .window_of
-            .iter()
-            .flat_map(|&w| std::iter::repeat_n(w, f.kv_heads))
-            .collect();
-        kinds.select(0, index(&per_head, device))
+    /// Each member's additive mask from the distinct windows' (`host`: `[windows, G · Q, R]`,
+    /// one upload), rows group-major as [`grouped_attention`] reads them: `[L · kv_heads, G · Q,
+    /// R]`.
+    fn mask(&self, host: Vec<f32>, nq: usize, n: usize, device: &Device) -> Tensor<3> {
+        let (w, g) = (self.shape.windows.len(), self.shape.groups);
+        let kinds = Tensor::<3>::from_data(TensorData::new(host, [w, g * nq, n]), device);
+        kinds.select(0, self.window_of.clone())
     }
 
     /// Every member's attention output (after o_proj) at the queries of `rows` over the keys
-    /// and values of `rows` (each query within its own sequence).
+    /// and values of `rows` (each query within its own sequence), the masks and RoPE tables
+    /// from `host` (built ahead for these rows) or built here.
     ///
     /// # Shapes
     /// - `q_raw`: `[L, Q, heads · head_dim]`; `k_raw`, `v_raw`: `[L, R, kv_heads · head_dim]`
@@ -260,6 +304,7 @@ impl GroupFrozen {
         &self,
         q_raw: Tensor<3>,
         rows: &Rows,
+        host: Option<&HostAttention>,
         k_raw: Tensor<3>,
         v_raw: Tensor<3>,
     ) -> Tensor<3> {
@@ -268,8 +313,16 @@ impl GroupFrozen {
         let (l, hd) = (self.layers.len(), f.head_dim);
         let [_, n, _] = k_raw.dims();
         let nq = rows.q_pos.len();
-        let (qc, qs) = self.tables(&rows.q_pos, &device);
-        let (kc, ks) = self.tables(&rows.k_pos, &device);
+        let built;
+        let host = match host {
+            Some(h) => h,
+            None => {
+                built = self.shape.host(rows);
+                &built
+            }
+        };
+        let (qc, qs) = self.tables(host.q_tables.clone(), nq, &device);
+        let (kc, ks) = self.tables(host.k_tables.clone(), n, &device);
         let q = Self::norm(
             self.head_vectors(q_raw, f.heads),
             &self.q_scale,
@@ -285,7 +338,7 @@ impl GroupFrozen {
         let q = Rope::rotate(q, qc, qs).reshape([l * f.heads, nq, hd]);
         let k = Rope::rotate(k, kc, ks).reshape([l * f.kv_heads, n, hd]);
         let v = v.reshape([l * f.kv_heads, n, hd]);
-        let mask = self.mask(rows, &device);
+        let mask = self.mask(host.mask.clone(), nq, n, &device);
         grouped_attention(q, k, v, f.scale, Some(mask))
             .reshape([nq, l, f.heads * hd])
             .swap_dims(0, 1)

@@ -19,7 +19,7 @@
 use burn::tensor::{Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
-pub use super::frozen::{GroupFrozen, LayerFrozen};
+pub use super::frozen::{GroupFrozen, HostAttention, LayerFrozen};
 
 /// Added under square roots of squared norms.
 const NORM_EPS: f64 = 1e-12;
@@ -231,6 +231,9 @@ pub struct GroupTargets {
     pub rows: Rows,
     /// Host constants of each sequence's targets.
     pub scales: Vec<TargetScales>,
+    /// The rows' masks and RoPE tables when built ahead (attention losses; `None`: built
+    /// when the loss runs).
+    pub attention: Option<HostAttention>,
 }
 
 impl GroupTargets {
@@ -248,6 +251,7 @@ impl GroupTargets {
             o: tg.o.clone().map(|o| o.unsqueeze()),
             rows: Rows::one(tg.k.dims()[0], &tg.q_pos),
             scales: vec![scales],
+            attention: None,
         }
     }
 
@@ -389,7 +393,7 @@ pub fn group_terms(
     };
     let (mse_o, mse_o_rel) = match (&tg.q_raw, &tg.o) {
         (Some(q), Some(o)) => {
-            let out = fr.attention(q.clone(), &tg.rows, k_hat, v_hat);
+            let out = fr.attention(q.clone(), &tg.rows, tg.attention.as_ref(), k_hat, v_hat);
             let err = (out - o.clone()).square();
             let per_query = tg.weights(&tg.rows.q_seq, Relative::No);
             let relative = tg.weights(&tg.rows.q_seq, Relative::Outputs);

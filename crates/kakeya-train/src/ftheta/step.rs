@@ -11,6 +11,7 @@ use rand::{Rng, SeedableRng};
 
 use super::config::FThetaTrainConfig;
 use super::data::SeqData;
+use super::frozen::{AttentionShape, HostAttention};
 use super::loss::{Diagnostics, GroupTargets, Rows, TargetScales, group_terms, layer_loss};
 pub use super::loss::{GroupFrozen, LayerFrozen};
 use super::params::FThetaParams;
@@ -67,6 +68,7 @@ fn stacked(data: Vec<f32>, layers: usize, rows: usize, device: &Device) -> Tenso
 pub struct GroupLayout {
     ids: Vec<usize>,
     head_dims: Vec<usize>,
+    attention: AttentionShape,
 }
 
 /// The layouts of `groups`, in order.
@@ -76,6 +78,7 @@ pub fn layouts(groups: &[GroupFrozen]) -> Vec<GroupLayout> {
         .map(|g| GroupLayout {
             ids: g.ids.clone(),
             head_dims: g.layers.iter().map(|l| l.head_dim).collect(),
+            attention: g.attention_shape().clone(),
         })
         .collect()
 }
@@ -91,6 +94,7 @@ pub struct HostTargets {
     o: Option<Vec<f32>>,
     rows: Rows,
     scales: Vec<TargetScales>,
+    attention: Option<HostAttention>,
 }
 
 impl HostTargets {
@@ -104,13 +108,14 @@ impl HostTargets {
             o: self.o.map(|o| stacked(o, l, nq, device)),
             rows: self.rows,
             scales: self.scales,
+            attention: self.attention,
         }
     }
 }
 
 /// One group's targets for a batch of sequences (`q_pos[i]`: the queries of `batch[i]`), their
 /// rows one after the other, padded to multiples of `pad` ([`Rows::pad`]), with the constants
-/// from the host data.
+/// from the host data and, for attention losses, the rows' masks and RoPE tables.
 fn gather(
     batch: &[&SeqData],
     g: &GroupLayout,
@@ -149,6 +154,7 @@ fn gather(
         }
     }
     HostTargets {
+        attention: attention.then(|| g.attention.host(&rows)),
         layers: g.ids.len(),
         q: attention.then_some(q),
         k,

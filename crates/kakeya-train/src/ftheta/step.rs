@@ -396,7 +396,8 @@ pub fn batch_loss_in(
 }
 
 /// [`batch_loss`] of a step prepared ahead ([`prepare_step`] over the same `batch`): each
-/// pass's targets uploaded, then its loss.
+/// pass's targets uploaded, then its loss. Of `batch` only the lengths and the drafter's side
+/// are read (the reader drops the verifier's tensors once they are prepared).
 pub fn prepared_loss(
     model: &FTheta,
     frozen: &[GroupFrozen],

@@ -205,7 +205,8 @@ const READ_AHEAD: usize = 4;
 /// on up to 8 threads. One sequence's Parquet row group takes tens of milliseconds to decode on
 /// one core and a step's gathering milliseconds more, longer than a step on a GPU: each thread
 /// does one step, so a round of 8 steps takes about as long as one step's reading. (16 threads
-/// on the H100 machine's 16 cores kept up too but slowed the step's own thread.)
+/// on the H100 machine's 16 cores kept up too, but the step's own thread ran slower in that
+/// run.)
 fn spawn_reader(
     cfg: &FThetaTrainConfig,
     info: &DataInfo,
@@ -224,11 +225,16 @@ fn spawn_reader(
             t0 += steps.len();
             let per = steps.len().div_ceil(threads).max(1);
             let one = |t: usize| -> Result<Step> {
-                let batch = pick(&cfg, &info, t)
+                let mut batch = pick(&cfg, &info, t)
                     .into_iter()
                     .map(|s| info.read(&ds, s))
                     .collect::<Result<Vec<SeqData>>>()?;
                 let prepared = prepare_step(&groups, &batch, &cfg, t, passes);
+                // The verifier's tensors now live in `prepared`; the step reads only the
+                // drafter's side of each sequence (half the bytes held ahead otherwise).
+                for s in &mut batch {
+                    s.layers = Vec::new();
+                }
                 Ok((t, batch, prepared))
             };
             let done: Vec<Result<Step>> = std::thread::scope(|scope| {

@@ -109,7 +109,7 @@ pub struct AttentionShape {
 }
 
 /// A set of rows' masks and RoPE tables on the host ([`AttentionShape::host`]), one upload
-/// each.
+/// each ([`HostAttention::upload`]).
 #[derive(Debug, Clone)]
 pub struct HostAttention {
     /// Every distinct RoPE's cosines then sines at the queries, `[ropes, 2, Q, d/2]`.
@@ -118,6 +118,33 @@ pub struct HostAttention {
     k_tables: Vec<f32>,
     /// Every distinct window's additive mask, `[windows, G · Q, R]`.
     mask: Vec<f32>,
+    /// `[ropes, windows, G, Q, R]`.
+    dims: [usize; 5],
+}
+
+/// [`HostAttention`] on the device: the distinct RoPEs' tables and windows' masks, which
+/// [`GroupFrozen::attention`] picks per member.
+#[derive(Debug, Clone)]
+pub struct AttentionInputs {
+    q_tables: Tensor<4>,
+    k_tables: Tensor<4>,
+    mask: Tensor<3>,
+}
+
+impl HostAttention {
+    /// The three tensors on `device` (no copy on the host).
+    pub fn upload(self, device: &Device) -> AttentionInputs {
+        let [ropes, windows, g, nq, n] = self.dims;
+        let tables = |v: Vec<f32>, t: usize| {
+            let half = v.len() / (2 * ropes * t).max(1);
+            Tensor::<4>::from_data(TensorData::new(v, [ropes, 2, t, half]), device)
+        };
+        AttentionInputs {
+            q_tables: tables(self.q_tables, nq),
+            k_tables: tables(self.k_tables, n),
+            mask: Tensor::from_data(TensorData::new(self.mask, [windows, g * nq, n]), device),
+        }
+    }
 }
 
 impl AttentionShape {
@@ -155,6 +182,7 @@ impl AttentionShape {
             q_tables: tables(&rows.q_pos),
             k_tables: tables(&rows.k_pos),
             mask,
+            dims: [self.ropes.len(), self.windows.len(), self.groups, nq, n],
         }
     }
 }
@@ -274,28 +302,18 @@ impl GroupFrozen {
         }
     }
 
-    /// Each member's RoPE tables from the distinct RoPEs' (`host`: `[ropes, 2, T, d/2]`, one
-    /// upload), picked per member on the device: `[L, 1, T, d/2]` each.
-    fn tables(&self, host: Vec<f32>, t: usize, device: &Device) -> (Tensor<4>, Tensor<4>) {
-        let k = self.shape.ropes.len();
-        let half = host.len() / (2 * k * t).max(1);
-        let kinds = Tensor::<4>::from_data(TensorData::new(host, [k, 2, t, half]), device);
+    /// Each member's RoPE tables, picked from the distinct RoPEs' (`[ropes, 2, T, d/2]`):
+    /// `[L, 1, T, d/2]` each.
+    fn tables(&self, kinds: Tensor<4>) -> (Tensor<4>, Tensor<4>) {
         let per_layer = kinds.select(0, self.rope_of.clone());
         (per_layer.clone().narrow(1, 0, 1), per_layer.narrow(1, 1, 1))
     }
 
-    /// Each member's additive mask from the distinct windows' (`host`: `[windows, G · Q, R]`,
-    /// one upload), rows group-major as [`grouped_attention`] reads them: `[L · kv_heads, G · Q,
-    /// R]`.
-    fn mask(&self, host: Vec<f32>, nq: usize, n: usize, device: &Device) -> Tensor<3> {
-        let (w, g) = (self.shape.windows.len(), self.shape.groups);
-        let kinds = Tensor::<3>::from_data(TensorData::new(host, [w, g * nq, n]), device);
-        kinds.select(0, self.window_of.clone())
-    }
-
     /// Every member's attention output (after o_proj) at the queries of `rows` over the keys
     /// and values of `rows` (each query within its own sequence), the masks and RoPE tables
-    /// from `host` (built ahead for these rows) or built here.
+    /// from `inputs` (built ahead for these rows) or built here. Each member's mask is picked
+    /// from the distinct windows', rows group-major as [`grouped_attention`] reads them:
+    /// `[L · kv_heads, G · Q, R]`.
     ///
     /// # Shapes
     /// - `q_raw`: `[L, Q, heads · head_dim]`; `k_raw`, `v_raw`: `[L, R, kv_heads · head_dim]`
@@ -304,7 +322,7 @@ impl GroupFrozen {
         &self,
         q_raw: Tensor<3>,
         rows: &Rows,
-        host: Option<&HostAttention>,
+        inputs: Option<&AttentionInputs>,
         k_raw: Tensor<3>,
         v_raw: Tensor<3>,
     ) -> Tensor<3> {
@@ -314,15 +332,15 @@ impl GroupFrozen {
         let [_, n, _] = k_raw.dims();
         let nq = rows.q_pos.len();
         let built;
-        let host = match host {
-            Some(h) => h,
+        let inputs = match inputs {
+            Some(a) => a,
             None => {
-                built = self.shape.host(rows);
+                built = self.shape.host(rows).upload(&device);
                 &built
             }
         };
-        let (qc, qs) = self.tables(host.q_tables.clone(), nq, &device);
-        let (kc, ks) = self.tables(host.k_tables.clone(), n, &device);
+        let (qc, qs) = self.tables(inputs.q_tables.clone());
+        let (kc, ks) = self.tables(inputs.k_tables.clone());
         let q = Self::norm(
             self.head_vectors(q_raw, f.heads),
             &self.q_scale,
@@ -338,7 +356,7 @@ impl GroupFrozen {
         let q = Rope::rotate(q, qc, qs).reshape([l * f.heads, nq, hd]);
         let k = Rope::rotate(k, kc, ks).reshape([l * f.kv_heads, n, hd]);
         let v = v.reshape([l * f.kv_heads, n, hd]);
-        let mask = self.mask(host.mask.clone(), nq, n, &device);
+        let mask = inputs.mask.clone().select(0, self.window_of.clone());
         grouped_attention(q, k, v, f.scale, Some(mask))
             .reshape([nq, l, f.heads * hd])
             .swap_dims(0, 1)

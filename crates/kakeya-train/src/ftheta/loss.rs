@@ -19,7 +19,7 @@
 use burn::tensor::{Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
-pub use super::frozen::{GroupFrozen, HostAttention, LayerFrozen};
+pub use super::frozen::{AttentionInputs, GroupFrozen, LayerFrozen};
 
 /// Added under square roots of squared norms.
 const NORM_EPS: f64 = 1e-12;
@@ -233,7 +233,7 @@ pub struct GroupTargets {
     pub scales: Vec<TargetScales>,
     /// The rows' masks and RoPE tables when built ahead (attention losses; `None`: built
     /// when the loss runs).
-    pub attention: Option<HostAttention>,
+    pub attention: Option<AttentionInputs>,
 }
 
 impl GroupTargets {

@@ -108,7 +108,7 @@ impl HostTargets {
             o: self.o.map(|o| stacked(o, l, nq, device)),
             rows: self.rows,
             scales: self.scales,
-            attention: self.attention,
+            attention: self.attention.map(|a| a.upload(device)),
         }
     }
 }

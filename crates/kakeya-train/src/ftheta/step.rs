@@ -507,11 +507,11 @@ pub fn evaluate(
     let mut sums = vec![Diagnostics::default(); layers];
     let mut loss = 0.0;
     let mut nq = 0;
+    let (shapes, attention) = (layouts(frozen), cfg.loss.kind.needs_attention());
     for s in held {
         let q = evenly(s.len, cfg.output.eval_queries);
         nq += q.len();
-        let attention = cfg.loss.kind.needs_attention();
-        let tgs: Vec<GroupTargets> = layouts(frozen)
+        let tgs: Vec<GroupTargets> = shapes
             .iter()
             .map(|g| gather(&[s], g, std::slice::from_ref(&q), attention, 1).upload(&device))
             .collect();

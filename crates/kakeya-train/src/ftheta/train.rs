@@ -231,7 +231,7 @@ fn spawn_reader(
                     .collect::<Result<Vec<SeqData>>>()?;
                 let prepared = prepare_step(&groups, &batch, &cfg, t, passes);
                 // The verifier's tensors now live in `prepared`; the step reads only the
-                // drafter's side of each sequence (half the bytes held ahead otherwise).
+                // drafter's side of each sequence (a step held ahead keeps them once, not twice).
                 for s in &mut batch {
                     s.layers = Vec::new();
                 }

@@ -1,18 +1,51 @@
 #!/bin/bash
 # Device side of `scripts/device/pack.sh f-theta`: joins the parts gathered in /tmp/x, checks the
 # hash, and times f_θ training steps (the 270M config on the small capture) on CUDA with the
-# plain build and, when it came along, the fused one. Output in $OUT: ft.tgz (each build's
-# report.json and log).
+# build and, when it came along, the second one (a baseline, or the fused build), alternated
+# ROUNDS times (default 1). Output in $OUT: ft.tgz (each run's report.json and log, with the
+# medians of its host phases printed).
 source .xfer/unpack.sh
 mkdir -p checkpoints && rm -rf checkpoints/drafter-gemma3-270m-v2 && mv $X/drafter checkpoints/drafter-gemma3-270m-v2
 mkdir -p $X/out
+# ROUNDS=N: the builds alternated N times (default 1).
+for round in $(seq ${ROUNDS:-1}); do
 for b in cuda alt; do
     [ -x $X/kakeya-$b ] || continue
     rm -rf /tmp/x/ft-run /tmp/x/ft-export
-    echo "== kakeya-$b"
-    timeout 200 $X/kakeya-$b train f-theta --config $X/ft.toml --device ${KAKEYA_DEVICE:-cuda} > $X/out/ft-$b.log 2>&1; echo "rc=$?"
-    tail -1 $X/out/ft-$b.log
-    cp /tmp/x/ft-run/report.json $X/out/ft-$b.json 2>/dev/null
-    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('secs_per_step', d['secs_per_step'], [round(s['secs']*1000,1) for s in d['steps']])" $X/out/ft-$b.json
+    echo "== kakeya-$b, round $round"
+    KAKEYA_LOG=kakeya_train=debug timeout 200 $X/kakeya-$b train f-theta --config $X/ft.toml --device ${KAKEYA_DEVICE:-cuda} > $X/out/ft-$b-$round.log 2>&1; echo "rc=$?"
+    grep -v DEBUG $X/out/ft-$b-$round.log | tail -1
+    python3 scripts/device/phases.py $X/out/ft-$b-$round.log
+    cp /tmp/x/ft-run/report.json $X/out/ft-$b-$round.json 2>/dev/null
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('secs_per_step', d['secs_per_step'], [round(s['secs']*1000,1) for s in d['steps']])" $X/out/ft-$b-$round.json
 done
+done
+# PROFILE=1: where a step's time goes, with the plain build: the launches of 10 steps against 20
+# (CubeCL's kernel log, level "minimal"), and when the machine has Nsight Systems, its CUDA API
+# and kernel summaries of a 20-step run (host time in launches and copies vs the kernels' time).
+if [ -n "${PROFILE:-}" ]; then
+    which nsys ncu perf 2>&1 | head -3
+    declare -A n=()
+    for steps in 10 20; do
+        rm -rf /tmp/x/ft-run /tmp/x/ft-export; d=$(mktemp -d)
+        sed "s#^steps = .*#steps = $steps#" $X/ft.toml > $d/ft.toml
+        # CubeCL reads cubecl.toml from the working directory: the repository root (the config's
+        # paths are relative to it).
+        printf '[profiling.logger]\nlevel = "minimal"\nfile = "%s/kernels.log"\n' "$d" > cubecl.toml
+        timeout 120 $X/kakeya-cuda train f-theta --config $d/ft.toml --device cuda > $d/log 2>&1; rm cubecl.toml
+        cp $d/log $X/out/profile-$steps.log
+        n[$steps]=$(grep -c Executing $d/kernels.log); echo "$steps steps: ${n[$steps]} launches"
+        [ $steps = 20 ] && grep Executing $d/kernels.log | tail -n $(( (n[20] - n[10]) / 10 )) | awk '{print $2}' \
+            | sed 's/_[0-9a-f]*$//' | sort | uniq -c | sort -rn > $X/out/launches-per-step.txt
+    done
+    echo "launches per step: $(( (n[20] - n[10]) / 10 ))"; head -30 $X/out/launches-per-step.txt
+    if command -v nsys > /dev/null; then
+        rm -rf /tmp/x/ft-run /tmp/x/ft-export
+        sed "s#^steps = .*#steps = 30#" $X/ft.toml > /tmp/x/ft30.toml
+        timeout 200 nsys profile -t cuda,osrt -o $X/out/ft --force-overwrite true \
+            $X/kakeya-cuda train f-theta --config /tmp/x/ft30.toml --device cuda > $X/out/nsys.log 2>&1
+        nsys stats -r cuda_api_sum,cuda_gpu_kern_sum,cuda_gpu_mem_time_sum $X/out/ft.nsys-rep > $X/out/nsys-stats.txt 2>&1
+        head -60 $X/out/nsys-stats.txt; rm -f $X/out/ft.nsys-rep $X/out/ft.sqlite
+    fi
+fi
 tar czf $OUT/ft.tgz -C $X out

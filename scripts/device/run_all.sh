@@ -48,15 +48,6 @@ step() {
 summary() { python3 - "$@" <<'PY'
 import json, sys
 kind, path = sys.argv[1], sys.argv[2]
-if kind == 'phases':
-    import re, statistics
-    rows = {}
-    for line in open(path, errors='replace'):
-        line = re.sub(r'\x1b\[[0-9;]*m', '', line)
-        for k, v in re.findall(r'(\w+_ms)=([0-9.]+)', line):
-            rows.setdefault(k, []).append(float(v))
-    print('   median host ms:', {k: round(statistics.median(v[10:] or v), 2) for k, v in rows.items()})
-    sys.exit()
 try:
     d = json.load(open(path))
 except Exception as e:
@@ -74,12 +65,12 @@ PY
 }
 # f_θ step time: the plain build, then the fused one.
 step ft-cuda 100 $O/ft-cuda.log - env KAKEYA_LOG=kakeya_train=debug $X/kakeya-cuda train f-theta --config $X/ft.toml --device $dev
-cp /tmp/x/ft-run/report.json $O/ft-cuda.json 2>/dev/null; summary train $O/ft-cuda.json; summary phases $O/ft-cuda.log
+cp /tmp/x/ft-run/report.json $O/ft-cuda.json 2>/dev/null; summary train $O/ft-cuda.json; python3 scripts/device/phases.py $O/ft-cuda.log
 grep -v DEBUG $O/ft-cuda.log | tail -2
 if [ -x $X/kakeya-alt ]; then
     rm -rf /tmp/x/ft-run /tmp/x/ft-export
     step ft-fused 100 $O/ft-fused.log - env KAKEYA_LOG=kakeya_train=debug $X/kakeya-alt train f-theta --config $X/ft.toml --device $dev
-    cp /tmp/x/ft-run/report.json $O/ft-fused.json 2>/dev/null; summary train $O/ft-fused.json; summary phases $O/ft-fused.log
+    cp /tmp/x/ft-run/report.json $O/ft-fused.json 2>/dev/null; summary train $O/ft-fused.json; python3 scripts/device/phases.py $O/ft-fused.log
     grep -v DEBUG $O/ft-fused.log | tail -2
 fi
 step golden 90 $O/golden.log - env KAKEYA_TEST_DEVICE=$dev $X/golden-cuda --include-ignored --nocapture \

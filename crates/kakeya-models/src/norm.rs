@@ -37,17 +37,22 @@ impl RmsNorm {
             .into_data()
             .try_into_vec::<f32>()
             .expect("norm multipliers are f32");
-        let dim = scale.len();
+        Self::normalize_host(x, &scale, self.eps as f32);
+    }
+
+    /// [`Self::forward_host`] with the multiplier given as host values (`x`: rows of
+    /// `multiplier.len()`, in place).
+    pub fn normalize_host(x: &mut [f32], multiplier: &[f32], eps: f32) {
+        let dim = multiplier.len();
         assert!(
             x.len().is_multiple_of(dim),
-            "RmsNorm::forward_host: rows of the wrong width"
+            "RmsNorm::normalize_host: rows of the wrong width"
         );
-        let eps = self.eps as f32;
         for row in x.chunks_exact_mut(dim) {
             let mut ss = [0.0f32];
             kakeya_weights::rowops::row_dots(row, 1, row, 1, dim, &mut ss);
             let inv = 1.0 / (ss[0] / dim as f32 + eps).sqrt();
-            for (v, &m) in row.iter_mut().zip(&scale) {
+            for (v, &m) in row.iter_mut().zip(multiplier) {
                 *v = *v * inv * m;
             }
         }

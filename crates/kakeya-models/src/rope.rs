@@ -87,6 +87,18 @@ impl Rope {
         let r2 = x2 * cos + x1 * sin;
         Tensor::cat(vec![r1, r2], D - 1)
     }
+
+    /// [`Self::rotate`] of one head vector in host memory (`x`: `[d]`, in place) by one row of
+    /// [`Self::host_tables`] (`cos`, `sin`: `[d/2]`): the same products and sums.
+    pub fn rotate_host(x: &mut [f32], cos: &[f32], sin: &[f32]) {
+        let half = x.len() / 2;
+        let (x1, x2) = x.split_at_mut(half);
+        for i in 0..half {
+            let (a, b) = (x1[i], x2[i]);
+            x1[i] = a * cos[i] - b * sin[i];
+            x2[i] = b * cos[i] + a * sin[i];
+        }
+    }
 }
 
 #[cfg(test)]
@@ -96,9 +108,9 @@ mod tests {
     use super::Rope;
 
     /// `apply` gives the bits of the four-product form `(x₁·c − x₂·s, x₂·c + x₁·s)`, computed
-    /// here per element on the host from the same angles.
+    /// here per element on the host from the same angles, and so does `rotate_host`.
     #[test]
-    fn apply_equals_the_four_product_form_bit_for_bit() {
+    fn apply_and_rotate_host_equal_the_four_product_form_bit_for_bit() {
         let (heads, d) = (3, 16);
         let positions = [0usize, 1, 7, 513, 40_000];
         let t = positions.len();
@@ -117,9 +129,15 @@ mod tests {
                 .try_into_vec::<f32>()
                 .unwrap();
             let half = d / 2;
+            let (hc, hs) = rope.host_tables(&positions);
             for h in 0..heads {
                 for (ti, &p) in positions.iter().enumerate() {
                     let row = (h * t + ti) * d;
+                    let mut on_host = xs[row..row + d].to_vec();
+                    let table = ti * half..(ti + 1) * half;
+                    Rope::rotate_host(&mut on_host, &hc[table.clone()], &hs[table]);
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&on_host), bits(&got[row..row + d]));
                     for i in 0..half {
                         let angle = p as f32 * rope.inv_freq[i];
                         let (c, s) = (angle.cos(), angle.sin());

@@ -42,7 +42,9 @@ pub fn group_queries(q: Tensor<3>, kv_heads: usize) -> Tensor<3> {
 /// # Shapes
 /// - `qg`: `[kv_heads, G·T, head_dim]`; `k`: `[kv_heads, S, head_dim]` → `[kv_heads, G·T, S]`
 pub fn scores(qg: Tensor<3>, k: Tensor<3>, scale: f64) -> Tensor<3> {
-    crate::gpu::matmul(qg, k.swap_dims(1, 2)).mul_scalar(scale)
+    let s = crate::gpu::matmul(qg, k.swap_dims(1, 2));
+    // A scale of 1 (Gemma 4, or queries scaled ahead) launches nothing.
+    if scale == 1.0 { s } else { s.mul_scalar(scale) }
 }
 
 /// Back from grouped rows to one row per position.

@@ -55,8 +55,12 @@ pub struct AdamW {
 /// # Shapes
 /// - `grads`: each `[r, c]` → `[1]`
 pub fn squared_norm(grads: &[Tensor<2>]) -> Tensor<1> {
-    let squares: Vec<Tensor<1>> = grads.iter().map(|g| g.clone().square().sum()).collect();
-    Tensor::cat(squares, 0).sum()
+    // Added one by one: a concatenation would launch a copy per gradient on a GPU.
+    grads
+        .iter()
+        .map(|g| g.clone().square().sum())
+        .reduce(|a, b| a + b)
+        .expect("at least one gradient")
 }
 
 /// `(Σ‖g‖²)^½` over all gradients: one read-back, not one per tensor (each a round trip on a

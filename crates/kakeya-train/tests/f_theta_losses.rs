@@ -12,8 +12,8 @@ use f_theta_reference::*;
 
 use burn::tensor::{Device, Tensor};
 use kakeya_train::ftheta::loss::{
-    GroupTargets, Lambdas, LayerTargets, LossKind, Rows, TargetScales, Terms, group_terms,
-    layer_loss, layer_terms,
+    GroupTargets, Lambdas, LayerTargets, LossKind, Terms, group_loss, group_terms, layer_loss,
+    layer_terms,
 };
 use kakeya_train::ftheta::step::frozen_groups;
 use kakeya_train::optim::global_norm;
@@ -204,7 +204,8 @@ fn hybrid_gradients_match(name: &str, f: &Value) {
 }
 
 /// The trainer's pass over a width group's layers at once (stacked decoders, stacked frozen
-/// pieces, per-layer masks and RoPE tables) equals the terms of each layer alone.
+/// pieces, per-layer masks and RoPE tables) equals the terms of each layer alone, and the
+/// trainer's loss of the group ([`group_loss`]) the sum of its layers' losses.
 #[test]
 fn stacked_layers_give_each_layers_own_terms() {
     for (name, f) in fixtures() {
@@ -221,28 +222,39 @@ fn stacked_layers_give_each_layers_own_terms() {
         );
         for fr in &groups {
             let members: Vec<LayerTargets> = fr.ids.iter().map(|&l| c.targets[l].clone()).collect();
-            let stack3 = |pick: &dyn Fn(&LayerTargets) -> Tensor<2>| {
-                Tensor::stack::<3>(members.iter().map(pick).collect(), 0)
-            };
-            let mut scales = TargetScales::default();
-            for (t, l) in members.iter().zip(&fr.layers) {
-                let o = host(t.o.as_ref().unwrap());
-                scales.push(&host(&t.k), &host(&t.v), Some(&o), l.head_dim);
-            }
-            let tg = GroupTargets {
-                q_raw: Some(stack3(&|t| t.q_raw.clone().unwrap())),
-                rows: Rows::one(members[0].k.dims()[0], &members[0].q_pos),
-                k: stack3(&|t| t.k.clone()),
-                v: stack3(&|t| t.v.clone()),
-                o: Some(stack3(&|t| t.o.clone().unwrap())),
-                scales: vec![scales],
-                attention: None,
-            };
+            let tg = GroupTargets::from_layers(fr, &members);
             let decoded = |path: &kakeya_models::ftheta::FThetaPath, z: &Tensor<2>| {
                 let each = fr.ids.iter().map(|&l| path.decode(z.clone(), l)).collect();
                 Tensor::stack::<3>(each, 0)
             };
             let terms = group_terms(fr, &tg, decoded(&model.k, &zk), decoded(&model.v, &zv));
+            // The trainer's loss of the group, each term weighed on the host: the sum of
+            // the layers' losses, for every loss and λ.
+            let lambdas = Lambdas {
+                kdir: 0.7,
+                vdir: 1.3,
+                kmag: 0.2,
+                vmag: 0.05,
+            };
+            for kind in KINDS {
+                for normalize in [false, true] {
+                    let want = value(layer_loss(kind, &lambdas, normalize, &terms).sum());
+                    let got = value(group_loss(
+                        fr,
+                        &tg,
+                        decoded(&model.k, &zk),
+                        decoded(&model.v, &zv),
+                        kind,
+                        &lambdas,
+                        normalize,
+                    ));
+                    assert!(
+                        close(got, want, 1e-5),
+                        "{name} {} ({normalize}): group_loss {got} vs the terms' {want}",
+                        kind.name()
+                    );
+                }
+            }
             let loss = host1(&layer_loss(
                 LossKind::AttnDistillHybrid,
                 &Lambdas::default(),

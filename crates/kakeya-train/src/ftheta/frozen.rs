@@ -83,38 +83,85 @@ pub struct GroupFrozen {
     pub ids: Vec<usize>,
     /// The members, in order.
     pub layers: Vec<LayerFrozen>,
-    /// Query/key/value norm multipliers, `[L, 1, 1, head_dim]` (values: `None` without a
-    /// v_norm).
-    q_scale: Tensor<4>,
-    k_scale: Tensor<4>,
+    /// Key/value norm multipliers, `[L, 1, 1, head_dim]` (values: `None` without a v_norm;
+    /// queries are normed on the host, [`GroupShape::queries`]).
+    pub(super) k_scale: Tensor<4>,
     pub(super) v_scale: Option<Tensor<4>>,
     /// `o_projᵀ` of each member, `[L, heads · head_dim, hidden]`.
     o_proj_t: Tensor<3>,
-    /// What the masks and RoPE tables are built from.
-    shape: AttentionShape,
+    /// The host side: what the queries, target constants, masks and tables are prepared with.
+    shape: GroupShape,
     /// Each member's index into the distinct windows and RoPEs (once on the device:
     /// `window_of` per KV head, `[L · kv_heads]`; `rope_of`, `[L]`).
     window_of: Tensor<1, Int>,
     rope_of: Tensor<1, Int>,
 }
 
-/// The host side of a group's attention: its members' distinct windows and RoPEs and the query
-/// heads per KV head, from which a set of rows' masks and RoPE tables are built (plain data:
-/// the f_θ reader builds them ahead of a step, [`AttentionShape::host`]).
+/// The host side of a group: its attention shape and its members' norm multipliers, windows
+/// and RoPEs (plain data, for the f_θ reader's threads), from which a step's target-side inputs
+/// are prepared ahead of the step: the queries as attention reads them ([`Self::queries`]), the
+/// targets' per-head constants ([`Self::target_heads`]), the masks and key RoPE tables
+/// ([`Self::host`]).
 #[derive(Debug, Clone)]
-pub struct AttentionShape {
+pub struct GroupShape {
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Head width.
+    pub head_dim: usize,
+    /// Score scale.
+    scale: f32,
+    /// Each member's q_norm multiplier and the norm's epsilon.
+    q_mult: Vec<Vec<f32>>,
+    q_eps: f32,
+    /// Each member's k_norm multiplier (key directions are compared after it).
+    k_mult: Vec<Vec<f32>>,
+    /// Each member's v_norm multiplier (`None`: no v_norm).
+    v_mult: Option<Vec<Vec<f32>>>,
     windows: Vec<Option<usize>>,
     ropes: Vec<Rope>,
-    groups: usize,
+    rope_of: Vec<usize>,
 }
 
-/// A set of rows' masks and RoPE tables on the host ([`AttentionShape::host`]), one upload
+/// One member's target-side constants per head vector ([`GroupShape::target_heads`]).
+#[derive(Debug, Clone, Default)]
+pub struct TargetHeads {
+    /// `|K_h|` of each row's head vectors, `[R, kv_heads]`.
+    pub k_norms: Vec<f32>,
+    /// `|V_h|`.
+    pub v_norms: Vec<f32>,
+    /// `K ⊙ m_k` (the k_norm multiplier; a key's direction after k_norm), `[R, kv_heads · d]`.
+    pub k_dir: Vec<f32>,
+    /// `|K_h ⊙ m_k|`.
+    pub k_dir_norms: Vec<f32>,
+    /// `V ⊙ m_v` and its head norms, with a v_norm (empty without).
+    pub v_dir: Vec<f32>,
+    /// `|V_h ⊙ m_v|`.
+    pub v_dir_norms: Vec<f32>,
+}
+
+/// `sqrt(Σx² + 1e-12)` of each `d`-wide head vector of `x`, appended to `out`.
+fn head_norms(x: &[f32], d: usize, out: &mut Vec<f32>) {
+    out.extend(x.chunks_exact(d).map(|h| {
+        let ss: f64 = h.iter().map(|&a| f64::from(a) * f64::from(a)).sum();
+        (ss + super::loss::NORM_EPS).sqrt() as f32
+    }));
+}
+
+/// `x ⊙ m` with `m` repeated over each `m.len()`-wide head vector, appended to `out`.
+fn times(x: &[f32], m: &[f32], out: &mut Vec<f32>) {
+    out.extend(
+        x.chunks_exact(m.len())
+            .flat_map(|h| h.iter().zip(m).map(|(a, b)| a * b)),
+    );
+}
+
+/// A set of rows' masks and key RoPE tables on the host ([`GroupShape::host`]), one upload
 /// each ([`HostAttention::upload`]).
 #[derive(Debug, Clone)]
 pub struct HostAttention {
-    /// Every distinct RoPE's cosines then sines at the queries, `[ropes, 2, Q, d/2]`.
-    q_tables: Vec<f32>,
-    /// The same at the keys, `[ropes, 2, R, d/2]`.
+    /// Every distinct RoPE's cosines then sines at the keys, `[ropes, 2, R, d/2]`.
     k_tables: Vec<f32>,
     /// Every distinct window's additive mask, `[windows, G · Q, R]`.
     mask: Vec<f32>,
@@ -122,46 +169,42 @@ pub struct HostAttention {
     dims: [usize; 5],
 }
 
-/// [`HostAttention`] on the device: the distinct RoPEs' tables and windows' masks, which
+/// [`HostAttention`] on the device: the distinct RoPEs' key tables and windows' masks, which
 /// [`GroupFrozen::attention`] picks per member.
 #[derive(Debug, Clone)]
 pub struct AttentionInputs {
-    q_tables: Tensor<4>,
     k_tables: Tensor<4>,
     mask: Tensor<3>,
 }
 
 impl HostAttention {
-    /// The three tensors on `device` (no copy on the host).
+    /// The two tensors on `device` (no copy on the host).
     pub fn upload(self, device: &Device) -> AttentionInputs {
         let [ropes, windows, g, nq, n] = self.dims;
-        let tables = |v: Vec<f32>, t: usize| {
-            let half = v.len() / (2 * ropes * t).max(1);
-            Tensor::<4>::from_data(TensorData::new(v, [ropes, 2, t, half]), device)
-        };
+        let half = self.k_tables.len() / (2 * ropes * n).max(1);
         AttentionInputs {
-            q_tables: tables(self.q_tables, nq),
-            k_tables: tables(self.k_tables, n),
+            k_tables: Tensor::from_data(
+                TensorData::new(self.k_tables, [ropes, 2, n, half]),
+                device,
+            ),
             mask: Tensor::from_data(TensorData::new(self.mask, [windows, g * nq, n]), device),
         }
     }
 }
 
-impl AttentionShape {
-    /// The masks and tables of `rows` (a query sees the keys of its own sequence its layer's
-    /// mask lets through).
+impl GroupShape {
+    /// The masks and key tables of `rows` (a query sees the keys of its own sequence its
+    /// layer's mask lets through).
     pub fn host(&self, rows: &Rows) -> HostAttention {
-        let tables = |positions: &[usize]| {
-            let mut all = Vec::new();
-            for r in &self.ropes {
-                let (cos, sin) = r.host_tables(positions);
-                all.extend(cos);
-                all.extend(sin);
-            }
-            all
-        };
+        let mut k_tables = Vec::new();
+        for r in &self.ropes {
+            let (cos, sin) = r.host_tables(&rows.k_pos);
+            k_tables.extend(cos);
+            k_tables.extend(sin);
+        }
         let (nq, n) = (rows.q_pos.len(), rows.k_pos.len());
-        let mut mask = Vec::with_capacity(self.windows.len() * self.groups * nq * n);
+        let groups = self.heads / self.kv_heads;
+        let mut mask = Vec::with_capacity(self.windows.len() * groups * nq * n);
         for &w in &self.windows {
             let row: Vec<f32> = (0..nq)
                 .flat_map(|i| (0..n).map(move |j| (i, j)))
@@ -174,16 +217,69 @@ impl AttentionShape {
                     }
                 })
                 .collect();
-            for _ in 0..self.groups {
+            for _ in 0..groups {
                 mask.extend_from_slice(&row);
             }
         }
         HostAttention {
-            q_tables: tables(&rows.q_pos),
-            k_tables: tables(&rows.k_pos),
+            k_tables,
             mask,
-            dims: [self.ropes.len(), self.windows.len(), self.groups, nq, n],
+            dims: [self.ropes.len(), self.windows.len(), groups, nq, n],
         }
+    }
+
+    /// Member `member`'s raw queries (`q_raw`: `[nq, heads · d]`, at `positions`) as its
+    /// attention reads them — q_norm, RoPE at their positions, times the score scale — written
+    /// head-major into `slab` (the member's `[heads, q_total, d]`) from query `first` on.
+    pub fn queries(
+        &self,
+        member: usize,
+        q_raw: &[f32],
+        positions: &[usize],
+        slab: &mut [f32],
+        q_total: usize,
+        first: usize,
+    ) {
+        let d = self.head_dim;
+        let half = d / 2;
+        let (cos, sin) = self.ropes[self.rope_of[member]].host_tables(positions);
+        let mut head = vec![0.0f32; d];
+        for (i, row) in q_raw.chunks_exact(self.heads * d).enumerate() {
+            for (h, x) in row.chunks_exact(d).enumerate() {
+                head.copy_from_slice(x);
+                RmsNorm::normalize_host(&mut head, &self.q_mult[member], self.q_eps);
+                Rope::rotate_host(
+                    &mut head,
+                    &cos[i * half..(i + 1) * half],
+                    &sin[i * half..(i + 1) * half],
+                );
+                let at = (h * q_total + first + i) * d;
+                for (o, &v) in slab[at..at + d].iter_mut().zip(&head) {
+                    *o = v * self.scale;
+                }
+            }
+        }
+    }
+
+    /// Member `member`'s per-head target constants of raw keys `k` and values `v` (`[R,
+    /// kv_heads · d]` each), appended to `out`.
+    pub fn target_heads(&self, member: usize, k: &[f32], v: &[f32], out: &mut TargetHeads) {
+        let d = self.head_dim;
+        head_norms(k, d, &mut out.k_norms);
+        head_norms(v, d, &mut out.v_norms);
+        let from = out.k_dir.len();
+        times(k, &self.k_mult[member], &mut out.k_dir);
+        head_norms(&out.k_dir[from..], d, &mut out.k_dir_norms);
+        if let Some(m) = &self.v_mult {
+            let from = out.v_dir.len();
+            times(v, &m[member], &mut out.v_dir);
+            head_norms(&out.v_dir[from..], d, &mut out.v_dir_norms);
+        }
+    }
+
+    /// Whether the members norm values (Gemma 4).
+    pub fn has_v_norm(&self) -> bool {
+        self.v_mult.is_some()
     }
 }
 
@@ -226,7 +322,6 @@ impl GroupFrozen {
                 hd,
             ])
         };
-        let q_scale = stack(&|l| l.q_norm.scale.clone());
         let k_scale = stack(&|l| l.k_norm.scale.clone());
         let v_scale = f.v_norm.as_ref().map(|_| {
             stack(&|l| {
@@ -251,10 +346,31 @@ impl GroupFrozen {
             .iter()
             .flat_map(|&w| std::iter::repeat_n(w, f.kv_heads))
             .collect();
-        let shape = AttentionShape {
+        let host = |n: &RmsNorm| {
+            n.scale
+                .clone()
+                .into_data()
+                .convert::<f32>()
+                .try_into_vec::<f32>()
+                .expect("f32 norm multipliers")
+        };
+        let shape = GroupShape {
+            heads: f.heads,
+            kv_heads: f.kv_heads,
+            head_dim: hd,
+            scale: f.scale as f32,
+            q_mult: layers.iter().map(|l| host(&l.q_norm)).collect(),
+            q_eps: f.q_norm.eps as f32,
+            k_mult: layers.iter().map(|l| host(&l.k_norm)).collect(),
+            v_mult: f.v_norm.as_ref().map(|_| {
+                layers
+                    .iter()
+                    .map(|l| host(l.v_norm.as_ref().expect("every member norms values")))
+                    .collect()
+            }),
             windows,
             ropes,
-            groups: f.heads / f.kv_heads,
+            rope_of: rope_of.clone(),
         };
         Self {
             ids,
@@ -262,15 +378,14 @@ impl GroupFrozen {
             rope_of: index(&rope_of, &device),
             shape,
             layers,
-            q_scale,
             k_scale,
             v_scale,
             o_proj_t,
         }
     }
 
-    /// See [`AttentionShape`].
-    pub fn attention_shape(&self) -> &AttentionShape {
+    /// See [`GroupShape`].
+    pub fn shape(&self) -> &GroupShape {
         &self.shape
     }
 
@@ -309,55 +424,38 @@ impl GroupFrozen {
         (per_layer.clone().narrow(1, 0, 1), per_layer.narrow(1, 1, 1))
     }
 
-    /// Every member's attention output (after o_proj) at the queries of `rows` over the keys
-    /// and values of `rows` (each query within its own sequence), the masks and RoPE tables
-    /// from `inputs` (built ahead for these rows) or built here. Each member's mask is picked
+    /// Every member's attention output (after o_proj) at the queries `q` (prepared on the
+    /// host, [`GroupShape::queries`]) over raw keys and values (each query within its own
+    /// sequence), the masks and key RoPE tables from `inputs`. Each member's mask is picked
     /// from the distinct windows', rows group-major as [`grouped_attention`] reads them:
     /// `[L · kv_heads, G · Q, R]`.
     ///
     /// # Shapes
-    /// - `q_raw`: `[L, Q, heads · head_dim]`; `k_raw`, `v_raw`: `[L, R, kv_heads · head_dim]`
+    /// - `q`: `[L · heads, Q, head_dim]`; `k_raw`, `v_raw`: `[L, R, kv_heads · head_dim]`
     /// - returns `[L, Q, hidden]`
     pub fn attention(
         &self,
-        q_raw: Tensor<3>,
-        rows: &Rows,
-        inputs: Option<&AttentionInputs>,
+        q: Tensor<3>,
+        inputs: &AttentionInputs,
         k_raw: Tensor<3>,
         v_raw: Tensor<3>,
     ) -> Tensor<3> {
-        let device = q_raw.device();
         let f = self.first();
         let (l, hd) = (self.layers.len(), f.head_dim);
         let [_, n, _] = k_raw.dims();
-        let nq = rows.q_pos.len();
-        let built;
-        let inputs = match inputs {
-            Some(a) => a,
-            None => {
-                built = self.shape.host(rows).upload(&device);
-                &built
-            }
-        };
-        let (qc, qs) = self.tables(inputs.q_tables.clone());
+        let nq = q.dims()[1];
         let (kc, ks) = self.tables(inputs.k_tables.clone());
-        let q = Self::norm(
-            self.head_vectors(q_raw, f.heads),
-            &self.q_scale,
-            f.q_norm.eps,
-        )
-        .swap_dims(1, 2);
         let k = self
             .keys_normed(self.head_vectors(k_raw, f.kv_heads))
             .swap_dims(1, 2);
         let v = self
             .values(self.head_vectors(v_raw, f.kv_heads))
             .swap_dims(1, 2);
-        let q = Rope::rotate(q, qc, qs).reshape([l * f.heads, nq, hd]);
         let k = Rope::rotate(k, kc, ks).reshape([l * f.kv_heads, n, hd]);
         let v = v.reshape([l * f.kv_heads, n, hd]);
         let mask = inputs.mask.clone().select(0, self.window_of.clone());
-        grouped_attention(q, k, v, f.scale, Some(mask))
+        // The score scale is in the prepared queries.
+        grouped_attention(q, k, v, 1.0, Some(mask))
             .reshape([nq, l, f.heads * hd])
             .swap_dims(0, 1)
             .matmul(self.o_proj_t.clone())

@@ -16,13 +16,15 @@
 //! `combined = cos_mag + 0.1·mse`; `attn_distill = mse_o`;
 //! `attn_distill_hybrid = mse_o + λkDir·kdir + λvDir·vdir + λkMag·kmag + λvMag·vmag`.
 
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::Tensor;
 use serde::{Deserialize, Serialize};
 
 pub use super::frozen::{AttentionInputs, GroupFrozen, LayerFrozen};
+use super::targets::Relative;
+pub use super::targets::{GroupTargets, PAD, Rows, TargetScales};
 
 /// Added under square roots of squared norms.
-const NORM_EPS: f64 = 1e-12;
+pub(super) const NORM_EPS: f64 = 1e-12;
 
 /// Which loss trains f_θ.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -111,182 +113,6 @@ pub struct LayerTargets {
     pub o: Option<Tensor<2>>,
 }
 
-/// The targets' constants that normalise the terms, per member layer (host values, computed
-/// from host data: no device round trip).
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct TargetScales {
-    /// `mean(K²)` of each layer.
-    pub k_sq: Vec<f64>,
-    /// `mean(V²)`.
-    pub v_sq: Vec<f64>,
-    /// `mean(|K_h|²)` over head vectors (`|x|² = Σx² + 1e-12`).
-    pub k_hsq: Vec<f64>,
-    /// `mean(|V_h|²)`.
-    pub v_hsq: Vec<f64>,
-    /// `mean(O_tgt²)` at the query positions (0 without attention).
-    pub o_sq: Vec<f64>,
-}
-
-impl TargetScales {
-    /// Adds one layer's constants from its raw K, V (head width `head_dim`) and, with
-    /// attention, its target outputs.
-    pub fn push(&mut self, k: &[f32], v: &[f32], o: Option<&[f32]>, head_dim: usize) {
-        let mean_sq = |x: &[f32]| {
-            x.iter().map(|&a| f64::from(a) * f64::from(a)).sum::<f64>() / x.len().max(1) as f64
-        };
-        let head_sq = |x: &[f32]| mean_sq(x) * head_dim as f64 + NORM_EPS;
-        self.k_sq.push(mean_sq(k));
-        self.v_sq.push(mean_sq(v));
-        self.k_hsq.push(head_sq(k));
-        self.v_hsq.push(head_sq(v));
-        self.o_sq.push(o.map_or(0.0, mean_sq));
-    }
-}
-
-/// The sequence index of padding rows and queries ([`Rows::pad`]).
-pub const PAD: usize = usize::MAX;
-
-/// Where the rows of a batch of sequences come from: each key row's sequence and position,
-/// each query's.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Rows {
-    /// Sequence (index in the batch) of each key row.
-    pub k_seq: Vec<usize>,
-    /// Position of each key row in its sequence.
-    pub k_pos: Vec<usize>,
-    /// Sequence of each query.
-    pub q_seq: Vec<usize>,
-    /// Position of each query in its sequence.
-    pub q_pos: Vec<usize>,
-}
-
-impl Rows {
-    /// One sequence of `n` positions with queries at `q_pos`.
-    pub fn one(n: usize, q_pos: &[usize]) -> Self {
-        Self {
-            k_seq: vec![0; n],
-            k_pos: (0..n).collect(),
-            q_seq: vec![0; q_pos.len()],
-            q_pos: q_pos.to_vec(),
-        }
-    }
-
-    /// Appends a sequence of `n` positions with queries at `q_pos`.
-    pub fn push(&mut self, n: usize, q_pos: &[usize]) {
-        let s = self.sequences();
-        self.k_seq.extend(std::iter::repeat_n(s, n));
-        self.k_pos.extend(0..n);
-        self.q_seq.extend(std::iter::repeat_n(s, q_pos.len()));
-        self.q_pos.extend_from_slice(q_pos);
-    }
-
-    /// Pads the key rows and the queries with [`PAD`] entries up to multiples of `multiple`
-    /// (so that a GPU meets few distinct shapes); returns how many of each were added. Padding
-    /// weighs nothing in any term, and no query of a sequence sees a padding key.
-    pub fn pad(&mut self, multiple: usize) -> (usize, usize) {
-        let up = |n: usize| n.div_ceil(multiple.max(1)) * multiple.max(1) - n;
-        let (rows, queries) = (up(self.k_seq.len()), up(self.q_seq.len()));
-        self.k_seq.extend(std::iter::repeat_n(PAD, rows));
-        self.k_pos.extend(std::iter::repeat_n(0, rows));
-        self.q_seq.extend(std::iter::repeat_n(PAD, queries));
-        self.q_pos.extend(std::iter::repeat_n(0, queries));
-        (rows, queries)
-    }
-
-    fn sequences(&self) -> usize {
-        self.k_seq
-            .iter()
-            .rev()
-            .find(|&&s| s != PAD)
-            .map_or(0, |&s| s + 1)
-    }
-}
-
-/// Which target constant a weighted mean is relative to.
-#[derive(Debug, Clone, Copy)]
-enum Relative {
-    /// None: a plain mean.
-    No,
-    /// `mean(|K_h|²)`.
-    KeyHeads,
-    /// `mean(|V_h|²)`.
-    ValueHeads,
-    /// `mean(O_tgt²)`.
-    Outputs,
-}
-
-/// The true tensors of a group's layers for a batch of sequences (their rows one after the
-/// other), stacked by layer.
-#[derive(Debug, Clone)]
-pub struct GroupTargets {
-    /// Raw queries, `[L, Q, heads · head_dim]` (attention losses only).
-    pub q_raw: Option<Tensor<3>>,
-    /// Raw keys, `[L, R, kv_heads · head_dim]`.
-    pub k: Tensor<3>,
-    /// Raw values, `[L, R, kv_heads · head_dim]`.
-    pub v: Tensor<3>,
-    /// Attention outputs at the queries, `[L, Q, hidden]` (attention losses only).
-    pub o: Option<Tensor<3>>,
-    /// Which sequence and position each row and query is.
-    pub rows: Rows,
-    /// Host constants of each sequence's targets.
-    pub scales: Vec<TargetScales>,
-    /// The rows' masks and RoPE tables when built ahead (attention losses; `None`: built
-    /// when the loss runs).
-    pub attention: Option<AttentionInputs>,
-}
-
-impl GroupTargets {
-    /// One layer's targets as a group of one (reads them back to compute the constants).
-    pub fn of_layer(tg: &LayerTargets, head_dim: usize) -> Self {
-        let host = |t: &Tensor<2>| t.clone().into_data().convert::<f32>().try_to_vec::<f32>();
-        let host = |t: &Tensor<2>| host(t).expect("f32 targets");
-        let mut scales = TargetScales::default();
-        let o = tg.o.as_ref().map(host);
-        scales.push(&host(&tg.k), &host(&tg.v), o.as_deref(), head_dim);
-        Self {
-            q_raw: tg.q_raw.clone().map(|q| q.unsqueeze()),
-            k: tg.k.clone().unsqueeze(),
-            v: tg.v.clone().unsqueeze(),
-            o: tg.o.clone().map(|o| o.unsqueeze()),
-            rows: Rows::one(tg.k.dims()[0], &tg.q_pos),
-            scales: vec![scales],
-            attention: None,
-        }
-    }
-
-    /// Per row (`of`: each row's sequence), `1 / (rows of its sequence · c)` with `c` the
-    /// sequence's constant of layer `l` that `relative` names (or 1): `[L, R]` weights that make a weighted
-    /// sum over rows the sum over sequences of per-sequence means (of relative values).
-    fn weights(&self, of: &[usize], c: Relative) -> Tensor<2> {
-        let layers = self.k.dims()[0];
-        let mut count = vec![0usize; self.rows.sequences()];
-        for &s in of.iter().filter(|&&s| s != PAD) {
-            count[s] += 1;
-        }
-        let count = &count;
-        let w: Vec<f32> = (0..layers)
-            .flat_map(|l| {
-                of.iter().map(move |&s| {
-                    if s == PAD {
-                        return 0.0;
-                    }
-                    let sc = &self.scales[s];
-                    let k = match c {
-                        Relative::No => 1.0,
-                        Relative::KeyHeads => sc.k_hsq[l],
-                        Relative::ValueHeads => sc.v_hsq[l],
-                        Relative::Outputs => sc.o_sq[l],
-                    }
-                    .max(1e-30);
-                    (1.0 / (count[s] as f64 * k)) as f32
-                })
-            })
-            .collect();
-        Tensor::from_data(TensorData::new(w, [layers, of.len()]), &self.k.device())
-    }
-}
-
 /// A group's loss terms, one entry per member layer (`[L]`, differentiable in K̂/V̂): each
 /// the sum over the batch's sequences of the per-sequence mean (one sequence: the mean).
 #[derive(Debug, Clone)]
@@ -333,21 +159,69 @@ fn norms(x: Tensor<4>) -> Tensor<4> {
     x.square().sum_dim(3).add_scalar(NORM_EPS).sqrt()
 }
 
-/// Per head vector, `1 − cos(a, b)` given their norms `na`, `nb` ([`norms`]):
+/// Per head vector, `cos(a, b)` given their norms `na`, `nb` ([`norms`]):
 /// `[L, R, heads, d]` → `[L, R, heads, 1]`.
-fn one_minus_cos_with(a: Tensor<4>, b: Tensor<4>, na: Tensor<4>, nb: Tensor<4>) -> Tensor<4> {
-    let dot = (a * b).sum_dim(3);
-    (dot / (na * nb)).neg().add_scalar(1.0)
+fn cosine(a: Tensor<4>, b: Tensor<4>, na: Tensor<4>, nb: Tensor<4>) -> Tensor<4> {
+    (a * b).sum_dim(3) / (na * nb)
 }
 
-/// Per head vector, `1 − cos(a, b)`: `[L, R, heads, d]` → `[L, R, heads, 1]`.
-fn one_minus_cos(a: Tensor<4>, b: Tensor<4>) -> Tensor<4> {
-    let (na, nb) = (norms(a.clone()), norms(b.clone()));
-    one_minus_cos_with(a, b, na, nb)
+/// Per head vector, `1 − cos(a, b)` ([`cosine`]).
+fn one_minus_cos(a: Tensor<4>, b: Tensor<4>, na: Tensor<4>, nb: Tensor<4>) -> Tensor<4> {
+    cosine(a, b, na, nb).neg().add_scalar(1.0)
 }
 
-/// The loss terms of a group's layers from predicted raw `k_hat`, `v_hat`
-/// (`[L, R, kv_heads · head_dim]`, the rows of `tg`).
+/// What the direction and magnitude terms are made of, per head vector of the predicted
+/// keys `hk` and values `hv` (`[L, R, kv_heads, d]`), each `[L, R, kv_heads, 1]`: the norms'
+/// squared differences from the targets' and the cosines after k_norm (and v_norm). A
+/// direction after an RMSNorm is that of the vector times the norm's multiplier — the norm's
+/// own divisor is one positive number per vector — so the targets' side comes prepared
+/// ([`GroupTargets::k_dir`]).
+struct Heads {
+    norm_k: Tensor<4>,
+    mag_k: Tensor<4>,
+    mag_v: Tensor<4>,
+    cos_kdir: Tensor<4>,
+    /// Values compared as they are (`cos_vdir` without a v_norm).
+    cos_v: Tensor<4>,
+    cos_vdir: Tensor<4>,
+}
+
+impl Heads {
+    fn of(fr: &GroupFrozen, tg: &GroupTargets, hk: &Tensor<4>, hv: &Tensor<4>) -> Self {
+        let kvh = fr.first().kv_heads;
+        let (norm_k, norm_v) = (norms(hk.clone()), norms(hv.clone()));
+        let mag_k = (norm_k.clone() - tg.k_norms.clone()).square();
+        let mag_v = (norm_v.clone() - tg.v_norms.clone()).square();
+        let direction = |h: &Tensor<4>, m: &Tensor<4>, (to, n): &(Tensor<3>, Tensor<4>)| {
+            let a = h.clone() * m.clone();
+            cosine(
+                a.clone(),
+                fr.head_vectors(to.clone(), kvh),
+                norms(a),
+                n.clone(),
+            )
+        };
+        let cos_kdir = direction(hk, &fr.k_scale, &tg.k_dir);
+        let tv = fr.head_vectors(tg.v.clone(), kvh);
+        let cos_v = cosine(hv.clone(), tv, norm_v.clone(), tg.v_norms.clone());
+        let cos_vdir = match (&fr.v_scale, &tg.v_dir) {
+            (Some(m), Some(dir)) => direction(hv, m, dir),
+            _ => cos_v.clone(),
+        };
+        Self {
+            norm_k,
+            mag_k,
+            mag_v,
+            cos_kdir,
+            cos_v,
+            cos_vdir,
+        }
+    }
+}
+
+/// Every loss term of a group's layers from predicted raw `k_hat`, `v_hat` (`[L, R, kv_heads
+/// · head_dim]`, the rows of `tg`); the targets' side (head norms, key directions after
+/// k_norm, the queries as attention reads them) comes prepared with `tg`.
 pub fn group_terms(
     fr: &GroupFrozen,
     tg: &GroupTargets,
@@ -355,73 +229,115 @@ pub fn group_terms(
     v_hat: Tensor<3>,
 ) -> Terms {
     let kvh = fr.first().kv_heads;
-    let rows = tg.weights(&tg.rows.k_seq, Relative::No);
+    let rows = tg.weights(&tg.rows.k_seq, Relative::No, 1.0);
     let mean = |x: Tensor<4>| weighted(x, &rows);
+    let one_minus = |c: Tensor<4>| mean(c.neg().add_scalar(1.0));
     let hk = fr.head_vectors(k_hat.clone(), kvh);
     let hv = fr.head_vectors(v_hat.clone(), kvh);
+    let h = Heads::of(fr, tg, &hk, &hv);
     let tk = fr.head_vectors(tg.k.clone(), kvh);
-    let tv = fr.head_vectors(tg.v.clone(), kvh);
-    let mse_k = weighted((k_hat.clone() - tg.k.clone()).square(), &rows);
-    let mse_v = weighted((v_hat.clone() - tg.v.clone()).square(), &rows);
-    // Each head vector's norm once: the direction and the magnitude terms share them.
-    let (nhk, ntk) = (norms(hk.clone()), norms(tk.clone()));
-    let (nhv, ntv) = (norms(hv.clone()), norms(tv.clone()));
-    let cos_k = mean(one_minus_cos_with(
-        hk.clone(),
-        tk.clone(),
-        nhk.clone(),
-        ntk.clone(),
-    ));
-    let cos_v = mean(one_minus_cos_with(
-        hv.clone(),
-        tv.clone(),
-        nhv.clone(),
-        ntv.clone(),
-    ));
-    let dk = (nhk - ntk).square();
-    let dv = (nhv - ntv).square();
-    let kmag = weighted(dk.clone(), &tg.weights(&tg.rows.k_seq, Relative::KeyHeads));
-    let vmag = weighted(
-        dv.clone(),
-        &tg.weights(&tg.rows.k_seq, Relative::ValueHeads),
-    );
-    let (mag_k, mag_v) = (mean(dk), mean(dv));
-    let kdir = mean(one_minus_cos(fr.keys_normed(hk), fr.keys_normed(tk)));
-    let vdir = match fr.v_scale {
-        Some(_) => mean(one_minus_cos(fr.values(hv), fr.values(tv))),
-        None => cos_v.clone(),
-    };
-    let (mse_o, mse_o_rel) = match (&tg.q_raw, &tg.o) {
-        (Some(q), Some(o)) => {
-            let out = fr.attention(q.clone(), &tg.rows, tg.attention.as_ref(), k_hat, v_hat);
+    let relative = |c| tg.weights(&tg.rows.k_seq, c, 1.0);
+    let (mse_o, mse_o_rel) = match (&tg.q, &tg.o, &tg.attention) {
+        (Some(q), Some(o), Some(inputs)) => {
+            let out = fr.attention(q.clone(), inputs, k_hat.clone(), v_hat.clone());
             let err = (out - o.clone()).square();
-            let per_query = tg.weights(&tg.rows.q_seq, Relative::No);
-            let relative = tg.weights(&tg.rows.q_seq, Relative::Outputs);
+            let per_query = |c| tg.weights(&tg.rows.q_seq, c, 1.0);
             (
-                Some(weighted(err.clone(), &per_query)),
-                Some(weighted(err, &relative)),
+                Some(weighted(err.clone(), &per_query(Relative::No))),
+                Some(weighted(err, &per_query(Relative::Outputs))),
             )
         }
         _ => (None, None),
     };
     Terms {
-        mse_k,
-        mse_v,
-        cos_k,
-        cos_v,
-        mag_k,
-        mag_v,
-        kdir,
-        vdir,
-        kmag,
-        vmag,
+        mse_k: weighted((k_hat - tg.k.clone()).square(), &rows),
+        mse_v: weighted((v_hat - tg.v.clone()).square(), &rows),
+        cos_k: mean(one_minus_cos(hk, tk, h.norm_k, tg.k_norms.clone())),
+        cos_v: one_minus(h.cos_v),
+        mag_k: mean(h.mag_k.clone()),
+        mag_v: mean(h.mag_v.clone()),
+        kdir: one_minus(h.cos_kdir),
+        vdir: one_minus(h.cos_vdir),
+        kmag: weighted(h.mag_k, &relative(Relative::KeyHeads)),
+        vmag: weighted(h.mag_v, &relative(Relative::ValueHeads)),
         mse_o,
         mse_o_rel,
         scales: tg.scales.clone(),
     }
 }
 
-/// The loss terms of one layer ([`group_terms`] over a group of one).
+/// The sum over a group's member layers of [`layer_loss`] — what a training step needs of
+/// [`group_terms`], in fewer launches for the attention losses: their terms are weighted sums
+/// over head vectors and queries, so each is weighed per row on the host (λ, `1/heads`, the
+/// relative constants folded into the weights) and all are summed at once; the `1 −` of the
+/// direction terms is a host constant. Other losses: through [`group_terms`].
+///
+/// # Shapes
+/// - `k_hat`, `v_hat`: `[L, R, kv_heads · head_dim]` → `[1]`
+pub fn group_loss(
+    fr: &GroupFrozen,
+    tg: &GroupTargets,
+    k_hat: Tensor<3>,
+    v_hat: Tensor<3>,
+    kind: LossKind,
+    lambdas: &Lambdas,
+    normalize_attention: bool,
+) -> Tensor<1> {
+    let (Some(q), Some(o), Some(inputs)) = (&tg.q, &tg.o, &tg.attention) else {
+        return layer_loss(
+            kind,
+            lambdas,
+            normalize_attention,
+            &group_terms(fr, tg, k_hat, v_hat),
+        )
+        .sum();
+    };
+    if !kind.needs_attention() {
+        return layer_loss(
+            kind,
+            lambdas,
+            normalize_attention,
+            &group_terms(fr, tg, k_hat, v_hat),
+        )
+        .sum();
+    }
+    let [l, r, _] = k_hat.dims();
+    let nq = tg.rows.q_pos.len();
+    let out = fr.attention(q.clone(), inputs, k_hat.clone(), v_hat.clone());
+    let err = (out - o.clone()).square();
+    let hidden = err.dims()[2];
+    let rel = if normalize_attention {
+        Relative::Outputs
+    } else {
+        Relative::No
+    };
+    let w_o = tg
+        .weights(&tg.rows.q_seq, rel, 1.0 / hidden as f64)
+        .reshape([l, nq, 1]);
+    let loss = (err * w_o).sum();
+    if kind == LossKind::AttnDistill {
+        return loss;
+    }
+    let kvh = fr.first().kv_heads;
+    let hk = fr.head_vectors(k_hat, kvh);
+    let hv = fr.head_vectors(v_hat, kvh);
+    let h = Heads::of(fr, tg, &hk, &hv);
+    let w = |c, times: f64| {
+        tg.weights(&tg.rows.k_seq, c, times / kvh as f64)
+            .reshape([l, r, 1, 1])
+    };
+    let magnitudes = h.mag_k * w(Relative::KeyHeads, lambdas.kmag)
+        + h.mag_v * w(Relative::ValueHeads, lambdas.vmag);
+    let cosines =
+        h.cos_kdir * w(Relative::No, lambdas.kdir) + h.cos_vdir * w(Relative::No, lambdas.vdir);
+    // Σ λ·mean(1 − cos) = λ · (sequences · layers) − Σ λ·w·cos: each sequence's row weights
+    // sum to 1 per layer.
+    let sequences = tg.scales.len() as f64;
+    (loss + (magnitudes - cosines).sum())
+        .add_scalar((lambdas.kdir + lambdas.vdir) * sequences * l as f64)
+}
+
+/// Every loss term of one layer ([`group_terms`] over a group of one).
 pub fn layer_terms(
     fr: &LayerFrozen,
     tg: &LayerTargets,
@@ -429,7 +345,7 @@ pub fn layer_terms(
     v_hat: Tensor<2>,
 ) -> Terms {
     let group = GroupFrozen::new(vec![0], vec![fr.clone()]);
-    let targets = GroupTargets::of_layer(tg, fr.head_dim);
+    let targets = GroupTargets::from_layers(&group, std::slice::from_ref(tg));
     group_terms(&group, &targets, k_hat.unsqueeze(), v_hat.unsqueeze())
 }
 

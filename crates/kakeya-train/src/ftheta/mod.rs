@@ -8,6 +8,7 @@ pub mod loss;
 pub mod lstsq;
 pub mod params;
 pub mod step;
+pub mod targets;
 pub mod train;
 
 pub use config::FThetaTrainConfig;

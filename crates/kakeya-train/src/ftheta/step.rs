@@ -11,10 +11,11 @@ use rand::{Rng, SeedableRng};
 
 use super::config::FThetaTrainConfig;
 use super::data::SeqData;
-use super::frozen::{AttentionShape, HostAttention};
-use super::loss::{Diagnostics, GroupTargets, Rows, TargetScales, group_terms, layer_loss};
+use super::frozen::GroupShape;
+use super::loss::{Diagnostics, GroupTargets, Rows, group_loss, group_terms, layer_loss};
 pub use super::loss::{GroupFrozen, LayerFrozen};
 use super::params::FThetaParams;
+use super::targets::HostTargets;
 use super::train::FEval;
 use crate::optim::{AdamW, Moments, backward_and_step};
 
@@ -57,18 +58,12 @@ fn tensor(data: Vec<f32>, rows: usize, device: &Device) -> Tensor<2> {
     Tensor::from_data(TensorData::new(data, [rows, cols]), device)
 }
 
-fn stacked(data: Vec<f32>, layers: usize, rows: usize, device: &Device) -> Tensor<3> {
-    let cols = data.len() / (layers * rows).max(1);
-    Tensor::from_data(TensorData::new(data, [layers, rows, cols]), device)
-}
-
-/// What gathering a group's targets needs of it: its verifier layers and each one's head width
+/// What gathering a group's targets needs of it: its verifier layers and its host side
 /// (plain data, for the reader's thread).
 #[derive(Debug, Clone)]
 pub struct GroupLayout {
     ids: Vec<usize>,
-    head_dims: Vec<usize>,
-    attention: AttentionShape,
+    shape: GroupShape,
 }
 
 /// The layouts of `groups`, in order.
@@ -77,45 +72,14 @@ pub fn layouts(groups: &[GroupFrozen]) -> Vec<GroupLayout> {
         .iter()
         .map(|g| GroupLayout {
             ids: g.ids.clone(),
-            head_dims: g.layers.iter().map(|l| l.head_dim).collect(),
-            attention: g.attention_shape().clone(),
+            shape: g.shape().clone(),
         })
         .collect()
 }
 
-/// One group's targets for a pass, gathered on the host: each buffer one upload
-/// ([`HostTargets::upload`]).
-#[derive(Debug, Clone)]
-pub struct HostTargets {
-    layers: usize,
-    q: Option<Vec<f32>>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    o: Option<Vec<f32>>,
-    rows: Rows,
-    scales: Vec<TargetScales>,
-    attention: Option<HostAttention>,
-}
-
-impl HostTargets {
-    /// The tensors on `device`.
-    fn upload(self, device: &Device) -> GroupTargets {
-        let (l, r, nq) = (self.layers, self.rows.k_pos.len(), self.rows.q_pos.len());
-        GroupTargets {
-            q_raw: self.q.map(|q| stacked(q, l, nq, device)),
-            k: stacked(self.k, l, r, device),
-            v: stacked(self.v, l, r, device),
-            o: self.o.map(|o| stacked(o, l, nq, device)),
-            rows: self.rows,
-            scales: self.scales,
-            attention: self.attention.map(|a| a.upload(device)),
-        }
-    }
-}
-
 /// One group's targets for a batch of sequences (`q_pos[i]`: the queries of `batch[i]`), their
-/// rows one after the other, padded to multiples of `pad` ([`Rows::pad`]), with the constants
-/// from the host data and, for attention losses, the rows' masks and RoPE tables.
+/// rows one after the other, padded to multiples of `pad` ([`Rows::pad`]), prepared on the
+/// host ([`HostTargets`]).
 fn gather(
     batch: &[&SeqData],
     g: &GroupLayout,
@@ -123,46 +87,25 @@ fn gather(
     attention: bool,
     pad: usize,
 ) -> HostTargets {
-    let (mut k, mut v, mut q, mut o) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut rows = Rows::default();
     for (s, qp) in batch.iter().zip(q_pos) {
         rows.push(s.len, qp);
     }
-    let (pad_rows, pad_queries) = rows.pad(pad);
-    let mut scales = vec![TargetScales::default(); batch.len()];
-    for (&id, &head_dim) in g.ids.iter().zip(&g.head_dims) {
-        for ((s, qp), sc) in batch.iter().zip(q_pos).zip(&mut scales) {
+    rows.pad(pad);
+    let mut h = HostTargets::new(&g.shape, g.ids.len(), rows, batch.len(), attention);
+    for &id in &g.ids {
+        for (s, qp) in batch.iter().zip(q_pos) {
             let d = &s.layers[id];
-            k.extend_from_slice(&d.k);
-            v.extend_from_slice(&d.v);
-            let o_rows = attention.then(|| rows_of(&d.o, d.o.len() / s.len, qp));
-            if attention {
-                q.extend(rows_of(&d.q, d.q.len() / s.len, qp));
-            }
-            sc.push(&d.k, &d.v, o_rows.as_deref(), head_dim);
-            o.extend(o_rows.unwrap_or_default());
+            let pick = |x: &[f32]| rows_of(x, x.len() / s.len, qp);
+            let (q, o) = match attention {
+                true => (Some(pick(&d.q)), Some(pick(&d.o))),
+                false => (None, None),
+            };
+            h.push(&g.shape, &d.k, &d.v, q.as_deref(), o.as_deref());
         }
-        let zeros = |out: &mut Vec<f32>, n: usize, of: &[f32], len: usize| {
-            out.extend(std::iter::repeat_n(0.0, n * of.len() / len.max(1)));
-        };
-        let (first, n0) = (&batch[0].layers[id], batch[0].len);
-        zeros(&mut k, pad_rows, &first.k, n0);
-        zeros(&mut v, pad_rows, &first.v, n0);
-        if attention {
-            zeros(&mut q, pad_queries, &first.q, n0);
-            zeros(&mut o, pad_queries, &first.o, n0);
-        }
+        h.end_member(&g.shape);
     }
-    HostTargets {
-        attention: attention.then(|| g.attention.host(&rows)),
-        layers: g.ids.len(),
-        q: attention.then_some(q),
-        k,
-        v,
-        o: attention.then_some(o),
-        rows,
-        scales,
-    }
+    h
 }
 
 /// A step's host work, done ahead of it (on the reader's thread in training): per pass of
@@ -243,17 +186,19 @@ fn sequence_loss(
                     .select(0, Tensor::from_data(TensorData::new(ids, [n]), device))
             }
         };
-        let terms = group_terms(fr, tg, pick(&k_all[g]), pick(&v_all[g]));
-        let loss = layer_loss(
+        let (k_hat, v_hat) = (pick(&k_all[g]), pick(&v_all[g]));
+        let (lk, lam, norm) = (
             cfg.loss.kind,
             &cfg.loss.lambdas,
             cfg.loss.normalize_attention,
-            &terms,
-        )
-        .sum();
-        if diagnostics {
+        );
+        let loss = if diagnostics {
+            let terms = group_terms(fr, tg, k_hat, v_hat);
             diags.extend(fr.ids.iter().copied().zip(terms.diagnostics()));
-        }
+            layer_loss(lk, lam, norm, &terms).sum()
+        } else {
+            group_loss(fr, tg, k_hat, v_hat, lk, lam, norm)
+        };
         total = Some(match total {
             Some(t) => t + loss,
             None => loss,
@@ -411,8 +356,15 @@ pub fn prepared_loss(
     for (n, host) in prepared.passes {
         let part: Vec<&SeqData> = batch[first..first + n].iter().collect();
         first += n;
+        let started = std::time::Instant::now();
         let tgs: Vec<GroupTargets> = host.into_iter().map(|h| h.upload(device)).collect();
+        let uploaded = started.elapsed();
         let (l, _) = sequence_loss(model, frozen, &part, &tgs, cfg, device, false);
+        tracing::debug!(
+            upload_ms = uploaded.as_secs_f64() * 1e3,
+            loss_ms = (started.elapsed() - uploaded).as_secs_f64() * 1e3,
+            "a pass's targets uploaded and its loss queued (host time)"
+        );
         total = Some(match total {
             Some(x) => x + l,
             None => l,

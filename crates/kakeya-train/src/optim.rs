@@ -63,6 +63,20 @@ pub fn squared_norm(grads: &[Tensor<2>]) -> Tensor<1> {
         .expect("at least one gradient")
 }
 
+/// [`squared_norm`] in a few launches on a GPU, whatever the number of gradients: all of them
+/// joined into one vector (a copy each), then squared and summed once (the sum in another order
+/// than [`squared_norm`]'s).
+///
+/// # Shapes
+/// - `grads`: each `[r, c]` → `[1]`
+fn squared_norm_joined(grads: &[Tensor<2>]) -> Tensor<1> {
+    let flat: Vec<Tensor<1>> = grads
+        .iter()
+        .map(|g| g.clone().reshape([g.shape().num_elements()]))
+        .collect();
+    Tensor::cat(flat, 0).square().sum()
+}
+
 /// `(Σ‖g‖²)^½` over all gradients: one read-back, not one per tensor (each a round trip on a
 /// GPU).
 pub fn global_norm(grads: &[Tensor<2>]) -> f64 {
@@ -201,15 +215,20 @@ pub fn backward_and_step(
     decay: &dyn Fn(&[usize]) -> bool,
 ) -> StepValues {
     let value = loss.clone().inner().reshape([1]);
+    let loss_device = value.device();
     let grads = loss.backward();
     let grads: Vec<Tensor<2>> = leaves
         .iter()
         .zip(params.iter())
         .map(|(leaf, (_, _, p))| leaf.grad(&grads).unwrap_or_else(|| p.zeros_like()))
         .collect();
-    let squared = squared_norm(&grads);
+    let on_gpu = gpu::is_gpu(&loss_device);
+    let squared = if on_gpu {
+        squared_norm_joined(&grads)
+    } else {
+        squared_norm(&grads)
+    };
     let norm = squared.clone().sqrt();
-    let on_gpu = gpu::is_gpu(&norm.device());
     let (factor, gpu_scale) = if on_gpu {
         (1.0, Some(clip_factor_on_device(&norm, clip)))
     } else {

@@ -87,6 +87,8 @@ pub struct GroupFrozen {
     /// queries are normed on the host, [`GroupShape::queries`]).
     pub(super) k_scale: Tensor<4>,
     pub(super) v_scale: Option<Tensor<4>>,
+    /// [`GroupShape::square_multipliers`] on the device, `[2L, head_dim, 2]`.
+    pub(super) square_mult: Tensor<3>,
     /// `o_projᵀ` of each member, `[L, heads · head_dim, hidden]`.
     o_proj_t: Tensor<3>,
     /// The host side: what the queries, target constants, masks and tables are prepared with.
@@ -124,21 +126,24 @@ pub struct GroupShape {
     rope_of: Vec<usize>,
 }
 
-/// One member's target-side constants per head vector ([`GroupShape::target_heads`]).
+/// A group's target-side constants per head vector ([`GroupShape::target_heads`]), member
+/// after member, each member's rows in order.
 #[derive(Debug, Clone, Default)]
 pub struct TargetHeads {
-    /// `|K_h|` of each row's head vectors, `[R, kv_heads]`.
+    /// `|K_h|` of each row's head vectors, `[L, R, kv_heads]`.
     pub k_norms: Vec<f32>,
     /// `|V_h|`.
     pub v_norms: Vec<f32>,
-    /// `K ⊙ m_k` (the k_norm multiplier; a key's direction after k_norm), `[R, kv_heads · d]`.
-    pub k_dir: Vec<f32>,
-    /// `|K_h ⊙ m_k|`.
+    /// `|K_h ⊙ m_k|` (m_k: the k_norm multiplier; a key's direction after k_norm is that of
+    /// `K ⊙ m_k`, the norm's own divisor being one positive number per vector).
     pub k_dir_norms: Vec<f32>,
-    /// `V ⊙ m_v` and its head norms, with a v_norm (empty without).
-    pub v_dir: Vec<f32>,
-    /// `|V_h ⊙ m_v|`.
+    /// `|V_h ⊙ m_v|` (`|V_h|` without a v_norm).
     pub v_dir_norms: Vec<f32>,
+    /// `K ⊙ m_k²`, `[L, R, kv_heads · d]`: a prediction's dot product with it is that of the
+    /// two directions, `K̂ ⊙ m_k · K ⊙ m_k`.
+    pub k_dir: Vec<f32>,
+    /// `V ⊙ m_v²` (`V` without a v_norm).
+    pub v_dir: Vec<f32>,
 }
 
 /// `sqrt(Σx² + 1e-12)` of each `d`-wide head vector of `x`, appended to `out`.
@@ -267,19 +272,44 @@ impl GroupShape {
         let d = self.head_dim;
         head_norms(k, d, &mut out.k_norms);
         head_norms(v, d, &mut out.v_norms);
-        let from = out.k_dir.len();
-        times(k, &self.k_mult[member], &mut out.k_dir);
-        head_norms(&out.k_dir[from..], d, &mut out.k_dir_norms);
-        if let Some(m) = &self.v_mult {
-            let from = out.v_dir.len();
-            times(v, &m[member], &mut out.v_dir);
-            head_norms(&out.v_dir[from..], d, &mut out.v_dir_norms);
+        let scaled = |x: &[f32], m: &[f32], norms: &mut Vec<f32>, dir: &mut Vec<f32>| {
+            let mut once = Vec::with_capacity(x.len());
+            times(x, m, &mut once);
+            head_norms(&once, d, norms);
+            times(&once, m, dir);
+        };
+        scaled(
+            k,
+            &self.k_mult[member],
+            &mut out.k_dir_norms,
+            &mut out.k_dir,
+        );
+        match &self.v_mult {
+            Some(m) => scaled(v, &m[member], &mut out.v_dir_norms, &mut out.v_dir),
+            None => {
+                head_norms(v, d, &mut out.v_dir_norms);
+                out.v_dir.extend_from_slice(v);
+            }
         }
     }
 
-    /// Whether the members norm values (Gemma 4).
-    pub fn has_v_norm(&self) -> bool {
-        self.v_mult.is_some()
+    /// Each member's multipliers squared for the keys then for the values, beside ones:
+    /// `[2L, d, 2]`, so that the squares of `[K̂; V̂]` head vectors times it give `Σx²` and
+    /// `Σ(x ⊙ m)²` of each in one product.
+    fn square_multipliers(&self) -> Vec<f32> {
+        let d = self.head_dim;
+        let ones = vec![1.0f32; d];
+        let values: Vec<&[f32]> = match &self.v_mult {
+            Some(m) => m.iter().map(Vec::as_slice).collect(),
+            None => vec![&ones; self.k_mult.len()],
+        };
+        let mut out = Vec::with_capacity(2 * self.k_mult.len() * d * 2);
+        for m in self.k_mult.iter().map(Vec::as_slice).chain(values) {
+            for &x in m {
+                out.extend([1.0, x * x]);
+            }
+        }
+        out
     }
 }
 
@@ -372,8 +402,13 @@ impl GroupFrozen {
             ropes,
             rope_of: rope_of.clone(),
         };
+        let square_mult = Tensor::from_data(
+            TensorData::new(shape.square_multipliers(), [2 * layers.len(), hd, 2]),
+            &device,
+        );
         Self {
             ids,
+            square_mult,
             window_of: index(&per_head, &device),
             rope_of: index(&rope_of, &device),
             shape,

@@ -173,9 +173,9 @@ fn one_minus_cos(a: Tensor<4>, b: Tensor<4>, na: Tensor<4>, nb: Tensor<4>) -> Te
 /// What the direction and magnitude terms are made of, per head vector of the predicted
 /// keys `hk` and values `hv` (`[L, R, kv_heads, d]`), each `[L, R, kv_heads, 1]`: the norms'
 /// squared differences from the targets' and the cosines after k_norm (and v_norm). A
-/// direction after an RMSNorm is that of the vector times the norm's multiplier — the norm's
-/// own divisor is one positive number per vector — so the targets' side comes prepared
-/// ([`GroupTargets::k_dir`]).
+/// direction after an RMSNorm is that of the vector times the norm's multiplier `m` — the
+/// norm's own divisor is one positive number per vector — and `(x ⊙ m)·(t ⊙ m) = x·(t ⊙ m²)`,
+/// the targets' side prepared ([`GroupTargets::dir`]).
 struct Heads {
     norm_k: Tensor<4>,
     mag_k: Tensor<4>,
@@ -189,24 +189,21 @@ struct Heads {
 impl Heads {
     fn of(fr: &GroupFrozen, tg: &GroupTargets, hk: &Tensor<4>, hv: &Tensor<4>) -> Self {
         let kvh = fr.first().kv_heads;
+        let l = hk.dims()[0];
         let (norm_k, norm_v) = (norms(hk.clone()), norms(hv.clone()));
         let mag_k = (norm_k.clone() - tg.k_norms.clone()).square();
         let mag_v = (norm_v.clone() - tg.v_norms.clone()).square();
-        let direction = |h: &Tensor<4>, m: &Tensor<4>, (to, n): &(Tensor<3>, Tensor<4>)| {
-            let a = h.clone() * m.clone();
-            cosine(
-                a.clone(),
-                fr.head_vectors(to.clone(), kvh),
-                norms(a),
-                n.clone(),
-            )
+        let dir = |i: usize| tg.dir.clone().narrow(0, i * l, l).reshape(hk.dims());
+        let direction = |h: &Tensor<4>, m: Option<&Tensor<4>>, to: Tensor<4>, n: &Tensor<4>| {
+            let scaled = m.map_or_else(|| h.clone(), |m| h.clone() * m.clone());
+            (h.clone() * to).sum_dim(3) / (norms(scaled) * n.clone())
         };
-        let cos_kdir = direction(hk, &fr.k_scale, &tg.k_dir);
+        let cos_kdir = direction(hk, Some(&fr.k_scale), dir(0), &tg.k_dir_norms);
         let tv = fr.head_vectors(tg.v.clone(), kvh);
-        let cos_v = cosine(hv.clone(), tv, norm_v.clone(), tg.v_norms.clone());
-        let cos_vdir = match (&fr.v_scale, &tg.v_dir) {
-            (Some(m), Some(dir)) => direction(hv, m, dir),
-            _ => cos_v.clone(),
+        let cos_v = cosine(hv.clone(), tv, norm_v, tg.v_norms.clone());
+        let cos_vdir = match &fr.v_scale {
+            Some(m) => direction(hv, Some(m), dir(1), &tg.v_dir_norms),
+            None => cos_v.clone(),
         };
         Self {
             norm_k,
@@ -318,23 +315,25 @@ pub fn group_loss(
     if kind == LossKind::AttnDistill {
         return loss;
     }
-    let kvh = fr.first().kv_heads;
-    let hk = fr.head_vectors(k_hat, kvh);
-    let hv = fr.head_vectors(v_hat, kvh);
-    let h = Heads::of(fr, tg, &hk, &hv);
-    let w = |c, times: f64| {
-        tg.weights(&tg.rows.k_seq, c, times / kvh as f64)
-            .reshape([l, r, 1, 1])
-    };
-    let magnitudes = h.mag_k * w(Relative::KeyHeads, lambdas.kmag)
-        + h.mag_v * w(Relative::ValueHeads, lambdas.vmag);
-    let cosines =
-        h.cos_kdir * w(Relative::No, lambdas.kdir) + h.cos_vdir * w(Relative::No, lambdas.vdir);
+    // Keys and values together, `[2L, R · kv_heads, d]`: each head vector's `Σx²` and
+    // `Σ(x ⊙ m)²` in one product, its dot product with the target's direction, then every
+    // term weighed on the host and summed.
+    let (kvh, d) = (fr.first().kv_heads, fr.first().head_dim);
+    let x = Tensor::cat(vec![k_hat, v_hat], 0).reshape([2 * l, r * kvh, d]);
+    let n = x
+        .clone()
+        .square()
+        .matmul(fr.square_mult.clone())
+        .add_scalar(NORM_EPS)
+        .sqrt();
+    let dot = (x * tg.dir.clone()).sum_dim(2);
+    let l4 = [lambdas.kdir, lambdas.vdir, lambdas.kmag, lambdas.vmag];
+    let [norms, w_mag, w_dir] = tg.head_weights(l4, &n.device());
+    let heads = (n.clone() - norms).square() * w_mag - dot / n * w_dir;
     // Σ λ·mean(1 − cos) = λ · (sequences · layers) − Σ λ·w·cos: each sequence's row weights
     // sum to 1 per layer.
     let sequences = tg.scales.len() as f64;
-    (loss + (magnitudes - cosines).sum())
-        .add_scalar((lambdas.kdir + lambdas.vdir) * sequences * l as f64)
+    (loss + heads.sum()).add_scalar((lambdas.kdir + lambdas.vdir) * sequences * l as f64)
 }
 
 /// Every loss term of one layer ([`group_terms`] over a group of one).

@@ -124,16 +124,19 @@ pub struct GroupTargets {
     pub k: Tensor<3>,
     /// Raw values, `[L, R, kv_heads · head_dim]`.
     pub v: Tensor<3>,
-    /// `|K_h|` of each head vector, `[L, R, kv_heads, 1]`.
+    /// `|K_h|`, `|V_h|`, `|K_h ⊙ m_k|`, `|V_h ⊙ m_v|` of each head vector ([`TargetHeads`]),
+    /// each `[L, R, kv_heads, 1]`.
     pub k_norms: Tensor<4>,
-    /// `|V_h|`, `[L, R, kv_heads, 1]`.
+    /// See `k_norms`.
     pub v_norms: Tensor<4>,
-    /// `K ⊙ m_k` (m_k: the k_norm multiplier), `[L, R, kv_heads · head_dim]`, and its head
-    /// norms, `[L, R, kv_heads, 1]`: a key's direction after k_norm (the norm's per-vector
-    /// divisor does not change a direction).
-    pub k_dir: (Tensor<3>, Tensor<4>),
-    /// The same for values with a v_norm (`None`: values are compared as they are).
-    pub v_dir: Option<(Tensor<3>, Tensor<4>)>,
+    /// See `k_norms`.
+    pub k_dir_norms: Tensor<4>,
+    /// See `k_norms`.
+    pub v_dir_norms: Tensor<4>,
+    /// `[K ⊙ m_k²; V ⊙ m_v²]` ([`TargetHeads::k_dir`]), `[2L, R · kv_heads, head_dim]`.
+    pub dir: Tensor<3>,
+    /// The per-head norms on the host (the trainer's loss weighs with them; no directions).
+    pub heads: TargetHeads,
     /// Attention outputs at the queries, `[L, Q, hidden]` (attention losses only).
     pub o: Option<Tensor<3>>,
     /// Which sequence and position each row and query is.
@@ -180,12 +183,19 @@ impl GroupTargets {
     /// times `times`.
     pub(super) fn weights(&self, of: &[usize], c: Relative, times: f64) -> Tensor<2> {
         let layers = self.k.dims()[0];
+        let w = self.host_weights(of, c, times);
+        Tensor::from_data(TensorData::new(w, [layers, of.len()]), &self.k.device())
+    }
+
+    /// [`Self::weights`] on the host, `[L, R]` row-major.
+    fn host_weights(&self, of: &[usize], c: Relative, times: f64) -> Vec<f32> {
+        let layers = self.k.dims()[0];
         let mut count = vec![0usize; self.rows.sequences()];
         for &s in of.iter().filter(|&&s| s != PAD) {
             count[s] += 1;
         }
         let count = &count;
-        let w: Vec<f32> = (0..layers)
+        (0..layers)
             .flat_map(|l| {
                 of.iter().map(move |&s| {
                     if s == PAD {
@@ -202,8 +212,39 @@ impl GroupTargets {
                     (times / (count[s] as f64 * k)) as f32
                 })
             })
-            .collect();
-        Tensor::from_data(TensorData::new(w, [layers, of.len()]), &self.k.device())
+            .collect()
+    }
+
+    /// What the trainer's loss weighs `[K̂; V̂]`'s head vectors with ([`super::loss::group_loss`]),
+    /// each `[2L, R · kv_heads, 2]` (column 0: the magnitude terms, column 1: the directions):
+    /// the target norms subtracted from the predictions' (`|K_h|`, `|V_h|`; 0 in column 1),
+    /// the magnitude terms' weights (`λ_kmag / (heads · rows · mean|K_h|²)` per row of a
+    /// sequence, the values' alike; 0 in column 1) and the direction terms' (`λ_kdir / (heads ·
+    /// rows · |K_h ⊙ m_k|)`, the values' alike; 0 in column 0).
+    pub(super) fn head_weights(&self, lambdas: [f64; 4], device: &Device) -> [Tensor<3>; 3] {
+        let [kdir, vdir, kmag, vmag] = lambdas;
+        let h = &self.heads;
+        let l = self.k.dims()[0];
+        let kvh = h.k_norms.len() / (l * self.rows.k_seq.len()).max(1);
+        let per_head = 1.0 / kvh.max(1) as f64;
+        let of = &self.rows.k_seq;
+        let (mut norms, mut mag, mut dir) = (Vec::new(), Vec::new(), Vec::new());
+        let sides = [
+            (&h.k_norms, &h.k_dir_norms, Relative::KeyHeads, kmag, kdir),
+            (&h.v_norms, &h.v_dir_norms, Relative::ValueHeads, vmag, vdir),
+        ];
+        for (n, dn, relative, lm, ld) in sides {
+            let wm = self.host_weights(of, relative, lm * per_head);
+            let wd = self.host_weights(of, Relative::No, ld * per_head);
+            for (i, (&a, &b)) in n.iter().zip(dn).enumerate() {
+                let row = i / kvh.max(1);
+                norms.extend([a, 0.0]);
+                mag.extend([wm[row], 0.0]);
+                dir.extend([0.0, wd[row] / b]);
+            }
+        }
+        let shape = [2 * l, norms.len() / (4 * l).max(1), 2];
+        [norms, mag, dir].map(|v| Tensor::from_data(TensorData::new(v, shape), device))
     }
 }
 
@@ -322,20 +363,25 @@ impl HostTargets {
             let kvh = data.len() / (l * r).max(1);
             Tensor::<4>::from_data(TensorData::new(data, [l, r, kvh, 1]), device)
         };
-        let h = self.heads;
-        let v_dir = (!h.v_dir.is_empty()).then(|| (stacked(h.v_dir, r), heads(h.v_dir_norms)));
+        let mut h = self.heads;
+        let d = self.head_dim;
+        let mut dir = std::mem::take(&mut h.k_dir);
+        dir.append(&mut h.v_dir);
+        let head_rows = h.k_norms.len() / l.max(1);
+        let dir = Tensor::from_data(TensorData::new(dir, [2 * l, head_rows, d]), device);
         GroupTargets {
             q: self.q.map(|q| {
-                let d = self.head_dim;
                 let heads = q.len() / (nq * d).max(1);
                 Tensor::from_data(TensorData::new(q, [heads, nq, d]), device)
             }),
             k: stacked(self.k, r),
             v: stacked(self.v, r),
-            k_norms: heads(h.k_norms),
-            v_norms: heads(h.v_norms),
-            k_dir: (stacked(h.k_dir, r), heads(h.k_dir_norms)),
-            v_dir,
+            k_norms: heads(h.k_norms.clone()),
+            v_norms: heads(h.v_norms.clone()),
+            k_dir_norms: heads(h.k_dir_norms.clone()),
+            v_dir_norms: heads(h.v_dir_norms.clone()),
+            dir,
+            heads: h,
             o: self.o.map(|o| stacked(o, nq)),
             rows: self.rows,
             scales: self.scales,

@@ -284,6 +284,20 @@ export = "unused"
         close(j, a, 1e-6),
         "two sequences in one pass: {j} vs {a} one at a time"
     );
+    // The same for every other loss (those without attention read the raw targets).
+    for kind in KINDS {
+        let mut other = tc.clone();
+        other.loss.kind = kind;
+        let passes = |sequences, pad| Passes { sequences, pad };
+        let joint = batch_loss_in(&model, &groups, &batch, &other, 0, &ad, passes(2, 12));
+        let alone = batch_loss_in(&model, &groups, &batch, &other, 0, &ad, passes(1, 1));
+        let (j, a) = (value(joint), value(alone));
+        assert!(
+            j.is_finite() && close(j, a, 1e-6),
+            "{}: {j} in one pass vs {a} one at a time",
+            kind.name()
+        );
+    }
     let joint_grads = joint.backward();
     for (((name, _, _), l0), l1) in params.tensors.iter().zip(&leaves0).zip(&leaves_joint) {
         let (g0, g1) = (

@@ -139,11 +139,6 @@ pub struct TargetHeads {
     pub k_dir_norms: Vec<f32>,
     /// `|V_h ⊙ m_v|` (`|V_h|` without a v_norm).
     pub v_dir_norms: Vec<f32>,
-    /// `K ⊙ m_k²`, `[L, R, kv_heads · d]`: a prediction's dot product with it is that of the
-    /// two directions, `K̂ ⊙ m_k · K ⊙ m_k`.
-    pub k_dir: Vec<f32>,
-    /// `V ⊙ m_v²` (`V` without a v_norm).
-    pub v_dir: Vec<f32>,
 }
 
 /// `sqrt(Σx² + 1e-12)` of each `d`-wide head vector of `x`, appended to `out`.
@@ -267,28 +262,33 @@ impl GroupShape {
     }
 
     /// Member `member`'s per-head target constants of raw keys `k` and values `v` (`[R,
-    /// kv_heads · d]` each), appended to `out`.
-    pub fn target_heads(&self, member: usize, k: &[f32], v: &[f32], out: &mut TargetHeads) {
+    /// kv_heads · d]` each), appended to `out`, and the rows' directions `K ⊙ m_k²` and `V ⊙
+    /// m_v²` (`V` without a v_norm; a prediction's dot product with them is that of the two
+    /// directions, `(K̂ ⊙ m)·(K ⊙ m)`) written to `dir_k`, `dir_v` (`k`'s and `v`'s size).
+    pub fn target_heads(
+        &self,
+        member: usize,
+        (k, v): (&[f32], &[f32]),
+        out: &mut TargetHeads,
+        (dir_k, dir_v): (&mut [f32], &mut [f32]),
+    ) {
         let d = self.head_dim;
         head_norms(k, d, &mut out.k_norms);
         head_norms(v, d, &mut out.v_norms);
-        let scaled = |x: &[f32], m: &[f32], norms: &mut Vec<f32>, dir: &mut Vec<f32>| {
+        let scaled = |x: &[f32], m: &[f32], norms: &mut Vec<f32>, dir: &mut [f32]| {
             let mut once = Vec::with_capacity(x.len());
             times(x, m, &mut once);
             head_norms(&once, d, norms);
-            times(&once, m, dir);
+            for (o, (a, b)) in dir.iter_mut().zip(once.iter().zip(m.iter().cycle())) {
+                *o = a * b;
+            }
         };
-        scaled(
-            k,
-            &self.k_mult[member],
-            &mut out.k_dir_norms,
-            &mut out.k_dir,
-        );
+        scaled(k, &self.k_mult[member], &mut out.k_dir_norms, dir_k);
         match &self.v_mult {
-            Some(m) => scaled(v, &m[member], &mut out.v_dir_norms, &mut out.v_dir),
+            Some(m) => scaled(v, &m[member], &mut out.v_dir_norms, dir_v),
             None => {
                 head_norms(v, d, &mut out.v_dir_norms);
-                out.v_dir.extend_from_slice(v);
+                dir_v.copy_from_slice(v);
             }
         }
     }

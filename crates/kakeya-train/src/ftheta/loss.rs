@@ -187,8 +187,13 @@ struct Heads {
 }
 
 impl Heads {
-    fn of(fr: &GroupFrozen, tg: &GroupTargets, hk: &Tensor<4>, hv: &Tensor<4>) -> Self {
-        let kvh = fr.first().kv_heads;
+    fn of(
+        fr: &GroupFrozen,
+        tg: &GroupTargets,
+        hk: &Tensor<4>,
+        hv: &Tensor<4>,
+        tv: Tensor<4>,
+    ) -> Self {
         let l = hk.dims()[0];
         let (norm_k, norm_v) = (norms(hk.clone()), norms(hv.clone()));
         let mag_k = (norm_k.clone() - tg.k_norms.clone()).square();
@@ -199,7 +204,6 @@ impl Heads {
             (h.clone() * to).sum_dim(3) / (norms(scaled) * n.clone())
         };
         let cos_kdir = direction(hk, Some(&fr.k_scale), dir(0), &tg.k_dir_norms);
-        let tv = fr.head_vectors(tg.v.clone(), kvh);
         let cos_v = cosine(hv.clone(), tv, norm_v, tg.v_norms.clone());
         let cos_vdir = match &fr.v_scale {
             Some(m) => direction(hv, Some(m), dir(1), &tg.v_dir_norms),
@@ -231,8 +235,13 @@ pub fn group_terms(
     let one_minus = |c: Tensor<4>| mean(c.neg().add_scalar(1.0));
     let hk = fr.head_vectors(k_hat.clone(), kvh);
     let hv = fr.head_vectors(v_hat.clone(), kvh);
-    let h = Heads::of(fr, tg, &hk, &hv);
-    let tk = fr.head_vectors(tg.k.clone(), kvh);
+    let (tk, tv) = tg
+        .kv
+        .clone()
+        .expect("the terms read the raw targets (HostTargets::new with raw)");
+    let h = Heads::of(fr, tg, &hk, &hv, fr.head_vectors(tv.clone(), kvh));
+    let tk3 = tk.clone();
+    let tk = fr.head_vectors(tk, kvh);
     let relative = |c| tg.weights(&tg.rows.k_seq, c, 1.0);
     let (mse_o, mse_o_rel) = match (&tg.q, &tg.o, &tg.attention) {
         (Some(q), Some(o), Some(inputs)) => {
@@ -247,8 +256,8 @@ pub fn group_terms(
         _ => (None, None),
     };
     Terms {
-        mse_k: weighted((k_hat - tg.k.clone()).square(), &rows),
-        mse_v: weighted((v_hat - tg.v.clone()).square(), &rows),
+        mse_k: weighted((k_hat - tk3).square(), &rows),
+        mse_v: weighted((v_hat - tv).square(), &rows),
         cos_k: mean(one_minus_cos(hk, tk, h.norm_k, tg.k_norms.clone())),
         cos_v: one_minus(h.cos_v),
         mag_k: mean(h.mag_k.clone()),

@@ -79,12 +79,12 @@ pub fn layouts(groups: &[GroupFrozen]) -> Vec<GroupLayout> {
 
 /// One group's targets for a batch of sequences (`q_pos[i]`: the queries of `batch[i]`), their
 /// rows one after the other, padded to multiples of `pad` ([`Rows::pad`]), prepared on the
-/// host ([`HostTargets`]).
+/// host ([`HostTargets`]; with `raw`, the raw keys and values too).
 fn gather(
     batch: &[&SeqData],
     g: &GroupLayout,
     q_pos: &[Vec<usize>],
-    attention: bool,
+    (attention, raw): (bool, bool),
     pad: usize,
 ) -> HostTargets {
     let mut rows = Rows::default();
@@ -92,7 +92,7 @@ fn gather(
         rows.push(s.len, qp);
     }
     rows.pad(pad);
-    let mut h = HostTargets::new(&g.shape, g.ids.len(), rows, batch.len(), attention);
+    let mut h = HostTargets::new(&g.shape, g.ids.len(), rows, batch.len(), attention, raw);
     for &id in &g.ids {
         for (s, qp) in batch.iter().zip(q_pos) {
             let d = &s.layers[id];
@@ -138,7 +138,8 @@ pub fn prepare_step(
                 .collect();
             let tgs = layouts
                 .iter()
-                .map(|g| gather(&part, g, &q, attention, passes.pad))
+                // The losses without attention go through the terms, which read raw targets.
+                .map(|g| gather(&part, g, &q, (attention, !attention), passes.pad))
                 .collect();
             (part.len(), tgs)
         })
@@ -465,13 +466,16 @@ pub fn evaluate(
         nq += q.len();
         let tgs: Vec<GroupTargets> = shapes
             .iter()
-            .map(|g| gather(&[s], g, std::slice::from_ref(&q), attention, 1).upload(&device))
+            .map(|g| {
+                gather(&[s], g, std::slice::from_ref(&q), (attention, true), 1).upload(&device)
+            })
             .collect();
         let (l, diags) = if oracle {
             let mut diags = Vec::new();
             let mut total = 0.0;
             for (fr, tg) in frozen.iter().zip(&tgs) {
-                let t = group_terms(fr, tg, tg.k.clone(), tg.v.clone());
+                let (k, v) = tg.kv.clone().expect("uploaded raw");
+                let t = group_terms(fr, tg, k, v);
                 total += f64::from(
                     layer_loss(
                         cfg.loss.kind,

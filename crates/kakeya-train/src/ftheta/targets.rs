@@ -120,10 +120,9 @@ pub struct GroupTargets {
     /// The queries as attention reads them (q_norm, RoPE at their positions, the score scale;
     /// [`GroupShape::queries`]), `[L · heads, Q, head_dim]` (attention losses only).
     pub q: Option<Tensor<3>>,
-    /// Raw keys, `[L, R, kv_heads · head_dim]`.
-    pub k: Tensor<3>,
-    /// Raw values, `[L, R, kv_heads · head_dim]`.
-    pub v: Tensor<3>,
+    /// Raw keys and values, `[L, R, kv_heads · head_dim]` each (`None` for a training step's
+    /// loss, which reads only the prepared sides: [`HostTargets::new`]'s `raw`).
+    pub kv: Option<(Tensor<3>, Tensor<3>)>,
     /// `|K_h|`, `|V_h|`, `|K_h ⊙ m_k|`, `|V_h ⊙ m_v|` of each head vector ([`TargetHeads`]),
     /// each `[L, R, kv_heads, 1]`.
     pub k_norms: Tensor<4>,
@@ -161,7 +160,7 @@ impl GroupTargets {
         let first = &members[0];
         let attention = first.q_raw.is_some() && first.o.is_some();
         let rows = Rows::one(first.k.dims()[0], &first.q_pos);
-        let mut h = HostTargets::new(group.shape(), members.len(), rows, 1, attention);
+        let mut h = HostTargets::new(group.shape(), members.len(), rows, 1, attention, true);
         for tg in members {
             let q = tg.q_raw.as_ref().filter(|_| attention).map(host);
             let o = tg.o.as_ref().filter(|_| attention).map(host);
@@ -182,14 +181,21 @@ impl GroupTargets {
     /// sum over rows the sum over sequences of per-sequence means (of relative values), each
     /// times `times`.
     pub(super) fn weights(&self, of: &[usize], c: Relative, times: f64) -> Tensor<2> {
-        let layers = self.k.dims()[0];
         let w = self.host_weights(of, c, times);
-        Tensor::from_data(TensorData::new(w, [layers, of.len()]), &self.k.device())
+        Tensor::from_data(
+            TensorData::new(w, [self.layers(), of.len()]),
+            &self.dir.device(),
+        )
+    }
+
+    /// Member layers.
+    fn layers(&self) -> usize {
+        self.dir.dims()[0] / 2
     }
 
     /// [`Self::weights`] on the host, `[L, R]` row-major.
     fn host_weights(&self, of: &[usize], c: Relative, times: f64) -> Vec<f32> {
-        let layers = self.k.dims()[0];
+        let layers = self.layers();
         let mut count = vec![0usize; self.rows.sequences()];
         for &s in of.iter().filter(|&&s| s != PAD) {
             count[s] += 1;
@@ -224,7 +230,7 @@ impl GroupTargets {
     pub(super) fn head_weights(&self, lambdas: [f64; 4], device: &Device) -> [Tensor<3>; 3] {
         let [kdir, vdir, kmag, vmag] = lambdas;
         let h = &self.heads;
-        let l = self.k.dims()[0];
+        let l = self.layers();
         let kvh = h.k_norms.len() / (l * self.rows.k_seq.len()).max(1);
         let per_head = 1.0 / kvh.max(1) as f64;
         let of = &self.rows.k_seq;
@@ -258,9 +264,11 @@ pub struct HostTargets {
     /// Width of an attention output row (known from the first pushed one).
     hidden: usize,
     q: Option<Vec<f32>>,
-    k: Vec<f32>,
-    v: Vec<f32>,
+    /// Raw keys and values (with `raw`).
+    kv: Option<(Vec<f32>, Vec<f32>)>,
     heads: TargetHeads,
+    /// `[K ⊙ m_k²; V ⊙ m_v²]`, `[2L, R, kv_heads · d]` ([`GroupShape::target_heads`]).
+    dir: Vec<f32>,
     o: Option<Vec<f32>>,
     rows: Rows,
     scales: Vec<TargetScales>,
@@ -274,23 +282,26 @@ pub struct HostTargets {
 
 impl HostTargets {
     /// An empty set for `layers` members over `rows` (padded, [`Rows::pad`]) of `sequences`
-    /// sequences; with `attention`, the queries, outputs, masks and key tables too.
+    /// sequences; with `attention`, the queries, outputs, masks and key tables too; with `raw`,
+    /// the raw keys and values (the terms read them: evaluation; a training step's loss does
+    /// not).
     pub fn new(
         shape: &GroupShape,
         layers: usize,
         rows: Rows,
         sequences: usize,
         attention: bool,
+        raw: bool,
     ) -> Self {
-        let nq = rows.q_pos.len();
+        let (nq, n) = (rows.q_pos.len(), rows.k_pos.len());
         Self {
             layers,
             head_dim: shape.head_dim,
             hidden: 0,
             q: attention.then(|| vec![0.0; layers * shape.heads * nq * shape.head_dim]),
-            k: Vec::new(),
-            v: Vec::new(),
+            kv: raw.then(|| (Vec::new(), Vec::new())),
             heads: TargetHeads::default(),
+            dir: vec![0.0; 2 * layers * n * shape.kv_heads * shape.head_dim],
             o: attention.then(Vec::new),
             attention: attention.then(|| shape.host(&rows)),
             rows,
@@ -315,10 +326,22 @@ impl HostTargets {
     ) {
         let d = shape.head_dim;
         let (m, nq_all) = (self.member, self.rows.q_pos.len());
-        self.k.extend_from_slice(k);
-        self.v.extend_from_slice(v);
-        shape.target_heads(m, k, v, &mut self.heads);
-        self.filled += k.len() / (shape.kv_heads * d).max(1);
+        if let Some((rk, rv)) = &mut self.kv {
+            rk.extend_from_slice(k);
+            rv.extend_from_slice(v);
+        }
+        let width = shape.kv_heads * d;
+        let (n, l) = (self.rows.k_pos.len(), self.layers);
+        let at = |member: usize| (member * n + self.filled) * width;
+        let (keys, values) = self.dir.split_at_mut(l * n * width);
+        let (ak, av) = (at(m), at(m));
+        shape.target_heads(
+            m,
+            (k, v),
+            &mut self.heads,
+            (&mut keys[ak..ak + k.len()], &mut values[av..av + v.len()]),
+        );
+        self.filled += k.len() / width.max(1);
         self.scales[self.seq].push(k, v, o, d);
         if let (Some(all), Some(q), Some(out), Some(o)) = (&mut self.q, q, &mut self.o, o) {
             let nq = q.len() / (shape.heads * d).max(1);
@@ -338,9 +361,18 @@ impl HostTargets {
         let width = shape.kv_heads * shape.head_dim;
         let pad = self.rows.k_pos.len() - self.filled;
         let zeros = vec![0.0; pad * width];
-        self.k.extend_from_slice(&zeros);
-        self.v.extend_from_slice(&zeros);
-        shape.target_heads(self.member, &zeros, &zeros, &mut self.heads);
+        if let Some((rk, rv)) = &mut self.kv {
+            rk.extend_from_slice(&zeros);
+            rv.extend_from_slice(&zeros);
+        }
+        // Padding rows' directions stay the zeros they were made with.
+        let (mut dk, mut dv) = (zeros.clone(), zeros.clone());
+        shape.target_heads(
+            self.member,
+            (&zeros, &zeros),
+            &mut self.heads,
+            (&mut dk, &mut dv),
+        );
         if let Some(o) = &mut self.o {
             let nq = self.rows.q_pos.len();
             o.extend(std::iter::repeat_n(0.0, (nq - self.query) * self.hidden));
@@ -363,24 +395,20 @@ impl HostTargets {
             let kvh = data.len() / (l * r).max(1);
             Tensor::<4>::from_data(TensorData::new(data, [l, r, kvh, 1]), device)
         };
-        let mut h = self.heads;
+        let h = self.heads;
         let d = self.head_dim;
-        let mut dir = std::mem::take(&mut h.k_dir);
-        dir.append(&mut h.v_dir);
         let head_rows = h.k_norms.len() / l.max(1);
-        let dir = Tensor::from_data(TensorData::new(dir, [2 * l, head_rows, d]), device);
         GroupTargets {
             q: self.q.map(|q| {
                 let heads = q.len() / (nq * d).max(1);
                 Tensor::from_data(TensorData::new(q, [heads, nq, d]), device)
             }),
-            k: stacked(self.k, r),
-            v: stacked(self.v, r),
+            kv: self.kv.map(|(k, v)| (stacked(k, r), stacked(v, r))),
             k_norms: heads(h.k_norms.clone()),
             v_norms: heads(h.v_norms.clone()),
             k_dir_norms: heads(h.k_dir_norms.clone()),
             v_dir_norms: heads(h.v_dir_norms.clone()),
-            dir,
+            dir: Tensor::from_data(TensorData::new(self.dir, [2 * l, head_rows, d]), device),
             heads: h,
             o: self.o.map(|o| stacked(o, nq)),
             rows: self.rows,

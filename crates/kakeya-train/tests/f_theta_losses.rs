@@ -239,14 +239,14 @@ fn stacked_layers_give_each_layers_own_terms() {
             for kind in KINDS {
                 for normalize in [false, true] {
                     let want = value(layer_loss(kind, &lambdas, normalize, &terms).sum());
+                    let w = tg.loss_weights(kind, &lambdas, normalize, &d);
                     let got = value(group_loss(
                         fr,
                         &tg,
+                        &w,
                         decoded(&model.k, &zk),
                         decoded(&model.v, &zv),
-                        kind,
-                        &lambdas,
-                        normalize,
+                        (kind, &lambdas, normalize),
                     ));
                     assert!(
                         close(got, want, 1e-5),

@@ -272,58 +272,46 @@ pub fn group_terms(
     }
 }
 
+/// What [`group_loss`] weighs with, on the device ([`GroupTargets::loss_weights`]; a training
+/// step uploads them before it launches anything: on a GPU an upload queued behind kernels
+/// may wait for them).
+#[derive(Debug, Clone, Default)]
+pub struct LossWeights {
+    /// Each query's attention error weight, `[L, Q, 1]` (attention losses).
+    pub outputs: Option<Tensor<3>>,
+    /// The head vectors' target norms, magnitude and direction weights, each `[2L, R ·
+    /// kv_heads, 2]` (the hybrid loss; [`GroupTargets::head_weights`]).
+    pub heads: Option<[Tensor<3>; 3]>,
+}
+
 /// The sum over a group's member layers of [`layer_loss`] — what a training step needs of
 /// [`group_terms`], in fewer launches for the attention losses: their terms are weighted sums
 /// over head vectors and queries, so each is weighed per row on the host (λ, `1/heads`, the
 /// relative constants folded into the weights) and all are summed at once; the `1 −` of the
-/// direction terms is a host constant. Other losses: through [`group_terms`].
+/// direction terms is a host constant. Other losses: through [`group_terms`]. `w`: this
+/// loss's [`GroupTargets::loss_weights`]; the loss: its kind, λ and `normalize_attention`.
 ///
 /// # Shapes
 /// - `k_hat`, `v_hat`: `[L, R, kv_heads · head_dim]` → `[1]`
 pub fn group_loss(
     fr: &GroupFrozen,
     tg: &GroupTargets,
+    w: &LossWeights,
     k_hat: Tensor<3>,
     v_hat: Tensor<3>,
-    kind: LossKind,
-    lambdas: &Lambdas,
-    normalize_attention: bool,
+    (kind, lambdas, normalize_attention): (LossKind, &Lambdas, bool),
 ) -> Tensor<1> {
-    let (Some(q), Some(o), Some(inputs)) = (&tg.q, &tg.o, &tg.attention) else {
-        return layer_loss(
-            kind,
-            lambdas,
-            normalize_attention,
-            &group_terms(fr, tg, k_hat, v_hat),
-        )
-        .sum();
+    let (Some(q), Some(o), Some(inputs), Some(w_o)) = (&tg.q, &tg.o, &tg.attention, &w.outputs)
+    else {
+        let terms = group_terms(fr, tg, k_hat, v_hat);
+        return layer_loss(kind, lambdas, normalize_attention, &terms).sum();
     };
-    if !kind.needs_attention() {
-        return layer_loss(
-            kind,
-            lambdas,
-            normalize_attention,
-            &group_terms(fr, tg, k_hat, v_hat),
-        )
-        .sum();
-    }
     let [l, r, _] = k_hat.dims();
-    let nq = tg.rows.q_pos.len();
     let out = fr.attention(q.clone(), inputs, k_hat.clone(), v_hat.clone());
-    let err = (out - o.clone()).square();
-    let hidden = err.dims()[2];
-    let rel = if normalize_attention {
-        Relative::Outputs
-    } else {
-        Relative::No
-    };
-    let w_o = tg
-        .weights(&tg.rows.q_seq, rel, 1.0 / hidden as f64)
-        .reshape([l, nq, 1]);
-    let loss = (err * w_o).sum();
-    if kind == LossKind::AttnDistill {
+    let loss = ((out - o.clone()).square() * w_o.clone()).sum();
+    let Some([norms, w_mag, w_dir]) = &w.heads else {
         return loss;
-    }
+    };
     // Keys and values together, `[2L, R · kv_heads, d]`: each head vector's `Σx²` and
     // `Σ(x ⊙ m)²` in one product, its dot product with the target's direction, then every
     // term weighed on the host and summed.
@@ -336,9 +324,7 @@ pub fn group_loss(
         .add_scalar(NORM_EPS)
         .sqrt();
     let dot = (x * tg.dir.clone()).sum_dim(2);
-    let l4 = [lambdas.kdir, lambdas.vdir, lambdas.kmag, lambdas.vmag];
-    let [norms, w_mag, w_dir] = tg.head_weights(l4, &n.device());
-    let heads = (n.clone() - norms).square() * w_mag - dot / n * w_dir;
+    let heads = (n.clone() - norms.clone()).square() * w_mag.clone() - dot / n * w_dir.clone();
     // Σ λ·mean(1 − cos) = λ · (sequences · layers) − Σ λ·w·cos: each sequence's row weights
     // sum to 1 per layer.
     let sequences = tg.scales.len() as f64;

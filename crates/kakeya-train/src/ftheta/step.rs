@@ -12,7 +12,9 @@ use rand::{Rng, SeedableRng};
 use super::config::FThetaTrainConfig;
 use super::data::SeqData;
 use super::frozen::GroupShape;
-use super::loss::{Diagnostics, GroupTargets, Rows, group_loss, group_terms, layer_loss};
+use super::loss::{
+    Diagnostics, GroupTargets, LossWeights, Rows, group_loss, group_terms, layer_loss,
+};
 pub use super::loss::{GroupFrozen, LayerFrozen};
 use super::params::FThetaParams;
 use super::targets::HostTargets;
@@ -160,6 +162,20 @@ fn sequence_loss(
     device: &Device,
     diagnostics: bool,
 ) -> (Tensor<1>, Vec<(usize, Diagnostics)>) {
+    let (kind, lambdas, normalize) = (
+        cfg.loss.kind,
+        &cfg.loss.lambdas,
+        cfg.loss.normalize_attention,
+    );
+    // Every upload before the first launch (on a GPU an upload queued behind kernels may wait
+    // for them): the loss's weights, then the drafter's side.
+    let weights: Vec<LossWeights> = match diagnostics {
+        true => Vec::new(),
+        false => tgs
+            .iter()
+            .map(|tg| tg.loss_weights(kind, lambdas, normalize, device))
+            .collect(),
+    };
     // The rows the targets hold: the sequences', then padding.
     let rows = tgs[0].rows.k_pos.len();
     let side = |pick: &dyn Fn(&SeqData) -> &[f32]| {
@@ -176,7 +192,7 @@ fn sequence_loss(
     // Each decoder group's outputs once, `[L, n, width]`; a loss group takes its members' rows.
     let k_all: Vec<Tensor<3>> = model.k.dec.iter().map(|d| d.forward(zk.clone())).collect();
     let v_all: Vec<Tensor<3>> = model.v.dec.iter().map(|d| d.forward(zv.clone())).collect();
-    for (fr, tg) in groups.iter().zip(tgs) {
+    for (i, (fr, tg)) in groups.iter().zip(tgs).enumerate() {
         let (g, rows) = decoder_rows(model, &fr.ids);
         let pick = |all: &Tensor<3>| match &rows {
             None => all.clone(),
@@ -188,17 +204,13 @@ fn sequence_loss(
             }
         };
         let (k_hat, v_hat) = (pick(&k_all[g]), pick(&v_all[g]));
-        let (lk, lam, norm) = (
-            cfg.loss.kind,
-            &cfg.loss.lambdas,
-            cfg.loss.normalize_attention,
-        );
         let loss = if diagnostics {
             let terms = group_terms(fr, tg, k_hat, v_hat);
             diags.extend(fr.ids.iter().copied().zip(terms.diagnostics()));
-            layer_loss(lk, lam, norm, &terms).sum()
+            layer_loss(kind, lambdas, normalize, &terms).sum()
         } else {
-            group_loss(fr, tg, k_hat, v_hat, lk, lam, norm)
+            let w = &weights[i];
+            group_loss(fr, tg, w, k_hat, v_hat, (kind, lambdas, normalize))
         };
         total = Some(match total {
             Some(t) => t + loss,

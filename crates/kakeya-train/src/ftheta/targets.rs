@@ -7,7 +7,7 @@
 use burn::tensor::{Device, Tensor, TensorData};
 
 use super::frozen::{AttentionInputs, GroupFrozen, GroupShape, HostAttention, TargetHeads};
-use super::loss::{LayerTargets, NORM_EPS};
+use super::loss::{Lambdas, LayerTargets, LossKind, LossWeights, NORM_EPS};
 
 /// The targets' constants that normalise the terms, per member layer (host values, computed
 /// from host data: no device round trip).
@@ -219,6 +219,35 @@ impl GroupTargets {
                 })
             })
             .collect()
+    }
+
+    /// What [`super::loss::group_loss`] weighs with for `kind` on `device`: the attention
+    /// error per query (`1/(queries · hidden)` of its sequence, relative to its `mean(O²)`
+    /// with `normalize_attention`) and, for the hybrid loss, [`Self::head_weights`].
+    pub fn loss_weights(
+        &self,
+        kind: LossKind,
+        lambdas: &Lambdas,
+        normalize_attention: bool,
+        device: &Device,
+    ) -> LossWeights {
+        if !kind.needs_attention() || self.o.is_none() {
+            return LossWeights::default();
+        }
+        let o = self.o.as_ref().expect("attention targets");
+        let [l, nq, hidden] = o.dims();
+        let rel = if normalize_attention {
+            Relative::Outputs
+        } else {
+            Relative::No
+        };
+        let w = self.host_weights(&self.rows.q_seq, rel, 1.0 / hidden as f64);
+        let outputs = Tensor::from_data(TensorData::new(w, [l, nq, 1]), device);
+        let l4 = [lambdas.kdir, lambdas.vdir, lambdas.kmag, lambdas.vmag];
+        LossWeights {
+            outputs: Some(outputs),
+            heads: (kind == LossKind::AttnDistillHybrid).then(|| self.head_weights(l4, device)),
+        }
     }
 
     /// What the trainer's loss weighs `[K̂; V̂]`'s head vectors with ([`super::loss::group_loss`]),

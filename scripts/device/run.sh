@@ -20,13 +20,14 @@ for b in cuda alt; do
     python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('secs_per_step', d['secs_per_step'], [round(s['secs']*1000,1) for s in d['steps']])" $X/out/ft-$b-$round.json
 done
 done
-# PROFILE=1: where a step's time goes, with the plain build: the launches of 10 steps against 20
+# PROFILE=1: where a step's time goes, with the plain build: the launches of 20 steps against 30
 # (CubeCL's kernel log, level "minimal"), and when the machine has Nsight Systems, its CUDA API
 # and kernel summaries of a 20-step run (host time in launches and copies vs the kernels' time).
 if [ -n "${PROFILE:-}" ]; then
     which nsys ncu perf 2>&1 | head -3
     declare -A n=()
-    for steps in 10 20; do
+    # (more steps than the config's 10 of warm-up, which it requires)
+    for steps in 20 30; do
         rm -rf /tmp/x/ft-run /tmp/x/ft-export; d=$(mktemp -d)
         sed "s#^steps = .*#steps = $steps#" $X/ft.toml > $d/ft.toml
         # CubeCL reads cubecl.toml from the working directory: the repository root (the config's
@@ -35,10 +36,16 @@ if [ -n "${PROFILE:-}" ]; then
         timeout 120 $X/kakeya-cuda train f-theta --config $d/ft.toml --device cuda > $d/log 2>&1; rm cubecl.toml
         cp $d/log $X/out/profile-$steps.log
         n[$steps]=$(grep -c Executing $d/kernels.log); echo "$steps steps: ${n[$steps]} launches"
-        [ $steps = 20 ] && grep Executing $d/kernels.log | tail -n $(( (n[20] - n[10]) / 10 )) | awk '{print $2}' \
-            | sed 's/_[0-9a-f]*$//' | sort | uniq -c | sort -rn > $X/out/launches-per-step.txt
+        grep Executing $d/kernels.log | awk '{print $2}' | sed 's/_[0-9a-f]*$//' | sort | uniq -c > $X/out/kernels-$steps.txt
     done
-    echo "launches per step: $(( (n[20] - n[10]) / 10 ))"; head -30 $X/out/launches-per-step.txt
+    echo "launches per step: $(( (n[30] - n[20]) / 10 ))"
+    # Per kernel, the launches of the ten steps between the two runs, a step's worth.
+    python3 - $X/out/kernels-20.txt $X/out/kernels-30.txt <<'PY' | tee $X/out/launches-per-step.txt
+import sys
+a, b = ({l.split()[1]: int(l.split()[0]) for l in open(p)} for p in sys.argv[1:3])
+for n, k in sorted(((b.get(k, 0) - a.get(k, 0)) / 10, k) for k in set(a) | set(b))[::-1]:
+    if n: print(f"{n:7.1f} {k}")
+PY
     if command -v nsys > /dev/null; then
         rm -rf /tmp/x/ft-run /tmp/x/ft-export
         sed "s#^steps = .*#steps = 30#" $X/ft.toml > /tmp/x/ft30.toml

@@ -389,10 +389,11 @@ pub fn prepared_loss(
         .div_scalar((batch.len() * layers) as f64)
 }
 
-/// The update of 0-based step `t`: back-propagates `loss` to `leaves` (see [`leaves`]), clips
-/// the global gradient norm to `train.grad_clip` and applies AdamW at the schedule's learning
-/// rate, with weight decay on every tensor as torch.optim.AdamW does by default. Returns the
-/// learning rate and the gradient norm before clipping.
+/// The update of 0-based step `t`: back-propagates `loss` to `leaves` (see
+/// [`crate::run::leaves`]), clips the global gradient norm to `train.grad_clip` and applies
+/// AdamW at the schedule's learning rate, with weight decay on every tensor as
+/// torch.optim.AdamW does by default. Returns the learning rate and the gradient norm before
+/// clipping.
 pub fn optimizer_step(
     cfg: &FThetaTrainConfig,
     t: usize,

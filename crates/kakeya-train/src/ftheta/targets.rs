@@ -132,7 +132,7 @@ pub struct GroupTargets {
     pub k_dir_norms: Tensor<4>,
     /// See `k_norms`.
     pub v_dir_norms: Tensor<4>,
-    /// `[K ⊙ m_k²; V ⊙ m_v²]` ([`TargetHeads::k_dir`]), `[2L, R · kv_heads, head_dim]`.
+    /// `[K ⊙ m_k²; V ⊙ m_v²]` ([`GroupShape::target_heads`]), `[2L, R · kv_heads, head_dim]`.
     pub dir: Tensor<3>,
     /// The per-head norms on the host (the trainer's loss weighs with them; no directions).
     pub heads: TargetHeads,
@@ -256,7 +256,7 @@ impl GroupTargets {
     /// the magnitude terms' weights (`λ_kmag / (heads · rows · mean|K_h|²)` per row of a
     /// sequence, the values' alike; 0 in column 1) and the direction terms' (`λ_kdir / (heads ·
     /// rows · |K_h ⊙ m_k|)`, the values' alike; 0 in column 0).
-    pub(super) fn head_weights(&self, lambdas: [f64; 4], device: &Device) -> [Tensor<3>; 3] {
+    pub fn head_weights(&self, lambdas: [f64; 4], device: &Device) -> [Tensor<3>; 3] {
         let [kdir, vdir, kmag, vmag] = lambdas;
         let h = &self.heads;
         let l = self.layers();

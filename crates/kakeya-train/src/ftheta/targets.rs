@@ -359,16 +359,17 @@ impl HostTargets {
             rk.extend_from_slice(k);
             rv.extend_from_slice(v);
         }
+        // This member's rows from the first unfilled one, in the keys' half of the directions
+        // and in the values' half.
         let width = shape.kv_heads * d;
         let (n, l) = (self.rows.k_pos.len(), self.layers);
-        let at = |member: usize| (member * n + self.filled) * width;
+        let at = (m * n + self.filled) * width;
         let (keys, values) = self.dir.split_at_mut(l * n * width);
-        let (ak, av) = (at(m), at(m));
         shape.target_heads(
             m,
             (k, v),
             &mut self.heads,
-            (&mut keys[ak..ak + k.len()], &mut values[av..av + v.len()]),
+            (&mut keys[at..at + k.len()], &mut values[at..at + v.len()]),
         );
         self.filled += k.len() / width.max(1);
         self.scales[self.seq].push(k, v, o, d);
@@ -394,7 +395,8 @@ impl HostTargets {
             rk.extend_from_slice(&zeros);
             rv.extend_from_slice(&zeros);
         }
-        // Padding rows' directions stay the zeros they were made with.
+        // Padding rows' norms; their directions stay the zeros the buffer was made with (the
+        // ones written to this scratch are zeros too).
         let (mut dk, mut dv) = (zeros.clone(), zeros.clone());
         shape.target_heads(
             self.member,

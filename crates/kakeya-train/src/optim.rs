@@ -55,7 +55,8 @@ pub struct AdamW {
 /// # Shapes
 /// - `grads`: each `[r, c]` → `[1]`
 pub fn squared_norm(grads: &[Tensor<2>]) -> Tensor<1> {
-    // Added one by one: a concatenation would launch a copy per gradient on a GPU.
+    // Each gradient's sum of squares, then their sum (the CPU's way: no copy of the gradients;
+    // a GPU joins them first, `squared_norm_joined`).
     grads
         .iter()
         .map(|g| g.clone().square().sum())

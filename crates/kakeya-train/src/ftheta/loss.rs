@@ -199,14 +199,14 @@ impl Heads {
         let mag_k = (norm_k.clone() - tg.k_norms.clone()).square();
         let mag_v = (norm_v.clone() - tg.v_norms.clone()).square();
         let dir = |i: usize| tg.dir.clone().narrow(0, i * l, l).reshape(hk.dims());
-        let direction = |h: &Tensor<4>, m: Option<&Tensor<4>>, to: Tensor<4>, n: &Tensor<4>| {
-            let scaled = m.map_or_else(|| h.clone(), |m| h.clone() * m.clone());
-            (h.clone() * to).sum_dim(3) / (norms(scaled) * n.clone())
+        // cos(h ⊙ m, t ⊙ m) = h·(t ⊙ m²) / (|h ⊙ m| |t ⊙ m|).
+        let direction = |h: &Tensor<4>, m: &Tensor<4>, to: Tensor<4>, n: &Tensor<4>| {
+            (h.clone() * to).sum_dim(3) / (norms(h.clone() * m.clone()) * n.clone())
         };
-        let cos_kdir = direction(hk, Some(&fr.k_scale), dir(0), &tg.k_dir_norms);
+        let cos_kdir = direction(hk, &fr.k_scale, dir(0), &tg.k_dir_norms);
         let cos_v = cosine(hv.clone(), tv, norm_v, tg.v_norms.clone());
         let cos_vdir = match &fr.v_scale {
-            Some(m) => direction(hv, Some(m), dir(1), &tg.v_dir_norms),
+            Some(m) => direction(hv, m, dir(1), &tg.v_dir_norms),
             None => cos_v.clone(),
         };
         Self {

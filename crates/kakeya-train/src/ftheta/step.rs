@@ -167,8 +167,8 @@ fn sequence_loss(
         &cfg.loss.lambdas,
         cfg.loss.normalize_attention,
     );
-    // Every upload before the first launch (on a GPU an upload queued behind kernels may wait
-    // for them): the loss's weights, then the drafter's side.
+    // The loss's weights and the drafter's side uploaded before the first launch (on a GPU an
+    // upload queued behind kernels may wait for them).
     let weights: Vec<LossWeights> = match diagnostics {
         true => Vec::new(),
         false => tgs

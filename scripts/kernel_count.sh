@@ -5,6 +5,9 @@
 #   scripts/kernel_count.sh [decode]   one decode step of the tiny Gemma 3 (6 layers):
 #       `decode_steps_for_the_kernel_count` (kakeya-runtime's tests/wgpu_device.rs) at 4 and 12
 #       tokens; the difference over 8 is one step's launches.
+#   scripts/kernel_count.sh batch      one batched decode step of 8 sequences (the server's
+#       stacked forward): `batched_decode_steps_for_the_kernel_count` (same test file) at 4 and
+#       12 tokens each, KAKEYA_DECODE_SEQS sequences (default 8).
 #   scripts/kernel_count.sh f-theta    one f_θ training step (tiny verifier, the trainer's
 #       layout: stacked layers, the step's sequences in one padded pass, AdamW):
 #       `f_theta_steps_for_the_kernel_count` (kakeya-train's tests/train_f_theta.rs) at 6 and 10
@@ -17,9 +20,12 @@ what=${1:-decode}
 case $what in
 decode) pkg=kakeya-runtime; test=wgpu_device; probe=decode_steps_for_the_kernel_count
     var=KAKEYA_DECODE_STEPS; lo=4; hi=12; unit="decode step (6 layers)";;
+batch) pkg=kakeya-runtime; test=wgpu_device; probe=batched_decode_steps_for_the_kernel_count
+    var=KAKEYA_DECODE_STEPS; lo=4; hi=12; unit="batched decode step (${KAKEYA_DECODE_SEQS:=8} sequences, 6 layers)"
+    export KAKEYA_DECODE_SEQS;;
 f-theta) pkg=kakeya-train; test=train_f_theta; probe=f_theta_steps_for_the_kernel_count
     var=KAKEYA_FTHETA_STEPS; lo=6; hi=10; unit="f_θ training step";;
-*) echo "kernel_count.sh: decode or f-theta, not $what" >&2; exit 2;;
+*) echo "kernel_count.sh: decode, batch or f-theta, not $what" >&2; exit 2;;
 esac
 export VK_ICD_FILENAMES
 VK_ICD_FILENAMES=$(ls /usr/share/vulkan/icd.d/lvp_icd*.json | head -n 1)
@@ -38,6 +44,7 @@ for features in ${KAKEYA_FEATURES:-wgpu wgpu,fusion}; do
     per_step=$(( (launches[$hi] - launches[$lo]) / (hi - lo) ))
     suffix=${features/,/-}
     [ "$what" = decode ] || suffix="$what-$suffix"
+    [ "$what" != batch ] || suffix="$suffix-$KAKEYA_DECODE_SEQS"
     echo "$features: ${launches[$lo]} launches for $lo, ${launches[$hi]} for $hi: $per_step per $unit" \
         | tee "runs/kernel-count/$suffix.txt"
 done

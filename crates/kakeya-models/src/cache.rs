@@ -143,6 +143,20 @@ impl KvSegment {
     }
 }
 
+/// A chunk's place in a cache that attention writes and reads in place, in one kernel on a
+/// GPU ([`LayerCache::in_place`], [`crate::gpu::span_attention`]).
+#[derive(Debug, Clone)]
+pub struct InPlace {
+    /// Keys, `[kv_heads, slots, head_dim]`: dense, held by the cache alone (its buffer).
+    pub k: Tensor<3>,
+    /// Values, as `k`.
+    pub v: Tensor<3>,
+    /// Position `p` lives in slot `(p − origin) % modulus`.
+    pub origin: usize,
+    /// See `origin`.
+    pub modulus: usize,
+}
+
 /// One layer's KV store, owned by the caller.
 pub trait LayerCache: Send {
     /// Records the K/V of positions `start..start + T` (the chunk being computed) and returns
@@ -169,6 +183,18 @@ pub trait LayerCache: Send {
 
     /// Bytes the cache holds (allocated buffers, every tier; not a formula of positions).
     fn nbytes(&self) -> usize;
+
+    /// Instead of [`LayerCache::update`], where the cache allows it: records positions
+    /// `start..start + T` as written and returns its buffers, which the caller's kernel then
+    /// writes the chunk into and reads every position the chunk's queries see from, before
+    /// anything else reads the cache. `like` (`[kv_heads, T, head_dim]`) gives the shape and
+    /// device. `None` (the default) where the cache cannot (not its next position, tiers that
+    /// are not plain buffers, a ring write that would overwrite a slot the chunk still reads):
+    /// the caller then goes through `update`.
+    fn in_place(&mut self, start: usize, like: &Tensor<3>) -> Option<InPlace> {
+        let _ = (start, like);
+        None
+    }
 
     /// A tile of the [`SegmentKv::Deferred`] segment the last [`LayerCache::update`] returned:
     /// `part` of absolute `positions` (inside that segment).
@@ -201,6 +227,12 @@ pub trait KvLayers: Send {
         positions: Range<usize>,
         part: KvPart,
     ) -> Result<DeferredKv>;
+
+    /// [`LayerCache::in_place`] of layer `layer` (`None`: no such layer, or it cannot).
+    fn in_place(&mut self, layer: usize, start: usize, like: &Tensor<3>) -> Option<InPlace> {
+        let _ = (layer, start, like);
+        None
+    }
 }
 
 impl<C: LayerCache> KvLayers for [C] {
@@ -221,6 +253,10 @@ impl<C: LayerCache> KvLayers for [C] {
     fn deferred(&mut self, layer: usize, at: Range<usize>, part: KvPart) -> Result<DeferredKv> {
         self[layer].deferred(at, part)
     }
+
+    fn in_place(&mut self, layer: usize, start: usize, like: &Tensor<3>) -> Option<InPlace> {
+        self.get_mut(layer)?.in_place(start, like)
+    }
 }
 
 impl<C: LayerCache> KvLayers for Vec<C> {
@@ -240,6 +276,10 @@ impl<C: LayerCache> KvLayers for Vec<C> {
 
     fn deferred(&mut self, layer: usize, at: Range<usize>, part: KvPart) -> Result<DeferredKv> {
         self.as_mut_slice().deferred(layer, at, part)
+    }
+
+    fn in_place(&mut self, layer: usize, start: usize, like: &Tensor<3>) -> Option<InPlace> {
+        self.as_mut_slice().in_place(layer, start, like)
     }
 }
 

@@ -17,7 +17,8 @@ pub mod sdpa;
 pub mod testing;
 
 pub use cache::{
-    CacheSpec, DeferredKv, DraftContext, KvLayers, KvPart, KvSegment, LayerCache, Reach, SegmentKv,
+    CacheSpec, DeferredKv, DraftContext, InPlace, KvLayers, KvPart, KvSegment, LayerCache, Reach,
+    SegmentKv,
 };
 pub use dflash::{DFlashDrafter, DraftOutput, DraftRequest};
 pub use error::{ModelError, Result};

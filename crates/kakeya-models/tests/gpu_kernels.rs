@@ -458,3 +458,109 @@ fn adamw_matches_the_update_step_by_step() {
         assert!(moved > n * 9 / 10, "only {moved} of {n} entries moved");
     }
 }
+
+#[test]
+fn span_attention_writes_each_chunk_and_equals_attention_rows() {
+    use kakeya_models::gpu::{ChunkSlots, KeyRuns, RowKeys};
+    let d = device();
+    let (heads, kv_heads, hd) = (4, 2, 16);
+    let scale = 0.3;
+    // Two sequences stacked: a full cache (slot = position) with a chunk of 3 at 150, and a
+    // ring of 40 slots (window 32) that has wrapped, with a chunk of 2 at 100.
+    let chunks = [(0..3, 150, 0, 256, 0), (3..5, 100, 0, 40, 32)];
+    let rows = 5;
+    let q = values(heads * rows * hd, 21);
+    let k_new = values(kv_heads * rows * hd, 22);
+    let v_new = values(kv_heads * rows * hd, 23);
+    let caches: Vec<(Vec<f32>, Vec<f32>)> = chunks
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let n = kv_heads * c.3 * hd;
+            (values(n, 30 + i as u32), values(n, 40 + i as u32))
+        })
+        .collect();
+    let qg = tensor::<3>(q.clone(), [heads, rows, hd], &d);
+    let (kg, vg) = (
+        tensor::<3>(k_new.clone(), [kv_heads, rows, hd], &d),
+        tensor::<3>(v_new.clone(), [kv_heads, rows, hd], &d),
+    );
+    let mut out = None;
+    let mut after = Vec::new();
+    for (c, (ck, cv)) in chunks.iter().zip(&caches) {
+        let (r, start, origin, slots, window) = c.clone();
+        let (bk, bv) = (
+            gpu::unique_dense(tensor::<3>(ck.clone(), [kv_heads, slots, hd], &d)),
+            gpu::unique_dense(tensor::<3>(cv.clone(), [kv_heads, slots, hd], &d)),
+        );
+        let at = ChunkSlots {
+            row0: r.start,
+            t: r.len(),
+            start,
+            origin,
+            modulus: slots,
+            window,
+        };
+        out = Some(gpu::span_attention(&qg, &kg, &vg, (&bk, &bv), out.take(), scale, at).unwrap());
+        after.push((host(bk), host(bv)));
+    }
+    let got = host(out.unwrap());
+    let width = heads * hd;
+    for (c, ((ck, cv), (ak, av))) in chunks.iter().zip(caches.iter().zip(&after)) {
+        let (r, start, origin, slots, window) = c.clone();
+        let slot = |p: usize| (p - origin) % slots;
+        // Per KV head, the element range of a position's row in the cache or in the chunk.
+        let at_cache =
+            |h: usize, p: usize| (h * slots + slot(p)) * hd..(h * slots + slot(p) + 1) * hd;
+        let at_new = |h: usize, row: usize| (h * rows + row) * hd..(h * rows + row + 1) * hd;
+        // The cache now holds the chunk's rows at their slots, and nothing else changed.
+        let mut want_k = ck.clone();
+        let mut want_v = cv.clone();
+        for (i, row) in r.clone().enumerate() {
+            for h in 0..kv_heads {
+                want_k[at_cache(h, start + i)].copy_from_slice(&k_new[at_new(h, row)]);
+                want_v[at_cache(h, start + i)].copy_from_slice(&v_new[at_new(h, row)]);
+            }
+        }
+        assert_eq!(*ak, want_k, "keys written at chunk {start}");
+        assert_eq!(*av, want_v, "values written at chunk {start}");
+        // Each row, bit for bit, the attention_rows kernel over its keys in position order.
+        for (i, row) in r.clone().enumerate() {
+            let p = start + i;
+            let lo = if window > 0 && p + 1 > window {
+                p + 1 - window
+            } else {
+                0
+            };
+            let n = p + 1 - lo;
+            let (mut keys, mut vals) = (Vec::new(), Vec::new());
+            for h in 0..kv_heads {
+                for s in lo..=p {
+                    let (kr, vr) = if s >= start {
+                        let e = at_new(h, r.start + s - start);
+                        (&k_new[e.clone()], &v_new[e])
+                    } else {
+                        (&ck[at_cache(h, s)], &cv[at_cache(h, s)])
+                    };
+                    keys.extend_from_slice(kr);
+                    vals.extend_from_slice(vr);
+                }
+            }
+            let q1 = qg.clone().slice([0..heads, row..row + 1, 0..hd]);
+            let k1 = tensor::<3>(keys, [kv_heads, n, hd], &d);
+            let v1 = tensor::<3>(vals, [kv_heads, n, hd], &d);
+            let runs = KeyRuns {
+                lo: 0,
+                dlo: 0,
+                hi: n,
+                dhi: 0,
+            };
+            let one = host(gpu::attention_rows(&q1, &k1, &v1, scale, RowKeys::Runs(runs)).unwrap());
+            assert_eq!(
+                one[..],
+                got[row * width..(row + 1) * width],
+                "row {row} (position {p})"
+            );
+        }
+    }
+}

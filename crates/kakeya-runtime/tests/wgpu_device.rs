@@ -234,6 +234,23 @@ fn bounded_kv_modes_on_wgpu_decode_speculatively_as_plainly() {
     }
 }
 
+/// Sequences decoded together in stacked forwards (each chunk written and attended in place in
+/// its own cache, `gpu::span_attention`) give each sequence's tokens alone, with prompts of
+/// different lengths and the sliding layers' rings wrapping (window 8, two KV heads).
+#[test]
+fn batched_decoding_on_wgpu_equals_each_sequence_alone() {
+    let m = Gemma3Model::from_checkpoint(random_checkpoint(&tiny(), 11), &gpu()).unwrap();
+    let prompts: Vec<Vec<u32>> = (0..5).map(|i| tiny_prompt(i, 5 + 3 * i)).collect();
+    let prompts: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+    let cfg = kakeya_runtime::GenerationConfig::greedy(20, 512);
+    let mut sessions: Vec<Session> = (0..prompts.len()).map(|_| Session::new(&m, 0)).collect();
+    let together = kakeya_runtime::generate_batch(&mut sessions, &prompts, &cfg).unwrap();
+    for (i, (p, g)) in prompts.iter().zip(&together).enumerate() {
+        let alone = generate(&mut Session::new(&m, 0), p, &cfg, &mut |_| {}).unwrap();
+        assert_eq!(g.tokens, alone.tokens, "sequence {i}");
+    }
+}
+
 /// `KAKEYA_DECODE_STEPS` greedy tokens from a prompt of 8 on the device: `scripts/kernel_count.sh`
 /// runs it at two step counts with CubeCL's kernel log on and takes the difference, the kernels
 /// one decode step launches (with and without Burn's fusion).
@@ -253,4 +270,30 @@ fn decode_steps_for_the_kernel_count() {
     )
     .unwrap();
     assert_eq!(g.tokens.len(), steps);
+}
+
+/// `KAKEYA_DECODE_STEPS` greedy tokens for each of `KAKEYA_DECODE_SEQS` prompts of 8, decoded
+/// together in stacked forwards (`generate_batch`, the server's batched step), by a tiny model
+/// with the 270M model's attention shape (one KV head, a window longer than the sequences):
+/// `scripts/kernel_count.sh batch` counts one batched step's launches as above.
+#[test]
+#[ignore = "run by scripts/kernel_count.sh, with CubeCL's kernel log on"]
+fn batched_decode_steps_for_the_kernel_count() {
+    let var = |name: &str, default: usize| {
+        std::env::var(name)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(default)
+    };
+    let (steps, seqs) = (var("KAKEYA_DECODE_STEPS", 4), var("KAKEYA_DECODE_SEQS", 8));
+    // The 270M model's attention shape: one KV head, a window no sequence here fills.
+    let mut c = tiny_config(64);
+    c.num_key_value_heads = 1;
+    let m = Gemma3Model::from_checkpoint(random_checkpoint(&c, 11), &gpu()).unwrap();
+    let prompts: Vec<Vec<u32>> = (0..seqs).map(|i| tiny_prompt(i, 8)).collect();
+    let prompts: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+    let mut sessions: Vec<Session> = (0..seqs).map(|_| Session::new(&m, 0)).collect();
+    let cfg = kakeya_runtime::GenerationConfig::greedy(steps, 512);
+    let gens = kakeya_runtime::generate_batch(&mut sessions, &prompts, &cfg).unwrap();
+    assert!(gens.iter().all(|g| g.tokens.len() == steps));
 }

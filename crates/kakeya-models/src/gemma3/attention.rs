@@ -298,6 +298,50 @@ impl Attention {
             }
             None => None,
         };
+        // On a GPU, a sequence whose cache is a plain buffer gets its chunk written and
+        // attended in one launch, into one output for the forward: no slices of the stacked
+        // rows, no cache writes or concatenation of its own (`span_attention`).
+        let mut fused: Option<Tensor<2>> = None;
+        let mut in_place = vec![false; spans.len()];
+        if let Some((_, _, k, v)) = own
+            .as_ref()
+            .filter(|_| !self.shares_kv && crate::gpu::writes_in_place(&q))
+        {
+            let window = match self.kind {
+                AttentionKind::Sliding => self.window,
+                AttentionKind::Full => 0,
+            };
+            // v_proj's columns of the joint product: dense once, not once per launch.
+            let v = &crate::gpu::dense(v.clone());
+            for ((span, caches), done) in spans.iter().zip(kvs.iter_mut()).zip(&mut in_place) {
+                let r = &span.rows;
+                // Longer chunks (prompts) keep the masked product below.
+                if r.len() > crate::gpu::GPU_ROWS_MAX {
+                    continue;
+                }
+                let like = k
+                    .clone()
+                    .slice([0..self.kv_heads, r.clone(), 0..self.head_dim]);
+                let Some(place) = caches.in_place(layer, span.start, &like) else {
+                    continue;
+                };
+                let at = crate::gpu::ChunkSlots {
+                    row0: r.start,
+                    t: r.len(),
+                    start: span.start,
+                    origin: place.origin,
+                    modulus: place.modulus,
+                    window,
+                };
+                let out = fused.take();
+                let cache = (&place.k, &place.v);
+                fused = Some(
+                    crate::gpu::span_attention(&q, k, v, cache, out, self.scale, at)
+                        .expect("span_attention runs where writes_in_place holds"),
+                );
+                *done = true;
+            }
+        }
         let rows_of = |t: &Tensor<3>, r: &std::ops::Range<usize>| {
             let [h, _, d] = t.dims();
             t.clone().slice([0..h, r.clone(), 0..d])
@@ -348,6 +392,7 @@ impl Attention {
                     .iter()
                     .zip(kvs.iter_mut())
                     .enumerate()
+                    .filter(|(s, _)| !in_place[*s])
                     .map(|(s, (span, caches))| one(s, span, &mut **caches))
                     .collect()
             };
@@ -357,6 +402,15 @@ impl Attention {
             let (out, segs) = res?;
             outs.push(out);
             mine.extend(segs);
+        }
+        // Chunks that went the per-sequence way beside written-in-place ones: into their rows.
+        if let Some(mut all) = fused {
+            let w = self.heads * self.head_dim;
+            let rest = spans.iter().zip(&in_place).filter(|(_, done)| !**done);
+            for ((span, _), out) in rest.zip(outs.drain(..)) {
+                all = all.slice_assign([span.rows.clone(), 0..w], out);
+            }
+            outs.push(all);
         }
         if self.shares_kv {
             shared.segments.insert(layer, mine);

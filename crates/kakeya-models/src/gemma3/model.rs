@@ -466,12 +466,18 @@ impl Gemma3Model {
         // no request wants logits, else logits (searched on the host for greedy requests).
         let mut wanted: Vec<Tensor<2>> = Vec::new();
         let mut counts = Vec::with_capacity(reqs.len());
+        // Every row wanted (decode steps, verify blocks): the stacked rows as they are.
+        let mut every_row = true;
         for (req, span) in reqs.iter().zip(&spans) {
             let r = req.logits.rows(&span.rows);
             counts.push(r.len());
+            every_row &= r == span.rows;
             if !r.is_empty() {
                 wanted.push(rows(&x, &r));
             }
+        }
+        if every_row && wanted.len() > 1 {
+            wanted = vec![x.clone()];
         }
         let total: usize = counts.iter().sum();
         let only_greedy = reqs

@@ -384,6 +384,102 @@ pub fn attention_rows(
     })
 }
 
+/// Where one sequence's chunk sits in a stacked forward and how its cache maps positions to
+/// slots ([`span_attention`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkSlots {
+    /// The chunk's first row of the stacked input.
+    pub row0: usize,
+    /// Its rows.
+    pub t: usize,
+    /// Position of its first row.
+    pub start: usize,
+    /// Position `p` lives in slot `(p − origin) % modulus` of the cache.
+    pub origin: usize,
+    /// See `origin`.
+    pub modulus: usize,
+    /// The layer's sliding window; 0 for full attention.
+    pub window: usize,
+}
+
+/// One sequence's chunk of a stacked forward in one launch: its rows of `k_new`/`v_new`
+/// written into the cache buffers `cache` in place, and its rows' attention (each over the
+/// positions it sees, up to its own) written into rows `row0..row0 + t` of `out` (`None`: a
+/// new output; later chunks of the forward pass it back). The cache buffers must come from
+/// [`unique_dense`]. A row's bits equal [`attention_rows`]' over the same keys. `None` off a GPU
+/// and with Burn's fusion (whose lazy graph does not see the in-place writes).
+///
+/// # Shapes
+/// - `q`: `[heads, R, d]`; `k_new`, `v_new`: `[kv_heads, R, d]`; `cache`: two
+///   `[kv_heads, slots, d]` → `[R, heads · d]`
+#[cfg_attr(not(feature = "cube"), allow(unused_variables))]
+pub fn span_attention(
+    q: &Tensor<3>,
+    k_new: &Tensor<3>,
+    v_new: &Tensor<3>,
+    cache: (&Tensor<3>, &Tensor<3>),
+    out: Option<Tensor<2>>,
+    scale: f64,
+    at: ChunkSlots,
+) -> Option<Tensor<2>> {
+    on_gpu!(writes_in_place(q), {
+        let fresh = out.is_none();
+        // A fresh output reads nothing: `q` stands in for the unused binding.
+        let out = out.map_or_else(|| q.clone().into_dispatch(), |o| o.into_dispatch());
+        Tensor::from_dispatch(<Dispatch as DecodeKernels>::span_attention(
+            q.clone().into_dispatch(),
+            k_new.clone().into_dispatch(),
+            v_new.clone().into_dispatch(),
+            cache.0.clone().into_dispatch(),
+            cache.1.clone().into_dispatch(),
+            out,
+            fresh,
+            scale as f32,
+            at.row0,
+            at.t,
+            at.start,
+            at.origin,
+            at.modulus,
+            at.window,
+        ))
+    })
+}
+
+/// Whether [`span_attention`] runs for tensors like `x`: the kernels apply and Burn's fusion
+/// is off.
+pub fn writes_in_place<const D: usize>(x: &Tensor<D>) -> bool {
+    !cfg!(feature = "fusion") && applies(x)
+}
+
+/// `x` itself where nothing else holds its buffer and it is dense, else a dense copy (on a
+/// GPU; elsewhere `x`): a cache buffer [`span_attention`] may write in place.
+///
+/// # Shapes
+/// - `x`: `[...]` → `[...]`
+pub fn unique_dense<const D: usize>(x: Tensor<D>) -> Tensor<D> {
+    if !writes_in_place(&x) {
+        return x;
+    }
+    // `x` moves in: a clone would hold the buffer too and always be copied.
+    #[cfg(feature = "cube")]
+    let x = Tensor::from_dispatch(<Dispatch as DecodeKernels>::unique_dense(x.into_dispatch()));
+    x
+}
+
+/// `x` where its rows are dense, else a dense copy (on a GPU; elsewhere `x`): an input read
+/// by several launches, made dense once.
+///
+/// # Shapes
+/// - `x`: `[...]` → `[...]`
+pub fn dense<const D: usize>(x: Tensor<D>) -> Tensor<D> {
+    if !applies(&x) {
+        return x;
+    }
+    #[cfg(feature = "cube")]
+    let x = Tensor::from_dispatch(<Dispatch as DecodeKernels>::dense(x.into_dispatch()));
+    x
+}
+
 /// Per row its key count, then its key indices, padded to the longest row, as f32 (exact:
 /// indices stay far below 2²⁴).
 ///

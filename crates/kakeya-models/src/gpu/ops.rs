@@ -142,6 +142,51 @@ pub trait DecodeKernels: burn::backend::Backend {
         dhi: usize,
         indexed: bool,
     ) -> FloatTensor<Self>;
+
+    /// One sequence's chunk of a stacked forward: its rows' K/V (`k_new`, `v_new` rows
+    /// `row0..row0 + t`, positions `start..`) written into the cache buffers `cache_k`,
+    /// `cache_v` in place (slot of position `p`: `(p − origin) % modulus`), and their attention
+    /// over every position each row sees (`window` 0: all before it) into rows `row0..row0 + t`
+    /// of `out`, in place (`fresh`: a new output, `out` unread). The caches must be dense and
+    /// held by nobody else ([`Self::unique_dense`]). A row's bits equal
+    /// [`Self::attention_rows`]' over the same keys.
+    ///
+    /// # Shapes
+    /// - `q`: `[heads, R, d]`; `k_new`, `v_new`: `[kv_heads, R, d]`; `cache_k`, `cache_v`:
+    ///   `[kv_heads, slots, d]` → `out`: `[R, heads · d]`
+    #[allow(clippy::too_many_arguments)]
+    #[fusion(dtype = q, shape = Shape::new([q[1], q[0] * q[2]]))]
+    fn span_attention(
+        q: FloatTensor<Self>,
+        k_new: FloatTensor<Self>,
+        v_new: FloatTensor<Self>,
+        cache_k: FloatTensor<Self>,
+        cache_v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        fresh: bool,
+        scale: f32,
+        row0: usize,
+        t: usize,
+        start: usize,
+        origin: usize,
+        modulus: usize,
+        window: usize,
+    ) -> FloatTensor<Self>;
+
+    /// `x` when nothing else holds its buffer and it is dense, else a dense copy: a buffer a
+    /// kernel may write in place.
+    ///
+    /// # Shapes
+    /// - `x`: `[...]` → `[...]`
+    #[fusion(dtype = x, shape = x)]
+    fn unique_dense(x: FloatTensor<Self>) -> FloatTensor<Self>;
+
+    /// `x` where its rows are dense, else a dense copy.
+    ///
+    /// # Shapes
+    /// - `x`: `[...]` → `[...]`
+    #[fusion(dtype = x, shape = x)]
+    fn dense(x: FloatTensor<Self>) -> FloatTensor<Self>;
 }
 
 /// `[T, 2·I]` → `[T, I]`.
@@ -280,5 +325,41 @@ impl DecodeKernels for CubeBackend {
     ) -> FloatTensor<Self> {
         let ids = indexed.then_some(ids);
         attention::attention_rows(q, k, v, scale, [lo0, dlo, hi0, dhi], ids)
+    }
+
+    fn span_attention(
+        q: FloatTensor<Self>,
+        k_new: FloatTensor<Self>,
+        v_new: FloatTensor<Self>,
+        cache_k: FloatTensor<Self>,
+        cache_v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        fresh: bool,
+        scale: f32,
+        row0: usize,
+        t: usize,
+        start: usize,
+        origin: usize,
+        modulus: usize,
+        window: usize,
+    ) -> FloatTensor<Self> {
+        let at = attention::SpanAt {
+            row0,
+            t,
+            start,
+            origin,
+            modulus,
+            window,
+        };
+        let out = (!fresh).then_some(out);
+        attention::span_attention(q, k_new, v_new, cache_k, cache_v, out, scale, at)
+    }
+
+    fn unique_dense(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        attention::unique_dense(x)
+    }
+
+    fn dense(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        burn_cubecl::kernel::into_contiguous(x)
     }
 }

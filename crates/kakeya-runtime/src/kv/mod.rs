@@ -12,7 +12,9 @@ pub mod tiered;
 use std::ops::Range;
 
 use burn::tensor::{Device, Tensor};
-use kakeya_models::{CacheSpec, DeferredKv, KvLayers, KvPart, KvSegment, LayerCache, ModelError};
+use kakeya_models::{
+    CacheSpec, DeferredKv, InPlace, KvLayers, KvPart, KvSegment, LayerCache, ModelError,
+};
 use serde::{Deserialize, Serialize};
 
 pub use native::{FullCache, HeldKv, KvCache, RingCache};
@@ -267,6 +269,17 @@ impl KvLayers for SequenceKv<'_> {
             LayerKv::Native(c) => c.update(k, v, start),
             LayerKv::Tiered(c) => c.update(k, v, start),
             LayerKv::QuantAll(c) => c.update(k, v, start),
+        }
+    }
+
+    fn in_place(&mut self, layer: usize, start: usize, like: &Tensor<3>) -> Option<InPlace> {
+        // Only the native caches are plain buffers; the bounded tiers go through `update`.
+        match self.layers.get_mut(layer)? {
+            LayerKv::Native(c) => {
+                self.device = Some(like.device());
+                c.in_place(start, like)
+            }
+            LayerKv::Tiered(_) | LayerKv::QuantAll(_) => None,
         }
     }
 

@@ -10,7 +10,7 @@
 //! because the write would clobber a slot a held view still shows.
 
 use burn::tensor::Tensor;
-use kakeya_models::{CacheSpec, KvSegment, LayerCache, ModelError, Reach};
+use kakeya_models::{CacheSpec, InPlace, KvSegment, LayerCache, ModelError, Reach};
 
 /// Bytes per stored element (f32).
 const ELEM_BYTES: usize = 4;
@@ -52,6 +52,23 @@ fn pair_bytes(kv: &Option<(Tensor<3>, Tensor<3>)>) -> usize {
     kv.as_ref().map_or(0, |(k, v)| {
         (k.shape().num_elements() + v.shape().num_elements()) * ELEM_BYTES
     })
+}
+
+/// The buffers of `kv` made writable in place ([`kakeya_models::gpu::unique_dense`]), kept by
+/// the cache and handed to the caller's kernel.
+fn writable(kv: &mut Option<(Tensor<3>, Tensor<3>)>, origin: usize, modulus: usize) -> InPlace {
+    let (k, v) = kv.take().expect("allocated before the write");
+    let (k, v) = (
+        kakeya_models::gpu::unique_dense(k),
+        kakeya_models::gpu::unique_dense(v),
+    );
+    *kv = Some((k.clone(), v.clone()));
+    InPlace {
+        k,
+        v,
+        origin,
+        modulus,
+    }
 }
 
 /// Keeps every position; capacity doubles as needed.
@@ -143,6 +160,18 @@ impl LayerCache for FullCache {
             held.positions,
             Reach::Always,
         )])
+    }
+
+    fn in_place(&mut self, start: usize, like: &Tensor<3>) -> Option<InPlace> {
+        if start != self.len {
+            return None;
+        }
+        let t = like.dims()[1];
+        self.ensure(like, self.len + t);
+        self.len += t;
+        let slots = self.kv.as_ref().map_or(0, |(k, _)| k.dims()[1]);
+        // Every position has its own slot: `p % slots == p`.
+        Some(writable(&mut self.kv, 0, slots))
     }
 
     fn len(&self) -> usize {
@@ -310,7 +339,7 @@ impl RingCache {
 
     /// Held positions, oldest first, as views of the ring's slots: one segment, or two when
     /// the held range wraps (no copy).
-    fn in_place(&self) -> Vec<KvSegment> {
+    fn held_views(&self) -> Vec<KvSegment> {
         let Some((bk, bv)) = self.kv.as_ref() else {
             return Vec::new();
         };
@@ -348,7 +377,7 @@ impl LayerCache for RingCache {
         let reach = (start + 1).saturating_sub(self.window).max(self.origin);
         if start == self.len && start + t <= reach + self.cap {
             self.push(k, v, start)?;
-            return Ok(self.in_place());
+            return Ok(self.held_views());
         }
         let mut out = Vec::with_capacity(2);
         if let Some(h) = self.held() {
@@ -362,6 +391,19 @@ impl LayerCache for RingCache {
             Reach::Always,
         ));
         Ok(out)
+    }
+
+    fn in_place(&mut self, start: usize, like: &Tensor<3>) -> Option<InPlace> {
+        let t = like.dims()[1];
+        // As `update`'s write-first case: the chunk's slots hold nothing its queries read.
+        let reach = (start + 1).saturating_sub(self.window).max(self.origin);
+        if start != self.len || t == 0 || start + t > reach + self.cap {
+            return None;
+        }
+        self.ensure(like, (start + t - self.origin).min(self.cap));
+        self.len = start + t;
+        self.first = self.first.max(self.len.saturating_sub(self.cap));
+        Some(writable(&mut self.kv, self.origin, self.cap))
     }
 
     fn len(&self) -> usize {
@@ -447,6 +489,14 @@ impl LayerCache for KvCache {
             KvCache::Shared => Err(ModelError::Cache(format!(
                 "a layer sharing another's K/V holds none (asked to write positions {start}..)"
             ))),
+        }
+    }
+
+    fn in_place(&mut self, start: usize, like: &Tensor<3>) -> Option<InPlace> {
+        match self {
+            KvCache::Full(c) => c.in_place(start, like),
+            KvCache::Ring(r) => r.in_place(start, like),
+            KvCache::Shared => None,
         }
     }
 

@@ -298,50 +298,13 @@ impl Attention {
             }
             None => None,
         };
-        // On a GPU, a sequence whose cache is a plain buffer gets its chunk written and
-        // attended in one launch, into one output for the forward: no slices of the stacked
-        // rows, no cache writes or concatenation of its own (`span_attention`).
-        let mut fused: Option<Tensor<2>> = None;
-        let mut in_place = vec![false; spans.len()];
-        if let Some((_, _, k, v)) = own
-            .as_ref()
-            .filter(|_| !self.shares_kv && crate::gpu::writes_in_place(&q))
-        {
-            let window = match self.kind {
-                AttentionKind::Sliding => self.window,
-                AttentionKind::Full => 0,
-            };
-            // v_proj's columns of the joint product: dense once, not once per launch.
-            let v = &crate::gpu::dense(v.clone());
-            for ((span, caches), done) in spans.iter().zip(kvs.iter_mut()).zip(&mut in_place) {
-                let r = &span.rows;
-                // Longer chunks (prompts) keep the masked product below.
-                if r.len() > crate::gpu::GPU_ROWS_MAX {
-                    continue;
-                }
-                let like = k
-                    .clone()
-                    .slice([0..self.kv_heads, r.clone(), 0..self.head_dim]);
-                let Some(place) = caches.in_place(layer, span.start, &like) else {
-                    continue;
-                };
-                let at = crate::gpu::ChunkSlots {
-                    row0: r.start,
-                    t: r.len(),
-                    start: span.start,
-                    origin: place.origin,
-                    modulus: place.modulus,
-                    window,
-                };
-                let out = fused.take();
-                let cache = (&place.k, &place.v);
-                fused = Some(
-                    crate::gpu::span_attention(&q, k, v, cache, out, self.scale, at)
-                        .expect("span_attention runs where writes_in_place holds"),
-                );
-                *done = true;
+        // On a GPU, chunks whose caches are plain buffers: written and attended in place.
+        let (fused, in_place) = match own.as_ref() {
+            Some((_, _, k, v)) if !self.shares_kv => {
+                self.chunks_in_place(&q, (k, v), spans, (&mut *kvs, layer))
             }
-        }
+            _ => (None, vec![false; spans.len()]),
+        };
         let rows_of = |t: &Tensor<3>, r: &std::ops::Range<usize>| {
             let [h, _, d] = t.dims();
             t.clone().slice([0..h, r.clone(), 0..d])

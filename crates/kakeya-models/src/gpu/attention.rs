@@ -5,6 +5,7 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
+use super::ChunkSlots;
 use super::kernels::{ELEMENT_UNITS, ROW_UNITS, dense_output, f32_only, grid, tree_max, tree_sum};
 
 /// Key `j` of row `i`: from the row's list when `indexed` (`ids` row `i` is its count, then
@@ -23,6 +24,42 @@ fn key_of(
     } else {
         lo + j
     }
+}
+
+/// A row's scores in `scratch[sb..sb + n]` turned into `exp(score − max)` in place (`m`: the
+/// largest score this unit saw); returns their sum, after which every unit may read every
+/// entry. The whole cube calls it; the trees run in a fixed order ([`tree_max`], [`tree_sum`]).
+#[cube]
+fn exp_scores(
+    scratch: &mut [f32],
+    sb: usize,
+    n: usize,
+    m: f32,
+    part: &mut Shared<[f32]>,
+    unit: usize,
+    #[comptime] units: usize,
+) -> f32 {
+    part[unit] = m;
+    sync_cube();
+    tree_max(part, unit);
+    let max = part[0];
+    sync_cube();
+    let mut sum = f32::new(0.0);
+    for c in 0..n.div_ceil(units) {
+        let j = c * units + unit;
+        if j < n {
+            let p = f32::exp(scratch[sb + j] - max);
+            scratch[sb + j] = p;
+            sum += p;
+        }
+    }
+    part[unit] = sum;
+    sync_cube();
+    tree_sum(part, unit, CUBE_DIM as usize);
+    let total = part[0];
+    // Every unit reads every score next: the scratch writes must be visible cube-wide.
+    sync_storage();
+    total
 }
 
 /// One cube per (query head, row): `softmax(q·kᵀ·scale)·v` over the row's keys of the head's
@@ -84,26 +121,7 @@ fn attention_rows_kernel(
             }
         }
     }
-    part[unit] = m;
-    sync_cube();
-    tree_max(&mut part, unit);
-    let max = part[0];
-    sync_cube();
-    let mut sum = f32::new(0.0);
-    for c in 0..chunks {
-        let j = c * units + unit;
-        if j < n {
-            let p = f32::exp(scratch[sb + j] - max);
-            scratch[sb + j] = p;
-            sum += p;
-        }
-    }
-    part[unit] = sum;
-    sync_cube();
-    tree_sum(&mut part, unit, CUBE_DIM as usize);
-    let total = part[0];
-    // Every unit reads every score next: the scratch writes must be visible cube-wide.
-    sync_storage();
+    let total = exp_scores(scratch, sb, n, m, &mut part, unit, units);
     for c in 0..d.div_ceil(units) {
         let e = c * units + unit;
         if e < d {
@@ -259,26 +277,7 @@ fn span_attention_kernel(
             }
         }
     }
-    part[unit] = m;
-    sync_cube();
-    tree_max(&mut part, unit);
-    let max = part[0];
-    sync_cube();
-    let mut sum = f32::new(0.0);
-    for c in 0..chunks {
-        let j = c * units + unit;
-        if j < n {
-            let e = f32::exp(scratch[sb + j] - max);
-            scratch[sb + j] = e;
-            sum += e;
-        }
-    }
-    part[unit] = sum;
-    sync_cube();
-    tree_sum(&mut part, unit, CUBE_DIM as usize);
-    let total = part[0];
-    // Every unit reads every score next: the scratch writes must be visible cube-wide.
-    sync_storage();
+    let total = exp_scores(scratch, sb, n, m, &mut part, unit, units);
     for c in 0..d.div_ceil(units) {
         let e = c * units + unit;
         if e < d {
@@ -297,18 +296,6 @@ fn span_attention_kernel(
     }
 }
 
-/// Where a chunk sits: its first stacked row and position, and how positions map to its
-/// cache's slots (`(p − origin) % modulus`); `window` 0 for a layer without one.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct SpanAt {
-    pub row0: usize,
-    pub t: usize,
-    pub start: usize,
-    pub origin: usize,
-    pub modulus: usize,
-    pub window: usize,
-}
-
 /// See [`super::DecodeKernels::span_attention`]. `out` is `None` for the first chunk of a
 /// forward (a dense output is allocated), else the earlier chunks' output, written in place.
 #[allow(clippy::too_many_arguments)]
@@ -320,7 +307,7 @@ pub(super) fn span_attention(
     cache_v: CubeTensor,
     out: Option<CubeTensor>,
     scale: f32,
-    at: SpanAt,
+    at: ChunkSlots,
 ) -> CubeTensor {
     f32_only(&q, "span_attention");
     let (q, k_new, v_new) = (

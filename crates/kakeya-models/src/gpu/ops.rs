@@ -343,7 +343,7 @@ impl DecodeKernels for CubeBackend {
         modulus: usize,
         window: usize,
     ) -> FloatTensor<Self> {
-        let at = attention::SpanAt {
+        let at = super::ChunkSlots {
             row0,
             t,
             start,

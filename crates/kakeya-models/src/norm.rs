@@ -83,6 +83,26 @@ impl RmsNorm {
             .unwrap_or_else(|| residual + self.forward(x))
     }
 
+    /// [`Self::forward_add`], then `next`'s norm of the result: `(h, next.forward(h))` — one
+    /// kernel on a GPU, the same bits as the two calls.
+    ///
+    /// # Shapes
+    /// - `x`, `residual`: `[R, dim]` → two `[R, dim]`
+    pub fn forward_add_norm(
+        &self,
+        x: Tensor<2>,
+        residual: Tensor<2>,
+        next: &RmsNorm,
+    ) -> (Tensor<2>, Tensor<2>) {
+        let pair = (&self.scale, self.eps);
+        crate::gpu::rms_norm_add_norm(&x, pair, &residual, (&next.scale, next.eps)).unwrap_or_else(
+            || {
+                let h = self.forward_add(x, residual);
+                (h.clone(), next.forward(h))
+            },
+        )
+    }
+
     /// [`Self::forward`] over head vectors, then RoPE ([`Rope::apply`]); one kernel on a GPU.
     ///
     /// # Shapes

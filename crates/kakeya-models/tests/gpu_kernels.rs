@@ -564,3 +564,25 @@ fn span_attention_writes_each_chunk_and_equals_attention_rows() {
         }
     }
 }
+
+#[test]
+fn rms_norm_add_norm_equals_the_two_kernels() {
+    let d = device();
+    // Rows over several cubes, widths below, at and above the kernel's 128 units.
+    for (rows, dim) in [(1, 16), (9, 640), (3, 128), (2, 1152)] {
+        let scale: Vec<f32> = values(dim, 3).iter().map(|v| 1.0 + 0.25 * v).collect();
+        let next: Vec<f32> = values(dim, 4).iter().map(|v| 1.0 + 0.25 * v).collect();
+        let norm = |m: &[f32], eps| RmsNorm {
+            scale: tensor(m.to_vec(), [dim], &d),
+            eps,
+        };
+        let (first, second) = (norm(&scale, 1e-6), norm(&next, 1e-5));
+        let x = tensor::<2>(values(rows * dim, dim as u32), [rows, dim], &d);
+        let residual = tensor::<2>(values(rows * dim, 5), [rows, dim], &d);
+        let (h, m) = first.forward_add_norm(x.clone(), residual.clone(), &second);
+        let h_two = first.forward_add(x, residual);
+        let m_two = second.forward(h_two.clone());
+        assert_eq!(host(h), host(h_two), "h at {rows}×{dim}");
+        assert_eq!(host(m), host(m_two), "norm of h at {rows}×{dim}");
+    }
+}

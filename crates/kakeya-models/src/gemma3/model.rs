@@ -174,8 +174,9 @@ impl DecoderLayer {
         {
             self.residual_tail_host(a, x)
         } else {
-            let h = self.post_attn_norm.forward_add(a, x);
-            let m = self.pre_ffn_norm.forward(h.clone());
+            let (h, m) = self
+                .post_attn_norm
+                .forward_add_norm(a, x, &self.pre_ffn_norm);
             let mut m = Linear::gelu_mlp(&self.gate_proj, &self.up_proj, &self.down_proj, m);
             if let Some(moe) = &self.moe {
                 m = moe.forward(h.clone(), m);

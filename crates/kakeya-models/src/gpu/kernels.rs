@@ -112,6 +112,56 @@ fn rms_norm_kernel(
     }
 }
 
+/// One cube per row: `h = residual + rms_norm(x)·scale` into plane 0 of `out`, then
+/// `rms_norm(h)·next` into plane 1 — a sublayer's output onto the residual stream and the next
+/// sublayer's input norm, the same operations in the same order as [`rms_norm_kernel`] twice.
+#[cube(launch)]
+fn rms_norm_add_norm_kernel(
+    x: &[f32],
+    scale: &[f32],
+    residual: &[f32],
+    next: &[f32],
+    out: &mut [f32],
+    rows: usize,
+    dim: usize,
+    inv_dim: f32,
+    eps: f32,
+    next_eps: f32,
+    #[comptime] units: usize,
+) {
+    let row = CUBE_POS;
+    if row >= rows {
+        terminate!();
+    }
+    let unit = UNIT_POS as usize;
+    let base = row * dim;
+    let plane = rows * dim;
+    let mut part = Shared::<[f32]>::new_slice(units);
+    let inv = inv_rms(x, base, dim, inv_dim, eps, &mut part, units);
+    // `h`'s squares summed as `inv_rms` sums them: the same entries per unit, in order.
+    let mut acc = f32::new(0.0);
+    for c in 0..dim.div_ceil(units) {
+        let j = c * units + unit;
+        if j < dim {
+            let h = residual[base + j] + x[base + j] * inv * scale[j];
+            out[base + j] = h;
+            acc += h * h;
+        }
+    }
+    sync_cube();
+    part[unit] = acc;
+    sync_cube();
+    tree_sum(&mut part, unit, CUBE_DIM as usize);
+    let inv = f32::new(1.0) / f32::sqrt(part[0] * inv_dim + next_eps);
+    // Each unit reads back only the entries it wrote.
+    for c in 0..dim.div_ceil(units) {
+        let j = c * units + unit;
+        if j < dim {
+            out[plane + base + j] = out[base + j] * inv * next[j];
+        }
+    }
+}
+
 /// One cube per row of `[heads, T, d]`: RMSNorm, then half-split RoPE at the row's position
 /// (the same operations, in the same order, as [`crate::norm::RmsNorm::forward`] then
 /// [`crate::rope::Rope::apply`]).
@@ -299,6 +349,43 @@ pub(super) fn rms_norm(
         eps,
         ROW_UNITS,
         add,
+    );
+    out
+}
+
+/// See [`super::DecodeKernels::rms_norm_add_norm`].
+pub(super) fn rms_norm_add_norm(
+    x: CubeTensor,
+    scale: CubeTensor,
+    (eps, next_eps): (f32, f32),
+    residual: CubeTensor,
+    next: CubeTensor,
+) -> CubeTensor {
+    f32_only(&x, "rms_norm_add_norm");
+    let (x, residual) = (into_contiguous(x), into_contiguous(residual));
+    let (scale, next) = (into_contiguous(scale), into_contiguous(next));
+    let shape = x.meta.shape().clone();
+    let dim = shape[shape.num_dims() - 1];
+    let rows = shape.num_elements() / dim.max(1);
+    let out = dense_output(&x, Shape::new([2, rows, dim]));
+    if rows == 0 {
+        return out;
+    }
+    rms_norm_add_norm_kernel::launch(
+        &x.client,
+        grid(rows),
+        CubeDim::new_1d(ROW_UNITS as u32),
+        x.clone().into_buffer_arg(),
+        scale.into_buffer_arg(),
+        residual.into_buffer_arg(),
+        next.into_buffer_arg(),
+        out.clone().into_buffer_arg(),
+        rows,
+        dim,
+        1.0 / dim as f32,
+        eps,
+        next_eps,
+        ROW_UNITS,
     );
     out
 }

@@ -117,6 +117,37 @@ pub fn rms_norm_add<const D: usize>(
     })
 }
 
+/// `h = residual + rms_norm(x)·scale`, then `rms_norm(h)·next`: `(h, its norm)`, one launch.
+///
+/// # Shapes
+/// - `x`, `residual`: `[R, dim]`, `scale`, `next`: `[dim]` → two `[R, dim]`
+#[cfg_attr(not(feature = "cube"), allow(unused_variables))]
+pub fn rms_norm_add_norm(
+    x: &Tensor<2>,
+    (scale, eps): (&Tensor<1>, f64),
+    residual: &Tensor<2>,
+    (next, next_eps): (&Tensor<1>, f64),
+) -> Option<(Tensor<2>, Tensor<2>)> {
+    on_gpu!(applies(x), {
+        let both: Tensor<3> =
+            Tensor::from_dispatch(<Dispatch as DecodeKernels>::rms_norm_add_norm(
+                x.clone().into_dispatch(),
+                scale.clone().into_dispatch(),
+                eps as f32,
+                residual.clone().into_dispatch(),
+                next.clone().into_dispatch(),
+                next_eps as f32,
+            ));
+        let [r, dim] = x.dims();
+        let plane = |i: usize| {
+            both.clone()
+                .slice([i..i + 1, 0..r, 0..dim])
+                .reshape([r, dim])
+        };
+        (plane(0), plane(1))
+    })
+}
+
 /// RMSNorm over each head vector, then half-split RoPE.
 ///
 /// # Shapes

@@ -31,6 +31,21 @@ pub trait DecodeKernels: burn::backend::Backend {
         residual: FloatTensor<Self>,
     ) -> FloatTensor<Self>;
 
+    /// `h = residual + rms_norm(x)` with `scale` (a sublayer's output onto the residual
+    /// stream), then `rms_norm(h)` with `next` (the next sublayer's input), stacked.
+    ///
+    /// # Shapes
+    /// - `x`, `residual`: `[R, dim]`, `scale`, `next`: `[dim]` → `[2, R, dim]` (`h`, its norm)
+    #[fusion(dtype = x, shape = Shape::new([2, x[0], x[1]]))]
+    fn rms_norm_add_norm(
+        x: FloatTensor<Self>,
+        scale: FloatTensor<Self>,
+        eps: f32,
+        residual: FloatTensor<Self>,
+        next: FloatTensor<Self>,
+        next_eps: f32,
+    ) -> FloatTensor<Self>;
+
     /// RMSNorm over each head vector, then half-split RoPE (a query or key norm and its
     /// rotation).
     ///
@@ -239,6 +254,17 @@ impl DecodeKernels for CubeBackend {
         residual: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
         kernels::rms_norm(x, scale, eps, Some(residual))
+    }
+
+    fn rms_norm_add_norm(
+        x: FloatTensor<Self>,
+        scale: FloatTensor<Self>,
+        eps: f32,
+        residual: FloatTensor<Self>,
+        next: FloatTensor<Self>,
+        next_eps: f32,
+    ) -> FloatTensor<Self> {
+        kernels::rms_norm_add_norm(x, scale, (eps, next_eps), residual, next)
     }
 
     fn rms_norm_rope(

@@ -103,6 +103,28 @@ impl RmsNorm {
         )
     }
 
+    /// [`Self::forward_rope`] of queries (this norm) and keys (`k_norm`) — one kernel on a
+    /// GPU, the same bits as the two calls.
+    ///
+    /// # Shapes
+    /// - `q`: `[heads, T, d]`, `k`: `[kv_heads, T, d]`; `cos`, `sin`: `[T, d/2]` → the two
+    ///   shapes
+    pub fn forward_rope_qk(
+        &self,
+        q: Tensor<3>,
+        (k_norm, k): (&RmsNorm, Tensor<3>),
+        cos: &Tensor<2>,
+        sin: &Tensor<2>,
+    ) -> (Tensor<3>, Tensor<3>) {
+        let (qs, ks) = ((&q, &self.scale, self.eps), (&k, &k_norm.scale, k_norm.eps));
+        crate::gpu::qk_norm_rope(qs, ks, cos, sin).unwrap_or_else(|| {
+            (
+                self.forward_rope(q, cos, sin),
+                k_norm.forward_rope(k, cos, sin),
+            )
+        })
+    }
+
     /// [`Self::forward`] over head vectors, then RoPE ([`Rope::apply`]); one kernel on a GPU.
     ///
     /// # Shapes

@@ -586,3 +586,37 @@ fn rms_norm_add_norm_equals_the_two_kernels() {
         assert_eq!(host(m), host(m_two), "norm of h at {rows}×{dim}");
     }
 }
+
+#[test]
+fn qk_norm_rope_reads_the_joint_projection_in_place_and_equals_each_alone() {
+    let d = device();
+    let (heads, kv_heads, hd) = (4, 2, 16);
+    for t in [1, 5] {
+        // The joint q/k/v product's rows, `[t, (heads + 2·kv_heads)·hd]`, and the heads-first
+        // views of its query and key columns (strided: read in place, not copied).
+        let width = (heads + 2 * kv_heads) * hd;
+        let joint = tensor::<2>(values(t * width, 50 + t as u32), [t, width], &d);
+        let view = |from: usize, n: usize| {
+            joint
+                .clone()
+                .slice([0..t, from * hd..(from + n) * hd])
+                .reshape([t, n, hd])
+                .swap_dims(0, 1)
+        };
+        let (q, k) = (view(0, heads), view(heads, kv_heads));
+        let norm = |seed: u32, eps| RmsNorm {
+            scale: tensor(
+                values(hd, seed).iter().map(|v| 1.0 + 0.25 * v).collect(),
+                [hd],
+                &d,
+            ),
+            eps,
+        };
+        let (q_norm, k_norm) = (norm(1, 1e-6), norm(2, 1e-5));
+        let rope = Rope::new(hd, 10_000.0, 1.0);
+        let (cos, sin) = rope.tables(&(7..7 + t).collect::<Vec<_>>(), &d);
+        let (qg, kg) = q_norm.forward_rope_qk(q.clone(), (&k_norm, k.clone()), &cos, &sin);
+        assert_eq!(host(qg), host(q_norm.forward_rope(q, &cos, &sin)), "queries, {t} rows");
+        assert_eq!(host(kg), host(k_norm.forward_rope(k, &cos, &sin)), "keys, {t} rows");
+    }
+}

@@ -280,23 +280,20 @@ impl Attention {
         maps.extend(self.k_proj.as_ref().and(self.v_proj.as_ref()));
         let mut raw = Linear::forward_many(&maps, x).into_iter();
         let q_raw = raw.next().expect("q_proj's output");
-        let q = self
-            .q_norm
-            .forward_rope(self.heads_first(q_raw.clone(), self.heads), cos, sin);
-        // Own keys and values: keys normed and rotated; values (v_proj's, or with k_eq_v the
-        // raw keys) through the value norm.
-        let own = match raw.next() {
+        // Queries, and own keys (normed and rotated, with the queries in one launch on a GPU)
+        // and values (v_proj's, or with k_eq_v the raw keys, through the value norm).
+        let q_heads = self.heads_first(q_raw.clone(), self.heads);
+        let (q, own) = match raw.next() {
             Some(k_raw) => {
                 let v_raw = raw.next().unwrap_or_else(|| k_raw.clone());
-                let k = self.k_norm.forward_rope(
-                    self.heads_first(k_raw.clone(), self.kv_heads),
-                    cos,
-                    sin,
-                );
+                let k_heads = self.heads_first(k_raw.clone(), self.kv_heads);
+                let (q, k) =
+                    self.q_norm
+                        .forward_rope_qk(q_heads, (&self.k_norm, k_heads), cos, sin);
                 let v = self.values_from_raw(v_raw.clone());
-                Some((k_raw, v_raw, k, v))
+                (q, Some((k_raw, v_raw, k, v)))
             }
-            None => None,
+            None => (self.q_norm.forward_rope(q_heads, cos, sin), None),
         };
         // On a GPU, chunks whose caches are plain buffers: written and attended in place.
         let (fused, in_place) = match own.as_ref() {

@@ -6,7 +6,9 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
 use super::ChunkSlots;
-use super::kernels::{ELEMENT_UNITS, ROW_UNITS, dense_output, f32_only, grid, tree_max, tree_sum};
+use super::kernels::{
+    ELEMENT_UNITS, ROW_UNITS, dense_output, f32_only, grid, sequence, tree_max, tree_sum,
+};
 
 /// Key `j` of row `i`: from the row's list when `indexed` (`ids` row `i` is its count, then
 /// its key indices, as f32), else `lo + j`.
@@ -337,13 +339,6 @@ pub(super) fn span_attention(
     let out = out.unwrap_or_else(|| dense_output(&q, Shape::new([rows, heads * d])));
     let keys = at.start + at.t;
     let scratch = dense_output(&q, Shape::new([heads * at.t, keys]));
-    let seq = |v: [usize; 6]| {
-        let mut s = SequenceArg::new();
-        for x in v {
-            s.push(x);
-        }
-        s
-    };
     span_attention_kernel::launch(
         &q.client.clone(),
         grid(heads * at.t),
@@ -355,8 +350,8 @@ pub(super) fn span_attention(
         cache_v.into_buffer_arg(),
         scratch.into_buffer_arg(),
         out.clone().into_buffer_arg(),
-        seq([rows, at.t, heads, heads / kv_heads, d, keys]),
-        seq([at.row0, at.start, at.origin, at.modulus, slots, at.window]),
+        sequence(&[rows, at.t, heads, heads / kv_heads, d, keys]),
+        sequence(&[at.row0, at.start, at.origin, at.modulus, slots, at.window]),
         scale,
         ROW_UNITS,
     );

@@ -162,42 +162,110 @@ fn rms_norm_add_norm_kernel(
     }
 }
 
-/// One cube per row of `[heads, T, d]`: RMSNorm, then half-split RoPE at the row's position
-/// (the same operations, in the same order, as [`crate::norm::RmsNorm::forward`] then
-/// [`crate::rope::Rope::apply`]).
-#[cube(launch)]
-fn rms_norm_rope_kernel(
+/// One head vector: RMSNorm of `x[base..base + d]` with `scale`, then half-split RoPE with
+/// the row's `cos`/`sin` at `at`, into `out[obase..obase + d]` (the same operations, in the
+/// same order, as [`crate::norm::RmsNorm::forward`] then [`crate::rope::Rope::apply`]).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn norm_rope_row(
     x: &[f32],
+    base: usize,
     scale: &[f32],
+    eps: f32,
     cos: &[f32],
     sin: &[f32],
+    at: usize,
     out: &mut [f32],
-    rows: usize,
-    t: usize,
+    obase: usize,
     d: usize,
     inv_dim: f32,
-    eps: f32,
+    part: &mut Shared<[f32]>,
     #[comptime] units: usize,
 ) {
-    let row = CUBE_POS;
-    if row >= rows {
-        terminate!();
-    }
     let unit = UNIT_POS as usize;
-    let base = row * d;
     let half = d / 2;
-    let mut part = Shared::<[f32]>::new_slice(units);
-    let inv = inv_rms(x, base, d, inv_dim, eps, &mut part, units);
-    let at = (row % t) * half;
+    let inv = inv_rms(x, base, d, inv_dim, eps, part, units);
     for c in 0..half.div_ceil(units) {
         let j = c * units + unit;
         if j < half {
             let x1 = x[base + j] * inv * scale[j];
             let x2 = x[base + half + j] * inv * scale[half + j];
             let (cj, sj) = (cos[at + j], sin[at + j]);
-            out[base + j] = x1 * cj - x2 * sj;
-            out[base + half + j] = x2 * cj + x1 * sj;
+            out[obase + j] = x1 * cj - x2 * sj;
+            out[obase + half + j] = x2 * cj + x1 * sj;
         }
+    }
+}
+
+/// One cube per output row of `[H, T, d]`: a head vector's RMSNorm, then RoPE at its
+/// position ([`norm_rope_row`]). Rows below `split` (heads `0..split / T`) read `x` with
+/// `scale_x`, the others `y` with `scale_y` (queries and keys in one launch); head `h` at
+/// position index `i` of an input starts at `h · head_stride + i · row_stride` (`strides`:
+/// x's then y's), so the heads-first views of a projection's rows are read in place.
+#[cube(launch)]
+fn rms_norm_rope_kernel(
+    x: &[f32],
+    y: &[f32],
+    scale_x: &[f32],
+    scale_y: &[f32],
+    cos: &[f32],
+    sin: &[f32],
+    out: &mut [f32],
+    shape: Sequence<usize>,
+    strides: Sequence<usize>,
+    inv_dim: f32,
+    eps_x: f32,
+    eps_y: f32,
+    #[comptime] units: usize,
+) {
+    // shape: rows, split, T, d.
+    let (rows, split, t, d) = (
+        *shape.index(0),
+        *shape.index(1),
+        *shape.index(2),
+        *shape.index(3),
+    );
+    let row = CUBE_POS;
+    if row >= rows {
+        terminate!();
+    }
+    let mut part = Shared::<[f32]>::new_slice(units);
+    let (h, i) = (row / t, row % t);
+    let at = i * (d / 2);
+    if row < split {
+        let base = h * *strides.index(0) + i * *strides.index(1);
+        norm_rope_row(
+            x,
+            base,
+            scale_x,
+            eps_x,
+            cos,
+            sin,
+            at,
+            out,
+            row * d,
+            d,
+            inv_dim,
+            &mut part,
+            units,
+        );
+    } else {
+        let base = (h - split / t) * *strides.index(2) + i * *strides.index(3);
+        norm_rope_row(
+            y,
+            base,
+            scale_y,
+            eps_y,
+            cos,
+            sin,
+            at,
+            out,
+            row * d,
+            d,
+            inv_dim,
+            &mut part,
+            units,
+        );
     }
 }
 
@@ -390,45 +458,77 @@ pub(super) fn rms_norm_add_norm(
     out
 }
 
-/// See [`super::DecodeKernels::rms_norm_rope`].
+/// A `[heads, T, d]` input as the norm-RoPE kernel reads it: its own buffer where each head
+/// vector is dense (strides `(head, row)`), else a dense copy.
+fn head_rows(x: CubeTensor) -> (CubeTensor, [usize; 2]) {
+    let x = if x.meta.strides()[2] == 1 {
+        x
+    } else {
+        into_contiguous(x)
+    };
+    let s = x.meta.strides();
+    let strides = [s[0], s[1]];
+    (x, strides)
+}
+
+/// See [`super::DecodeKernels::rms_norm_rope`] and [`super::DecodeKernels::qk_norm_rope`]:
+/// `x` (and `y` when given, its rows after x's) normed and rotated, `[H_x (+ H_y), T, d]`.
 pub(super) fn rms_norm_rope(
-    x: CubeTensor,
-    scale: CubeTensor,
-    eps: f32,
+    (x, scale_x, eps_x): (CubeTensor, CubeTensor, f32),
+    y: Option<(CubeTensor, CubeTensor, f32)>,
     cos: CubeTensor,
     sin: CubeTensor,
 ) -> CubeTensor {
     f32_only(&x, "rms_norm_rope");
-    let x = into_contiguous(x);
-    let (scale, cos, sin) = (
-        into_contiguous(scale),
-        into_contiguous(cos),
-        into_contiguous(sin),
-    );
-    let shape = x.meta.shape().clone();
-    let (t, d) = (shape[1], shape[2]);
-    let rows = shape[0] * t;
-    let out = dense_output(&x, shape);
+    let (x, sx) = head_rows(x);
+    let scale_x = into_contiguous(scale_x);
+    let (cos, sin) = (into_contiguous(cos), into_contiguous(sin));
+    let (hx, t, d) = (x.meta.shape()[0], x.meta.shape()[1], x.meta.shape()[2]);
+    // Without `y`, every row is x's: `x` stands in for the unused bindings.
+    let (hy, y, sy, scale_y, eps_y) = match y {
+        Some((y, scale, eps)) => {
+            let (y, sy) = head_rows(y);
+            assert!(
+                y.meta.shape()[1] == t && y.meta.shape()[2] == d,
+                "rms_norm_rope: two inputs of other rows or widths"
+            );
+            (y.meta.shape()[0], y, sy, into_contiguous(scale), eps)
+        }
+        None => (0, x.clone(), sx, scale_x.clone(), eps_x),
+    };
+    let rows = (hx + hy) * t;
+    let out = dense_output(&x, Shape::new([hx + hy, t, d]));
     if rows == 0 {
         return out;
     }
     rms_norm_rope_kernel::launch(
-        &x.client,
+        &x.client.clone(),
         grid(rows),
         CubeDim::new_1d(ROW_UNITS as u32),
-        x.clone().into_buffer_arg(),
-        scale.into_buffer_arg(),
+        x.into_buffer_arg(),
+        y.into_buffer_arg(),
+        scale_x.into_buffer_arg(),
+        scale_y.into_buffer_arg(),
         cos.into_buffer_arg(),
         sin.into_buffer_arg(),
         out.clone().into_buffer_arg(),
-        rows,
-        t,
-        d,
+        sequence(&[rows, hx * t, t, d]),
+        sequence(&[sx[0], sx[1], sy[0], sy[1]]),
         1.0 / d as f32,
-        eps,
+        eps_x,
+        eps_y,
         ROW_UNITS,
     );
     out
+}
+
+/// A kernel's `Sequence<usize>` argument.
+pub(super) fn sequence(values: &[usize]) -> SequenceArg<usize> {
+    let mut s = SequenceArg::new();
+    for &v in values {
+        s.push(v);
+    }
+    s
 }
 
 /// See [`super::DecodeKernels::gelu_mul_halves`].

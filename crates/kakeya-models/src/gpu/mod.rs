@@ -171,6 +171,38 @@ pub fn rms_norm_rope(
     })
 }
 
+/// Queries and keys each through its RMSNorm, then RoPE, in one launch (the heads-first views
+/// of the joint projection's columns read in place): `(q, k)`, the same bits as
+/// [`rms_norm_rope`] of each.
+///
+/// # Shapes
+/// - `q`: `[heads, T, d]`, `k`: `[kv_heads, T, d]`; `cos`, `sin`: `[T, d/2]` → the two shapes
+#[cfg_attr(not(feature = "cube"), allow(unused_variables))]
+pub fn qk_norm_rope(
+    (q, q_scale, q_eps): (&Tensor<3>, &Tensor<1>, f64),
+    (k, k_scale, k_eps): (&Tensor<3>, &Tensor<1>, f64),
+    cos: &Tensor<2>,
+    sin: &Tensor<2>,
+) -> Option<(Tensor<3>, Tensor<3>)> {
+    on_gpu!(applies(q), {
+        let both: Tensor<3> = Tensor::from_dispatch(<Dispatch as DecodeKernels>::qk_norm_rope(
+            q.clone().into_dispatch(),
+            q_scale.clone().into_dispatch(),
+            q_eps as f32,
+            k.clone().into_dispatch(),
+            k_scale.clone().into_dispatch(),
+            k_eps as f32,
+            cos.clone().into_dispatch(),
+            sin.clone().into_dispatch(),
+        ));
+        let ([hq, t, d], hk) = (q.dims(), k.dims()[0]);
+        (
+            both.clone().slice([0..hq, 0..t, 0..d]),
+            both.slice([hq..hq + hk, 0..t, 0..d]),
+        )
+    })
+}
+
 /// Half-split RoPE ([`crate::rope::Rope::apply`]).
 ///
 /// # Shapes

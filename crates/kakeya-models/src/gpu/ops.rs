@@ -46,6 +46,25 @@ pub trait DecodeKernels: burn::backend::Backend {
         next_eps: f32,
     ) -> FloatTensor<Self>;
 
+    /// [`Self::rms_norm_rope`] of queries and keys in one launch, each with its own norm:
+    /// the queries' rows, then the keys'.
+    ///
+    /// # Shapes
+    /// - `q`: `[heads, T, d]`, `k`: `[kv_heads, T, d]`, `q_scale`, `k_scale`: `[d]`; `cos`,
+    ///   `sin`: `[T, d/2]` → `[heads + kv_heads, T, d]`
+    #[allow(clippy::too_many_arguments)]
+    #[fusion(dtype = q, shape = Shape::new([q[0] + k[0], q[1], q[2]]))]
+    fn qk_norm_rope(
+        q: FloatTensor<Self>,
+        q_scale: FloatTensor<Self>,
+        q_eps: f32,
+        k: FloatTensor<Self>,
+        k_scale: FloatTensor<Self>,
+        k_eps: f32,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self>;
+
     /// RMSNorm over each head vector, then half-split RoPE (a query or key norm and its
     /// rotation).
     ///
@@ -274,7 +293,20 @@ impl DecodeKernels for CubeBackend {
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        kernels::rms_norm_rope(x, scale, eps, cos, sin)
+        kernels::rms_norm_rope((x, scale, eps), None, cos, sin)
+    }
+
+    fn qk_norm_rope(
+        q: FloatTensor<Self>,
+        q_scale: FloatTensor<Self>,
+        q_eps: f32,
+        k: FloatTensor<Self>,
+        k_scale: FloatTensor<Self>,
+        k_eps: f32,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        kernels::rms_norm_rope((q, q_scale, q_eps), Some((k, k_scale, k_eps)), cos, sin)
     }
 
     fn rope(

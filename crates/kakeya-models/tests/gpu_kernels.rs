@@ -616,7 +616,15 @@ fn qk_norm_rope_reads_the_joint_projection_in_place_and_equals_each_alone() {
         let rope = Rope::new(hd, 10_000.0, 1.0);
         let (cos, sin) = rope.tables(&(7..7 + t).collect::<Vec<_>>(), &d);
         let (qg, kg) = q_norm.forward_rope_qk(q.clone(), (&k_norm, k.clone()), &cos, &sin);
-        assert_eq!(host(qg), host(q_norm.forward_rope(q, &cos, &sin)), "queries, {t} rows");
-        assert_eq!(host(kg), host(k_norm.forward_rope(k, &cos, &sin)), "keys, {t} rows");
+        assert_eq!(
+            host(qg),
+            host(q_norm.forward_rope(q, &cos, &sin)),
+            "queries, {t} rows"
+        );
+        assert_eq!(
+            host(kg),
+            host(k_norm.forward_rope(k, &cos, &sin)),
+            "keys, {t} rows"
+        );
     }
 }

@@ -34,8 +34,9 @@ impl Attention {
             AttentionKind::Sliding => self.window,
             AttentionKind::Full => 0,
         };
-        // v_proj's columns of the joint product: dense once, not once per launch.
-        let v = &gpu::dense(v.clone());
+        // v_proj's columns of the joint product: made dense once, at the first chunk that
+        // goes this way (none may: bounded caches, prompt chunks).
+        let mut v_dense = None;
         let mut out = None;
         for ((span, caches), done) in spans.iter().zip(kvs.iter_mut()).zip(&mut done) {
             let r = &span.rows;
@@ -56,6 +57,7 @@ impl Attention {
                 modulus: place.modulus,
                 window,
             };
+            let v = v_dense.get_or_insert_with(|| gpu::dense(v.clone()));
             let cache = (&place.k, &place.v);
             out = Some(
                 gpu::span_attention(q, k, v, cache, out.take(), self.scale, at)

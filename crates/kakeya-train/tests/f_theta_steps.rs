@@ -15,7 +15,8 @@ use kakeya_train::ftheta::FThetaTrainConfig;
 use kakeya_train::ftheta::data::{LayerData, SeqData};
 use kakeya_train::ftheta::params::FThetaParams;
 use kakeya_train::ftheta::step::{
-    Passes, batch_loss, batch_loss_in, frozen_groups, frozen_layers, optimizer_step,
+    Passes, batch_loss, batch_loss_in, frozen_groups, frozen_layers, layouts, optimizer_step,
+    prepare_step, prepared_loss,
 };
 use kakeya_train::optim::Moments;
 use kakeya_train::run::leaves;
@@ -120,7 +121,19 @@ fn trainer_steps(f: &Value, cfg: &FThetaTrainConfig) -> Vec<Step> {
         .map(|t| {
             let leaves = leaves(&params.tensors);
             let model = params.model(&leaves);
-            let loss = batch_loss(&model, &frozen, &batch, cfg, t, &ad);
+            // As the trainer does: the step prepared and staged ahead (its reader's thread),
+            // then uploaded. On CUDA staging puts every target buffer in pinned memory.
+            let passes = Passes::for_device(&ad);
+            let mut prepared = prepare_step(&layouts(&frozen), &batch, cfg, t, passes);
+            let (bytes, pinned) = prepared.stage(&d);
+            assert!(bytes > 0);
+            let cuda = std::env::var("KAKEYA_TEST_DEVICE").as_deref() == Ok("cuda");
+            assert_eq!(
+                pinned,
+                if cuda { bytes } else { 0 },
+                "bytes staged in pinned memory"
+            );
+            let loss = prepared_loss(&model, &frozen, &batch, prepared, cfg, &ad);
             let loss_value = value(loss.clone());
             let (lr, norm) = optimizer_step(cfg, t, loss, &leaves, &mut params, &mut moments);
             // Per layer, as the reference names them.

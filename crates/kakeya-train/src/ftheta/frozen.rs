@@ -158,7 +158,7 @@ fn times(x: &[f32], m: &[f32], out: &mut Vec<f32>) {
 }
 
 /// A set of rows' masks and key RoPE tables on the host ([`GroupShape::host`]), one upload
-/// each ([`HostAttention::upload`]).
+/// each ([`HostAttention::into_data`], [`AttentionInputs::from_data`]).
 #[derive(Debug, Clone)]
 pub struct HostAttention {
     /// Every distinct RoPE's cosines then sines at the keys, `[ropes, 2, R, d/2]`.
@@ -178,16 +178,24 @@ pub struct AttentionInputs {
 }
 
 impl HostAttention {
-    /// The two tensors on `device` (no copy on the host).
-    pub fn upload(self, device: &Device) -> AttentionInputs {
+    /// The key tables `[ropes, 2, R, d/2]` and the masks `[windows, G · Q, R]` as shaped data
+    /// (no copy).
+    pub fn into_data(self) -> [TensorData; 2] {
         let [ropes, windows, g, nq, n] = self.dims;
         let half = self.k_tables.len() / (2 * ropes * n).max(1);
-        AttentionInputs {
-            k_tables: Tensor::from_data(
-                TensorData::new(self.k_tables, [ropes, 2, n, half]),
-                device,
-            ),
-            mask: Tensor::from_data(TensorData::new(self.mask, [windows, g * nq, n]), device),
+        [
+            TensorData::new(self.k_tables, [ropes, 2, n, half]),
+            TensorData::new(self.mask, [windows, g * nq, n]),
+        ]
+    }
+}
+
+impl AttentionInputs {
+    /// The key tables and masks of [`HostAttention::into_data`] on `device`.
+    pub fn from_data([k_tables, mask]: [TensorData; 2], device: &Device) -> Self {
+        Self {
+            k_tables: Tensor::from_data(k_tables, device),
+            mask: Tensor::from_data(mask, device),
         }
     }
 }

@@ -17,7 +17,7 @@ use super::loss::{
 };
 pub use super::loss::{GroupFrozen, LayerFrozen};
 use super::params::FThetaParams;
-use super::targets::HostTargets;
+use super::targets::{HostTargets, TargetData};
 use super::train::FEval;
 use crate::optim::{AdamW, Moments, backward_and_step};
 
@@ -114,7 +114,20 @@ fn gather(
 /// [`Passes`], how many of the step's sequences it takes and each group's gathered targets.
 #[derive(Debug, Clone)]
 pub struct Prepared {
-    passes: Vec<(usize, Vec<HostTargets>)>,
+    passes: Vec<(usize, Vec<TargetData>)>,
+}
+
+impl Prepared {
+    /// Every pass's targets moved into `device`'s transfer memory ([`TargetData::stage`]) on
+    /// the calling thread (the reader's, in training); returns their bytes, and how many are
+    /// pinned.
+    pub fn stage(&mut self, device: &Device) -> (usize, usize) {
+        self.passes
+            .iter_mut()
+            .flat_map(|(_, tgs)| tgs.iter_mut())
+            .map(|t| t.stage(device))
+            .fold((0, 0), |(a, p), (b, q)| (a + b, p + q))
+    }
 }
 
 /// [`Prepared`] for 0-based step `t` over `batch`: the query draw and the gathering of
@@ -141,7 +154,7 @@ pub fn prepare_step(
             let tgs = layouts
                 .iter()
                 // The losses without attention go through the terms, which read raw targets.
-                .map(|g| gather(&part, g, &q, (attention, !attention), passes.pad))
+                .map(|g| gather(&part, g, &q, (attention, !attention), passes.pad).into_data())
                 .collect();
             (part.len(), tgs)
         })

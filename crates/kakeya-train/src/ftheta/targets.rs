@@ -4,7 +4,7 @@
 //! vector's constants, the masks and key RoPE tables) and uploaded in one go
 //! ([`GroupTargets`]).
 
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{AllocationProperty, Device, Tensor, TensorData};
 
 use super::frozen::{AttentionInputs, GroupFrozen, GroupShape, HostAttention, TargetHeads};
 use super::loss::{Lambdas, LayerTargets, LossKind, LossWeights, NORM_EPS};
@@ -414,37 +414,117 @@ impl HostTargets {
         self.filled = 0;
     }
 
-    /// The tensors on `device`.
+    /// The tensors on `device` ([`Self::into_data`], then [`TargetData::upload`]).
     pub fn upload(self, device: &Device) -> GroupTargets {
+        self.into_data().upload(device)
+    }
+
+    /// The host vectors as shaped data for upload (no copy).
+    pub fn into_data(self) -> TargetData {
         let (l, r) = (self.layers, self.rows.k_pos.len());
         let nq = self.rows.q_pos.len();
         let stacked = |data: Vec<f32>, rows: usize| {
             let cols = data.len() / (l * rows).max(1);
-            Tensor::<3>::from_data(TensorData::new(data, [l, rows, cols]), device)
+            TensorData::new(data, [l, rows, cols])
         };
         let heads = |data: Vec<f32>| {
             let kvh = data.len() / (l * r).max(1);
-            Tensor::<4>::from_data(TensorData::new(data, [l, r, kvh, 1]), device)
+            TensorData::new(data, [l, r, kvh, 1])
         };
         let h = self.heads;
         let d = self.head_dim;
         let head_rows = h.k_norms.len() / l.max(1);
-        GroupTargets {
+        TargetData {
             q: self.q.map(|q| {
                 let heads = q.len() / (nq * d).max(1);
-                Tensor::from_data(TensorData::new(q, [heads, nq, d]), device)
+                TensorData::new(q, [heads, nq, d])
             }),
             kv: self.kv.map(|(k, v)| (stacked(k, r), stacked(v, r))),
-            k_norms: heads(h.k_norms.clone()),
-            v_norms: heads(h.v_norms.clone()),
-            k_dir_norms: heads(h.k_dir_norms.clone()),
-            v_dir_norms: heads(h.v_dir_norms.clone()),
-            dir: Tensor::from_data(TensorData::new(self.dir, [2 * l, head_rows, d]), device),
+            norms: [
+                heads(h.k_norms.clone()),
+                heads(h.v_norms.clone()),
+                heads(h.k_dir_norms.clone()),
+                heads(h.v_dir_norms.clone()),
+            ],
+            dir: TensorData::new(self.dir, [2 * l, head_rows, d]),
             heads: h,
             o: self.o.map(|o| stacked(o, nq)),
             rows: self.rows,
             scales: self.scales,
-            attention: self.attention.map(|a| a.upload(device)),
+            attention: self.attention.map(HostAttention::into_data),
+        }
+    }
+}
+
+/// A group's targets as shaped host data ([`HostTargets::into_data`]), which the f_θ reader
+/// stages ([`Self::stage`]) before the step uploads them ([`Self::upload`]).
+#[derive(Debug, Clone)]
+pub struct TargetData {
+    q: Option<TensorData>,
+    kv: Option<(TensorData, TensorData)>,
+    /// `|K_h|`, `|V_h|`, `|K_h ⊙ m_k|`, `|V_h ⊙ m_v|`.
+    norms: [TensorData; 4],
+    dir: TensorData,
+    heads: TargetHeads,
+    o: Option<TensorData>,
+    rows: Rows,
+    scales: Vec<TargetScales>,
+    /// The key tables and masks ([`HostAttention::into_data`]).
+    attention: Option<[TensorData; 2]>,
+}
+
+impl TargetData {
+    /// Every buffer bound for the device.
+    fn buffers(&mut self) -> impl Iterator<Item = &mut TensorData> {
+        let (k, v) = match &mut self.kv {
+            Some((k, v)) => (Some(k), Some(v)),
+            None => (None, None),
+        };
+        self.q
+            .iter_mut()
+            .chain(k)
+            .chain(v)
+            .chain(self.norms.iter_mut())
+            .chain(std::iter::once(&mut self.dir))
+            .chain(self.o.iter_mut())
+            .chain(self.attention.iter_mut().flatten())
+    }
+
+    /// Moves the buffers into `device`'s transfer memory, on the calling thread, and returns
+    /// their bytes and how many of them are now in pinned host memory. On CUDA that memory is
+    /// pinned, and the upload copies from it directly; elsewhere (and where CubeCL's pinned
+    /// pool is spent) the buffers stay as they are. Without it, CubeCL copies each buffer into
+    /// pinned memory at upload on its one device thread, where the step's launches queue behind
+    /// the copy.
+    pub fn stage(&mut self, device: &Device) -> (usize, usize) {
+        device.staging(self.buffers());
+        self.buffers().fold((0, 0), |(all, pinned), b| {
+            let n = b.bytes().len();
+            let is = matches!(b.bytes().property(), AllocationProperty::Pinned);
+            (all + n, pinned + if is { n } else { 0 })
+        })
+    }
+
+    /// The tensors on `device`.
+    pub fn upload(self, device: &Device) -> GroupTargets {
+        let tensor = |data: TensorData| Tensor::<3>::from_data(data, device);
+        let [k_norms, v_norms, k_dir_norms, v_dir_norms] =
+            self.norms.map(|n| Tensor::<4>::from_data(n, device));
+        GroupTargets {
+            q: self.q.map(tensor),
+            kv: self.kv.map(|(k, v)| (tensor(k), tensor(v))),
+            k_norms,
+            v_norms,
+            k_dir_norms,
+            v_dir_norms,
+            dir: tensor(self.dir),
+            heads: self.heads,
+            o: self.o.map(tensor),
+            rows: self.rows,
+            scales: self.scales,
+            attention: self
+                .attention
+                .map(|a| AttentionInputs::from_data(a, device)),
         }
     }
 }

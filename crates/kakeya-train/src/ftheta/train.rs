@@ -206,18 +206,20 @@ const READ_AHEAD: usize = 4;
 /// one core and a step's gathering milliseconds more, longer than a step on a GPU: each thread
 /// does one step, so a round of 8 steps takes about as long as one step's reading. (16 threads
 /// on the H100 machine's 16 cores kept up too, but the step's own thread ran slower in that
-/// run.)
+/// run.) Each step's targets are staged for `device` there too ([`Prepared::stage`]: on CUDA,
+/// copied into pinned memory off the device's one thread).
 fn spawn_reader(
     cfg: &FThetaTrainConfig,
     info: &DataInfo,
     ds: &Dataset,
     start: usize,
     (groups, passes): (Vec<GroupLayout>, Passes),
+    device: &Device,
 ) -> (Batches, std::thread::JoinHandle<()>) {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
     let round = threads.max(READ_AHEAD);
     let (tx, rx) = mpsc::sync_channel::<Result<Step>>(2 * round);
-    let (cfg, info, ds) = (cfg.clone(), info.clone(), ds.clone());
+    let (cfg, info, ds, device) = (cfg.clone(), info.clone(), ds.clone(), device.clone());
     let handle = std::thread::spawn(move || {
         let mut t0 = start;
         while t0 < cfg.train.steps {
@@ -229,7 +231,9 @@ fn spawn_reader(
                     .into_iter()
                     .map(|s| info.read(&ds, s))
                     .collect::<Result<Vec<SeqData>>>()?;
-                let prepared = prepare_step(&groups, &batch, &cfg, t, passes);
+                let mut prepared = prepare_step(&groups, &batch, &cfg, t, passes);
+                let (bytes, pinned) = prepared.stage(&device);
+                tracing::debug!(step = t + 1, bytes, pinned, "a step's targets staged");
                 // The verifier's tensors now live in `prepared`; the step reads only the
                 // drafter's side of each sequence (a step held ahead keeps them once, not twice).
                 for s in &mut batch {
@@ -385,7 +389,7 @@ pub fn train_f_theta(
     }
 
     let ahead = (layouts(&frozen), Passes::for_device(&ad));
-    let (rx, reader) = spawn_reader(cfg, &info, &ds, st.step, ahead);
+    let (rx, reader) = spawn_reader(cfg, &info, &ds, st.step, ahead, &device);
     let mut trainer = FThetaRun {
         cfg,
         dir: &info.dir,

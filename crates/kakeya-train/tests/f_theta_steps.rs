@@ -15,8 +15,8 @@ use kakeya_train::ftheta::FThetaTrainConfig;
 use kakeya_train::ftheta::data::{LayerData, SeqData};
 use kakeya_train::ftheta::params::FThetaParams;
 use kakeya_train::ftheta::step::{
-    Passes, batch_loss, batch_loss_in, frozen_groups, frozen_layers, layouts, optimizer_step,
-    prepare_step, prepared_loss,
+    Passes, Prepared, batch_loss, batch_loss_in, frozen_groups, frozen_layers, layouts,
+    optimizer_step, prepare_step, prepared_loss,
 };
 use kakeya_train::optim::Moments;
 use kakeya_train::run::leaves;
@@ -125,7 +125,7 @@ fn trainer_steps(f: &Value, cfg: &FThetaTrainConfig) -> Vec<Step> {
             // then uploaded. On CUDA staging puts every target buffer in pinned memory.
             let passes = Passes::for_device(&ad);
             let mut prepared = prepare_step(&layouts(&frozen), &batch, cfg, t, passes);
-            let (bytes, pinned) = prepared.stage(&d);
+            let (bytes, pinned) = Prepared::stage([&mut prepared], &d);
             assert!(bytes > 0);
             let cuda = std::env::var("KAKEYA_TEST_DEVICE").as_deref() == Ok("cuda");
             assert_eq!(

@@ -3,7 +3,7 @@
 //! (shared with the drafter trainer through [`crate::optim`]) and the per-layer-type
 //! diagnostics. The loop in [`super::train`] calls these; tests drive them directly.
 
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{AllocationProperty, Device, Tensor, TensorData};
 use kakeya_models::{FTheta, Gemma3Model};
 use kakeya_weights::FThetaConfig;
 use rand::rngs::StdRng;
@@ -118,15 +118,31 @@ pub struct Prepared {
 }
 
 impl Prepared {
-    /// Every pass's targets moved into `device`'s transfer memory ([`TargetData::stage`]) on
-    /// the calling thread (the reader's, in training); returns their bytes, and how many are
-    /// pinned.
-    pub fn stage(&mut self, device: &Device) -> (usize, usize) {
-        self.passes
-            .iter_mut()
+    /// Moves every target buffer of `steps` into `device`'s transfer memory, in one call on
+    /// the calling thread, and returns their bytes and how many of them are now pinned. On
+    /// CUDA that memory is pinned host memory, which the upload then copies from directly;
+    /// elsewhere (and where CubeCL's pinned pool is spent) the buffers stay as they are.
+    /// Without it, CubeCL copies each buffer into pinned memory at upload, on its one device
+    /// thread, where the step's launches queue behind the copy. The trainer stages a round of
+    /// steps at once from its reader's one long-lived thread: CubeCL keeps a pinned pool per
+    /// stream (a thread's id modulo 128), and each staging call waits for the device thread's
+    /// queue.
+    pub fn stage<'a>(
+        steps: impl IntoIterator<Item = &'a mut Prepared>,
+        device: &Device,
+    ) -> (usize, usize) {
+        let mut buffers: Vec<&mut TensorData> = steps
+            .into_iter()
+            .flat_map(|p| p.passes.iter_mut())
             .flat_map(|(_, tgs)| tgs.iter_mut())
-            .map(|t| t.stage(device))
-            .fold((0, 0), |(a, p), (b, q)| (a + b, p + q))
+            .flat_map(TargetData::buffers)
+            .collect();
+        device.staging(buffers.iter_mut().map(|b| &mut **b));
+        buffers.iter().fold((0, 0), |(all, pinned), b| {
+            let n = b.bytes().len();
+            let is = matches!(b.bytes().property(), AllocationProperty::Pinned);
+            (all + n, pinned + if is { n } else { 0 })
+        })
     }
 }
 

@@ -4,7 +4,7 @@
 //! vector's constants, the masks and key RoPE tables) and uploaded in one go
 //! ([`GroupTargets`]).
 
-use burn::tensor::{AllocationProperty, Device, Tensor, TensorData};
+use burn::tensor::{Device, Tensor, TensorData};
 
 use super::frozen::{AttentionInputs, GroupFrozen, GroupShape, HostAttention, TargetHeads};
 use super::loss::{Lambdas, LayerTargets, LossKind, LossWeights, NORM_EPS};
@@ -457,7 +457,8 @@ impl HostTargets {
 }
 
 /// A group's targets as shaped host data ([`HostTargets::into_data`]), which the f_θ reader
-/// stages ([`Self::stage`]) before the step uploads them ([`Self::upload`]).
+/// stages ([`Prepared::stage`](super::step::Prepared::stage)) before the step uploads them
+/// ([`Self::upload`]).
 #[derive(Debug, Clone)]
 pub struct TargetData {
     q: Option<TensorData>,
@@ -474,8 +475,9 @@ pub struct TargetData {
 }
 
 impl TargetData {
-    /// Every buffer bound for the device.
-    fn buffers(&mut self) -> impl Iterator<Item = &mut TensorData> {
+    /// Every buffer bound for the device (what [`Prepared::stage`](super::step::Prepared::stage)
+    /// moves into the device's transfer memory).
+    pub fn buffers(&mut self) -> impl Iterator<Item = &mut TensorData> {
         let (k, v) = match &mut self.kv {
             Some((k, v)) => (Some(k), Some(v)),
             None => (None, None),
@@ -488,21 +490,6 @@ impl TargetData {
             .chain(std::iter::once(&mut self.dir))
             .chain(self.o.iter_mut())
             .chain(self.attention.iter_mut().flatten())
-    }
-
-    /// Moves the buffers into `device`'s transfer memory, on the calling thread, and returns
-    /// their bytes and how many of them are now in pinned host memory. On CUDA that memory is
-    /// pinned, and the upload copies from it directly; elsewhere (and where CubeCL's pinned
-    /// pool is spent) the buffers stay as they are. Without it, CubeCL copies each buffer into
-    /// pinned memory at upload on its one device thread, where the step's launches queue behind
-    /// the copy.
-    pub fn stage(&mut self, device: &Device) -> (usize, usize) {
-        device.staging(self.buffers());
-        self.buffers().fold((0, 0), |(all, pinned), b| {
-            let n = b.bytes().len();
-            let is = matches!(b.bytes().property(), AllocationProperty::Pinned);
-            (all + n, pinned + if is { n } else { 0 })
-        })
     }
 
     /// The tensors on `device`.

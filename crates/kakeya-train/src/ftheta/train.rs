@@ -206,8 +206,8 @@ const READ_AHEAD: usize = 4;
 /// one core and a step's gathering milliseconds more, longer than a step on a GPU: each thread
 /// does one step, so a round of 8 steps takes about as long as one step's reading. (16 threads
 /// on the H100 machine's 16 cores kept up too, but the step's own thread ran slower in that
-/// run.) Each step's targets are staged for `device` there too ([`Prepared::stage`]: on CUDA,
-/// copied into pinned memory off the device's one thread).
+/// run.) The round's targets are then staged for `device` on the reader's own thread
+/// ([`Prepared::stage`]: on CUDA, copied into pinned memory off the device's one thread).
 fn spawn_reader(
     cfg: &FThetaTrainConfig,
     info: &DataInfo,
@@ -231,9 +231,7 @@ fn spawn_reader(
                     .into_iter()
                     .map(|s| info.read(&ds, s))
                     .collect::<Result<Vec<SeqData>>>()?;
-                let mut prepared = prepare_step(&groups, &batch, &cfg, t, passes);
-                let (bytes, pinned) = prepared.stage(&device);
-                tracing::debug!(step = t + 1, bytes, pinned, "a step's targets staged");
+                let prepared = prepare_step(&groups, &batch, &cfg, t, passes);
                 // The verifier's tensors now live in `prepared`; the step reads only the
                 // drafter's side of each sequence (a step held ahead keeps them once, not twice).
                 for s in &mut batch {
@@ -241,7 +239,7 @@ fn spawn_reader(
                 }
                 Ok((t, batch, prepared))
             };
-            let done: Vec<Result<Step>> = std::thread::scope(|scope| {
+            let mut done: Vec<Result<Step>> = std::thread::scope(|scope| {
                 let parts: Vec<_> = steps
                     .chunks(per)
                     .map(|part| {
@@ -254,6 +252,16 @@ fn spawn_reader(
                     .flat_map(|h| h.join().expect("a reader thread panicked"))
                     .collect()
             });
+            let (bytes, pinned) = Prepared::stage(
+                done.iter_mut().flatten().map(|(_, _, prepared)| prepared),
+                &device,
+            );
+            tracing::debug!(
+                steps = done.len(),
+                bytes,
+                pinned,
+                "a round's targets staged"
+            );
             for step in done {
                 let failed = step.is_err();
                 if tx.send(step).is_err() || failed {

@@ -97,7 +97,7 @@ pub fn clip_factor(norm: f64, clip: f64) -> f64 {
 ///
 /// # Shapes
 /// - `norm`: `[1]` → `[1]`
-fn clip_factor_on_device(norm: &Tensor<1>, clip: f64) -> Tensor<1> {
+pub(crate) fn clip_factor_on_device(norm: &Tensor<1>, clip: f64) -> Tensor<1> {
     if clip <= 0.0 {
         return norm.ones_like();
     }
@@ -108,7 +108,7 @@ fn clip_factor_on_device(norm: &Tensor<1>, clip: f64) -> Tensor<1> {
 /// A step's training loss and gradient norm before clipping, left on the device until the
 /// trainer reads them (one read-back a step: on a GPU each read waits for the queue to drain).
 #[derive(Debug, Clone)]
-pub struct StepValues(Tensor<1>);
+pub struct StepValues(pub(crate) Tensor<1>);
 
 impl StepValues {
     /// `(loss, gradient norm)`, read back.
@@ -124,6 +124,25 @@ impl StepValues {
 }
 
 impl AdamW {
+    /// The hyper-parameters of the update at 1-based step `t` (bias corrections; `lr · weight
+    /// decay`, 0 without `decay`).
+    pub fn at(&self, t: usize, decay: bool) -> AdamwStep {
+        let lr_decay = if decay && self.weight_decay > 0.0 {
+            self.lr * self.weight_decay
+        } else {
+            0.0
+        };
+        AdamwStep {
+            beta1: self.beta1,
+            beta2: self.beta2,
+            eps: self.eps,
+            lr: self.lr,
+            bias1: 1.0 - self.beta1.powi(t as i32),
+            bias2: 1.0 - self.beta2.powi(t as i32),
+            lr_decay,
+        }
+    }
+
     /// One update of `p` with gradient `g` at 1-based step `t`; `decay` says whether weight
     /// decay applies (not to norm multipliers). On a GPU the update is one kernel that first
     /// multiplies `g` by `gpu_scale` (the clip's factor, left on the device; none: 1); elsewhere
@@ -140,23 +159,9 @@ impl AdamW {
         t: usize,
         decay: bool,
     ) -> Tensor<2> {
-        let bc1 = 1.0 - self.beta1.powi(t as i32);
-        let bc2 = 1.0 - self.beta2.powi(t as i32);
-        let lr_decay = if decay && self.weight_decay > 0.0 {
-            self.lr * self.weight_decay
-        } else {
-            0.0
-        };
+        let h = self.at(t, decay);
+        let (bc1, bc2, lr_decay) = (h.bias1, h.bias2, h.lr_decay);
         // On a GPU the whole update is one kernel (the same arithmetic in the same order).
-        let h = AdamwStep {
-            beta1: self.beta1,
-            beta2: self.beta2,
-            eps: self.eps,
-            lr: self.lr,
-            bias1: bc1,
-            bias2: bc2,
-            lr_decay,
-        };
         if gpu::is_gpu(&p.device()) {
             let ones;
             let scale = match gpu_scale {
@@ -195,6 +200,34 @@ impl AdamW {
     }
 }
 
+/// Back-propagates `loss` to `leaves` (gradient-tracking copies of `params`, in order): the
+/// loss's value off the graph, each parameter's gradient (zeros where the loss does not reach
+/// it) and their squared global norm (on a GPU in a few launches, [`squared_norm_joined`]).
+///
+/// # Shapes
+/// - `loss`: `[1]` (autodiff), `leaves` and `params`: each `[r, c]` → `[1]`, the gradients,
+///   `[1]`
+pub(crate) fn gradients(
+    loss: Tensor<1>,
+    leaves: &[Tensor<2>],
+    params: &[&Tensor<2>],
+    on_gpu: bool,
+) -> (Tensor<1>, Vec<Tensor<2>>, Tensor<1>) {
+    let value = loss.clone().inner().reshape([1]);
+    let grads = loss.backward();
+    let grads: Vec<Tensor<2>> = leaves
+        .iter()
+        .zip(params)
+        .map(|(leaf, p)| leaf.grad(&grads).unwrap_or_else(|| p.zeros_like()))
+        .collect();
+    let squared = if on_gpu {
+        squared_norm_joined(&grads)
+    } else {
+        squared_norm(&grads)
+    };
+    (value, grads, squared)
+}
+
 /// Back-propagates `loss` to `leaves` (gradient-tracking copies of `params`, in order), clips
 /// the global gradient norm to `clip`, and applies one AdamW update at 1-based step `t`;
 /// `decay(shape)` says whether a tensor takes weight decay. Returns the loss and the norm before
@@ -215,20 +248,9 @@ pub fn backward_and_step(
     t: usize,
     decay: &dyn Fn(&[usize]) -> bool,
 ) -> StepValues {
-    let value = loss.clone().inner().reshape([1]);
-    let loss_device = value.device();
-    let grads = loss.backward();
-    let grads: Vec<Tensor<2>> = leaves
-        .iter()
-        .zip(params.iter())
-        .map(|(leaf, (_, _, p))| leaf.grad(&grads).unwrap_or_else(|| p.zeros_like()))
-        .collect();
-    let on_gpu = gpu::is_gpu(&loss_device);
-    let squared = if on_gpu {
-        squared_norm_joined(&grads)
-    } else {
-        squared_norm(&grads)
-    };
+    let on_gpu = gpu::is_gpu(&loss.device());
+    let plain: Vec<&Tensor<2>> = params.iter().map(|(_, _, p)| p).collect();
+    let (value, grads, squared) = gradients(loss, leaves, &plain, on_gpu);
     let norm = squared.clone().sqrt();
     let (factor, gpu_scale) = if on_gpu {
         (1.0, Some(clip_factor_on_device(&norm, clip)))

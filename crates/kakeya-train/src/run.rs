@@ -15,7 +15,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TrainError};
-use crate::optim::{AdamW, Moments, backward_and_step};
+use crate::optim::{AdamW, Moments, StepValues, backward_and_step};
 use crate::state;
 
 /// Trainable tensors `(name, PyTorch shape, value)`, stored 2-D (`[1, n]` for vectors), in
@@ -312,6 +312,17 @@ pub trait Trainer {
     /// # Shapes
     /// - returns `[1]`
     fn loss(&mut self, t: usize, params: &Self::Params, leaves: &[Tensor<2>]) -> Result<Tensor<1>>;
+    /// Step `t` whole — loss, gradients, clip and update, the parameters and `moments`
+    /// updated in place — where the trainer runs it itself (f_θ replaying a recorded step on a
+    /// GPU: [`crate::ftheta::replay`]); `None`: the loop's [`Self::loss`] and update.
+    fn whole_step(
+        &mut self,
+        _t: usize,
+        _params: &Self::Params,
+        _moments: &[Moments],
+    ) -> Option<Result<StepValues>> {
+        None
+    }
     /// The AdamW settings of 0-based step `t` and the global gradient-norm clip.
     fn optimizer(&self, t: usize) -> (AdamW, f64);
     /// Whether a tensor of this (PyTorch) shape takes weight decay.
@@ -358,21 +369,27 @@ where
     while st.step < cadence.steps {
         let t = st.step;
         let started = Instant::now();
-        let leaves = leaves(params.tensors());
-        let loss_t = trainer.loss(t, params, &leaves)?;
-        let forward = started.elapsed();
         let (opt, clip) = trainer.optimizer(t);
-        let decay = |shape: &[usize]| trainer.decays(shape);
-        let values = backward_and_step(
-            loss_t,
-            &leaves,
-            params.tensors_mut(),
-            moments,
-            &opt,
-            clip,
-            t + 1,
-            &decay,
-        );
+        let (values, forward) = match trainer.whole_step(t, params, moments) {
+            Some(values) => (values?, started.elapsed()),
+            None => {
+                let leaves = leaves(params.tensors());
+                let loss_t = trainer.loss(t, params, &leaves)?;
+                let forward = started.elapsed();
+                let decay = |shape: &[usize]| trainer.decays(shape);
+                let values = backward_and_step(
+                    loss_t,
+                    &leaves,
+                    params.tensors_mut(),
+                    moments,
+                    &opt,
+                    clip,
+                    t + 1,
+                    &decay,
+                );
+                (values, forward)
+            }
+        };
         let queued = started.elapsed();
         // The step's one read-back: on a GPU, the wait for the queued work.
         let (loss, grad_norm) = values.read();

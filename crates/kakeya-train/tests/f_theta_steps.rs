@@ -388,3 +388,81 @@ export = "unused"
         );
     }
 }
+
+/// The trainer's steps replayed from a recording (`[train] graph`, on a GPU:
+/// `kakeya_train::ftheta::replay`) against the same steps issued one by one. The same kernels
+/// run in the same order (the update written in place, its step's hyper-parameters read from a
+/// buffer), so the losses, gradient norms and weights are the same bits. The batches alternate
+/// between two sequences and one, so two recordings are made and each is replayed with fresh
+/// inputs copied into the buffers it recorded. Run with `KAKEYA_TEST_DEVICE=wgpu` (or cuda).
+#[cfg(feature = "wgpu")]
+#[test]
+fn replayed_steps_equal_the_steps_issued_one_by_one() {
+    use kakeya_train::ftheta::replay::Replayer;
+    use kakeya_train::ftheta::step::PassInputs;
+
+    let f = fixture();
+    let mut cfg = step_config(&f);
+    cfg.train.steps = 6;
+    let d = kakeya_models::testing::test_device();
+    assert!(
+        kakeya_models::gpu::is_gpu(&d),
+        "run with KAKEYA_TEST_DEVICE=wgpu (or cuda): steps are replayed on a GPU"
+    );
+    let ad = d.clone().autodiff();
+    let all = step_batch(&f);
+    let batch = |t: usize| match t % 2 {
+        0 => all.clone(),
+        _ => vec![all[1].clone()],
+    };
+    let run = |replay: bool| {
+        let mut p = params(&f, &d);
+        let frozen = frozen_groups(&frozen(&f, &ad), &p.config);
+        let mut moments: Vec<Moments> = p
+            .tensors
+            .iter()
+            .map(|(_, _, x)| Moments::zeros_like(x))
+            .collect();
+        let mut replayer = replay.then(|| Replayer::new(&cfg, &d).expect("a GPU replays"));
+        let mut values = Vec::new();
+        for t in 0..cfg.train.steps {
+            let b = batch(t);
+            if let Some(r) = &mut replayer {
+                let passes = Passes::for_device(&ad);
+                let prepared = prepare_step(&layouts(&frozen), &b, &cfg, t, passes);
+                let host = prepared.single_pass().expect("one pass on a GPU");
+                let tgs = host.into_iter().map(|h| h.upload(&ad)).collect();
+                let part: Vec<&SeqData> = b.iter().collect();
+                let inputs = PassInputs::new(&part, tgs, &cfg, &ad, false);
+                let stepped = r.step(t, (&p, &moments), (&frozen, &cfg), inputs, b.len());
+                values.push(stepped.read());
+            } else {
+                let leaves = leaves(&p.tensors);
+                let model = p.model(&leaves);
+                let loss = batch_loss(&model, &frozen, &b, &cfg, t, &ad);
+                let loss_value = value(loss.clone());
+                let (_, norm) = optimizer_step(&cfg, t, loss, &leaves, &mut p, &mut moments);
+                values.push((loss_value, norm));
+            }
+        }
+        let weights: Vec<Vec<f32>> = p.tensors.iter().map(|(_, _, x)| host(x)).collect();
+        let moments: Vec<Vec<f32>> = moments
+            .iter()
+            .flat_map(|m| [host(&m.m), host(&m.v)])
+            .collect();
+        (values, weights, moments)
+    };
+    let (plain, replayed) = (run(false), run(true));
+    for (t, (a, b)) in plain.0.iter().zip(&replayed.0).enumerate() {
+        assert_eq!(a, b, "step {t}: (loss, grad norm) one by one vs replayed");
+    }
+    assert_eq!(plain.1, replayed.1, "weights after the steps");
+    assert_eq!(plain.2, replayed.2, "AdamW's moments after the steps");
+    // The steps did something: the weights moved from their start.
+    let start: Vec<Vec<f32>> = params(&f, &d)
+        .tensors
+        .iter()
+        .map(|(_, _, x)| host(x))
+        .collect();
+    assert_ne!(start, replayed.1);
+}

@@ -367,6 +367,32 @@ fn copy_kernel(src: &[f32], dst: &mut [f32], n: usize) {
     }
 }
 
+/// `src` copied into `dst`'s buffer in place, whoever else holds it (both dense, one size);
+/// returns `dst`.
+pub(super) fn copy_into(dst: CubeTensor, src: CubeTensor) -> CubeTensor {
+    f32_only(&dst, "copy_into");
+    f32_only(&src, "copy_into");
+    let n = dst.meta.shape().num_elements();
+    assert!(
+        dst.is_contiguous() && src.meta.shape().num_elements() == n,
+        "copy_into: a dense destination {:?} of the source's size {:?}",
+        dst.meta.shape(),
+        src.meta.shape()
+    );
+    let src = into_contiguous(src);
+    if n > 0 {
+        copy_kernel::launch(
+            &src.client.clone(),
+            grid(n.div_ceil(ELEMENT_UNITS)),
+            CubeDim::new_1d(ELEMENT_UNITS as u32),
+            src.into_buffer_arg(),
+            dst.clone().into_buffer_arg(),
+            n,
+        );
+    }
+    dst
+}
+
 /// `x` itself when nothing else holds its buffer and its rows are dense, else a dense copy:
 /// what a kernel may then write in place.
 pub(super) fn unique_dense(x: CubeTensor) -> CubeTensor {

@@ -343,6 +343,59 @@ pub fn adamw(
     })
 }
 
+/// [`adamw`] written back into `p`, `m` and `v` in place (dense buffers the caller owns,
+/// written whoever else holds them), the step's `[lr, 1 − β₁ᵗ, 1 − β₂ᵗ, lr · weight decay]`
+/// read from `hyper` (β₁, β₂ and ε from `h`; its step fields are not read); `decay` false: no
+/// weight decay for this tensor. `Some(())` where the kernels apply and write in place (not
+/// under Burn's fusion).
+///
+/// # Shapes
+/// - `p`, `g`, `m`, `v`: `[r, c]`, `scale`: `[1]`, `hyper`: `[4]`
+#[cfg_attr(not(feature = "cube"), allow(unused_variables))]
+#[allow(clippy::too_many_arguments)]
+pub fn adamw_in_place(
+    p: &Tensor<2>,
+    g: &Tensor<2>,
+    scale: &Tensor<1>,
+    (m, v): (&Tensor<2>, &Tensor<2>),
+    hyper: &Tensor<1>,
+    h: &AdamwStep,
+    decay: bool,
+) -> Option<()> {
+    on_gpu!(writes_in_place(p), {
+        let _ = <Dispatch as DecodeKernels>::adamw_in_place(
+            p.clone().into_dispatch(),
+            g.clone().into_dispatch(),
+            scale.clone().into_dispatch(),
+            m.clone().into_dispatch(),
+            v.clone().into_dispatch(),
+            hyper.clone().into_dispatch(),
+            h.beta1 as f32,
+            (1.0 - h.beta1) as f32,
+            h.beta2 as f32,
+            (1.0 - h.beta2) as f32,
+            h.eps as f32,
+            decay,
+        );
+    })
+}
+
+/// `src` copied into `dst`'s buffer in place (dense, one size), whoever else holds it: a
+/// buffer a recorded graph reads, rewritten. `Some(())` where the kernels apply and write in
+/// place.
+///
+/// # Shapes
+/// - `dst`, `src`: `[...]` (one size)
+#[cfg_attr(not(feature = "cube"), allow(unused_variables))]
+pub fn copy_into<const D: usize, const E: usize>(dst: &Tensor<D>, src: &Tensor<E>) -> Option<()> {
+    on_gpu!(writes_in_place(dst), {
+        let _ = <Dispatch as DecodeKernels>::copy_into(
+            dst.clone().into_dispatch(),
+            src.clone().into_dispatch(),
+        );
+    })
+}
+
 /// Per row, the index of its largest entry (the first on ties); only the `T` ids come back
 /// to the host.
 ///

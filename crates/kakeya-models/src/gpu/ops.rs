@@ -162,6 +162,30 @@ pub trait DecodeKernels: burn::backend::Backend {
         lr_decay: f32,
     ) -> FloatTensor<Self>;
 
+    /// [`Self::adamw`] written back into `p`, `m` and `v` (dense buffers the caller owns,
+    /// written in place whoever else holds them), with the step's learning rate, bias
+    /// corrections and `lr · weight decay` read from `hyper` (`[4]`); `decay` false: none for
+    /// this tensor. Returns `p`.
+    ///
+    /// # Shapes
+    /// - `p`, `g`, `m`, `v`: `[...]` (one shape), `scale`: `[1]`, `hyper`: `[4]` → `p`
+    #[allow(clippy::too_many_arguments)]
+    #[fusion(dtype = p, shape = p)]
+    fn adamw_in_place(
+        p: FloatTensor<Self>,
+        g: FloatTensor<Self>,
+        scale: FloatTensor<Self>,
+        m: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        hyper: FloatTensor<Self>,
+        beta1: f32,
+        one_minus_beta1: f32,
+        beta2: f32,
+        one_minus_beta2: f32,
+        eps: f32,
+        decay: bool,
+    ) -> FloatTensor<Self>;
+
     #[allow(clippy::too_many_arguments)]
     #[fusion(dtype = q, shape = Shape::new([q[1], q[0] * q[2]]))]
     fn attention_rows(
@@ -221,6 +245,13 @@ pub trait DecodeKernels: burn::backend::Backend {
     /// - `x`: `[...]` → `[...]`
     #[fusion(dtype = x, shape = x)]
     fn dense(x: FloatTensor<Self>) -> FloatTensor<Self>;
+
+    /// `src` copied into `dst`'s dense buffer in place, whoever else holds it; returns `dst`.
+    ///
+    /// # Shapes
+    /// - `dst`, `src`: `[...]` (one size) → `dst`
+    #[fusion(dtype = dst, shape = dst)]
+    fn copy_into(dst: FloatTensor<Self>, src: FloatTensor<Self>) -> FloatTensor<Self>;
 }
 
 /// `[T, 2·I]` → `[T, I]`.
@@ -419,5 +450,38 @@ impl DecodeKernels for CubeBackend {
 
     fn dense(x: FloatTensor<Self>) -> FloatTensor<Self> {
         burn_cubecl::kernel::into_contiguous(x)
+    }
+
+    fn copy_into(dst: FloatTensor<Self>, src: FloatTensor<Self>) -> FloatTensor<Self> {
+        attention::copy_into(dst, src)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn adamw_in_place(
+        p: FloatTensor<Self>,
+        g: FloatTensor<Self>,
+        scale: FloatTensor<Self>,
+        m: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        hyper: FloatTensor<Self>,
+        beta1: f32,
+        one_minus_beta1: f32,
+        beta2: f32,
+        one_minus_beta2: f32,
+        eps: f32,
+        decay: bool,
+    ) -> FloatTensor<Self> {
+        let h = optim::Scalars {
+            beta1,
+            one_minus_beta1,
+            beta2,
+            one_minus_beta2,
+            eps,
+            lr: 0.0,
+            bias1: 0.0,
+            bias2: 0.0,
+            lr_decay: 0.0,
+        };
+        optim::adamw_in_place(p, g, scale, m, v, hyper, h, decay)
     }
 }

@@ -122,3 +122,105 @@ pub(super) fn adamw(
     );
     out
 }
+
+/// [`adamw_kernel`]'s update written back into `p`, `m` and `v`, with the step's learning
+/// rate, bias corrections and `lr · weight decay` read from `hyper` (`[lr, 1 − β₁ᵗ, 1 − β₂ᵗ,
+/// lr · wd]`) instead of taken as arguments: a training step replayed as one recorded graph
+/// reads its parameters from, and writes them to, the same buffers every time, and reuses the
+/// recorded launches' arguments, so what changes from step to step lives in a buffer rewritten
+/// before each replay. `decay` 0: no weight decay for this tensor. The same arithmetic in the
+/// same order as [`adamw_kernel`].
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn adamw_in_place_kernel(
+    p: &mut [f32],
+    g: &[f32],
+    scale: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    hyper: &[f32],
+    n: usize,
+    beta1: f32,
+    one_minus_beta1: f32,
+    beta2: f32,
+    one_minus_beta2: f32,
+    eps: f32,
+    decay: u32,
+) {
+    let i = ABSOLUTE_POS;
+    if i < n {
+        let (lr, bias1, bias2) = (hyper[0], hyper[1], hyper[2]);
+        let mut lr_decay = f32::new(0.0);
+        if decay > 0 {
+            lr_decay = hyper[3];
+        }
+        let gi = g[i] * scale[0];
+        let mi = m[i] * beta1 + gi * one_minus_beta1;
+        let vi = v[i] * beta2 + gi * gi * one_minus_beta2;
+        let step = (mi / bias1) / (f32::sqrt(vi / bias2) + eps);
+        let pi = p[i];
+        let decayed = pi - pi * lr_decay;
+        p[i] = decayed - step * lr;
+        m[i] = mi;
+        v[i] = vi;
+    }
+}
+
+/// See [`super::DecodeKernels::adamw_in_place`]: `p`, `m` and `v` must be dense buffers the
+/// caller owns (written whoever else holds them).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn adamw_in_place(
+    p: CubeTensor,
+    g: CubeTensor,
+    scale: CubeTensor,
+    m: CubeTensor,
+    v: CubeTensor,
+    hyper: CubeTensor,
+    h: Scalars,
+    decay: bool,
+) -> CubeTensor {
+    for (t, what) in [
+        (&p, "p"),
+        (&g, "g"),
+        (&m, "m"),
+        (&v, "v"),
+        (&hyper, "hyper"),
+    ] {
+        f32_only(t, what);
+    }
+    let n = p.meta.shape().num_elements();
+    for t in [&p, &m, &v] {
+        assert!(
+            t.is_contiguous() && t.meta.shape().num_elements() == n,
+            "adamw_in_place: the parameter and moments must be dense buffers of one size"
+        );
+    }
+    assert_eq!(
+        hyper.meta.shape().num_elements(),
+        4,
+        "adamw_in_place: [lr, bias1, bias2, lr · wd]"
+    );
+    let [g, scale, hyper] = [g, scale, hyper].map(into_contiguous);
+    if n == 0 {
+        return p;
+    }
+    adamw_in_place_kernel::launch(
+        &p.client.clone(),
+        grid(n.div_ceil(ELEMENT_UNITS)),
+        CubeDim::new_1d(ELEMENT_UNITS as u32),
+        p.clone().into_buffer_arg(),
+        g.into_buffer_arg(),
+        scale.into_buffer_arg(),
+        m.into_buffer_arg(),
+        v.into_buffer_arg(),
+        hyper.into_buffer_arg(),
+        n,
+        h.beta1,
+        h.one_minus_beta1,
+        h.beta2,
+        h.one_minus_beta2,
+        h.eps,
+        u32::from(decay),
+    );
+    p
+}

@@ -155,8 +155,15 @@ pub struct TrainSection {
     /// Seed of the initialisation and of every step's sampling.
     #[serde(default)]
     pub seed: u64,
+    /// On a GPU, record a step once per input shape and replay it ([`super::replay`]: on
+    /// CUDA one graph launch a step); false: every step issues its launches from the host.
+    #[serde(default = "default_graph")]
+    pub graph: bool,
 }
 
+fn default_graph() -> bool {
+    true
+}
 fn default_seqs() -> usize {
     2
 }

@@ -191,6 +191,12 @@ impl HostAttention {
 }
 
 impl AttentionInputs {
+    /// The key tables and masks, flattened (views), with their shapes, onto `all`.
+    pub fn tensors(&self, all: &mut Vec<(Vec<usize>, Tensor<1>)>) {
+        super::step::push_flat(all, &self.k_tables);
+        super::step::push_flat(all, &self.mask);
+    }
+
     /// The key tables and masks of [`HostAttention::into_data`] on `device`.
     pub fn from_data([k_tables, mask]: [TensorData; 2], device: &Device) -> Self {
         Self {

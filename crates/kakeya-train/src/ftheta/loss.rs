@@ -284,6 +284,15 @@ pub struct LossWeights {
     pub heads: Option<[Tensor<3>; 3]>,
 }
 
+impl LossWeights {
+    /// Every device tensor, flattened (views), with its shape, onto `all`.
+    pub fn tensors(&self, all: &mut Vec<(Vec<usize>, Tensor<1>)>) {
+        for t in self.outputs.iter().chain(self.heads.iter().flatten()) {
+            super::step::push_flat(all, t);
+        }
+    }
+}
+
 /// The sum over a group's member layers of [`layer_loss`] — what a training step needs of
 /// [`group_terms`], in fewer launches for the attention losses: their terms are weighted sums
 /// over head vectors and queries, so each is weighed per row on the host (λ, `1/heads`, the

@@ -118,6 +118,15 @@ pub struct Prepared {
 }
 
 impl Prepared {
+    /// The step's one pass's targets (every sequence of the step: on a GPU,
+    /// [`Passes::for_device`]), or `None` where it takes several.
+    pub fn single_pass(&self) -> Option<Vec<TargetData>> {
+        match &self.passes[..] {
+            [(_, tgs)] => Some(tgs.clone()),
+            _ => None,
+        }
+    }
+
     /// Moves every target buffer of `steps` into `device`'s transfer memory, in one call on
     /// the calling thread, and returns their bytes and how many of them are now pinned. On
     /// CUDA that memory is pinned host memory, which the upload then copies from directly;
@@ -178,17 +187,92 @@ pub fn prepare_step(
     Prepared { passes }
 }
 
+/// What a pass's loss reads on the device: each group's targets, the training loss's weights
+/// (none for diagnostics) and the drafter's K and V side, `[R, width]` each, padded like the
+/// targets' rows.
+#[derive(Debug, Clone)]
+pub struct PassInputs {
+    /// Each group's targets.
+    pub tgs: Vec<GroupTargets>,
+    /// Each group's [`GroupTargets::loss_weights`] (empty for diagnostics).
+    pub weights: Vec<LossWeights>,
+    /// The drafter's K and V rows.
+    pub sides: [Tensor<2>; 2],
+}
+
+impl PassInputs {
+    /// The targets `tgs` of the sequences `batch` with their weights (unless `diagnostics`)
+    /// and drafter side uploaded (before anything launches: on a GPU an upload queued behind
+    /// kernels may wait for them).
+    pub fn new(
+        batch: &[&SeqData],
+        tgs: Vec<GroupTargets>,
+        cfg: &FThetaTrainConfig,
+        device: &Device,
+        diagnostics: bool,
+    ) -> Self {
+        let (kind, lambdas, normalize) = (
+            cfg.loss.kind,
+            &cfg.loss.lambdas,
+            cfg.loss.normalize_attention,
+        );
+        let weights = match diagnostics {
+            true => Vec::new(),
+            false => tgs
+                .iter()
+                .map(|tg| tg.loss_weights(kind, lambdas, normalize, device))
+                .collect(),
+        };
+        // The rows the targets hold: the sequences', then padding.
+        let rows = tgs[0].rows.k_pos.len();
+        let side = |pick: &dyn Fn(&SeqData) -> &[f32]| {
+            let mut all: Vec<f32> = batch.iter().flat_map(|s| pick(s).iter().copied()).collect();
+            let width = all.len() / batch.iter().map(|s| s.len).sum::<usize>().max(1);
+            all.resize(rows * width, 0.0);
+            tensor(all, rows, device)
+        };
+        let sides = [side(&|s| &s.dk), side(&|s| &s.dv)];
+        Self {
+            tgs,
+            weights,
+            sides,
+        }
+    }
+
+    /// Every device tensor, flattened (views of the same buffers, off the autodiff graph), in a
+    /// fixed order, with its shape.
+    pub fn tensors(&self) -> Vec<(Vec<usize>, Tensor<1>)> {
+        let mut all = Vec::new();
+        for tg in &self.tgs {
+            tg.tensors(&mut all);
+        }
+        for w in &self.weights {
+            w.tensors(&mut all);
+        }
+        for s in &self.sides {
+            push_flat(&mut all, s);
+        }
+        all
+    }
+}
+
+/// `t`'s shape and its flat view (off the autodiff graph: the inputs are constants), onto
+/// `all`.
+pub fn push_flat<const D: usize>(all: &mut Vec<(Vec<usize>, Tensor<1>)>, t: &Tensor<D>) {
+    let dims = t.dims().to_vec();
+    let n = t.shape().num_elements();
+    all.push((dims, t.clone().inner().reshape([n])));
+}
+
 /// The sum over the layers of the per-layer losses of a batch of sequences, each term the sum
 /// over the sequences of its per-sequence mean (f_θ's decoders of a width group in one
 /// product, a group's terms over every sequence in one pass), and each layer's diagnostics (by
-/// layer index; one sequence only) when asked.
-fn sequence_loss(
+/// layer index; one sequence only) when asked (`inputs` made with `diagnostics`).
+pub fn sequence_loss(
     model: &FTheta,
     groups: &[GroupFrozen],
-    batch: &[&SeqData],
-    tgs: &[GroupTargets],
+    inputs: &PassInputs,
     cfg: &FThetaTrainConfig,
-    device: &Device,
     diagnostics: bool,
 ) -> (Tensor<1>, Vec<(usize, Diagnostics)>) {
     let (kind, lambdas, normalize) = (
@@ -196,24 +280,10 @@ fn sequence_loss(
         &cfg.loss.lambdas,
         cfg.loss.normalize_attention,
     );
-    // The loss's weights and the drafter's side uploaded before the first launch (on a GPU an
-    // upload queued behind kernels may wait for them).
-    let weights: Vec<LossWeights> = match diagnostics {
-        true => Vec::new(),
-        false => tgs
-            .iter()
-            .map(|tg| tg.loss_weights(kind, lambdas, normalize, device))
-            .collect(),
-    };
-    // The rows the targets hold: the sequences', then padding.
-    let rows = tgs[0].rows.k_pos.len();
-    let side = |pick: &dyn Fn(&SeqData) -> &[f32]| {
-        let mut all: Vec<f32> = batch.iter().flat_map(|s| pick(s).iter().copied()).collect();
-        let width = all.len() / batch.iter().map(|s| s.len).sum::<usize>().max(1);
-        all.resize(rows * width, 0.0);
-        tensor(all, rows, device)
-    };
-    let (xk, xv) = model.inputs(side(&|s| &s.dk), side(&|s| &s.dv));
+    let (tgs, weights) = (&inputs.tgs, &inputs.weights);
+    let device = inputs.sides[0].device();
+    let [dk, dv] = inputs.sides.clone();
+    let (xk, xv) = model.inputs(dk, dv);
     let zk = model.k.encode(xk);
     let zv = model.v.encode(xv);
     let mut total: Option<Tensor<1>> = None;
@@ -229,7 +299,7 @@ fn sequence_loss(
                 let ids: Vec<i64> = r.iter().map(|&i| i as i64).collect();
                 let n = ids.len();
                 all.clone()
-                    .select(0, Tensor::from_data(TensorData::new(ids, [n]), device))
+                    .select(0, Tensor::from_data(TensorData::new(ids, [n]), &device))
             }
         };
         let (k_hat, v_hat) = (pick(&k_all[g]), pick(&v_all[g]));
@@ -400,8 +470,9 @@ pub fn prepared_loss(
         first += n;
         let started = std::time::Instant::now();
         let tgs: Vec<GroupTargets> = host.into_iter().map(|h| h.upload(device)).collect();
+        let inputs = PassInputs::new(&part, tgs, cfg, device, false);
         let uploaded = started.elapsed();
-        let (l, _) = sequence_loss(model, frozen, &part, &tgs, cfg, device, false);
+        let (l, _) = sequence_loss(model, frozen, &inputs, cfg, false);
         tracing::debug!(
             upload_ms = uploaded.as_secs_f64() * 1e3,
             loss_ms = (started.elapsed() - uploaded).as_secs_f64() * 1e3,
@@ -532,7 +603,8 @@ pub fn evaluate(
             }
             (total / layers as f64, diags)
         } else {
-            let (l, d) = sequence_loss(model, frozen, &[s], &tgs, cfg, &device, true);
+            let inputs = PassInputs::new(&[s], tgs, cfg, &device, true);
+            let (l, d) = sequence_loss(model, frozen, &inputs, cfg, true);
             (f64::from(l.into_scalar::<f32>()) / layers as f64, d)
         };
         loss += l;

@@ -8,6 +8,7 @@ use burn::tensor::{Device, Tensor, TensorData};
 
 use super::frozen::{AttentionInputs, GroupFrozen, GroupShape, HostAttention, TargetHeads};
 use super::loss::{Lambdas, LayerTargets, LossKind, LossWeights, NORM_EPS};
+use super::step::push_flat;
 
 /// The targets' constants that normalise the terms, per member layer (host values, computed
 /// from host data: no device round trip).
@@ -147,6 +148,33 @@ pub struct GroupTargets {
 }
 
 impl GroupTargets {
+    /// Every device tensor, flattened (views), in a fixed order, with its shape, onto `all`
+    /// ([`super::step::PassInputs::tensors`]).
+    pub fn tensors(&self, all: &mut Vec<(Vec<usize>, Tensor<1>)>) {
+        if let Some(q) = &self.q {
+            push_flat(all, q);
+        }
+        if let Some((k, v)) = &self.kv {
+            push_flat(all, k);
+            push_flat(all, v);
+        }
+        for t in [
+            &self.k_norms,
+            &self.v_norms,
+            &self.k_dir_norms,
+            &self.v_dir_norms,
+        ] {
+            push_flat(all, t);
+        }
+        push_flat(all, &self.dir);
+        if let Some(o) = &self.o {
+            push_flat(all, o);
+        }
+        if let Some(a) = &self.attention {
+            a.tensors(all);
+        }
+    }
+
     /// The targets of `members` (one [`LayerTargets`] per member layer of `group`, in order,
     /// all of one sequence), prepared as the trainer prepares a step's (reads them back).
     pub fn from_layers(group: &GroupFrozen, members: &[LayerTargets]) -> Self {

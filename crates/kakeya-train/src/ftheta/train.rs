@@ -12,6 +12,10 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 
 use burn::tensor::{Device, Tensor};
+
+use super::replay::Replayer;
+use super::step::PassInputs;
+use crate::optim::{Moments, StepValues};
 use kakeya_capture::Dataset;
 use kakeya_models::Gemma3Model;
 use kakeya_weights::FThetaConfig;
@@ -405,8 +409,10 @@ pub fn train_f_theta(
         frozen,
         frozen_ad: frozen_groups(&frozen_layers(verifier, &ad), &f_theta),
         held: &held,
+        replayer: Replayer::new(cfg, &device),
         ad,
         saturated: held.iter().map(|s| s.saturated).sum(),
+        pending: None,
     };
     let cadence = Cadence {
         steps: cfg.train.steps,
@@ -480,6 +486,25 @@ pub fn train_f_theta(
     Ok(report)
 }
 
+impl FThetaRun<'_> {
+    /// Step `t`'s sequences and prepared targets from the reader.
+    fn receive(&mut self, t: usize) -> Result<Step> {
+        let waited = std::time::Instant::now();
+        let step = self
+            .rx
+            .recv()
+            .map_err(|_| TrainError::invalid(self.dir, "the data reader stopped"))??;
+        debug_assert_eq!(step.0, t);
+        tracing::debug!(
+            step = t + 1,
+            data_wait_ms = waited.elapsed().as_secs_f64() * 1e3,
+            "waited for the reader"
+        );
+        self.saturated += step.1.iter().map(|s| s.saturated).sum::<usize>();
+        Ok(step)
+    }
+}
+
 /// f_θ's part of the shared loop ([`run::run_steps`]): batches come from the reader thread.
 struct FThetaRun<'a> {
     cfg: &'a FThetaTrainConfig,
@@ -490,25 +515,50 @@ struct FThetaRun<'a> {
     held: &'a [SeqData],
     ad: Device,
     saturated: usize,
+    /// Replays recorded steps (on a GPU, `[train] graph`).
+    replayer: Option<Replayer>,
+    /// A step received by [`Trainer::whole_step`] and left to [`Trainer::loss`].
+    pending: Option<Step>,
 }
 
 impl Trainer for FThetaRun<'_> {
     type Params = FThetaParams;
     type Eval = FEval;
 
+    fn whole_step(
+        &mut self,
+        t: usize,
+        params: &FThetaParams,
+        moments: &[Moments],
+    ) -> Option<Result<StepValues>> {
+        self.replayer.as_ref()?;
+        let (bt, batch, prepared) = match self.receive(t) {
+            Ok(step) => step,
+            Err(e) => return Some(Err(e)),
+        };
+        let Some(host) = prepared.single_pass() else {
+            self.pending = Some((bt, batch, prepared));
+            return None;
+        };
+        let part: Vec<&SeqData> = batch.iter().collect();
+        let tgs = host.into_iter().map(|h| h.upload(&self.ad)).collect();
+        let inputs = PassInputs::new(&part, tgs, self.cfg, &self.ad, false);
+        let replayer = self.replayer.as_mut().expect("checked above");
+        let frozen = (&self.frozen_ad[..], self.cfg);
+        Some(Ok(replayer.step(
+            t,
+            (params, moments),
+            frozen,
+            inputs,
+            batch.len(),
+        )))
+    }
+
     fn loss(&mut self, t: usize, params: &FThetaParams, leaves: &[Tensor<2>]) -> Result<Tensor<1>> {
-        let waited = std::time::Instant::now();
-        let (bt, batch, prepared) = self
-            .rx
-            .recv()
-            .map_err(|_| TrainError::invalid(self.dir, "the data reader stopped"))??;
-        debug_assert_eq!(bt, t);
-        tracing::debug!(
-            step = t + 1,
-            data_wait_ms = waited.elapsed().as_secs_f64() * 1e3,
-            "waited for the reader"
-        );
-        self.saturated += batch.iter().map(|s| s.saturated).sum::<usize>();
+        let (_, batch, prepared) = match self.pending.take() {
+            Some(step) => step,
+            None => self.receive(t)?,
+        };
         let model = params.model(leaves);
         Ok(prepared_loss(
             &model,

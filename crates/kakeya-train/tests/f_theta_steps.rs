@@ -398,8 +398,8 @@ export = "unused"
 #[cfg(feature = "wgpu")]
 #[test]
 fn replayed_steps_equal_the_steps_issued_one_by_one() {
+    use kakeya_train::ftheta::pass::PassInputs;
     use kakeya_train::ftheta::replay::Replayer;
-    use kakeya_train::ftheta::step::PassInputs;
 
     let f = fixture();
     let mut cfg = step_config(&f);

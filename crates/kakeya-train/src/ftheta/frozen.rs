@@ -193,8 +193,8 @@ impl HostAttention {
 impl AttentionInputs {
     /// The key tables and masks, flattened (views), with their shapes, onto `all`.
     pub fn tensors(&self, all: &mut Vec<(Vec<usize>, Tensor<1>)>) {
-        super::step::push_flat(all, &self.k_tables);
-        super::step::push_flat(all, &self.mask);
+        super::pass::push_flat(all, &self.k_tables);
+        super::pass::push_flat(all, &self.mask);
     }
 
     /// The key tables and masks of [`HostAttention::into_data`] on `device`.

@@ -288,7 +288,7 @@ impl LossWeights {
     /// Every device tensor, flattened (views), with its shape, onto `all`.
     pub fn tensors(&self, all: &mut Vec<(Vec<usize>, Tensor<1>)>) {
         for t in self.outputs.iter().chain(self.heads.iter().flatten()) {
-            super::step::push_flat(all, t);
+            super::pass::push_flat(all, t);
         }
     }
 }

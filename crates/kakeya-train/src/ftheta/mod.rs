@@ -7,6 +7,7 @@ pub mod frozen;
 pub mod loss;
 pub mod lstsq;
 pub mod params;
+pub mod pass;
 pub mod replay;
 pub mod step;
 pub mod targets;

@@ -21,7 +21,8 @@ use kakeya_models::gpu;
 use super::FThetaTrainConfig;
 use super::frozen::GroupFrozen;
 use super::params::FThetaParams;
-use super::step::{PassInputs, adamw, sequence_loss};
+use super::pass::PassInputs;
+use super::step::{adamw, sequence_loss};
 use crate::optim::{Moments, StepValues, clip_factor_on_device, gradients};
 use crate::run::{Params, leaves};
 
@@ -55,6 +56,12 @@ impl Replayer {
             hyper,
             recorded: Vec::new(),
         })
+    }
+
+    /// Whether every recording so far is a graph the device replays in one launch (CUDA);
+    /// false where a replay re-runs the step (wgpu), which only adds the inputs' copies.
+    pub fn replays_graphs(&self) -> bool {
+        self.recorded.iter().all(|r| r.graph.is_hardware())
     }
 
     /// Step `t` (0-based) over `inputs` (one pass of the step's every sequence, `sequences` of
@@ -114,10 +121,12 @@ impl Replayer {
                 for (x, k) in state(params, moments).zip(&kept) {
                     written(gpu::copy_into(x, k));
                 }
-                tracing::debug!(
+                // Whether the device recorded a graph (CUDA) or a replay re-runs the step.
+                tracing::info!(
                     step = t + 1,
                     inputs = key.1.len(),
                     sequences,
+                    graph = graph.is_hardware(),
                     "f_θ step recorded for replay"
                 );
                 self.recorded.push(Recorded {
@@ -133,8 +142,8 @@ impl Replayer {
         // (its clones), the hyper-parameters by `self`; the intermediates were recorded on pages
         // the graph guards. Nothing else runs on them until the step's values are read back.
         #[allow(unsafe_code)] // the replay: see SAFETY above
-        let out = unsafe { self.recorded[at].graph.replay() };
-        StepValues(out.clone())
+        let out = unsafe { self.recorded[at].graph.replay() }.clone();
+        StepValues(out)
     }
 }
 

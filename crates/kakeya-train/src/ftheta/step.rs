@@ -12,11 +12,10 @@ use rand::{Rng, SeedableRng};
 use super::config::FThetaTrainConfig;
 use super::data::SeqData;
 use super::frozen::GroupShape;
-use super::loss::{
-    Diagnostics, GroupTargets, LossWeights, Rows, group_loss, group_terms, layer_loss,
-};
+use super::loss::{Diagnostics, GroupTargets, Rows, group_loss, group_terms, layer_loss};
 pub use super::loss::{GroupFrozen, LayerFrozen};
 use super::params::FThetaParams;
+use super::pass::PassInputs;
 use super::targets::{HostTargets, TargetData};
 use super::train::FEval;
 use crate::optim::{AdamW, Moments, backward_and_step};
@@ -53,11 +52,6 @@ fn rows_of(data: &[f32], width: usize, pick: &[usize]) -> Vec<f32> {
         out.extend_from_slice(&data[r * width..(r + 1) * width]);
     }
     out
-}
-
-fn tensor(data: Vec<f32>, rows: usize, device: &Device) -> Tensor<2> {
-    let cols = data.len() / rows.max(1);
-    Tensor::from_data(TensorData::new(data, [rows, cols]), device)
 }
 
 /// What gathering a group's targets needs of it: its verifier layers and its host side
@@ -185,83 +179,6 @@ pub fn prepare_step(
         })
         .collect();
     Prepared { passes }
-}
-
-/// What a pass's loss reads on the device: each group's targets, the training loss's weights
-/// (none for diagnostics) and the drafter's K and V side, `[R, width]` each, padded like the
-/// targets' rows.
-#[derive(Debug, Clone)]
-pub struct PassInputs {
-    /// Each group's targets.
-    pub tgs: Vec<GroupTargets>,
-    /// Each group's [`GroupTargets::loss_weights`] (empty for diagnostics).
-    pub weights: Vec<LossWeights>,
-    /// The drafter's K and V rows.
-    pub sides: [Tensor<2>; 2],
-}
-
-impl PassInputs {
-    /// The targets `tgs` of the sequences `batch` with their weights (unless `diagnostics`)
-    /// and drafter side uploaded (before anything launches: on a GPU an upload queued behind
-    /// kernels may wait for them).
-    pub fn new(
-        batch: &[&SeqData],
-        tgs: Vec<GroupTargets>,
-        cfg: &FThetaTrainConfig,
-        device: &Device,
-        diagnostics: bool,
-    ) -> Self {
-        let (kind, lambdas, normalize) = (
-            cfg.loss.kind,
-            &cfg.loss.lambdas,
-            cfg.loss.normalize_attention,
-        );
-        let weights = match diagnostics {
-            true => Vec::new(),
-            false => tgs
-                .iter()
-                .map(|tg| tg.loss_weights(kind, lambdas, normalize, device))
-                .collect(),
-        };
-        // The rows the targets hold: the sequences', then padding.
-        let rows = tgs[0].rows.k_pos.len();
-        let side = |pick: &dyn Fn(&SeqData) -> &[f32]| {
-            let mut all: Vec<f32> = batch.iter().flat_map(|s| pick(s).iter().copied()).collect();
-            let width = all.len() / batch.iter().map(|s| s.len).sum::<usize>().max(1);
-            all.resize(rows * width, 0.0);
-            tensor(all, rows, device)
-        };
-        let sides = [side(&|s| &s.dk), side(&|s| &s.dv)];
-        Self {
-            tgs,
-            weights,
-            sides,
-        }
-    }
-
-    /// Every device tensor, flattened (views of the same buffers, off the autodiff graph), in a
-    /// fixed order, with its shape.
-    pub fn tensors(&self) -> Vec<(Vec<usize>, Tensor<1>)> {
-        let mut all = Vec::new();
-        for tg in &self.tgs {
-            tg.tensors(&mut all);
-        }
-        for w in &self.weights {
-            w.tensors(&mut all);
-        }
-        for s in &self.sides {
-            push_flat(&mut all, s);
-        }
-        all
-    }
-}
-
-/// `t`'s shape and its flat view (off the autodiff graph: the inputs are constants), onto
-/// `all`.
-pub fn push_flat<const D: usize>(all: &mut Vec<(Vec<usize>, Tensor<1>)>, t: &Tensor<D>) {
-    let dims = t.dims().to_vec();
-    let n = t.shape().num_elements();
-    all.push((dims, t.clone().inner().reshape([n])));
 }
 
 /// The sum over the layers of the per-layer losses of a batch of sequences, each term the sum

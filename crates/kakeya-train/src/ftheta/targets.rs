@@ -8,7 +8,7 @@ use burn::tensor::{Device, Tensor, TensorData};
 
 use super::frozen::{AttentionInputs, GroupFrozen, GroupShape, HostAttention, TargetHeads};
 use super::loss::{Lambdas, LayerTargets, LossKind, LossWeights, NORM_EPS};
-use super::step::push_flat;
+use super::pass::push_flat;
 
 /// The targets' constants that normalise the terms, per member layer (host values, computed
 /// from host data: no device round trip).
@@ -149,7 +149,7 @@ pub struct GroupTargets {
 
 impl GroupTargets {
     /// Every device tensor, flattened (views), in a fixed order, with its shape, onto `all`
-    /// ([`super::step::PassInputs::tensors`]).
+    /// ([`super::pass::PassInputs::tensors`]).
     pub fn tensors(&self, all: &mut Vec<(Vec<usize>, Tensor<1>)>) {
         if let Some(q) = &self.q {
             push_flat(all, q);

@@ -13,8 +13,8 @@ use std::sync::mpsc;
 
 use burn::tensor::{Device, Tensor};
 
+use super::pass::PassInputs;
 use super::replay::Replayer;
-use super::step::PassInputs;
 use crate::optim::{Moments, StepValues};
 use kakeya_capture::Dataset;
 use kakeya_models::Gemma3Model;
@@ -545,13 +545,13 @@ impl Trainer for FThetaRun<'_> {
         let inputs = PassInputs::new(&part, tgs, self.cfg, &self.ad, false);
         let replayer = self.replayer.as_mut().expect("checked above");
         let frozen = (&self.frozen_ad[..], self.cfg);
-        Some(Ok(replayer.step(
-            t,
-            (params, moments),
-            frozen,
-            inputs,
-            batch.len(),
-        )))
+        let values = replayer.step(t, (params, moments), frozen, inputs, batch.len());
+        if !replayer.replays_graphs() {
+            // Replaying here re-runs the step: the steps that follow are issued one by one.
+            tracing::info!("this device records no graphs: f_θ steps are issued one by one");
+            self.replayer = None;
+        }
+        Some(Ok(values))
     }
 
     fn loss(&mut self, t: usize, params: &FThetaParams, leaves: &[Tensor<2>]) -> Result<Tensor<1>> {

@@ -392,6 +392,15 @@ fn f_theta_steps_for_the_kernel_count() {
     let mut cfg = config(&ds, &s.0.join("run"), steps, "");
     cfg.output.checkpoint_every = 1000;
     cfg.output.eval_every = 1000;
+    // KAKEYA_FTHETA_GRAPH=0: every step issued from the host (`[train] graph = false`).
+    cfg.train.graph = std::env::var("KAKEYA_FTHETA_GRAPH").as_deref() != Ok("0");
     let report = train_quietly(&cfg, &v);
     assert_eq!(report.steps.len(), steps);
+    let secs = report.steps.iter().skip(2).map(|s| s.secs).collect();
+    let median = kakeya_train::run::median_secs(secs);
+    eprintln!(
+        "median step {:.2} ms (graph: {})",
+        1e3 * median,
+        cfg.train.graph
+    );
 }

@@ -1,9 +1,11 @@
 #!/bin/bash
 # Device side of `scripts/device/pack.sh f-theta`: joins the parts gathered in /tmp/x, checks the
 # hash, and times f_θ training steps (the 270M config on the small capture) on CUDA with the
-# build and, when it came along, the second one (a baseline, or the fused build), alternated
-# ROUNDS times (default 1). Output in $OUT: ft.tgz (each run's report.json and log, with the
-# medians of its host phases printed).
+# build and, when it came along, the second one (a baseline, or the fused build), each with its
+# steps replayed from recorded graphs and issued one by one (`[train] graph`; GRAPHS="true false"
+# by default; a build from before the twenty-sixth session ignores neither: give it GRAPHS=true),
+# alternated ROUNDS times (default 1). Output in $OUT: ft.tgz (each run's report.json and log,
+# with the medians of its host phases printed).
 source .xfer/unpack.sh
 mkdir -p checkpoints && rm -rf checkpoints/drafter-gemma3-270m-v2 && mv $X/drafter checkpoints/drafter-gemma3-270m-v2
 mkdir -p $X/out
@@ -11,13 +13,20 @@ mkdir -p $X/out
 for round in $(seq ${ROUNDS:-1}); do
 for b in cuda alt; do
     [ -x $X/kakeya-$b ] || continue
+    for g in ${GRAPHS:-true false}; do
     rm -rf /tmp/x/ft-run /tmp/x/ft-export
-    echo "== kakeya-$b, round $round"
-    KAKEYA_LOG=kakeya_train=debug timeout 200 $X/kakeya-$b train f-theta --config $X/ft.toml --device ${KAKEYA_DEVICE:-cuda} > $X/out/ft-$b-$round.log 2>&1; echo "rc=$?"
-    grep -v DEBUG $X/out/ft-$b-$round.log | tail -1
-    python3 scripts/device/phases.py $X/out/ft-$b-$round.log
-    cp /tmp/x/ft-run/report.json $X/out/ft-$b-$round.json 2>/dev/null
-    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('secs_per_step', d['secs_per_step'], [round(s['secs']*1000,1) for s in d['steps']])" $X/out/ft-$b-$round.json
+    sed "/^\[train\]/a graph = $g" $X/ft.toml > $X/ft-$g.toml
+    # A build without the setting reads the unchanged config.
+    [ "$g" = true ] && [ "${GRAPHS:-}" = true ] && cp $X/ft.toml $X/ft-$g.toml
+    run=$b-graph-$g-$round
+    echo "== kakeya-$b, graph $g, round $round"
+    KAKEYA_LOG=kakeya_train=debug timeout 200 $X/kakeya-$b train f-theta --config $X/ft-$g.toml --device ${KAKEYA_DEVICE:-cuda} > $X/out/ft-$run.log 2>&1; echo "rc=$?"
+    grep -v DEBUG $X/out/ft-$run.log | grep -E "recorded for replay|records no graphs" | head -3
+    grep -v DEBUG $X/out/ft-$run.log | tail -1
+    python3 scripts/device/phases.py $X/out/ft-$run.log
+    cp /tmp/x/ft-run/report.json $X/out/ft-$run.json 2>/dev/null
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('secs_per_step', d['secs_per_step'], [round(s['secs']*1000,1) for s in d['steps']])" $X/out/ft-$run.json
+    done
 done
 done
 # PROFILE=1: where a step's time goes, with the plain build: the launches of 20 steps against 30

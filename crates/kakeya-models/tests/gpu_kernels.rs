@@ -456,7 +456,36 @@ fn adamw_matches_the_update_step_by_step() {
         // The parameter moved by about lr against the gradient's sign.
         let moved = p2.iter().zip(&p).filter(|(a, b)| a != b).count();
         assert!(moved > n * 9 / 10, "only {moved} of {n} entries moved");
+        // In place, the step's scalars from a buffer (a replayed step's update): the same bits
+        // in the parameter's and moments' own buffers, also while another tensor holds them.
+        let (pi, mi, vi) = (t(&p), t(&m), t(&v));
+        let held = pi.clone();
+        let wd = 0.01;
+        let hyper = [h.lr, h.bias1, h.bias2, h.lr * wd]
+            .map(|x| x as f32)
+            .to_vec();
+        let hyper = tensor(hyper, [4], &d);
+        let mut hd = h;
+        hd.lr_decay = 12.5; // not read in place: the decay comes from `hyper` and the flag
+        gpu::adamw_in_place(&pi, &t(&g), &s, (&mi, &vi), &hyper, &hd, lr_decay > 0.0)
+            .expect("on a GPU");
+        // With decay, the buffer's `lr · wd` is the out-of-place update's `lr_decay`.
+        assert!(lr_decay == 0.0 || (h.lr * wd) as f32 == lr_decay as f32);
+        assert_eq!(host(held), p2, "lr·decay {lr_decay}: p in place");
+        assert_eq!(host(mi), m2, "m in place");
+        assert_eq!(host(vi), v2, "v in place");
     }
+}
+
+/// `copy_into` writes the source into the destination's own buffer, whoever else holds it.
+#[test]
+fn copy_into_writes_the_destinations_buffer() {
+    let d = device();
+    let dst = tensor(values(300, 21), [10, 30], &d);
+    let held = dst.clone();
+    let src = tensor(values(300, 22), [300], &d);
+    gpu::copy_into(&dst, &src).expect("on a GPU");
+    assert_eq!(host(held), host(src));
 }
 
 #[test]

@@ -379,18 +379,7 @@ pub(super) fn copy_into(dst: CubeTensor, src: CubeTensor) -> CubeTensor {
         dst.meta.shape(),
         src.meta.shape()
     );
-    let src = into_contiguous(src);
-    if n > 0 {
-        copy_kernel::launch(
-            &src.client.clone(),
-            grid(n.div_ceil(ELEMENT_UNITS)),
-            CubeDim::new_1d(ELEMENT_UNITS as u32),
-            src.into_buffer_arg(),
-            dst.clone().into_buffer_arg(),
-            n,
-        );
-    }
-    dst
+    copy(into_contiguous(src), dst)
 }
 
 /// `x` itself when nothing else holds its buffer and its rows are dense, else a dense copy:
@@ -402,14 +391,21 @@ pub(super) fn unique_dense(x: CubeTensor) -> CubeTensor {
     f32_only(&x, "unique_dense");
     let src = into_contiguous(x);
     let dst = dense_output(&src, src.meta.shape().clone());
-    let n = src.meta.shape().num_elements();
-    copy_kernel::launch(
-        &src.client.clone(),
-        grid(n.div_ceil(ELEMENT_UNITS)),
-        CubeDim::new_1d(ELEMENT_UNITS as u32),
-        src.into_buffer_arg(),
-        dst.clone().into_buffer_arg(),
-        n,
-    );
+    copy(src, dst)
+}
+
+/// Dense `src`'s elements into dense `dst` (`dst`'s count of them); returns `dst`.
+fn copy(src: CubeTensor, dst: CubeTensor) -> CubeTensor {
+    let n = dst.meta.shape().num_elements();
+    if n > 0 {
+        copy_kernel::launch(
+            &src.client.clone(),
+            grid(n.div_ceil(ELEMENT_UNITS)),
+            CubeDim::new_1d(ELEMENT_UNITS as u32),
+            src.into_buffer_arg(),
+            dst.clone().into_buffer_arg(),
+            n,
+        );
+    }
     dst
 }

@@ -25,15 +25,20 @@ pub(super) struct Scalars {
 /// One unit per element, in the order of the composed update (`kakeya_train::optim::AdamW`):
 /// the gradient times `scale[0]` (the global clip's factor, computed on the device: no
 /// read-back), the moments, the bias-corrected step, the decoupled decay, then the step. Writes
-/// the new parameter, first moment and second moment as three planes of `n`.
+/// the new parameter, first moment and second moment as three planes of `out`; or, `in_place`,
+/// back into `p`, `m` and `v`, with the step's learning rate, bias corrections and `lr · weight
+/// decay` read from `hyper` (`[lr, 1 − β₁ᵗ, 1 − β₂ᵗ, lr · wd]`; `lr_decay` then multiplies the
+/// last: 1 with decay, 0 without) instead of taken as arguments: a training step replayed as one
+/// recorded graph reuses its launches' arguments, and reads and writes the same buffers.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 fn adamw_kernel(
-    p: &[f32],
+    p: &mut [f32],
     g: &[f32],
     scale: &[f32],
-    m: &[f32],
-    v: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    hyper: &[f32],
     out: &mut [f32],
     n: usize,
     beta1: f32,
@@ -45,18 +50,32 @@ fn adamw_kernel(
     bias1: f32,
     bias2: f32,
     lr_decay: f32,
+    #[comptime] in_place: bool,
 ) {
     let i = ABSOLUTE_POS;
     if i < n {
+        let (mut lr, mut bias1, mut bias2, mut lr_decay) = (lr, bias1, bias2, lr_decay);
+        if in_place {
+            lr = hyper[0];
+            bias1 = hyper[1];
+            bias2 = hyper[2];
+            lr_decay *= hyper[3];
+        }
         let gi = g[i] * scale[0];
         let mi = m[i] * beta1 + gi * one_minus_beta1;
         let vi = v[i] * beta2 + gi * gi * one_minus_beta2;
         let step = (mi / bias1) / (f32::sqrt(vi / bias2) + eps);
         let pi = p[i];
         let decayed = pi - pi * lr_decay;
-        out[i] = decayed - step * lr;
-        out[n + i] = mi;
-        out[2 * n + i] = vi;
+        if in_place {
+            p[i] = decayed - step * lr;
+            m[i] = mi;
+            v[i] = vi;
+        } else {
+            out[i] = decayed - step * lr;
+            out[n + i] = mi;
+            out[2 * n + i] = vi;
+        }
     }
 }
 
@@ -105,9 +124,11 @@ pub(super) fn adamw(
         CubeDim::new_1d(ELEMENT_UNITS as u32),
         p.clone().into_buffer_arg(),
         g.into_buffer_arg(),
-        scale.into_buffer_arg(),
+        // Not read out of place: `scale` stands in for `hyper`.
+        scale.clone().into_buffer_arg(),
         m.into_buffer_arg(),
         v.into_buffer_arg(),
+        scale.into_buffer_arg(),
         out.clone().into_buffer_arg(),
         n,
         h.beta1,
@@ -119,51 +140,9 @@ pub(super) fn adamw(
         h.bias1,
         h.bias2,
         h.lr_decay,
+        false,
     );
     out
-}
-
-/// [`adamw_kernel`]'s update written back into `p`, `m` and `v`, with the step's learning
-/// rate, bias corrections and `lr · weight decay` read from `hyper` (`[lr, 1 − β₁ᵗ, 1 − β₂ᵗ,
-/// lr · wd]`) instead of taken as arguments: a training step replayed as one recorded graph
-/// reads its parameters from, and writes them to, the same buffers every time, and reuses the
-/// recorded launches' arguments, so what changes from step to step lives in a buffer rewritten
-/// before each replay. `decay` 0: no weight decay for this tensor. The same arithmetic in the
-/// same order as [`adamw_kernel`].
-#[cube(launch)]
-#[allow(clippy::too_many_arguments)]
-fn adamw_in_place_kernel(
-    p: &mut [f32],
-    g: &[f32],
-    scale: &[f32],
-    m: &mut [f32],
-    v: &mut [f32],
-    hyper: &[f32],
-    n: usize,
-    beta1: f32,
-    one_minus_beta1: f32,
-    beta2: f32,
-    one_minus_beta2: f32,
-    eps: f32,
-    decay: u32,
-) {
-    let i = ABSOLUTE_POS;
-    if i < n {
-        let (lr, bias1, bias2) = (hyper[0], hyper[1], hyper[2]);
-        let mut lr_decay = f32::new(0.0);
-        if decay > 0 {
-            lr_decay = hyper[3];
-        }
-        let gi = g[i] * scale[0];
-        let mi = m[i] * beta1 + gi * one_minus_beta1;
-        let vi = v[i] * beta2 + gi * gi * one_minus_beta2;
-        let step = (mi / bias1) / (f32::sqrt(vi / bias2) + eps);
-        let pi = p[i];
-        let decayed = pi - pi * lr_decay;
-        p[i] = decayed - step * lr;
-        m[i] = mi;
-        v[i] = vi;
-    }
 }
 
 /// See [`super::DecodeKernels::adamw_in_place`]: `p`, `m` and `v` must be dense buffers the
@@ -204,7 +183,10 @@ pub(super) fn adamw_in_place(
     if n == 0 {
         return p;
     }
-    adamw_in_place_kernel::launch(
+    // Not written in place: a one-element stand-in for `out` (a writable binding may not
+    // alias another).
+    let unused = dense_output(&p, Shape::new([1]));
+    adamw_kernel::launch(
         &p.client.clone(),
         grid(n.div_ceil(ELEMENT_UNITS)),
         CubeDim::new_1d(ELEMENT_UNITS as u32),
@@ -214,13 +196,18 @@ pub(super) fn adamw_in_place(
         m.into_buffer_arg(),
         v.into_buffer_arg(),
         hyper.into_buffer_arg(),
+        unused.into_buffer_arg(),
         n,
         h.beta1,
         h.one_minus_beta1,
         h.beta2,
         h.one_minus_beta2,
         h.eps,
-        u32::from(decay),
+        0.0,
+        0.0,
+        0.0,
+        if decay { 1.0 } else { 0.0 },
+        true,
     );
     p
 }

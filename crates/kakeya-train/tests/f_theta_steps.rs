@@ -423,7 +423,8 @@ fn replayed_steps_equal_the_steps_issued_one_by_one() {
             .iter()
             .map(|(_, _, x)| Moments::zeros_like(x))
             .collect();
-        let mut replayer = replay.then(|| Replayer::new(&cfg, &d).expect("a GPU replays"));
+        let mut replayer =
+            replay.then(|| Replayer::new(&cfg, &d, Default::default()).expect("a GPU replays"));
         let mut values = Vec::new();
         for t in 0..cfg.train.steps {
             let b = batch(t);

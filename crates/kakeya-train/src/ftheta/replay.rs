@@ -15,6 +15,8 @@
 //! the parameters and moments are copied before and put back after.
 
 use burn::tensor::Graph;
+use std::sync::{Arc, Mutex, MutexGuard};
+
 use burn::tensor::{Device, Tensor, TensorData, capture};
 use kakeya_models::gpu;
 
@@ -37,24 +39,42 @@ struct Recorded {
     graph: Graph<Tensor<1>, Box<dyn FnMut() -> Tensor<1>>>,
 }
 
+/// Held while a step is recorded, and by whatever else would ask the device's thread for work
+/// from another thread meanwhile (the f_θ reader's staging): on CUDA a recording fails when a
+/// call it cannot record — a new page of pinned memory for the reader — reaches the driver
+/// while it is open.
+#[derive(Debug, Clone, Default)]
+pub struct RecordingGate(Arc<Mutex<()>>);
+
+impl RecordingGate {
+    /// Waits for the gate and holds it until the guard drops.
+    pub fn hold(&self) -> MutexGuard<'_, ()> {
+        self.0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
 /// The trainer's recorded steps (one per input shape) and the buffer of the step's
 /// `[lr, 1 − β₁ᵗ, 1 − β₂ᵗ, lr · weight decay]`.
 pub struct Replayer {
     device: Device,
     hyper: Tensor<1>,
     recorded: Vec<Recorded>,
+    gate: RecordingGate,
 }
 
 impl Replayer {
     /// Where a step can be replayed: `device` (the plain device of the autodiff one the step
     /// runs on) writes in place ([`gpu::writes_in_place`]: a GPU, without Burn's fusion) and
-    /// the config asks for it.
-    pub fn new(cfg: &FThetaTrainConfig, device: &Device) -> Option<Self> {
+    /// the config asks for it. `gate` is held while a step is recorded.
+    pub fn new(cfg: &FThetaTrainConfig, device: &Device, gate: RecordingGate) -> Option<Self> {
         let hyper = Tensor::<1>::zeros([4], device);
         (cfg.train.graph && gpu::writes_in_place(&hyper)).then(|| Self {
             device: device.clone(),
             hyper,
             recorded: Vec::new(),
+            gate,
         })
     }
 
@@ -117,7 +137,10 @@ impl Replayer {
                     .map(|x| x.clone().mul_scalar(1.0))
                     .collect();
                 let run: Box<dyn FnMut() -> Tensor<1>> = Box::new(move || step.run());
-                let graph = capture(&self.device, run);
+                let graph = {
+                    let _alone = self.gate.hold();
+                    capture(&self.device, run)
+                };
                 for (x, k) in state(params, moments).zip(&kept) {
                     written(gpu::copy_into(x, k));
                 }

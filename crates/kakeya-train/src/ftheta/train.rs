@@ -14,7 +14,7 @@ use std::sync::mpsc;
 use burn::tensor::{Device, Tensor};
 
 use super::pass::PassInputs;
-use super::replay::Replayer;
+use super::replay::{RecordingGate, Replayer};
 use crate::optim::{Moments, StepValues};
 use kakeya_capture::Dataset;
 use kakeya_models::Gemma3Model;
@@ -218,7 +218,7 @@ fn spawn_reader(
     ds: &Dataset,
     start: usize,
     (groups, passes): (Vec<GroupLayout>, Passes),
-    device: &Device,
+    (device, gate): (&Device, RecordingGate),
 ) -> (Batches, std::thread::JoinHandle<()>) {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
     let round = threads.max(READ_AHEAD);
@@ -256,10 +256,14 @@ fn spawn_reader(
                     .flat_map(|h| h.join().expect("a reader thread panicked"))
                     .collect()
             });
-            let (bytes, pinned) = Prepared::stage(
-                done.iter_mut().flatten().map(|(_, _, prepared)| prepared),
-                &device,
-            );
+            let (bytes, pinned) = {
+                // Not while the trainer records a step (see `RecordingGate`).
+                let _alone = gate.hold();
+                Prepared::stage(
+                    done.iter_mut().flatten().map(|(_, _, prepared)| prepared),
+                    &device,
+                )
+            };
             tracing::debug!(
                 steps = done.len(),
                 bytes,
@@ -401,7 +405,8 @@ pub fn train_f_theta(
     }
 
     let ahead = (layouts(&frozen), Passes::for_device(&ad));
-    let (rx, reader) = spawn_reader(cfg, &info, &ds, st.step, ahead, &device);
+    let gate = RecordingGate::default();
+    let (rx, reader) = spawn_reader(cfg, &info, &ds, st.step, ahead, (&device, gate.clone()));
     let mut trainer = FThetaRun {
         cfg,
         dir: &info.dir,
@@ -409,7 +414,7 @@ pub fn train_f_theta(
         frozen,
         frozen_ad: frozen_groups(&frozen_layers(verifier, &ad), &f_theta),
         held: &held,
-        replayer: Replayer::new(cfg, &device),
+        replayer: Replayer::new(cfg, &device, gate),
         ad,
         saturated: held.iter().map(|s| s.saturated).sum(),
         pending: None,

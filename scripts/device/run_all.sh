@@ -5,7 +5,10 @@
 # $OUT/all.tgz (at most 8 files come back; rewritten after each step, so a cut-off run keeps
 # what it finished):
 #   ft-cuda.json, ft-fused.json  f_θ training steps on CUDA (the 270M config on the small
-#                                capture), the build with Burn's fusion too when it came along
+#                                capture; each step replayed from a recorded CUDA graph), the
+#                                build with Burn's fusion too when it came along
+#   ft-nograph.json              the same with `[train] graph = false` (every step issued from
+#                                the host), for the side-by-side
 #   golden.log                   the golden test with the model on CUDA
 #   test-NAME.log                each further test binary carried, KAKEYA_TEST_DEVICE=cuda
 #   bench-ar.json                `kakeya bench --device cuda`: pp512, tg128
@@ -67,6 +70,11 @@ PY
 step ft-cuda 100 $O/ft-cuda.log - env KAKEYA_LOG=kakeya_train=debug $X/kakeya-cuda train f-theta --config $X/ft.toml --device $dev
 cp /tmp/x/ft-run/report.json $O/ft-cuda.json 2>/dev/null; summary train $O/ft-cuda.json; python3 scripts/device/phases.py $O/ft-cuda.log
 grep -v DEBUG $O/ft-cuda.log | tail -2
+rm -rf /tmp/x/ft-run /tmp/x/ft-export
+sed "/^\[train\]/a graph = false" $X/ft.toml > $X/ft-nograph.toml
+step ft-nograph 100 $O/ft-nograph.log - env KAKEYA_LOG=kakeya_train=debug $X/kakeya-cuda train f-theta --config $X/ft-nograph.toml --device $dev
+cp /tmp/x/ft-run/report.json $O/ft-nograph.json 2>/dev/null; summary train $O/ft-nograph.json; python3 scripts/device/phases.py $O/ft-nograph.log
+grep -E "recorded for replay|records no graphs" $O/ft-cuda.log | head -3
 if [ -x $X/kakeya-alt ]; then
     rm -rf /tmp/x/ft-run /tmp/x/ft-export
     step ft-fused 100 $O/ft-fused.log - env KAKEYA_LOG=kakeya_train=debug $X/kakeya-alt train f-theta --config $X/ft.toml --device $dev

@@ -394,8 +394,9 @@ export = "unused"
 /// run in the same order (the update written in place, its step's hyper-parameters read from a
 /// buffer), so the losses, gradient norms and weights are the same bits. The batches alternate
 /// between two sequences and one, so two recordings are made and each is replayed with fresh
-/// inputs copied into the buffers it recorded. Run with `KAKEYA_TEST_DEVICE=wgpu` (or cuda).
-#[cfg(feature = "wgpu")]
+/// inputs copied into the buffers it recorded. Run with `KAKEYA_TEST_DEVICE=wgpu` (or, built
+/// with `--features cuda`, `cuda`: there the recordings are CUDA graphs).
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
 #[test]
 fn replayed_steps_equal_the_steps_issued_one_by_one() {
     use kakeya_train::ftheta::pass::PassInputs;
@@ -445,6 +446,11 @@ fn replayed_steps_equal_the_steps_issued_one_by_one() {
                 let (_, norm) = optimizer_step(&cfg, t, loss, &leaves, &mut p, &mut moments);
                 values.push((loss_value, norm));
             }
+        }
+        if let Some(r) = &replayer {
+            // Replayed from recordings (CUDA graphs; recorded command buffers on wgpu), not by
+            // re-running the step.
+            assert!(r.replays_graphs(), "the device recorded no graph");
         }
         let weights: Vec<Vec<f32>> = p.tensors.iter().map(|(_, _, x)| host(x)).collect();
         let moments: Vec<Vec<f32>> = moments

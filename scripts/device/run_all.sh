@@ -57,7 +57,7 @@ except Exception as e:
     print(f"   ({path}: {e})"); sys.exit()
 if kind == 'train':
     st = d.get('steps', [])
-    print('   secs_per_step', d.get('secs_per_step'), 'steps', len(st), 'first', [round(s['secs'], 3) for s in st[:3]],
+    print('   secs_per_step', d.get('secs_per_step'), 'steps', len(st), 'replayed', d.get('replayed_steps'), 'first', [round(s['secs'], 3) for s in st[:3]],
           'last losses', [round(s['loss'], 5) for s in st[-3:]])
 elif kind == 'bench':
     print('  ', [(r.get('name'), r.get('median_tok_s')) for r in d.get('results', [])])

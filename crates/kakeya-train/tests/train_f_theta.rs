@@ -51,6 +51,9 @@ fn training_lowers_the_heldout_attention_error_and_exports_for_its_model_pair() 
     let setup = prepare(&cfg, &v, VSHA, DSHA).unwrap();
     assert_eq!((setup.info.train.len(), setup.info.heldout.len()), (20, 5));
     let report = train_f_theta(&cfg, &v, setup, &opts(), &mut |_| {}).unwrap();
+    // On a GPU every step is replayed from a recording (`[train] graph`); the CPU never replays.
+    let gpu = kakeya_models::gpu::is_gpu(&opts().device);
+    assert_eq!(report.replayed_steps, if gpu { 120 } else { 0 });
     let first = &report.evals[0];
     let last = report.evals.last().unwrap();
     let ratio = |e: &kakeya_train::ftheta::train::FEval| {

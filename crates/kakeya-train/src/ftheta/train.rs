@@ -95,6 +95,8 @@ pub struct FThetaReport {
     pub steps: Vec<StepRecord>,
     /// Exported f_θ folder.
     pub export: PathBuf,
+    /// Steps replayed from a recording (on a GPU, `[train] graph`).
+    pub replayed_steps: usize,
 }
 
 /// Checked inputs, before the first step.
@@ -204,14 +206,11 @@ fn pick(cfg: &FThetaTrainConfig, info: &DataInfo, t: usize) -> Vec<usize> {
 /// thread and round).
 const READ_AHEAD: usize = 4;
 
-/// The reader thread: streams each step's sequences ahead of the step with its targets gathered
-/// for upload ([`prepare_step`]), a round of steps at a time, the steps of a round side by side
-/// on up to 8 threads. One sequence's Parquet row group takes tens of milliseconds to decode on
-/// one core and a step's gathering milliseconds more, longer than a step on a GPU: each thread
-/// does one step, so a round of 8 steps takes about as long as one step's reading. (16 threads
-/// on the H100 machine's 16 cores kept up too, but the step's own thread ran slower in that
-/// run.) The round's targets are then staged for `device` on the reader's own thread
-/// ([`Prepared::stage`]: on CUDA, copied into pinned memory off the device's one thread).
+/// The reader thread: each step's sequences ahead of it, targets gathered ([`prepare_step`]), a
+/// round of steps at a time on up to 8 threads, one step each (a sequence's Parquet row group
+/// takes tens of milliseconds to decode on one core: longer than a step on a GPU), then the
+/// round staged for `device` on the reader's own thread ([`Prepared::stage`]: on CUDA, copied
+/// into pinned memory off the device's one thread), not while `gate` is held.
 fn spawn_reader(
     cfg: &FThetaTrainConfig,
     info: &DataInfo,
@@ -418,6 +417,7 @@ pub fn train_f_theta(
         ad,
         saturated: held.iter().map(|s| s.saturated).sum(),
         pending: None,
+        replayed: 0,
     };
     let cadence = Cadence {
         steps: cfg.train.steps,
@@ -425,7 +425,7 @@ pub fn train_f_theta(
         checkpoint_every: cfg.output.checkpoint_every,
     };
     let ran = run::run_steps(&mut trainer, &mut opened, out, cadence, opts, on_event);
-    let saturated = trainer.saturated;
+    let (saturated, replayed_steps) = (trainer.saturated, trainer.replayed);
     drop(trainer);
     let _ = reader.join();
     let secs = ran?;
@@ -464,6 +464,7 @@ pub fn train_f_theta(
         final_diagnostics,
         steps: st.steps.clone(),
         export: cfg.output.export.clone(),
+        replayed_steps,
     };
     let metric: Vec<(f64, f64)> = st
         .evals
@@ -524,6 +525,8 @@ struct FThetaRun<'a> {
     replayer: Option<Replayer>,
     /// A step received by [`Trainer::whole_step`] and left to [`Trainer::loss`].
     pending: Option<Step>,
+    /// Steps replayed.
+    replayed: usize,
 }
 
 impl Trainer for FThetaRun<'_> {
@@ -551,6 +554,7 @@ impl Trainer for FThetaRun<'_> {
         let replayer = self.replayer.as_mut().expect("checked above");
         let frozen = (&self.frozen_ad[..], self.cfg);
         let values = replayer.step(t, (params, moments), frozen, inputs, batch.len());
+        self.replayed += 1;
         if !replayer.replays_graphs() {
             // Replaying here re-runs the step: the steps that follow are issued one by one.
             tracing::info!("this device records no graphs: f_θ steps are issued one by one");

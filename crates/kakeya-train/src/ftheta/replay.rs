@@ -2,8 +2,9 @@
 //! graph launch a step instead of the ~200 launches the host issues one by one (the step was
 //! bound by issuing them: docs/benchmarks.md, "The f_θ step in fewer launches"). Burn's
 //! [`capture`] records the step's launches into a CUDA graph and [`Graph::replay`] re-runs
-//! them against the buffers they used when recorded; elsewhere (wgpu) a replay re-runs the step
-//! as it was written, which exercises everything below but the recording itself.
+//! them against the buffers they used when recorded. CubeCL records on wgpu too (its command
+//! buffers), so lavapipe replays real recordings; on a device that records nothing a replay
+//! would re-run the step, and the trainer then issues its steps one by one instead.
 //!
 //! What a recorded step reads and writes must therefore stay in the same buffers from step to
 //! step: the pass's inputs ([`PassInputs`]) are copied into the buffers the recording read
@@ -14,10 +15,9 @@
 //! recording runs the step four times (three to settle the memory pools, one recorded), so
 //! the parameters and moments are copied before and put back after.
 
-use burn::tensor::Graph;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use burn::tensor::{Device, Tensor, TensorData, capture};
+use burn::tensor::{Device, Graph, Tensor, TensorData, capture};
 use kakeya_models::gpu;
 
 use super::FThetaTrainConfig;

@@ -432,10 +432,9 @@ fn replayed_steps_equal_the_steps_issued_one_by_one() {
             if let Some(r) = &mut replayer {
                 let passes = Passes::for_device(&ad);
                 let prepared = prepare_step(&layouts(&frozen), &b, &cfg, t, passes);
-                let host = prepared.single_pass().expect("one pass on a GPU");
-                let tgs = host.into_iter().map(|h| h.upload(&ad)).collect();
+                let host = prepared.into_single_pass().expect("one pass on a GPU");
                 let part: Vec<&SeqData> = b.iter().collect();
-                let inputs = PassInputs::new(&part, tgs, &cfg, &ad, false);
+                let inputs = PassInputs::training(&part, host, &cfg, &ad);
                 let stepped = r.step(t, (&p, &moments), (&frozen, &cfg), inputs, b.len());
                 values.push(stepped.read());
             } else {

@@ -6,7 +6,7 @@ use burn::tensor::{Device, Tensor, TensorData};
 use super::FThetaTrainConfig;
 use super::data::SeqData;
 use super::loss::LossWeights;
-use super::targets::GroupTargets;
+use super::targets::{GroupTargets, TargetData};
 
 /// What a pass's loss reads on the device: each group's targets, the training loss's weights
 /// (none for diagnostics) and the drafter's K and V side, `[R, width]` each, padded like the
@@ -22,6 +22,18 @@ pub struct PassInputs {
 }
 
 impl PassInputs {
+    /// A training pass's inputs: the targets prepared ahead (`host`, one per group) uploaded,
+    /// then [`Self::new`].
+    pub fn training(
+        batch: &[&SeqData],
+        host: Vec<TargetData>,
+        cfg: &FThetaTrainConfig,
+        device: &Device,
+    ) -> Self {
+        let tgs = host.into_iter().map(|h| h.upload(device)).collect();
+        Self::new(batch, tgs, cfg, device, false)
+    }
+
     /// The targets `tgs` of the sequences `batch` with their weights (unless `diagnostics`)
     /// and drafter side uploaded (before anything launches: on a GPU an upload queued behind
     /// kernels may wait for them).

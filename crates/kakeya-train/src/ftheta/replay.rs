@@ -18,7 +18,7 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use burn::tensor::{Device, Graph, Tensor, TensorData, capture};
-use kakeya_models::gpu;
+use kakeya_models::gpu::{self, AdamwStep};
 
 use super::FThetaTrainConfig;
 use super::frozen::GroupFrozen;
@@ -130,6 +130,7 @@ impl Replayer {
                     inputs,
                     hyper: self.hyper.clone(),
                     clip,
+                    adam: h,
                     mean_over: (sequences * layers) as f64,
                 };
                 // Recording runs the step four times: the state before it is put back after.
@@ -196,6 +197,8 @@ struct StepGraph {
     inputs: PassInputs,
     hyper: Tensor<1>,
     clip: f64,
+    /// AdamW's β₁, β₂ and ε (its per-step values come from `hyper`).
+    adam: AdamwStep,
     /// The loss is the mean over the step's sequences and the verifier's layers.
     mean_over: f64,
 }
@@ -215,8 +218,6 @@ impl StepGraph {
         let (value, grads, squared) = gradients(loss, &leaves, &plain, true);
         let norm = squared.sqrt();
         let scale = clip_factor_on_device(&norm, self.clip);
-        let (opt, _) = adamw(&self.cfg, 0);
-        let h = opt.at(1, true);
         for ((p, g), mom) in plain.iter().zip(&grads).zip(&self.moments) {
             written(gpu::adamw_in_place(
                 p,
@@ -224,7 +225,7 @@ impl StepGraph {
                 &scale,
                 (&mom.m, &mom.v),
                 &self.hyper,
-                &h,
+                &self.adam,
                 true,
             ));
         }

@@ -113,11 +113,11 @@ pub struct Prepared {
 
 impl Prepared {
     /// The step's one pass's targets (every sequence of the step: on a GPU,
-    /// [`Passes::for_device`]), or `None` where it takes several.
-    pub fn single_pass(&self) -> Option<Vec<TargetData>> {
-        match &self.passes[..] {
-            [(_, tgs)] => Some(tgs.clone()),
-            _ => None,
+    /// [`Passes::for_device`]), moved out, or the step back where it takes several.
+    pub fn into_single_pass(mut self) -> Result<Vec<TargetData>, Self> {
+        match self.passes.len() {
+            1 => Ok(self.passes.pop().expect("one pass").1),
+            _ => Err(self),
         }
     }
 
@@ -386,8 +386,7 @@ pub fn prepared_loss(
         let part: Vec<&SeqData> = batch[first..first + n].iter().collect();
         first += n;
         let started = std::time::Instant::now();
-        let tgs: Vec<GroupTargets> = host.into_iter().map(|h| h.upload(device)).collect();
-        let inputs = PassInputs::new(&part, tgs, cfg, device, false);
+        let inputs = PassInputs::training(&part, host, cfg, device);
         let uploaded = started.elapsed();
         let (l, _) = sequence_loss(model, frozen, &inputs, cfg, false);
         tracing::debug!(

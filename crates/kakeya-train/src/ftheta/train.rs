@@ -544,13 +544,15 @@ impl Trainer for FThetaRun<'_> {
             Ok(step) => step,
             Err(e) => return Some(Err(e)),
         };
-        let Some(host) = prepared.single_pass() else {
-            self.pending = Some((bt, batch, prepared));
-            return None;
+        let host = match prepared.into_single_pass() {
+            Ok(host) => host,
+            Err(prepared) => {
+                self.pending = Some((bt, batch, prepared));
+                return None;
+            }
         };
         let part: Vec<&SeqData> = batch.iter().collect();
-        let tgs = host.into_iter().map(|h| h.upload(&self.ad)).collect();
-        let inputs = PassInputs::new(&part, tgs, self.cfg, &self.ad, false);
+        let inputs = PassInputs::training(&part, host, self.cfg, &self.ad);
         let replayer = self.replayer.as_mut().expect("checked above");
         let frozen = (&self.frozen_ad[..], self.cfg);
         let values = replayer.step(t, (params, moments), frozen, inputs, batch.len());

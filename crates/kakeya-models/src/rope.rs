@@ -62,6 +62,22 @@ impl Rope {
         )
     }
 
+    /// Both tables of positions `0..positions` in one tensor on `device` (cos, then sin): what
+    /// a GPU forward gathers its rows' RoPE from ([`crate::gpu::StepInputs::rope`]), the same
+    /// bits as [`Self::tables`].
+    ///
+    /// # Shapes
+    /// - → `[2, positions, head_dim/2]`
+    pub fn device_table(&self, positions: usize, device: &Device) -> Tensor<3> {
+        let all: Vec<usize> = (0..positions).collect();
+        let (mut both, sin) = self.host_tables(&all);
+        both.extend(sin);
+        Tensor::from_data(
+            TensorData::new(both, [2, positions, self.inv_freq.len()]),
+            device,
+        )
+    }
+
     /// Rotates head vectors.
     ///
     /// # Shapes

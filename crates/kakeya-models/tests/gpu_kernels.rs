@@ -514,6 +514,9 @@ fn span_attention_writes_each_chunk_and_equals_attention_rows() {
         tensor::<3>(k_new.clone(), [kv_heads, rows, hd], &d),
         tensor::<3>(v_new.clone(), [kv_heads, rows, hd], &d),
     );
+    // The stacked rows' positions on the device, where the kernel reads each chunk's start.
+    let stacked: Vec<usize> = chunks.iter().flat_map(|c| c.1..c.1 + c.0.len()).collect();
+    let inputs = gpu::StepInputs::upload(&vec![0; rows], &stacked, &d);
     let mut out = None;
     let mut after = Vec::new();
     for (c, (ck, cv)) in chunks.iter().zip(&caches) {
@@ -530,7 +533,20 @@ fn span_attention_writes_each_chunk_and_equals_attention_rows() {
             modulus: slots,
             window,
         };
-        out = Some(gpu::span_attention(&qg, &kg, &vg, (&bk, &bv), out.take(), scale, at).unwrap());
+        let cache = (&bk, &bv);
+        out = Some(
+            gpu::span_attention(
+                &qg,
+                &kg,
+                &vg,
+                cache,
+                inputs.positions(),
+                out.take(),
+                scale,
+                at,
+            )
+            .unwrap(),
+        );
         after.push((host(bk), host(bv)));
     }
     let got = host(out.unwrap());
@@ -655,5 +671,35 @@ fn qk_norm_rope_reads_the_joint_projection_in_place_and_equals_each_alone() {
             host(k_norm.forward_rope(k, &cos, &sin)),
             "keys, {t} rows"
         );
+    }
+}
+
+/// The forward's inputs read on the device: embeddings and RoPE rows gathered by the ids and
+/// positions of one buffer equal `select · scale` and the host-built tables, bit for bit.
+#[test]
+fn step_inputs_gather_the_embeddings_and_rope_rows_of_the_host_path() {
+    use kakeya_models::rope::Rope;
+    let d = device();
+    let (vocab, hidden) = (50, 24);
+    let table = tensor::<2>(values(vocab * hidden, 51), [vocab, hidden], &d);
+    let (ids, positions) = ([7u32, 0, 49, 7, 13], [300usize, 0, 1, 1023, 64]);
+    let inputs = gpu::StepInputs::upload(&ids, &positions, &d);
+    let scale = (hidden as f32).sqrt();
+    let got = inputs.embed(&table, scale).expect("on a GPU");
+    let idx: Vec<i64> = ids.iter().map(|&i| i as i64).collect();
+    let idx = burn::tensor::Tensor::<1, burn::tensor::Int>::from_data(
+        burn::tensor::TensorData::new(idx, [ids.len()]),
+        &d,
+    );
+    let want = table.clone().select(0, idx).mul_scalar(scale);
+    assert_eq!(host(got), host(want), "embeddings");
+    for rope in [
+        Rope::new(16, 10_000.0, 1.0),
+        Rope::proportional(16, 1e6, 0.25),
+    ] {
+        let (cos, sin) = inputs.rope(&rope.device_table(1024, &d)).expect("on a GPU");
+        let (hc, hs) = rope.host_tables(&positions);
+        assert_eq!(host(cos), hc, "cos");
+        assert_eq!(host(sin), hs, "sin");
     }
 }

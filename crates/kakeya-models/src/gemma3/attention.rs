@@ -260,13 +260,14 @@ impl Attention {
     /// # Shapes
     /// - `x`: `[R, hidden]` (after input_layernorm) → `[R, hidden]` (after o_proj)
     /// - `spans`: per sequence, its first absolute position and its rows of `x`
-    /// - `rope`: cos and sin, each `[R, head_dim/2]`
+    /// - `rope`: cos and sin, each `[R, head_dim/2]`; with the stacked rows' positions on a
+    ///   GPU (the forward's [`crate::gpu::StepInputs`]), which the in-place attention reads
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
         x: Tensor<2>,
         spans: &[Span],
-        rope: &(Tensor<2>, Tensor<2>),
+        (rope, positions): (&(Tensor<2>, Tensor<2>), Option<(&Tensor<1>, usize)>),
         (kvs, layer): (&mut [&mut dyn KvLayers], usize),
         capture: bool,
         shared: &mut SharedKv,
@@ -298,7 +299,7 @@ impl Attention {
         // On a GPU, chunks whose caches are plain buffers: written and attended in place.
         let (fused, in_place) = match own.as_ref() {
             Some((_, _, k, v)) if !self.shares_kv => {
-                self.chunks_in_place(&q, (k, v), spans, (&mut *kvs, layer))
+                self.chunks_in_place(&q, (k, v), (spans, positions), (&mut *kvs, layer))
             }
             _ => (None, vec![false; spans.len()]),
         };

@@ -23,13 +23,13 @@ impl Attention {
         &self,
         q: &Tensor<3>,
         (k, v): (&Tensor<3>, &Tensor<3>),
-        spans: &[Span],
+        (spans, positions): (&[Span], Option<(&Tensor<1>, usize)>),
         (kvs, layer): (&mut [&mut dyn KvLayers], usize),
     ) -> (Option<Tensor<2>>, Vec<bool>) {
         let mut done = vec![false; spans.len()];
-        if !gpu::writes_in_place(q) {
+        let Some(positions) = positions.filter(|_| gpu::writes_in_place(q)) else {
             return (None, done);
-        }
+        };
         let window = match self.kind {
             AttentionKind::Sliding => self.window,
             AttentionKind::Full => 0,
@@ -60,7 +60,7 @@ impl Attention {
             let v = v_dense.get_or_insert_with(|| gpu::dense(v.clone()));
             let cache = (&place.k, &place.v);
             out = Some(
-                gpu::span_attention(q, k, v, cache, out.take(), self.scale, at)
+                gpu::span_attention(q, k, v, cache, positions, out.take(), self.scale, at)
                     .expect("span_attention runs where writes_in_place holds"),
             );
             *done = true;

@@ -222,6 +222,7 @@ impl Gemma3Model {
             norm,
             per_layer,
             device: device.clone(),
+            device_ropes: Default::default(),
         })
     }
 }

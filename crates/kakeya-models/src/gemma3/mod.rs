@@ -1,6 +1,7 @@
 //! Gemma 3 text decoder [transformers `models/gemma3/modeling_gemma3.py`].
 
 pub mod attention;
+mod device;
 mod in_place;
 mod load;
 pub mod model;

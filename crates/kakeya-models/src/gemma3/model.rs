@@ -4,10 +4,12 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use kakeya_weights::{AttentionKind, Gemma3Config};
 
 use super::attention::{Attention, AttentionCapture, SharedKv, Span};
+use super::device::DeviceRopes;
 use super::moe::Moe;
 use super::per_layer::{PerLayerEmbed, PerLayerGate};
 use crate::cache::{CacheSpec, KvLayers};
 use crate::error::{ModelError, Result};
+use crate::gpu::StepInputs;
 use crate::linear::{Kernel, Linear};
 use crate::norm::RmsNorm;
 
@@ -118,6 +120,18 @@ fn argmax_rows(logits: Tensor<2>) -> Vec<u32> {
         .collect()
 }
 
+/// What the decoder layers of a forward leave ([`Gemma3Model::pass`]).
+pub(super) struct Pass {
+    /// The last layer's rows, `[R, hidden]`.
+    pub(super) x: Tensor<2>,
+    /// Each request's rows and first position.
+    pub(super) spans: Vec<Span>,
+    /// The rows after each requested layer.
+    pub(super) hidden: Vec<Option<Tensor<2>>>,
+    /// Per request, each layer's attention capture (when asked).
+    pub(super) attention: Vec<Vec<AttentionCapture>>,
+}
+
 /// One decoder layer.
 #[derive(Debug, Clone)]
 pub struct DecoderLayer {
@@ -147,15 +161,15 @@ pub struct DecoderLayer {
 
 impl DecoderLayer {
     /// # Shapes
-    /// - `x`: `[R, hidden]` (the spans' rows stacked) → `[R, hidden]`; see
-    ///   [`Attention::forward`]
+    /// - `x`: `[R, hidden]` (the spans' rows stacked) → `[R, hidden]`; `rope`: two `[R, d/2]`,
+    ///   `positions`: the stacked rows' on a GPU; see [`Attention::forward`]
     /// - `per_layer_input`: `[R, P]` (Gemma 4 with per-layer inputs)
     #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         x: Tensor<2>,
         spans: &[Span],
-        rope: &(Tensor<2>, Tensor<2>),
+        (rope, positions): (&(Tensor<2>, Tensor<2>), Option<(&Tensor<1>, usize)>),
         kv: (&mut [&mut dyn KvLayers], usize),
         capture: bool,
         per_layer_input: Option<Tensor<2>>,
@@ -164,7 +178,7 @@ impl DecoderLayer {
         let (a, cap) = self.attn.forward(
             self.input_norm.forward(x.clone()),
             spans,
-            rope,
+            (rope, positions),
             kv,
             capture,
             shared,
@@ -233,6 +247,8 @@ pub struct Gemma3Model {
     /// Gemma 4's per-layer input embeddings.
     pub per_layer: Option<PerLayerEmbed>,
     pub(super) device: Device,
+    /// RoPE tables on the device, gathered from by GPU forwards.
+    pub(super) device_ropes: DeviceRopes,
 }
 
 impl Gemma3Model {
@@ -396,71 +412,16 @@ impl Gemma3Model {
         reqs: &[ForwardRequest<'_>],
         kvs: &mut [&mut dyn KvLayers],
     ) -> Result<Vec<ForwardOutput>> {
-        let c = &self.config;
-        let Some(first) = reqs.first() else {
+        if reqs.is_empty() {
             return Ok(Vec::new());
-        };
-        if kvs.len() != reqs.len() {
-            return Err(ModelError::Input(format!(
-                "{} cache sets for {} requests",
-                kvs.len(),
-                reqs.len()
-            )));
         }
-        for (req, kv) in reqs.iter().zip(kvs.iter()) {
-            self.check_request(req, &**kv)?;
-            if req.hidden_after != first.hidden_after
-                || req.capture_attention != first.capture_attention
-            {
-                return Err(ModelError::Input(
-                    "requests of one batch must ask for the same hidden states and captures".into(),
-                ));
-            }
-        }
-        let mut tokens = Vec::new();
-        let mut positions = Vec::new();
-        let mut spans = Vec::with_capacity(reqs.len());
-        for req in reqs {
-            let r0 = tokens.len();
-            tokens.extend_from_slice(req.tokens);
-            positions.extend(req.start..req.start + req.tokens.len());
-            spans.push(Span {
-                start: req.start,
-                rows: r0..tokens.len(),
-            });
-        }
-        let mut x = self.embed_tokens(&tokens);
-        let per_layer = self
-            .per_layer
-            .as_ref()
-            .map(|p| (p, p.inputs(&tokens, x.clone())));
-        let mut shared = SharedKv::new();
-        let hidden_after = first.hidden_after;
-        let mut hidden = vec![None; hidden_after.len()];
-        let mut attention: Vec<Vec<AttentionCapture>> = vec![Vec::new(); reqs.len()];
-        // RoPE tables depend only on the positions and the layer kind: build each once.
-        let mut rope_tables: [Option<(Tensor<2>, Tensor<2>)>; 2] = [None, None];
-        for (i, layer) in self.layers.iter().enumerate() {
-            let kind = usize::from(layer.attn.kind == AttentionKind::Sliding);
-            let rope = rope_tables[kind]
-                .get_or_insert_with(|| layer.attn.rope.tables(&positions, &self.device));
-            let (y, caps) = layer.forward(
-                x,
-                &spans,
-                rope,
-                (&mut *kvs, i),
-                first.capture_attention,
-                per_layer.as_ref().map(|(p, all)| p.of_layer(all, i)),
-                &mut shared,
-            )?;
-            x = y;
-            for (per_seq, cap) in attention.iter_mut().zip(caps) {
-                per_seq.push(cap);
-            }
-            for (slot, _) in hidden_after.iter().enumerate().filter(|(_, l)| **l == i) {
-                hidden[slot] = Some(x.clone());
-            }
-        }
+        let Pass {
+            x,
+            spans,
+            hidden,
+            attention,
+        } = self.pass(reqs, kvs, None)?;
+        let c = &self.config;
         let h = c.hidden_size;
         let rows = |t: &Tensor<2>, r: &std::ops::Range<usize>| t.clone().slice([r.clone(), 0..h]);
         // Every request's wanted rows through the head in one call: greedy choices only when
@@ -525,6 +486,102 @@ impl Gemma3Model {
             });
         }
         Ok(outs)
+    }
+
+    /// The decoder layers over the stacked chunks of `reqs` (each sequence's caches in
+    /// `kvs`): the last layer's rows and what the requests asked to keep. On a GPU the rows'
+    /// ids and positions are read from `given` when the caller holds them on the device (a
+    /// recorded decode step), else from one upload.
+    ///
+    /// # Shapes
+    /// - per request as in [`Self::forward`] → `x`: `[R, hidden]` (every request's rows)
+    pub(super) fn pass(
+        &self,
+        reqs: &[ForwardRequest<'_>],
+        kvs: &mut [&mut dyn KvLayers],
+        given: Option<&StepInputs>,
+    ) -> Result<Pass> {
+        let Some(first) = reqs.first() else {
+            return Err(ModelError::Input("a forward of no requests".into()));
+        };
+        if kvs.len() != reqs.len() {
+            return Err(ModelError::Input(format!(
+                "{} cache sets for {} requests",
+                kvs.len(),
+                reqs.len()
+            )));
+        }
+        for (req, kv) in reqs.iter().zip(kvs.iter()) {
+            self.check_request(req, &**kv)?;
+            if req.hidden_after != first.hidden_after
+                || req.capture_attention != first.capture_attention
+            {
+                return Err(ModelError::Input(
+                    "requests of one batch must ask for the same hidden states and captures".into(),
+                ));
+            }
+        }
+        let mut tokens = Vec::new();
+        let mut positions = Vec::new();
+        let mut spans = Vec::with_capacity(reqs.len());
+        for req in reqs {
+            let r0 = tokens.len();
+            tokens.extend_from_slice(req.tokens);
+            positions.extend(req.start..req.start + req.tokens.len());
+            spans.push(Span {
+                start: req.start,
+                rows: r0..tokens.len(),
+            });
+        }
+        // On a GPU: the ids and positions in one device buffer, read there.
+        let uploaded = (given.is_none() && crate::gpu::applies(&self.embed))
+            .then(|| StepInputs::upload(&tokens, &positions, &self.device));
+        let inputs = given.or(uploaded.as_ref());
+        let scale = (self.config.hidden_size as f32).sqrt();
+        let mut x = match inputs.and_then(|i| i.embed(&self.embed, scale)) {
+            Some(x) => x,
+            None => self.embed_tokens(&tokens),
+        };
+        let reach = positions.iter().max().map_or(0, |p| p + 1);
+        let per_layer = self
+            .per_layer
+            .as_ref()
+            .map(|p| (p, p.inputs(&tokens, x.clone())));
+        let mut shared = SharedKv::new();
+        let hidden_after = first.hidden_after;
+        let mut hidden = vec![None; hidden_after.len()];
+        let mut attention: Vec<Vec<AttentionCapture>> = vec![Vec::new(); reqs.len()];
+        // RoPE tables depend only on the positions and the layer kind: build each once.
+        let mut rope_tables: [Option<(Tensor<2>, Tensor<2>)>; 2] = [None, None];
+        for (i, layer) in self.layers.iter().enumerate() {
+            let kind = usize::from(layer.attn.kind == AttentionKind::Sliding);
+            let rope = rope_tables[kind].get_or_insert_with(|| match inputs {
+                Some(i) => self.device_ropes.rows(kind, &layer.attn.rope, reach, i),
+                None => layer.attn.rope.tables(&positions, &self.device),
+            });
+            let (y, caps) = layer.forward(
+                x,
+                &spans,
+                (rope, inputs.map(StepInputs::positions)),
+                (&mut *kvs, i),
+                first.capture_attention,
+                per_layer.as_ref().map(|(p, all)| p.of_layer(all, i)),
+                &mut shared,
+            )?;
+            x = y;
+            for (per_seq, cap) in attention.iter_mut().zip(caps) {
+                per_seq.push(cap);
+            }
+            for (slot, _) in hidden_after.iter().enumerate().filter(|(_, l)| **l == i) {
+                hidden[slot] = Some(x.clone());
+            }
+        }
+        Ok(Pass {
+            x,
+            spans,
+            hidden,
+            attention,
+        })
     }
 
     /// Refuses a request the model or its caches cannot run.

@@ -198,7 +198,10 @@ pub(super) fn attention_rows(
 
 /// One sequence's chunk of a stacked forward in one kernel: its rows' K/V written into the
 /// sequence's cache buffers, and each row's attention over the positions it sees. One cube per
-/// (query head, row). Row `i` of the chunk (stacked row `row0 + i`, position `p = start + i`)
+/// (query head, row). The chunk's first position `start` is read from the stacked rows'
+/// positions on the device, and the scratch's width is the cache's slots plus the chunk's
+/// rows, so the launch's arguments stay the same from one decode step to the next. Row `i` of
+/// the chunk (stacked row `row0 + i`, position `p = start + i`)
 /// sees positions `lo ..= p`, `lo = p + 1 − window` for a sliding layer past its window, else
 /// 0. Position `s < start` is read from the cache, slot `(s − origin) % modulus` of its
 /// `slots`; `s ≥ start` from the chunk's own rows (which this launch also writes to the cache:
@@ -212,6 +215,7 @@ fn span_attention_kernel(
     v_new: &[f32],
     cache_k: &mut [f32],
     cache_v: &mut [f32],
+    positions: &[f32],
     scratch: &mut [f32],
     out: &mut [f32],
     shape: Sequence<usize>,
@@ -220,12 +224,15 @@ fn span_attention_kernel(
     #[comptime] units: usize,
 ) {
     // shape: stacked rows, chunk rows, heads, query heads per KV head, head width, scratch
-    // width; at: first stacked row, first position, ring origin, slot modulus, cache slots,
-    // window (0: none).
+    // width; at: first stacked row, where the stacked rows' positions start in `positions`,
+    // ring origin, slot modulus, cache slots, window (0: none).
     let (rows, t, heads) = (*shape.index(0), *shape.index(1), *shape.index(2));
     let (groups, d, keys) = (*shape.index(3), *shape.index(4), *shape.index(5));
-    let (row0, start, origin) = (*at.index(0), *at.index(1), *at.index(2));
+    let (row0, first, origin) = (*at.index(0), *at.index(1), *at.index(2));
     let (modulus, slots, window) = (*at.index(3), *at.index(4), *at.index(5));
+    // The chunk's first position, read on the device: a replayed step reads the one written
+    // for it.
+    let start = usize::cast_from(u32::cast_from(positions[first + row0]));
     let cube = CUBE_POS;
     if cube >= heads * t {
         terminate!();
@@ -307,11 +314,13 @@ pub(super) fn span_attention(
     v_new: CubeTensor,
     cache_k: CubeTensor,
     cache_v: CubeTensor,
+    (positions, first): (CubeTensor, usize),
     out: Option<CubeTensor>,
     scale: f32,
     at: ChunkSlots,
 ) -> CubeTensor {
     f32_only(&q, "span_attention");
+    f32_only(&positions, "span_attention");
     let (q, k_new, v_new) = (
         into_contiguous(q),
         into_contiguous(k_new),
@@ -337,7 +346,18 @@ pub(super) fn span_attention(
         at.modulus
     );
     let out = out.unwrap_or_else(|| dense_output(&q, Shape::new([rows, heads * d])));
-    let keys = at.start + at.t;
+    // The most keys a row sees (the last row's, at most its window), within the width.
+    let keys = slots + at.t;
+    let last = at.start + at.t - 1;
+    let seen = match at.window {
+        0 => last + 1,
+        w => w.min(last + 1),
+    };
+    assert!(
+        seen <= keys && first + at.row0 + at.t <= positions.meta.shape().num_elements(),
+        "span_attention: {seen} keys past a scratch of {keys}, or rows past the positions"
+    );
+    let positions = into_contiguous(positions);
     let scratch = dense_output(&q, Shape::new([heads * at.t, keys]));
     span_attention_kernel::launch(
         &q.client.clone(),
@@ -348,10 +368,11 @@ pub(super) fn span_attention(
         v_new.into_buffer_arg(),
         cache_k.into_buffer_arg(),
         cache_v.into_buffer_arg(),
+        positions.into_buffer_arg(),
         scratch.into_buffer_arg(),
         out.clone().into_buffer_arg(),
         sequence(&[rows, at.t, heads, heads / kv_heads, d, keys]),
-        sequence(&[at.row0, at.start, at.origin, at.modulus, slots, at.window]),
+        sequence(&[at.row0, first, at.origin, at.modulus, slots, at.window]),
         scale,
         ROW_UNITS,
     );

@@ -23,6 +23,8 @@ use burn::tensor::{Device, Tensor};
 #[cfg(feature = "cube")]
 mod attention;
 #[cfg(feature = "cube")]
+mod gather;
+#[cfg(feature = "cube")]
 mod kernels;
 #[cfg(feature = "cube")]
 mod linear;
@@ -80,6 +82,9 @@ macro_rules! on_gpu {
         out
     }};
 }
+
+mod inputs;
+pub use inputs::{StepInputs, gather_rows};
 
 /// RMSNorm over the last dimension ([`crate::norm::RmsNorm::forward`]).
 ///
@@ -403,15 +408,26 @@ pub fn copy_into<const D: usize, const E: usize>(dst: &Tensor<D>, src: &Tensor<E
 /// - `logits`: `[T, V]` → `T` ids
 #[cfg_attr(not(feature = "cube"), allow(unused_variables))]
 pub fn argmax_rows(logits: &Tensor<2>) -> Option<Vec<u32>> {
-    on_gpu!(applies(logits), {
-        let ids = <Dispatch as DecodeKernels>::argmax_rows(logits.clone().into_dispatch());
-        Tensor::<1>::from_dispatch(ids)
-            .into_data()
+    argmax_on_device(logits).map(|ids| {
+        ids.into_data()
             .try_into_vec::<f32>()
             .expect("argmax ids are written as f32")
             .into_iter()
             .map(|i| i as u32)
             .collect()
+    })
+}
+
+/// [`argmax_rows`] left on the device: each row's index as an f32 (exact below 2²⁴).
+///
+/// # Shapes
+/// - `logits`: `[T, V]` → `[T]`
+#[cfg_attr(not(feature = "cube"), allow(unused_variables))]
+pub fn argmax_on_device(logits: &Tensor<2>) -> Option<Tensor<1>> {
+    on_gpu!(applies(logits), {
+        Tensor::from_dispatch(<Dispatch as DecodeKernels>::argmax_rows(
+            logits.clone().into_dispatch(),
+        ))
     })
 }
 
@@ -522,18 +538,22 @@ pub struct ChunkSlots {
 /// written into the cache buffers `cache` in place, and its rows' attention (each over the
 /// positions it sees, up to its own) written into rows `row0..row0 + t` of `out` (`None`: a
 /// new output; later chunks of the forward pass it back). The cache buffers must come from
-/// [`unique_dense`]. A row's bits equal [`attention_rows`]' over the same keys. `None` off a GPU
-/// and with Burn's fusion (whose lazy graph does not see the in-place writes).
+/// [`unique_dense`]. The kernel reads the chunk's first position from `positions` (the
+/// stacked rows' positions from index `first`, as the forward uploaded them: see
+/// [`StepInputs`]); `at.start` checks the launch. A row's bits equal [`attention_rows`]' over
+/// the same keys. `None` off a GPU and with Burn's fusion (whose lazy graph does not see the
+/// in-place writes).
 ///
 /// # Shapes
 /// - `q`: `[heads, R, d]`; `k_new`, `v_new`: `[kv_heads, R, d]`; `cache`: two
-///   `[kv_heads, slots, d]` → `[R, heads · d]`
+///   `[kv_heads, slots, d]`; `positions.0`: `[n ≥ first + R]` → `[R, heads · d]`
 #[cfg_attr(not(feature = "cube"), allow(unused_variables))]
 pub fn span_attention(
     q: &Tensor<3>,
     k_new: &Tensor<3>,
     v_new: &Tensor<3>,
     cache: (&Tensor<3>, &Tensor<3>),
+    positions: (&Tensor<1>, usize),
     out: Option<Tensor<2>>,
     scale: f64,
     at: ChunkSlots,
@@ -548,6 +568,8 @@ pub fn span_attention(
             v_new.clone().into_dispatch(),
             cache.0.clone().into_dispatch(),
             cache.1.clone().into_dispatch(),
+            positions.0.clone().into_dispatch(),
+            positions.1,
             out,
             fresh,
             scale as f32,

@@ -6,7 +6,7 @@ use burn::backend::{backend_extension, tensor::FloatTensor};
 use burn::tensor::Shape;
 use burn_cubecl::CubeBackend;
 
-use super::{attention, kernels, linear, matmul, optim};
+use super::{attention, gather, kernels, linear, matmul, optim};
 
 /// The GPU kernels, on Burn's CubeCL backend (and its fused form).
 #[backend_extension(Cube: cfg(feature = "cube"), Fusion: cfg(feature = "fusion"))]
@@ -205,13 +205,15 @@ pub trait DecodeKernels: burn::backend::Backend {
     /// `row0..row0 + t`, positions `start..`) written into the cache buffers `cache_k`,
     /// `cache_v` in place (slot of position `p`: `(p − origin) % modulus`), and their attention
     /// over every position each row sees (`window` 0: all before it) into rows `row0..row0 + t`
-    /// of `out`, in place (`fresh`: a new output, `out` unread). The caches must be dense and
-    /// held by nobody else ([`Self::unique_dense`]). A row's bits equal
-    /// [`Self::attention_rows`]' over the same keys.
+    /// of `out`, in place (`fresh`: a new output, `out` unread). The kernel reads `start` from
+    /// `positions[first + row0]` (the stacked rows' positions from `first`, as f32); the host's
+    /// `start` only checks the launch. The caches must be dense and held by nobody else
+    /// ([`Self::unique_dense`]). A row's bits equal [`Self::attention_rows`]' over the same
+    /// keys.
     ///
     /// # Shapes
     /// - `q`: `[heads, R, d]`; `k_new`, `v_new`: `[kv_heads, R, d]`; `cache_k`, `cache_v`:
-    ///   `[kv_heads, slots, d]` → `out`: `[R, heads · d]`
+    ///   `[kv_heads, slots, d]`; `positions`: `[n ≥ first + R]` → `out`: `[R, heads · d]`
     #[allow(clippy::too_many_arguments)]
     #[fusion(dtype = q, shape = Shape::new([q[1], q[0] * q[2]]))]
     fn span_attention(
@@ -220,6 +222,8 @@ pub trait DecodeKernels: burn::backend::Backend {
         v_new: FloatTensor<Self>,
         cache_k: FloatTensor<Self>,
         cache_v: FloatTensor<Self>,
+        positions: FloatTensor<Self>,
+        first: usize,
         out: FloatTensor<Self>,
         fresh: bool,
         scale: f32,
@@ -252,6 +256,30 @@ pub trait DecodeKernels: burn::backend::Backend {
     /// - `dst`, `src`: `[...]` (one size) → `dst`
     #[fusion(dtype = dst, shape = dst)]
     fn copy_into(dst: FloatTensor<Self>, src: FloatTensor<Self>) -> FloatTensor<Self>;
+
+    /// Rows of `table` (of each of its planes) picked by the `t` indices `idx[offset..]` (f32,
+    /// exact below 2²⁴), each multiplied by `scale`.
+    ///
+    /// # Shapes
+    /// - `table`: `[rows, w]` or `[planes, rows, w]`, `idx`: `[n]` → `[t, w]` or
+    ///   `[planes, t, w]`
+    #[fusion(dtype = table, shape = gathered(table, t))]
+    fn gather_rows(
+        table: FloatTensor<Self>,
+        idx: FloatTensor<Self>,
+        offset: usize,
+        t: usize,
+        scale: f32,
+    ) -> FloatTensor<Self>;
+}
+
+/// `[rows, w]` → `[t, w]`; `[planes, rows, w]` → `[planes, t, w]`.
+#[cfg(feature = "fusion")]
+fn gathered(table: &Shape, t: &usize) -> Shape {
+    let mut dims = dims_of(table);
+    let n = dims.len();
+    dims[n - 2] = *t;
+    Shape::from(dims)
 }
 
 /// `[T, 2·I]` → `[T, I]`.
@@ -422,6 +450,8 @@ impl DecodeKernels for CubeBackend {
         v_new: FloatTensor<Self>,
         cache_k: FloatTensor<Self>,
         cache_v: FloatTensor<Self>,
+        positions: FloatTensor<Self>,
+        first: usize,
         out: FloatTensor<Self>,
         fresh: bool,
         scale: f32,
@@ -441,7 +471,17 @@ impl DecodeKernels for CubeBackend {
             window,
         };
         let out = (!fresh).then_some(out);
-        attention::span_attention(q, k_new, v_new, cache_k, cache_v, out, scale, at)
+        attention::span_attention(
+            q,
+            k_new,
+            v_new,
+            cache_k,
+            cache_v,
+            (positions, first),
+            out,
+            scale,
+            at,
+        )
     }
 
     fn unique_dense(x: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -454,6 +494,16 @@ impl DecodeKernels for CubeBackend {
 
     fn copy_into(dst: FloatTensor<Self>, src: FloatTensor<Self>) -> FloatTensor<Self> {
         attention::copy_into(dst, src)
+    }
+
+    fn gather_rows(
+        table: FloatTensor<Self>,
+        idx: FloatTensor<Self>,
+        offset: usize,
+        t: usize,
+        scale: f32,
+    ) -> FloatTensor<Self> {
+        gather::gather_rows(table, idx, offset, t, scale)
     }
 
     #[allow(clippy::too_many_arguments)]

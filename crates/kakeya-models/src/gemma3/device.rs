@@ -1,0 +1,148 @@
+//! The model's side of GPU forwards that read their token ids and positions on the device
+//! ([`StepInputs`]): the RoPE tables kept there, and what a decode step recorded once and
+//! replayed needs from the model — the step with its greedy choices left on the device, and
+//! the host's bookkeeping of the caches a replay writes.
+
+use std::sync::{Mutex, MutexGuard};
+
+use burn::tensor::{Device, Tensor};
+use kakeya_weights::AttentionKind;
+
+use super::model::{ForwardRequest, Gemma3Model};
+use crate::cache::KvLayers;
+use crate::error::{ModelError, Result};
+use crate::gpu::{self, StepInputs};
+use crate::rope::Rope;
+
+/// Fewest positions a device RoPE table holds; it doubles past them.
+const ROPE_ROWS_MIN: usize = 1024;
+
+/// The RoPE tables on the device, one per attention kind (full, sliding), each of positions
+/// `0..n` ([`Rope::device_table`]), grown by doubling to cover what a forward reaches.
+#[derive(Debug, Default)]
+pub(crate) struct DeviceRopes(Mutex<[Option<Tensor<3>>; 2]>);
+
+impl Clone for DeviceRopes {
+    fn clone(&self) -> Self {
+        Self(Mutex::new(self.lock().clone()))
+    }
+}
+
+impl DeviceRopes {
+    fn lock(&self) -> MutexGuard<'_, [Option<Tensor<3>>; 2]> {
+        self.0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Table `kind`, covering positions `0..reach` at least.
+    ///
+    /// # Shapes
+    /// - → `[2, n ≥ reach, d/2]`
+    fn table(&self, kind: usize, rope: &Rope, reach: usize, device: &Device) -> Tensor<3> {
+        let mut tables = self.lock();
+        match &tables[kind] {
+            Some(t) if t.dims()[1] >= reach => t.clone(),
+            _ => {
+                let n = reach.next_power_of_two().max(ROPE_ROWS_MIN);
+                let t = rope.device_table(n, device);
+                tables[kind] = Some(t.clone());
+                t
+            }
+        }
+    }
+
+    /// The RoPE `(cos, sin)` of `inputs`' rows for layers of `kind` (whose positions stay
+    /// below `reach`).
+    ///
+    /// # Shapes
+    /// - → two `[rows, d/2]`
+    pub(super) fn rows(
+        &self,
+        kind: usize,
+        rope: &Rope,
+        reach: usize,
+        inputs: &StepInputs,
+    ) -> (Tensor<2>, Tensor<2>) {
+        let table = self.table(kind, rope, reach, &inputs.buf.device());
+        inputs
+            .rope(&table)
+            .expect("step inputs live on a GPU, as the model's tables")
+    }
+}
+
+impl Gemma3Model {
+    /// Whether a greedy decode step of this model can be recorded once and replayed: on a
+    /// GPU whose kernels write in place (not under Burn's fusion), with every layer writing
+    /// its own K/V ([`crate::gpu::span_attention`]) and no Gemma 4 per-layer inputs (read
+    /// from the host's token ids). The caches must be plain buffers too
+    /// ([`Self::advance_in_place`] says so per step).
+    pub fn replays_decode(&self) -> bool {
+        gpu::writes_in_place(&self.embed)
+            && self.per_layer.is_none()
+            && self
+                .layers
+                .iter()
+                .all(|l| l.attn.k_proj.is_some() && !l.attn.shares_kv && l.per_layer.is_none())
+    }
+
+    /// Makes the device RoPE tables cover positions `0..reach` (before a recording: a table
+    /// grown inside one would be an upload the replays repeat with the recorded bytes);
+    /// returns each table's positions (a recording is valid while they stay).
+    pub fn ensure_device_rope(&self, reach: usize) -> [usize; 2] {
+        let mut held = [0; 2];
+        for layer in &self.layers {
+            let kind = usize::from(layer.attn.kind == AttentionKind::Sliding);
+            held[kind] = self
+                .device_ropes
+                .table(kind, &layer.attn.rope, reach, &self.device)
+                .dims()[1];
+        }
+        held
+    }
+
+    /// One greedy decode step whose token ids and positions are read from `inputs` (the
+    /// buffer a recording reads) and whose choices stay on the device: the form of
+    /// [`Self::forward_batch`] with [`super::Logits::GreedyAll`] that a recording can hold
+    /// (nothing read back inside it). `inputs` must hold `reqs`' tokens and positions.
+    ///
+    /// # Shapes
+    /// - `reqs`: one chunk per sequence, `R` rows in all → `[R]` ids as f32, on the device
+    pub fn greedy_on_device(
+        &self,
+        reqs: &[ForwardRequest<'_>],
+        kvs: &mut [&mut dyn KvLayers],
+        inputs: &StepInputs,
+    ) -> Result<Tensor<1>> {
+        let pass = self.pass(reqs, kvs, Some(inputs))?;
+        let logits = self.logits(pass.x);
+        gpu::argmax_on_device(&logits)
+            .ok_or_else(|| ModelError::Input("greedy_on_device needs a GPU".into()))
+    }
+
+    /// The host's side of a replayed step of `t` rows at `start`: each layer's cache takes
+    /// the chunk in place, as [`Self::forward_batch`]'s attention would ask it
+    /// ([`KvLayers::in_place`]; the replay's kernels write the K/V). Returns each cache's
+    /// slots (a recording is valid while they stay), or `None` where a cache cannot (its
+    /// state is then unchanged for the layers before it only: the caller falls back to a
+    /// step issued launch by launch after truncating).
+    pub fn advance_in_place(
+        &self,
+        kv: &mut dyn KvLayers,
+        start: usize,
+        t: usize,
+    ) -> Option<Vec<usize>> {
+        let mut slots = Vec::with_capacity(self.layers.len());
+        let mut like: Option<Tensor<3>> = None;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let a = &layer.attn;
+            let l = match &like {
+                Some(l) if l.dims() == [a.kv_heads, t, a.head_dim] => l,
+                _ => like.insert(Tensor::empty([a.kv_heads, t, a.head_dim], &self.device)),
+            };
+            let place = kv.in_place(i, start, l)?;
+            slots.push(place.k.dims()[1]);
+        }
+        Some(slots)
+    }
+}

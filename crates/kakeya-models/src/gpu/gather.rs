@@ -1,0 +1,77 @@
+//! Rows of a table picked by indices held on the device ([`super::DecodeKernels::gather_rows`]):
+//! the token embeddings and the RoPE rows of a forward's stacked inputs, read from the one
+//! buffer of token ids and positions the forward uploads. A recorded decode step reads them
+//! there too, so its replays pick up whatever ids and positions were written into that buffer.
+
+use burn::tensor::Shape;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::prelude::*;
+
+use super::kernels::{ELEMENT_UNITS, dense_output, f32_only, grid, sequence};
+
+/// `out[p, i, e] = table[p, idx[offset + i], e] · scale`, one unit per output element.
+#[cube(launch)]
+fn gather_rows_kernel(
+    table: &[f32],
+    idx: &[f32],
+    out: &mut [f32],
+    dims: Sequence<usize>,
+    scale: f32,
+) {
+    // dims: planes, table rows per plane, gathered rows, row width, first index read.
+    let (planes, rows, t) = (*dims.index(0), *dims.index(1), *dims.index(2));
+    let (width, offset) = (*dims.index(3), *dims.index(4));
+    let i = CUBE_POS * CUBE_DIM as usize + UNIT_POS as usize;
+    if i < planes * t * width {
+        let e = i % width;
+        let r = (i / width) % t;
+        let p = i / (width * t);
+        let row = usize::cast_from(u32::cast_from(idx[offset + r]));
+        out[i] = table[(p * rows + row) * width + e] * scale;
+    }
+}
+
+/// See [`super::DecodeKernels::gather_rows`].
+pub(super) fn gather_rows(
+    table: CubeTensor,
+    idx: CubeTensor,
+    offset: usize,
+    t: usize,
+    scale: f32,
+) -> CubeTensor {
+    f32_only(&table, "gather_rows");
+    f32_only(&idx, "gather_rows");
+    let (table, idx) = (into_contiguous(table), into_contiguous(idx));
+    let dims = table.meta.shape().clone();
+    let (planes, rows, width) = match dims.num_dims() {
+        2 => (1, dims[0], dims[1]),
+        3 => (dims[0], dims[1], dims[2]),
+        n => panic!("gather_rows: a table of 2 or 3 dimensions, not {n}"),
+    };
+    assert!(
+        offset + t <= idx.meta.shape().num_elements(),
+        "gather_rows: indices {offset}..{} past the {} held",
+        offset + t,
+        idx.meta.shape().num_elements()
+    );
+    let shape = match dims.num_dims() {
+        2 => Shape::new([t, width]),
+        _ => Shape::new([planes, t, width]),
+    };
+    let out = dense_output(&table, shape);
+    let n = planes * t * width;
+    if n > 0 {
+        gather_rows_kernel::launch(
+            &table.client.clone(),
+            grid(n.div_ceil(ELEMENT_UNITS)),
+            CubeDim::new_1d(ELEMENT_UNITS as u32),
+            table.into_buffer_arg(),
+            idx.into_buffer_arg(),
+            out.clone().into_buffer_arg(),
+            sequence(&[planes, rows, t, width, offset]),
+            scale,
+        );
+    }
+    out
+}

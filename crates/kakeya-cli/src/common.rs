@@ -92,6 +92,10 @@ pub struct ModelArgs {
     /// near-ties). Speculation stays lossless either way.
     #[arg(long, value_enum, default_value_t = KernelKind::Exact)]
     pub kernel: KernelKind,
+    /// On a GPU, issue every greedy decode step kernel by kernel instead of recording the
+    /// step once and replaying it (a CUDA graph): the same tokens, for timing the two.
+    #[arg(long)]
+    pub no_graph: bool,
 }
 
 /// `--kernel`.
@@ -140,6 +144,7 @@ impl ModelArgs {
             Checkpoint::load(&path).with_context(|| format!("loading model {}", path.display()))?;
         let tok = Tokenizer::load(&self.tokenizer_path(&path), ck.config.vocab_size)?;
         let mut model = Gemma3Model::from_checkpoint(ck, &device)?;
+        model.record_decode = !self.no_graph;
         if self.kernel == KernelKind::Int8 && model.set_kernel(Kernel::Int8) == 0 {
             bail!(
                 "{}: --kernel int8 needs quantised (GGUF) weights on the CPU, and this model has none there",

@@ -15,6 +15,7 @@ use kakeya_models::{
 
 use crate::error::{Result, RuntimeError};
 use crate::kv::{CompactStore, KvBytes, KvPolicy, Restorer, SequenceKv};
+use crate::replay::DecodeReplay;
 use crate::sampler::{Sampler, Scores};
 
 /// Copies one row of logits `[1, vocab]` to the host.
@@ -496,6 +497,24 @@ impl<'m> Session<'m> {
     /// Runs one token; returns what `sampler` picks the next token from.
     pub fn step_for(&mut self, token: u32, sampler: &Sampler) -> Result<Scores> {
         Ok(scores(self.forward(&[token], sampler.wants(), &[])?))
+    }
+
+    /// One greedy decode step through `replay` (recorded once, then replayed on a GPU): the
+    /// choice [`Self::step_for`] gives with a greedy sampler, bit for bit. A session that
+    /// keeps the drafter's store issues its step as `step_for` does (the store needs the
+    /// step's hidden states on the host's side).
+    pub fn step_replayed(&mut self, token: u32, replay: &mut DecodeReplay) -> Result<u32> {
+        if self.keeps_store() {
+            let out = self.forward(&[token], Logits::GreedyLast, &[])?;
+            return out
+                .greedy
+                .and_then(|g| g.last().copied())
+                .ok_or_else(|| RuntimeError::Input("a greedy step returned no choice".into()));
+        }
+        self.commit()?;
+        let id = replay.step(self.model, &mut self.kv, token, self.len)?;
+        self.len += 1;
+        Ok(id)
     }
 
     /// Whether a [`Self::truncate`] to `len` would succeed with every cache native (a

@@ -251,6 +251,46 @@ fn batched_decoding_on_wgpu_equals_each_sequence_alone() {
     }
 }
 
+/// Greedy decode steps recorded once and replayed give the tokens of the steps issued kernel
+/// by kernel: one recording per cache layout (the full caches doubling past 64 slots, the
+/// sliding layers' rings of window 8 filling), every other step a replay that reads its token
+/// and position from the recorded buffer. The same through `generate`, which replays by default.
+#[test]
+fn recorded_decode_steps_equal_the_steps_issued_one_by_one() {
+    use kakeya_runtime::{DecodeReplay, Sampler, Sampling, Scores};
+    let mut m = Gemma3Model::from_checkpoint(random_checkpoint(&tiny(), 11), &gpu()).unwrap();
+    let p = tiny_prompt(2, 9);
+    let n = 100;
+    let cfg = kakeya_runtime::GenerationConfig::greedy(n, 512);
+    m.record_decode = false;
+    assert!(DecodeReplay::new(&m).is_none(), "record_decode off");
+    let issued = generate(&mut Session::new(&m, 0), &p, &cfg, &mut |_| {}).unwrap();
+    m.record_decode = true;
+    let mut replay = DecodeReplay::new(&m).expect("the device takes recorded steps");
+    let mut s = Session::new(&m, 0);
+    let Scores::Greedy(first) = s
+        .prefill_for(&p, 512, &Sampler::new(Sampling::Greedy))
+        .unwrap()
+    else {
+        panic!("a greedy sampler gets greedy choices");
+    };
+    let mut toks = vec![first];
+    while toks.len() < n {
+        let last = *toks.last().unwrap();
+        toks.push(s.step_replayed(last, &mut replay).unwrap());
+    }
+    eprintln!("{:?}", replay.stats);
+    assert_eq!(toks, issued.tokens, "replayed vs issued");
+    let st = replay.stats;
+    assert_eq!(st.issued, 0, "every step recorded or replayed");
+    assert!(
+        (2..=4).contains(&st.recorded) && st.recorded + st.replayed == n - 1,
+        "a recording per layout, the rest replayed: {st:?}"
+    );
+    let again = generate(&mut Session::new(&m, 0), &p, &cfg, &mut |_| {}).unwrap();
+    assert_eq!(again.tokens, issued.tokens, "generate with replays");
+}
+
 /// `KAKEYA_DECODE_STEPS` greedy tokens from a prompt of 8 on the device: `scripts/kernel_count.sh`
 /// runs it at two step counts with CubeCL's kernel log on and takes the difference, the kernels
 /// one decode step launches (with and without Burn's fusion).

@@ -74,16 +74,20 @@ impl DeviceRopes {
 impl Gemma3Model {
     /// Whether a greedy decode step of this model can be recorded once and replayed: on a
     /// GPU whose kernels write in place (not under Burn's fusion), with every layer writing
-    /// its own K/V ([`crate::gpu::span_attention`]) and no Gemma 4 per-layer inputs (read
-    /// from the host's token ids). The caches must be plain buffers too
+    /// its own K/V ([`crate::gpu::span_attention`]), no Gemma 4 per-layer inputs (read from
+    /// the host's token ids) and no experts (routed on the host), unless
+    /// [`Self::record_decode`] is off. The caches must be plain buffers too
     /// ([`Self::advance_in_place`] says so per step).
     pub fn replays_decode(&self) -> bool {
-        gpu::writes_in_place(&self.embed)
+        self.record_decode
+            && gpu::writes_in_place(&self.embed)
             && self.per_layer.is_none()
-            && self
-                .layers
-                .iter()
-                .all(|l| l.attn.k_proj.is_some() && !l.attn.shares_kv && l.per_layer.is_none())
+            && self.layers.iter().all(|l| {
+                l.attn.k_proj.is_some()
+                    && !l.attn.shares_kv
+                    && l.per_layer.is_none()
+                    && l.moe.is_none()
+            })
     }
 
     /// Makes the device RoPE tables cover positions `0..reach` (before a recording: a table

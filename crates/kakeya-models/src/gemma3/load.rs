@@ -223,6 +223,7 @@ impl Gemma3Model {
             per_layer,
             device: device.clone(),
             device_ropes: Default::default(),
+            record_decode: true,
         })
     }
 }

@@ -249,6 +249,9 @@ pub struct Gemma3Model {
     pub(super) device: Device,
     /// RoPE tables on the device, gathered from by GPU forwards.
     pub(super) device_ropes: DeviceRopes,
+    /// On a GPU, greedy decode steps are recorded once and replayed
+    /// ([`Self::replays_decode`]); false: issued launch by launch (the CLI's `--no-graph`).
+    pub record_decode: bool,
 }
 
 impl Gemma3Model {

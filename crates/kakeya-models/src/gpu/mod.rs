@@ -83,7 +83,9 @@ macro_rules! on_gpu {
     }};
 }
 
+mod graph;
 mod inputs;
+pub use graph::DeviceGraph;
 pub use inputs::{StepInputs, gather_rows};
 
 /// RMSNorm over the last dimension ([`crate::norm::RmsNorm::forward`]).
@@ -548,6 +550,7 @@ pub struct ChunkSlots {
 /// - `q`: `[heads, R, d]`; `k_new`, `v_new`: `[kv_heads, R, d]`; `cache`: two
 ///   `[kv_heads, slots, d]`; `positions.0`: `[n ≥ first + R]` → `[R, heads · d]`
 #[cfg_attr(not(feature = "cube"), allow(unused_variables))]
+#[allow(clippy::too_many_arguments)]
 pub fn span_attention(
     q: &Tensor<3>,
     k_new: &Tensor<3>,

@@ -11,7 +11,9 @@
 #                                the host), for the side-by-side
 #   golden.log                   the golden test with the model on CUDA
 #   test-NAME.log                each further test binary carried, KAKEYA_TEST_DEVICE=cuda
-#   bench-ar.json                `kakeya bench --device cuda`: pp512, tg128
+#   bench-ar.json                `kakeya bench --device cuda`: pp512, tg128 (decode steps
+#                                recorded once and replayed as CUDA graphs)
+#   bench-ar-nograph.json        the same with `--no-graph` (every step issued kernel by kernel)
 #   bench-spec.json              AR vs speculative, 20 built-in prompts × 128 tokens, the default
 #                                settings (v3 drafter, n-gram table)
 #   hf.json                      transformers on the same GGUF and GPU
@@ -94,6 +96,10 @@ for t in $X/test-*; do
 done
 step bench-ar 100 $O/bench-ar.json $O/bench-ar.log $X/kakeya-cuda bench --device $dev --runs 3 --warmup 1 --json
 summary bench $O/bench-ar.json
+# The same with every decode step issued kernel by kernel (no recorded step), side by side.
+step bench-ar-nograph 100 $O/bench-ar-nograph.json $O/bench-ar-nograph.log $X/kakeya-cuda bench \
+    --device $dev --no-graph --runs 3 --warmup 1 --json
+summary bench $O/bench-ar-nograph.json
 step bench-spec 150 $O/bench-spec.json $O/bench-spec.log $X/kakeya-cuda bench --device $dev \
     --drafter checkpoints/drafter-gemma3-270m-v3 --runs 1 --warmup 1 --json
 summary spec $O/bench-spec.json

@@ -20,11 +20,12 @@ use kakeya_models::{ForwardRequest, Gemma3Model, Logits};
 use crate::error::{Result, RuntimeError};
 use crate::kv::SequenceKv;
 
-/// What a recording holds fixed besides its own buffers: each cache's slots and each device
-/// RoPE table's positions.
+/// What a recording holds fixed besides its own buffers: each cache's slots and the
+/// allocations of its K and V (a fork of the sequence makes its next write copy them), and
+/// each device RoPE table's positions.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Layout {
-    slots: Vec<usize>,
+    caches: Vec<(usize, (usize, u64), (usize, u64))>,
     rope: [usize; 2],
 }
 
@@ -101,7 +102,7 @@ impl DecodeReplay {
             return self.issue(model, kv, token, pos);
         }
         let rope = model.ensure_device_rope(pos + 1);
-        let Some(slots) = model.advance_in_place(kv, pos, 1) else {
+        let Some(caches) = model.advance_in_place(kv, pos, 1) else {
             // Not plain buffers (a bounded mode's tiers): these caches never will be.
             kv.truncate(pos)?;
             self.off = true;
@@ -111,7 +112,7 @@ impl DecodeReplay {
         let fresh = StepInputs::upload(&[token], &[pos], model.device());
         gpu::copy_into(&self.inputs.buf, &fresh.buf)
             .ok_or_else(|| RuntimeError::Input("decode replay off a GPU".into()))?;
-        let layout = Layout { slots, rope };
+        let layout = Layout { caches, rope };
         if let Some(r) = self.recorded.as_ref().filter(|r| r.layout == layout) {
             replay(&r.graph)?;
             self.stats.replayed += 1;

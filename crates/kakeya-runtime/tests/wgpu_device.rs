@@ -293,7 +293,8 @@ fn recorded_decode_steps_equal_the_steps_issued_one_by_one() {
 
 /// `KAKEYA_DECODE_STEPS` greedy tokens from a prompt of 8 on the device: `scripts/kernel_count.sh`
 /// runs it at two step counts with CubeCL's kernel log on and takes the difference, the kernels
-/// one decode step launches (with and without Burn's fusion).
+/// one decode step launches (with and without Burn's fusion; `KAKEYA_DECODE_GRAPH=0`: every
+/// step issued, none replayed). Prints the decode rate.
 #[test]
 #[ignore = "run by scripts/kernel_count.sh, with CubeCL's kernel log on"]
 fn decode_steps_for_the_kernel_count() {
@@ -301,7 +302,9 @@ fn decode_steps_for_the_kernel_count() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(4);
-    let m = Gemma3Model::from_checkpoint(random_checkpoint(&tiny(), 11), &gpu()).unwrap();
+    let mut m = Gemma3Model::from_checkpoint(random_checkpoint(&tiny(), 11), &gpu()).unwrap();
+    // KAKEYA_DECODE_GRAPH=0: every step issued kernel by kernel, not replayed.
+    m.record_decode = std::env::var("KAKEYA_DECODE_GRAPH").as_deref() != Ok("0");
     let g = generate(
         &mut Session::new(&m, 0),
         &tiny_prompt(0, 8),
@@ -310,6 +313,10 @@ fn decode_steps_for_the_kernel_count() {
     )
     .unwrap();
     assert_eq!(g.tokens.len(), steps);
+    eprintln!(
+        "{steps} tokens, record_decode {}: decode {:.1} tok/s",
+        m.record_decode, g.stats.decode_tok_s
+    );
 }
 
 /// `KAKEYA_DECODE_STEPS` greedy tokens for each of `KAKEYA_DECODE_SEQS` prompts of 8, decoded

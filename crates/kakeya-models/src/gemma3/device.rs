@@ -127,15 +127,15 @@ impl Gemma3Model {
     /// The host's side of a replayed step of `t` rows at `start`: each layer's cache takes
     /// the chunk in place, as [`Self::forward_batch`]'s attention would ask it
     /// ([`KvLayers::in_place`]; the replay's kernels write the K/V). Returns each cache's
-    /// slots (a recording is valid while they stay), or `None` where a cache cannot (its
-    /// state is then unchanged for the layers before it only: the caller falls back to a
-    /// step issued launch by launch after truncating).
+    /// slots and the allocations of its K and V ([`gpu::buffer_of`]): a recording is valid
+    /// while they stay. `None` where a cache cannot (the layers before it have advanced: the
+    /// caller truncates, then issues the step launch by launch).
     pub fn advance_in_place(
         &self,
         kv: &mut dyn KvLayers,
         start: usize,
         t: usize,
-    ) -> Option<Vec<usize>> {
+    ) -> Option<Vec<(usize, (usize, u64), (usize, u64))>> {
         let mut slots = Vec::with_capacity(self.layers.len());
         let mut like: Option<Tensor<3>> = None;
         for (i, layer) in self.layers.iter().enumerate() {
@@ -145,7 +145,8 @@ impl Gemma3Model {
                 _ => like.insert(Tensor::empty([a.kv_heads, t, a.head_dim], &self.device)),
             };
             let place = kv.in_place(i, start, l)?;
-            slots.push(place.k.dims()[1]);
+            let (k, v) = (gpu::buffer_of(&place.k)?, gpu::buffer_of(&place.v)?);
+            slots.push((place.k.dims()[1], k, v));
         }
         Some(slots)
     }

@@ -79,3 +79,24 @@ impl DeviceGraph {
             .map_err(|e| format!("{e:?}"))
     }
 }
+
+/// The allocation `x`'s elements live in, on a CubeCL device without Burn's fusion: an id
+/// CubeCL never gives a later allocation, and the byte offset into it. A recording holds raw
+/// buffers; a step may replay it only while its buffers are the recorded ones. `None`
+/// elsewhere.
+pub fn buffer_of<const D: usize>(x: &burn::tensor::Tensor<D>) -> Option<(usize, u64)> {
+    #[cfg(all(feature = "cube", not(feature = "fusion")))]
+    {
+        use burn::backend::{BackendTensor, DispatchTensorKind};
+        if let DispatchTensorKind::Cube(BackendTensor::Float(t)) = x.clone().into_dispatch().kind {
+            let h = &t.handle;
+            return Some((h.memory.descriptor().id.value, h.offset_start.unwrap_or(0)));
+        }
+        None
+    }
+    #[cfg(not(all(feature = "cube", not(feature = "fusion"))))]
+    {
+        let _ = x;
+        None
+    }
+}

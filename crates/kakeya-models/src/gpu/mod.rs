@@ -85,7 +85,7 @@ macro_rules! on_gpu {
 
 mod graph;
 mod inputs;
-pub use graph::DeviceGraph;
+pub use graph::{DeviceGraph, buffer_of};
 pub use inputs::{StepInputs, gather_rows};
 
 /// RMSNorm over the last dimension ([`crate::norm::RmsNorm::forward`]).

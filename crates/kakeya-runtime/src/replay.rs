@@ -14,6 +14,7 @@
 
 use burn::tensor::Tensor;
 use kakeya_models::cache::KvLayers;
+use kakeya_models::gemma3::CacheBuffers;
 use kakeya_models::gpu::{self, DeviceGraph, StepInputs};
 use kakeya_models::{ForwardRequest, Gemma3Model, Logits};
 
@@ -25,7 +26,7 @@ use crate::kv::SequenceKv;
 /// each device RoPE table's positions.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Layout {
-    caches: Vec<(usize, (usize, u64), (usize, u64))>,
+    caches: Vec<CacheBuffers>,
     rope: [usize; 2],
 }
 

@@ -71,6 +71,18 @@ impl DeviceRopes {
     }
 }
 
+/// One layer cache's slots and the allocations (id, byte offset: [`gpu::buffer_of`]) of its
+/// K and V: what a recorded step wrote into.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheBuffers {
+    /// Slots of the cache.
+    pub slots: usize,
+    /// The K buffer's allocation.
+    pub k: (usize, u64),
+    /// The V buffer's allocation.
+    pub v: (usize, u64),
+}
+
 impl Gemma3Model {
     /// Whether a greedy decode step of this model can be recorded once and replayed: on a
     /// GPU whose kernels write in place (not under Burn's fusion), with every layer writing
@@ -135,7 +147,7 @@ impl Gemma3Model {
         kv: &mut dyn KvLayers,
         start: usize,
         t: usize,
-    ) -> Option<Vec<(usize, (usize, u64), (usize, u64))>> {
+    ) -> Option<Vec<CacheBuffers>> {
         let mut slots = Vec::with_capacity(self.layers.len());
         let mut like: Option<Tensor<3>> = None;
         for (i, layer) in self.layers.iter().enumerate() {
@@ -146,7 +158,11 @@ impl Gemma3Model {
             };
             let place = kv.in_place(i, start, l)?;
             let (k, v) = (gpu::buffer_of(&place.k)?, gpu::buffer_of(&place.v)?);
-            slots.push((place.k.dims()[1], k, v));
+            slots.push(CacheBuffers {
+                slots: place.k.dims()[1],
+                k,
+                v,
+            });
         }
         Some(slots)
     }

@@ -9,4 +9,5 @@ pub mod moe;
 pub mod per_layer;
 
 pub use attention::AttentionCapture;
+pub use device::CacheBuffers;
 pub use model::{ForwardOutput, ForwardRequest, Gemma3Model, Logits};

@@ -6,7 +6,7 @@ use std::time::Instant;
 use anyhow::Result;
 use clap::Args;
 use kakeya_runtime::Session;
-use kakeya_runtime::{DecodeReplay, Sampler, Sampling};
+use kakeya_runtime::{Sampler, Sampling};
 use serde::Serialize;
 
 use crate::common::ModelArgs;
@@ -149,16 +149,11 @@ pub fn run(a: BenchArgs) -> Result<()> {
             seqs.push(s);
             next.push(first);
         }
-        // One sequence's steps recorded once and replayed on a GPU (`--no-graph`: issued).
-        let mut replay = (a.batch == 1).then(|| DecodeReplay::new(&model)).flatten();
         let t = Instant::now();
         for _ in 0..a.gen_tokens {
             if a.batch == 1 {
                 let s = &mut seqs[0];
-                next[0] = match replay.as_mut() {
-                    Some(r) => s.step_replayed(next[0], r)?,
-                    None => greedy.pick_scores(&s.step_for(next[0], &greedy)?, s.len()),
-                };
+                next[0] = greedy.pick_scores(&s.step_for(next[0], &greedy)?, s.len());
             } else {
                 let mut refs: Vec<&mut Session<'_>> = seqs.iter_mut().collect();
                 let samplers = vec![&greedy; a.batch];

@@ -7,8 +7,7 @@ use serde::Serialize;
 use crate::error::{Result, RuntimeError};
 use crate::guard::RunawayGuard;
 use crate::kv::{KvBytes, KvMode};
-use crate::replay::DecodeReplay;
-use crate::sampler::{Sampler, Sampling, Scores};
+use crate::sampler::{Sampler, Sampling};
 use crate::session::Session;
 
 /// Generation settings.
@@ -224,11 +223,6 @@ pub fn generate(
     let mut scores = session.prefill_for(prompt, cfg.prefill_chunk, &sampler)?;
     let prefill_secs = t0.elapsed().as_secs_f64();
     let mut sink = TokenSink::new(cfg, on_token);
-    // Greedy steps on a GPU: recorded once, then replayed.
-    let mut replay = match cfg.sampling {
-        Sampling::Greedy => DecodeReplay::new(session.model()),
-        Sampling::Sample { .. } => None,
-    };
     let t1 = Instant::now();
     let mut steps = 0;
     let stop_reason = loop {
@@ -239,15 +233,9 @@ pub fn generate(
         if session.len() >= ctx {
             break StopReason::ContextFull;
         }
-        scores = match replay.as_mut() {
-            Some(r) => Scores::Greedy(session.step_replayed(tok, r)?),
-            None => session.step_for(tok, &sampler)?,
-        };
+        scores = session.step_for(tok, &sampler)?;
         steps += 1;
     };
-    if let Some(r) = &replay {
-        tracing::debug!(?r.stats, "decode steps recorded and replayed");
-    }
     let decode_secs = t1.elapsed().as_secs_f64();
     Ok(finished(
         session,

@@ -7,7 +7,7 @@ pub mod generate;
 pub mod guard;
 pub mod kv;
 pub mod prefix;
-pub mod replay;
+mod replay;
 pub mod sampler;
 pub mod session;
 pub mod spec;
@@ -23,7 +23,7 @@ pub use kv::{
     Restorer, RingCache, SequenceKv,
 };
 pub use prefix::{PrefixCache, PrefixStats};
-pub use replay::{DecodeReplay, ReplayStats};
+pub use replay::ReplayStats;
 pub use sampler::{Sampler, Sampling, Scores};
 pub use session::{KvSetup, Session, Verified};
 pub use spec::{

@@ -15,7 +15,7 @@ use kakeya_models::{
 
 use crate::error::{Result, RuntimeError};
 use crate::kv::{CompactStore, KvBytes, KvPolicy, Restorer, SequenceKv};
-use crate::replay::DecodeReplay;
+use crate::replay::{ReplaySlot, ReplayStats};
 use crate::sampler::{Sampler, Scores};
 
 /// Copies one row of logits `[1, vocab]` to the host.
@@ -109,6 +109,8 @@ pub struct Session<'m> {
     /// plain decode steps between drafts pay no drafter projections.
     backlog: Vec<(usize, Tensor<2>)>,
     len: usize,
+    /// Greedy forwards recorded once and replayed on a GPU (a clone starts with none).
+    replay: ReplaySlot,
 }
 
 /// Most committed positions that wait for their store rows.
@@ -159,6 +161,7 @@ impl<'m> Session<'m> {
             pending: None,
             backlog: Vec::new(),
             len: 0,
+            replay: ReplaySlot::default(),
         })
     }
 
@@ -470,12 +473,21 @@ impl<'m> Session<'m> {
                 req
             })
             .collect();
-        let mut kvs: Vec<&mut dyn KvLayers> = sessions
-            .iter_mut()
-            .map(|s| &mut s.kv as &mut dyn KvLayers)
-            .collect();
-        let mut outs = model.forward_batch(&reqs, &mut kvs)?;
-        drop(kvs);
+        // One sequence's greedy forward: replayed from a recording where the device records.
+        let replayed = match (&mut *sessions, reqs.as_slice()) {
+            ([s], [req]) => s.replay.forward(model, &mut s.kv, req)?,
+            _ => None,
+        };
+        let mut outs = match replayed {
+            Some(out) => vec![out],
+            None => {
+                let mut kvs: Vec<&mut dyn KvLayers> = sessions
+                    .iter_mut()
+                    .map(|s| &mut s.kv as &mut dyn KvLayers)
+                    .collect();
+                model.forward_batch(&reqs, &mut kvs)?
+            }
+        };
         for ((s, out), tokens) in sessions.iter_mut().zip(&mut outs).zip(chunks) {
             if !targets.is_empty() {
                 let aux = out.hidden.split_off(hidden_after.len());
@@ -499,22 +511,9 @@ impl<'m> Session<'m> {
         Ok(scores(self.forward(&[token], sampler.wants(), &[])?))
     }
 
-    /// One greedy decode step through `replay` (recorded once, then replayed on a GPU): the
-    /// choice [`Self::step_for`] gives with a greedy sampler, bit for bit. A session that
-    /// keeps the drafter's store issues its step as `step_for` does (the store needs the
-    /// step's hidden states on the host's side).
-    pub fn step_replayed(&mut self, token: u32, replay: &mut DecodeReplay) -> Result<u32> {
-        if self.keeps_store() {
-            let out = self.forward(&[token], Logits::GreedyLast, &[])?;
-            return out
-                .greedy
-                .and_then(|g| g.last().copied())
-                .ok_or_else(|| RuntimeError::Input("a greedy step returned no choice".into()));
-        }
-        self.commit()?;
-        let id = replay.step(self.model, &mut self.kv, token, self.len)?;
-        self.len += 1;
-        Ok(id)
+    /// How this session's greedy forwards ran on a GPU: recorded, replayed, or issued.
+    pub fn replay_stats(&self) -> ReplayStats {
+        self.replay.stats()
     }
 
     /// Whether a [`Self::truncate`] to `len` would succeed with every cache native (a

@@ -17,7 +17,7 @@ use common::{max_diff, tiny_prompt};
 use kakeya_models::testing::{
     drafter_config, random_checkpoint, random_drafter, random_quantized_checkpoint, tiny_config,
 };
-use kakeya_models::{DFlashDrafter, ForwardRequest, Gemma3Model, Logits};
+use kakeya_models::{DFlashDrafter, DraftContext, ForwardRequest, Gemma3Model, Logits};
 use kakeya_runtime::kv::{KvMode, KvPolicy};
 use kakeya_runtime::{
     DFlashProposer, KvCache, KvSetup, Session, SpecConfig, Verifier, generate, speculative_generate,
@@ -43,6 +43,10 @@ fn gpu() -> Device {
         assert_ne!(d, Device::flex(), "the wgpu device, not the CPU");
         d
     }
+}
+
+fn host(t: Tensor<2>) -> Vec<f32> {
+    t.into_data().try_into_vec::<f32>().unwrap()
 }
 
 fn rows(t: Tensor<2>) -> Vec<Vec<f32>> {
@@ -187,7 +191,10 @@ fn speculative_decoding_on_wgpu_equals_plain_decoding() {
         for i in 0..2 {
             let p = tiny_prompt(i, 20 + 15 * i);
             let cfg = kakeya_runtime::GenerationConfig::greedy(40, 16);
-            let want = generate(&mut Session::new(&v, 0), &p, &cfg, &mut |_| {}).unwrap();
+            // Plain decoding issued kernel by kernel; the verify blocks below are replayed.
+            let mut plain = v.clone();
+            plain.record_decode = false;
+            let want = generate(&mut Session::new(&plain, 0), &p, &cfg, &mut |_| {}).unwrap();
             let mut ver = Verifier::new(&v, KvSetup::full(0).drafter(&d), block).unwrap();
             let got = speculative_generate(
                 &mut ver,
@@ -199,6 +206,32 @@ fn speculative_decoding_on_wgpu_equals_plain_decoding() {
             )
             .unwrap();
             assert_eq!(got.tokens, want.tokens, "block {block}, prompt {i}");
+            let st = ver.session().replay_stats();
+            eprintln!("block {block}, prompt {i}: verify forwards {st:?}");
+            assert!(st.replayed > 0, "verify blocks replayed: {st:?}");
+            // The replayed blocks' hidden states fed the drafter's store as the issued
+            // blocks' do: the same rows, bit for bit.
+            let mut issued = Verifier::new(&plain, KvSetup::full(0).drafter(&d), block).unwrap();
+            let again = speculative_generate(
+                &mut issued,
+                &mut DFlashProposer::new(&d),
+                &p,
+                &cfg,
+                SpecConfig::fixed(block),
+                &mut |_| {},
+            )
+            .unwrap();
+            assert_eq!(again.tokens, want.tokens);
+            let rows = |v: &mut Verifier| {
+                let store = v.store_mut().unwrap().expect("the drafter's store");
+                let (k, v) = store.read(0..store.len()).unwrap();
+                (host(k), host(v))
+            };
+            assert_eq!(
+                rows(&mut ver),
+                rows(&mut issued),
+                "store rows, replayed vs issued"
+            );
         }
     }
 }
@@ -252,43 +285,54 @@ fn batched_decoding_on_wgpu_equals_each_sequence_alone() {
 }
 
 /// Greedy decode steps recorded once and replayed give the tokens of the steps issued kernel
-/// by kernel: one recording per cache layout (the full caches doubling past 64 slots, the
-/// sliding layers' rings of window 8 filling), every other step a replay that reads its token
-/// and position from the recorded buffer. The same through `generate`, which replays by default.
+/// by kernel: a shape recorded at its second sighting, one recording per cache layout (the
+/// full caches doubling past 64 slots; the sliding layers' rings of window 8 are full after
+/// the prompt), every other step a replay that reads its token and position from the
+/// recorded buffer.
 #[test]
 fn recorded_decode_steps_equal_the_steps_issued_one_by_one() {
-    use kakeya_runtime::{DecodeReplay, Sampler, Sampling, Scores};
     let mut m = Gemma3Model::from_checkpoint(random_checkpoint(&tiny(), 11), &gpu()).unwrap();
     let p = tiny_prompt(2, 9);
     let n = 100;
     let cfg = kakeya_runtime::GenerationConfig::greedy(n, 512);
     m.record_decode = false;
-    assert!(DecodeReplay::new(&m).is_none(), "record_decode off");
-    let issued = generate(&mut Session::new(&m, 0), &p, &cfg, &mut |_| {}).unwrap();
-    m.record_decode = true;
-    let mut replay = DecodeReplay::new(&m).expect("the device takes recorded steps");
     let mut s = Session::new(&m, 0);
-    let Scores::Greedy(first) = s
-        .prefill_for(&p, 512, &Sampler::new(Sampling::Greedy))
-        .unwrap()
-    else {
-        panic!("a greedy sampler gets greedy choices");
+    let issued = generate(&mut s, &p, &cfg, &mut |_| {}).unwrap();
+    assert_eq!(s.replay_stats(), Default::default(), "record_decode off");
+    m.record_decode = true;
+    let mut s = Session::new(&m, 0);
+    let replayed = generate(&mut s, &p, &cfg, &mut |_| {}).unwrap();
+    let st = s.replay_stats();
+    eprintln!("{st:?}");
+    assert_eq!(replayed.tokens, issued.tokens, "replayed vs issued");
+    // The prompt's one chunk and the first step are first sightings; the steps from 64 on
+    // take a new layout.
+    assert_eq!(st.declined, 2, "{st:?}");
+    assert_eq!(st.recorded, 2, "{st:?}");
+    assert_eq!(st.recorded + st.replayed + st.declined, n, "{st:?}");
+    // With the drafter's store kept, each step also returns the target layers' rows, which
+    // wait in the session (up to 64 positions) before they become store rows: a replay must
+    // hand out copies, not the recording's buffers that the next replay overwrites.
+    let d = DFlashDrafter::from_checkpoint(random_drafter(&drafter_config(&m.config, 2, 4), 5), &m)
+        .unwrap();
+    let store_rows = |model: &Gemma3Model| {
+        let mut s = Session::with_kv(model, KvSetup::full(0).drafter(&d)).unwrap();
+        let g = generate(&mut s, &p, &cfg, &mut |_| {}).unwrap();
+        let st = s.replay_stats();
+        let store = s.store_mut().unwrap().expect("the drafter's store");
+        let (k, v) = store.read(0..store.len()).unwrap();
+        (g.tokens, host(k), host(v), st)
     };
-    let mut toks = vec![first];
-    while toks.len() < n {
-        let last = *toks.last().unwrap();
-        toks.push(s.step_replayed(last, &mut replay).unwrap());
-    }
-    eprintln!("{:?}", replay.stats);
-    assert_eq!(toks, issued.tokens, "replayed vs issued");
-    let st = replay.stats;
-    assert_eq!(st.issued, 0, "every step recorded or replayed");
+    let with_store = store_rows(&m);
+    m.record_decode = false;
+    let issued_store = store_rows(&m);
+    eprintln!("with the store: {:?}", with_store.3);
+    assert!(with_store.3.replayed > 0, "{:?}", with_store.3);
+    assert_eq!(with_store.0, issued.tokens, "tokens with the store");
     assert!(
-        (2..=4).contains(&st.recorded) && st.recorded + st.replayed == n - 1,
-        "a recording per layout, the rest replayed: {st:?}"
+        with_store.1 == issued_store.1 && with_store.2 == issued_store.2,
+        "store rows"
     );
-    let again = generate(&mut Session::new(&m, 0), &p, &cfg, &mut |_| {}).unwrap();
-    assert_eq!(again.tokens, issued.tokens, "generate with replays");
 }
 
 /// `KAKEYA_DECODE_STEPS` greedy tokens from a prompt of 8 on the device: `scripts/kernel_count.sh`

@@ -8,7 +8,7 @@ use std::sync::{Mutex, MutexGuard};
 use burn::tensor::{Device, Tensor};
 use kakeya_weights::AttentionKind;
 
-use super::model::{ForwardRequest, Gemma3Model};
+use super::model::{ForwardRequest, Gemma3Model, Logits};
 use crate::cache::KvLayers;
 use crate::error::{ModelError, Result};
 use crate::gpu::{self, StepInputs};
@@ -117,23 +117,45 @@ impl Gemma3Model {
         held
     }
 
-    /// One greedy decode step whose token ids and positions are read from `inputs` (the
-    /// buffer a recording reads) and whose choices stay on the device: the form of
-    /// [`Self::forward_batch`] with [`super::Logits::GreedyAll`] that a recording can hold
-    /// (nothing read back inside it). `inputs` must hold `reqs`' tokens and positions.
+    /// One sequence's greedy forward (a decode step, a verify block) whose token ids and
+    /// positions are read from `inputs` (the buffer a recording reads) and whose choices
+    /// stay on the device: the form of [`Self::forward`] with [`Logits::GreedyLast`] or
+    /// [`Logits::GreedyAll`] that a recording can hold (nothing read back inside it).
+    /// `inputs` must hold `req`'s tokens and positions. Returns the ids (the last row's for
+    /// `GreedyLast`) and the rows after each of `req.hidden_after`.
     ///
     /// # Shapes
-    /// - `reqs`: one chunk per sequence, `R` rows in all → `[R]` ids as f32, on the device
+    /// - `req.tokens`: `T` ids → `[T or 1]` ids as f32 on the device, hidden `[T, hidden]` each
     pub fn greedy_on_device(
         &self,
-        reqs: &[ForwardRequest<'_>],
-        kvs: &mut [&mut dyn KvLayers],
+        req: &ForwardRequest<'_>,
+        kv: &mut dyn KvLayers,
         inputs: &StepInputs,
-    ) -> Result<Tensor<1>> {
-        let pass = self.pass(reqs, kvs, Some(inputs))?;
-        let logits = self.logits(pass.x);
-        gpu::argmax_on_device(&logits)
-            .ok_or_else(|| ModelError::Input("greedy_on_device needs a GPU".into()))
+    ) -> Result<(Tensor<1>, Vec<Tensor<2>>)> {
+        let last_only = match req.logits {
+            Logits::GreedyLast => true,
+            Logits::GreedyAll => false,
+            other => {
+                return Err(ModelError::Input(format!(
+                    "greedy_on_device returns greedy choices, not {other:?}"
+                )));
+            }
+        };
+        let pass = self.pass(std::slice::from_ref(req), &mut [kv], Some(inputs))?;
+        let [t, h] = pass.x.dims();
+        let rows = if last_only {
+            pass.x.clone().slice([t - 1..t, 0..h])
+        } else {
+            pass.x.clone()
+        };
+        let ids = gpu::argmax_on_device(&self.logits(rows))
+            .ok_or_else(|| ModelError::Input("greedy_on_device needs a GPU".into()))?;
+        let hidden = pass
+            .hidden
+            .into_iter()
+            .map(|t| t.ok_or_else(|| ModelError::Input("a requested layer did not run".into())))
+            .collect::<Result<Vec<_>>>()?;
+        Ok((ids, hidden))
     }
 
     /// The host's side of a replayed step of `t` rows at `start`: each layer's cache takes

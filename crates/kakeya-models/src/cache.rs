@@ -233,6 +233,10 @@ pub trait KvLayers: Send {
         let _ = (layer, start, like);
         None
     }
+
+    /// Every layer's [`LayerCache::truncate`]: positions `>= len` forgotten (a recorded
+    /// forward puts its caches back before each run: `crate::gemma3::replay`).
+    fn truncate(&mut self, len: usize) -> Result<()>;
 }
 
 impl<C: LayerCache> KvLayers for [C] {
@@ -257,6 +261,10 @@ impl<C: LayerCache> KvLayers for [C] {
     fn in_place(&mut self, layer: usize, start: usize, like: &Tensor<3>) -> Option<InPlace> {
         self.get_mut(layer)?.in_place(start, like)
     }
+
+    fn truncate(&mut self, len: usize) -> Result<()> {
+        self.iter_mut().try_for_each(|c| c.truncate(len))
+    }
 }
 
 impl<C: LayerCache> KvLayers for Vec<C> {
@@ -280,6 +288,10 @@ impl<C: LayerCache> KvLayers for Vec<C> {
 
     fn in_place(&mut self, layer: usize, start: usize, like: &Tensor<3>) -> Option<InPlace> {
         self.as_mut_slice().in_place(layer, start, like)
+    }
+
+    fn truncate(&mut self, len: usize) -> Result<()> {
+        self.as_mut_slice().truncate(len)
     }
 }
 

@@ -7,7 +7,6 @@ pub mod generate;
 pub mod guard;
 pub mod kv;
 pub mod prefix;
-mod replay;
 pub mod sampler;
 pub mod session;
 pub mod spec;
@@ -23,7 +22,6 @@ pub use kv::{
     Restorer, RingCache, SequenceKv,
 };
 pub use prefix::{PrefixCache, PrefixStats};
-pub use replay::ReplayStats;
 pub use sampler::{Sampler, Sampling, Scores};
 pub use session::{KvSetup, Session, Verified};
 pub use spec::{

@@ -15,7 +15,6 @@ use kakeya_models::{
 
 use crate::error::{Result, RuntimeError};
 use crate::kv::{CompactStore, KvBytes, KvPolicy, Restorer, SequenceKv};
-use crate::replay::{ReplaySlot, ReplayStats};
 use crate::sampler::{Sampler, Scores};
 
 /// Copies one row of logits `[1, vocab]` to the host.
@@ -109,8 +108,6 @@ pub struct Session<'m> {
     /// plain decode steps between drafts pay no drafter projections.
     backlog: Vec<(usize, Tensor<2>)>,
     len: usize,
-    /// Greedy forwards recorded once and replayed on a GPU (a clone starts with none).
-    replay: ReplaySlot,
 }
 
 /// Most committed positions that wait for their store rows.
@@ -161,7 +158,6 @@ impl<'m> Session<'m> {
             pending: None,
             backlog: Vec::new(),
             len: 0,
-            replay: ReplaySlot::default(),
         })
     }
 
@@ -473,21 +469,12 @@ impl<'m> Session<'m> {
                 req
             })
             .collect();
-        // One sequence's greedy forward: replayed from a recording where the device records.
-        let replayed = match (&mut *sessions, reqs.as_slice()) {
-            ([s], [req]) => s.replay.forward(model, &mut s.kv, req)?,
-            _ => None,
-        };
-        let mut outs = match replayed {
-            Some(out) => vec![out],
-            None => {
-                let mut kvs: Vec<&mut dyn KvLayers> = sessions
-                    .iter_mut()
-                    .map(|s| &mut s.kv as &mut dyn KvLayers)
-                    .collect();
-                model.forward_batch(&reqs, &mut kvs)?
-            }
-        };
+        let mut kvs: Vec<&mut dyn KvLayers> = sessions
+            .iter_mut()
+            .map(|s| &mut s.kv as &mut dyn KvLayers)
+            .collect();
+        let mut outs = model.forward_batch(&reqs, &mut kvs)?;
+        drop(kvs);
         for ((s, out), tokens) in sessions.iter_mut().zip(&mut outs).zip(chunks) {
             if !targets.is_empty() {
                 let aux = out.hidden.split_off(hidden_after.len());
@@ -509,11 +496,6 @@ impl<'m> Session<'m> {
     /// Runs one token; returns what `sampler` picks the next token from.
     pub fn step_for(&mut self, token: u32, sampler: &Sampler) -> Result<Scores> {
         Ok(scores(self.forward(&[token], sampler.wants(), &[])?))
-    }
-
-    /// How this session's greedy forwards ran on a GPU: recorded, replayed, or issued.
-    pub fn replay_stats(&self) -> ReplayStats {
-        self.replay.stats()
     }
 
     /// Whether a [`Self::truncate`] to `len` would succeed with every cache native (a

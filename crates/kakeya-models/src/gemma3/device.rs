@@ -8,7 +8,7 @@ use std::sync::{Mutex, MutexGuard};
 use burn::tensor::{Device, Tensor};
 use kakeya_weights::AttentionKind;
 
-use super::model::{ForwardRequest, Gemma3Model, Logits};
+use super::model::{ForwardRequest, Gemma3Model, Logits, head_input};
 use crate::cache::KvLayers;
 use crate::error::{ModelError, Result};
 use crate::gpu::{self, StepInputs};
@@ -117,38 +117,34 @@ impl Gemma3Model {
         held
     }
 
-    /// One sequence's greedy forward (a decode step, a verify block) whose token ids and
-    /// positions are read from `inputs` (the buffer a recording reads) and whose choices
-    /// stay on the device: the form of [`Self::forward`] with [`Logits::GreedyLast`] or
-    /// [`Logits::GreedyAll`] that a recording can hold (nothing read back inside it).
-    /// `inputs` must hold `req`'s tokens and positions. Returns the ids (the last row's for
-    /// `GreedyLast`) and the rows after each of `req.hidden_after`.
+    /// A greedy forward (decode steps, verify blocks: every request asks for
+    /// [`Logits::GreedyLast`] or [`Logits::GreedyAll`]) whose token ids and positions are read
+    /// from `inputs` (the buffer a recording reads) and whose choices stay on the device: the
+    /// form of [`Self::forward_batch`] that a recording can hold (nothing read back inside
+    /// it). `inputs` must hold the requests' stacked tokens and positions. Returns the ids of
+    /// every wanted row in request order and the stacked rows after each of `hidden_after`.
     ///
     /// # Shapes
-    /// - `req.tokens`: `T` ids → `[T or 1]` ids as f32 on the device, hidden `[T, hidden]` each
-    pub fn greedy_on_device(
+    /// - `R` stacked rows → `[wanted rows]` ids as f32 on the device, hidden `[R, hidden]` each
+    pub(super) fn greedy_on_device(
         &self,
-        req: &ForwardRequest<'_>,
-        kv: &mut dyn KvLayers,
+        reqs: &[ForwardRequest<'_>],
+        kvs: &mut [&mut dyn KvLayers],
         inputs: &StepInputs,
     ) -> Result<(Tensor<1>, Vec<Tensor<2>>)> {
-        let last_only = match req.logits {
-            Logits::GreedyLast => true,
-            Logits::GreedyAll => false,
-            other => {
-                return Err(ModelError::Input(format!(
-                    "greedy_on_device returns greedy choices, not {other:?}"
-                )));
-            }
-        };
-        let pass = self.pass(std::slice::from_ref(req), &mut [kv], Some(inputs))?;
-        let [t, h] = pass.x.dims();
-        let rows = if last_only {
-            pass.x.clone().slice([t - 1..t, 0..h])
-        } else {
-            pass.x.clone()
-        };
-        let ids = gpu::argmax_on_device(&self.logits(rows))
+        if let Some(r) = reqs
+            .iter()
+            .find(|r| !matches!(r.logits, Logits::GreedyLast | Logits::GreedyAll))
+        {
+            return Err(ModelError::Input(format!(
+                "greedy_on_device returns greedy choices, not {:?}",
+                r.logits
+            )));
+        }
+        let pass = self.pass(reqs, kvs, Some(inputs))?;
+        let (head_in, _) = head_input(reqs, &pass.spans, &pass.x);
+        let head_in = head_in.ok_or_else(|| ModelError::Input("no row wanted".into()))?;
+        let ids = gpu::argmax_on_device(&self.logits(head_in))
             .ok_or_else(|| ModelError::Input("greedy_on_device needs a GPU".into()))?;
         let hidden = pass
             .hidden

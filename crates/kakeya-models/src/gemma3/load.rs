@@ -224,6 +224,7 @@ impl Gemma3Model {
             device: device.clone(),
             device_ropes: Default::default(),
             record_decode: true,
+            replayer: Default::default(),
         })
     }
 }

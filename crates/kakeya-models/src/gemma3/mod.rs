@@ -7,7 +7,9 @@ mod load;
 pub mod model;
 pub mod moe;
 pub mod per_layer;
+mod replay;
 
 pub use attention::AttentionCapture;
 pub use device::CacheBuffers;
 pub use model::{ForwardOutput, ForwardRequest, Gemma3Model, Logits};
+pub use replay::ReplayStats;

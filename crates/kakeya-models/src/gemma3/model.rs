@@ -7,6 +7,7 @@ use super::attention::{Attention, AttentionCapture, SharedKv, Span};
 use super::device::DeviceRopes;
 use super::moe::Moe;
 use super::per_layer::{PerLayerEmbed, PerLayerGate};
+use super::replay::Replayer;
 use crate::cache::{CacheSpec, KvLayers};
 use crate::error::{ModelError, Result};
 use crate::gpu::StepInputs;
@@ -118,6 +119,40 @@ fn argmax_rows(logits: Tensor<2>) -> Vec<u32> {
     host.chunks_exact(v)
         .map(|row| kakeya_weights::argmax::first_max(row).unwrap_or(0) as u32)
         .collect()
+}
+
+/// The rows each request wants through the head (its `logits` rows of its span), stacked,
+/// and how many each gave: the stacked rows as they are when every row is wanted (decode
+/// steps, verify blocks).
+///
+/// # Shapes
+/// - `x`: `[R, hidden]` → `[Σ counts, hidden]` (`None`: no row wanted)
+pub(super) fn head_input(
+    reqs: &[ForwardRequest<'_>],
+    spans: &[Span],
+    x: &Tensor<2>,
+) -> (Option<Tensor<2>>, Vec<usize>) {
+    let h = x.dims()[1];
+    let mut wanted: Vec<Tensor<2>> = Vec::new();
+    let mut counts = Vec::with_capacity(reqs.len());
+    let mut every_row = true;
+    for (req, span) in reqs.iter().zip(spans) {
+        let r = req.logits.rows(&span.rows);
+        counts.push(r.len());
+        every_row &= r == span.rows;
+        if !r.is_empty() {
+            wanted.push(x.clone().slice([r, 0..h]));
+        }
+    }
+    if every_row && wanted.len() > 1 {
+        wanted = vec![x.clone()];
+    }
+    let head_in = match wanted.len() {
+        0 => None,
+        1 => wanted.pop(),
+        _ => Some(Tensor::cat(wanted, 0)),
+    };
+    (head_in, counts)
 }
 
 /// What the decoder layers of a forward leave ([`Gemma3Model::pass`]).
@@ -249,9 +284,11 @@ pub struct Gemma3Model {
     pub(super) device: Device,
     /// RoPE tables on the device, gathered from by GPU forwards.
     pub(super) device_ropes: DeviceRopes,
-    /// On a GPU, greedy decode steps are recorded once and replayed
-    /// ([`Self::replays_decode`]); false: issued launch by launch (the CLI's `--no-graph`).
+    /// On a GPU, greedy forwards are recorded once and replayed ([`Self::replays_decode`]);
+    /// false: issued launch by launch (the CLI's `--no-graph`).
     pub record_decode: bool,
+    /// The recorded forwards.
+    pub(super) replayer: Replayer,
 }
 
 impl Gemma3Model {
@@ -418,41 +455,25 @@ impl Gemma3Model {
         if reqs.is_empty() {
             return Ok(Vec::new());
         }
+        // On a GPU, a greedy forward recorded before replays in one dispatch.
+        if let Some(outs) = self.replayed(reqs, kvs)? {
+            return Ok(outs);
+        }
         let Pass {
             x,
             spans,
             hidden,
             attention,
         } = self.pass(reqs, kvs, None)?;
-        let c = &self.config;
-        let h = c.hidden_size;
+        let h = self.config.hidden_size;
         let rows = |t: &Tensor<2>, r: &std::ops::Range<usize>| t.clone().slice([r.clone(), 0..h]);
         // Every request's wanted rows through the head in one call: greedy choices only when
         // no request wants logits, else logits (searched on the host for greedy requests).
-        let mut wanted: Vec<Tensor<2>> = Vec::new();
-        let mut counts = Vec::with_capacity(reqs.len());
-        // Every row wanted (decode steps, verify blocks): the stacked rows as they are.
-        let mut every_row = true;
-        for (req, span) in reqs.iter().zip(&spans) {
-            let r = req.logits.rows(&span.rows);
-            counts.push(r.len());
-            every_row &= r == span.rows;
-            if !r.is_empty() {
-                wanted.push(rows(&x, &r));
-            }
-        }
-        if every_row && wanted.len() > 1 {
-            wanted = vec![x.clone()];
-        }
+        let (head_in, counts) = head_input(reqs, &spans, &x);
         let total: usize = counts.iter().sum();
         let only_greedy = reqs
             .iter()
             .all(|r| r.logits == Logits::None || r.logits.greedy());
-        let head_in = match wanted.len() {
-            0 => None,
-            1 => wanted.pop(),
-            _ => Some(Tensor::cat(wanted, 0)),
-        };
         let (logits, greedy) = match head_in {
             None => (None, None),
             Some(h) if only_greedy => (None, Some(self.greedy(h))),
@@ -504,26 +525,8 @@ impl Gemma3Model {
         kvs: &mut [&mut dyn KvLayers],
         given: Option<&StepInputs>,
     ) -> Result<Pass> {
-        let Some(first) = reqs.first() else {
-            return Err(ModelError::Input("a forward of no requests".into()));
-        };
-        if kvs.len() != reqs.len() {
-            return Err(ModelError::Input(format!(
-                "{} cache sets for {} requests",
-                kvs.len(),
-                reqs.len()
-            )));
-        }
-        for (req, kv) in reqs.iter().zip(kvs.iter()) {
-            self.check_request(req, &**kv)?;
-            if req.hidden_after != first.hidden_after
-                || req.capture_attention != first.capture_attention
-            {
-                return Err(ModelError::Input(
-                    "requests of one batch must ask for the same hidden states and captures".into(),
-                ));
-            }
-        }
+        self.check_batch(reqs, kvs)?;
+        let first = &reqs[0];
         let mut tokens = Vec::new();
         let mut positions = Vec::new();
         let mut spans = Vec::with_capacity(reqs.len());
@@ -585,6 +588,36 @@ impl Gemma3Model {
             hidden,
             attention,
         })
+    }
+
+    /// Refuses a batch the model cannot run: no requests, a cache set per request, each
+    /// request runnable ([`Self::check_request`]), one set of hidden states and captures.
+    pub(super) fn check_batch(
+        &self,
+        reqs: &[ForwardRequest<'_>],
+        kvs: &[&mut dyn KvLayers],
+    ) -> Result<()> {
+        let Some(first) = reqs.first() else {
+            return Err(ModelError::Input("a forward of no requests".into()));
+        };
+        if kvs.len() != reqs.len() {
+            return Err(ModelError::Input(format!(
+                "{} cache sets for {} requests",
+                kvs.len(),
+                reqs.len()
+            )));
+        }
+        for (req, kv) in reqs.iter().zip(kvs.iter()) {
+            self.check_request(req, &**kv)?;
+            if req.hidden_after != first.hidden_after
+                || req.capture_attention != first.capture_attention
+            {
+                return Err(ModelError::Input(
+                    "requests of one batch must ask for the same hidden states and captures".into(),
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// Refuses a request the model or its caches cannot run.

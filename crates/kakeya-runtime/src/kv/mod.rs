@@ -283,6 +283,10 @@ impl KvLayers for SequenceKv<'_> {
         }
     }
 
+    fn truncate(&mut self, len: usize) -> kakeya_models::Result<()> {
+        SequenceKv::truncate(self, len)
+    }
+
     fn deferred(
         &mut self,
         layer: usize,

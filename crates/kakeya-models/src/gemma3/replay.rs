@@ -1,0 +1,280 @@
+//! Greedy forwards recorded once and replayed on a GPU: decode steps, speculative verify
+//! blocks, and the server's batched steps of several sequences ([`Gemma3Model::forward_batch`]
+//! takes this path by itself). A decode step of the 270M model issues ~185 kernel launches,
+//! and on an H100 it was bound by issuing them (6.5–7.6 ms a step, far more than its kernels:
+//! `docs/gpu.md`). Recorded, a forward is one replay (a CUDA graph) plus one small upload and
+//! one copy.
+//!
+//! What a replay must find where the recording left it: the token ids and positions in one
+//! device buffer ([`StepInputs`], rewritten before each replay), which the recorded kernels
+//! read (the embedding and RoPE rows gathered there, the attention's first positions); the
+//! caches' buffers, written in place by the recorded attention while the host only advances
+//! their lengths ([`Gemma3Model::advance_in_place`]); the device RoPE tables; and the greedy
+//! ids and requested hidden states, left on the device until the replay ran. A recording is
+//! keyed by each request's rows and wanted rows, the caches' allocations (CubeCL never reuses
+//! an id), and the tables' sizes: a full cache doubling, a ring filling, a fork's copy on
+//! write, another set of sequences, or a table growing records anew. A forward the caches
+//! cannot take in place (the bounded modes' tiers) is issued launch by launch. A key is
+//! recorded the second time it is seen (recording costs four runs of the forward: a one-off
+//! prompt chunk or a set of sequences that lasts one step is not worth it).
+
+use std::sync::{Mutex, MutexGuard};
+
+use burn::tensor::Tensor;
+
+use super::device::CacheBuffers;
+use super::model::{ForwardOutput, ForwardRequest, Gemma3Model, Logits};
+use crate::cache::KvLayers;
+use crate::error::{ModelError, Result};
+use crate::gpu::{self, DeviceGraph, GPU_ROWS_MAX, StepInputs};
+
+/// Most recordings kept (the oldest goes first).
+const RECORDINGS_MAX: usize = 16;
+/// Most keys remembered as seen once.
+const SEEN_MAX: usize = 32;
+
+/// What a forward must match to replay a recording.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Key {
+    /// Per request: its rows and whether only the last is wanted.
+    rows: Vec<(usize, bool)>,
+    hidden_after: Vec<usize>,
+    /// Per request, each layer cache's slots and buffers.
+    caches: Vec<Vec<CacheBuffers>>,
+    /// The device RoPE tables' positions.
+    rope: [usize; 2],
+}
+
+/// One recorded forward, the buffer it reads its ids and positions from, and its outputs.
+struct Recorded {
+    key: Key,
+    graph: DeviceGraph,
+    inputs: StepInputs,
+    ids: Tensor<1>,
+    hidden: Vec<Tensor<2>>,
+}
+
+/// How a model's greedy forwards ran on a GPU.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct ReplayStats {
+    /// Forwards recorded (each also ran).
+    pub recorded: usize,
+    /// Forwards replayed from a recording.
+    pub replayed: usize,
+    /// Forwards issued launch by launch though they could be recorded: first sightings,
+    /// caches that are not plain buffers.
+    pub declined: usize,
+}
+
+#[derive(Default)]
+struct State {
+    recorded: Vec<Recorded>,
+    seen: Vec<Key>,
+    /// The device recorded nothing: issue from now on.
+    off: bool,
+    stats: ReplayStats,
+}
+
+/// A model's recorded forwards. A clone of the model starts with none.
+#[derive(Default)]
+pub(crate) struct Replayer(Mutex<State>);
+
+impl Clone for Replayer {
+    fn clone(&self) -> Self {
+        Self::default()
+    }
+}
+
+impl std::fmt::Debug for Replayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = self.lock();
+        f.debug_struct("Replayer")
+            .field("recordings", &s.recorded.len())
+            .field("off", &s.off)
+            .field("stats", &s.stats)
+            .finish()
+    }
+}
+
+impl Replayer {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+impl Gemma3Model {
+    /// How this model's greedy forwards ran on a GPU so far.
+    pub fn replay_stats(&self) -> ReplayStats {
+        self.replayer.lock().stats
+    }
+
+    /// [`Self::forward_batch`] replayed from a recording, or recorded now; `Ok(None)` where it
+    /// is not (the caller issues it): off a recording device ([`Self::replays_decode`]),
+    /// logits other than the greedy choices, attention captures, more than [`GPU_ROWS_MAX`]
+    /// rows, a key's first sighting, caches that are not plain buffers. The outputs are the
+    /// issued forward's, bit for bit (the same kernels on the same inputs).
+    pub(super) fn replayed(
+        &self,
+        reqs: &[ForwardRequest<'_>],
+        kvs: &mut [&mut dyn KvLayers],
+    ) -> Result<Option<Vec<ForwardOutput>>> {
+        let greedy = reqs
+            .iter()
+            .all(|r| matches!(r.logits, Logits::GreedyLast | Logits::GreedyAll));
+        let total: usize = reqs.iter().map(|r| r.tokens.len()).sum();
+        if !greedy
+            || reqs.iter().any(|r| r.capture_attention)
+            || total > GPU_ROWS_MAX
+            || !self.replays_decode()
+        {
+            return Ok(None);
+        }
+        let mut state = self.replayer.lock();
+        if state.off {
+            return Ok(None);
+        }
+        self.check_batch(reqs, kvs)?;
+        let reach = reqs.iter().map(|r| r.start + r.tokens.len()).max();
+        let rope = self.ensure_device_rope(reach.unwrap_or(0));
+        let mut caches = Vec::with_capacity(reqs.len());
+        for (i, (req, kv)) in reqs.iter().zip(kvs.iter_mut()).enumerate() {
+            match self.advance_in_place(&mut **kv, req.start, req.tokens.len()) {
+                Some(c) => caches.push(c),
+                None => {
+                    // Not plain buffers (a bounded mode's tiers): put back what advanced.
+                    for (r, kv) in reqs.iter().zip(kvs.iter_mut()).take(i + 1) {
+                        kv.truncate(r.start)?;
+                    }
+                    state.stats.declined += 1;
+                    return Ok(None);
+                }
+            }
+        }
+        let key = Key {
+            rows: reqs
+                .iter()
+                .map(|r| (r.tokens.len(), r.logits == Logits::GreedyLast))
+                .collect(),
+            hidden_after: reqs[0].hidden_after.to_vec(),
+            caches,
+            rope,
+        };
+        let (tokens, positions): (Vec<u32>, Vec<usize>) = reqs
+            .iter()
+            .flat_map(|r| r.tokens.iter().copied().zip(r.start..))
+            .unzip();
+        let fresh = StepInputs::upload(&tokens, &positions, &self.device);
+        if let Some(r) = state.recorded.iter().find(|r| r.key == key) {
+            gpu::copy_into(&r.inputs.buf, &fresh.buf).expect("replays run on a GPU");
+            replay(&r.graph)?;
+            let out = outputs(reqs, r);
+            state.stats.replayed += 1;
+            return out.map(Some);
+        }
+        let truncate_all = |kvs: &mut [&mut dyn KvLayers]| -> Result<()> {
+            for (r, kv) in reqs.iter().zip(kvs.iter_mut()) {
+                kv.truncate(r.start)?;
+            }
+            Ok(())
+        };
+        truncate_all(kvs)?;
+        if !state.seen.contains(&key) {
+            if state.seen.len() >= SEEN_MAX {
+                state.seen.remove(0);
+            }
+            state.seen.push(key);
+            state.stats.declined += 1;
+            return Ok(None);
+        }
+        state.seen.retain(|k| *k != key);
+        if state.recorded.len() >= RECORDINGS_MAX {
+            state.recorded.remove(0);
+        }
+        // Recorded: the caches back at their starts before each run of the forward.
+        let inputs = fresh;
+        let (graph, (ids, hidden)) = DeviceGraph::record(&self.device, || {
+            truncate_all(kvs)?;
+            self.greedy_on_device(reqs, kvs, &inputs)
+        })?;
+        let r = Recorded {
+            key,
+            graph: match graph {
+                Some(g) => g,
+                None => {
+                    // The device ran the last run instead of recording it: its outputs are
+                    // real, and this device records nothing.
+                    state.off = true;
+                    state.stats.declined += 1;
+                    return unrecorded(reqs, &ids, &hidden).map(Some);
+                }
+            },
+            inputs,
+            ids,
+            hidden,
+        };
+        // The recorded run's launches were only recorded: run them.
+        replay(&r.graph)?;
+        state.stats.recorded += 1;
+        let out = outputs(reqs, &r);
+        state.recorded.push(r);
+        out.map(Some)
+    }
+}
+
+/// Each request's output of a replayed forward: its greedy ids read back, its rows of each
+/// hidden state copied out of the recording's buffers (the next replay overwrites them).
+fn outputs(reqs: &[ForwardRequest<'_>], r: &Recorded) -> Result<Vec<ForwardOutput>> {
+    unrecorded(reqs, &r.ids, &r.hidden)
+}
+
+/// Each request's output from the forward's `ids` (every wanted row, in request order) and
+/// stacked `hidden` states, copied (a recording holds these buffers).
+fn unrecorded(
+    reqs: &[ForwardRequest<'_>],
+    ids: &Tensor<1>,
+    hidden: &[Tensor<2>],
+) -> Result<Vec<ForwardOutput>> {
+    let all = ids
+        .clone()
+        .into_data()
+        .try_into_vec::<f32>()
+        .map_err(|e| ModelError::Input(format!("greedy ids: {e:?}")))?;
+    let mut outs = Vec::with_capacity(reqs.len());
+    let (mut id_at, mut row_at) = (0, 0);
+    for req in reqs {
+        let t = req.tokens.len();
+        let n = if req.logits == Logits::GreedyLast {
+            1
+        } else {
+            t
+        };
+        let greedy = all[id_at..id_at + n].iter().map(|&i| i as u32).collect();
+        let rows = |h: &Tensor<2>| {
+            let w = h.dims()[1];
+            // A slice of the recording's buffer is never its only holder: always a copy.
+            gpu::unique_dense(h.clone().slice([row_at..row_at + t, 0..w]))
+        };
+        outs.push(ForwardOutput {
+            logits: None,
+            greedy: Some(greedy),
+            hidden: hidden.iter().map(rows).collect(),
+            attention: Vec::new(),
+        });
+        id_at += n;
+        row_at += t;
+    }
+    Ok(outs)
+}
+
+/// Replays `graph`. Its buffers are alive: the weights and RoPE tables the model holds, the
+/// inputs and outputs the recording holds, the caches' buffers their sequences hold (a
+/// reallocated one changes the key, which records anew; a recording whose caches were freed
+/// is never matched again); nothing else runs on the device's stream meanwhile (the caller's
+/// thread issues every call, under the replayer's lock).
+fn replay(graph: &DeviceGraph) -> Result<()> {
+    #[allow(unsafe_code)] // see the function's doc
+    // SAFETY: as documented above.
+    unsafe { graph.replay() }.map_err(|e| ModelError::Input(format!("forward replay: {e}")))
+}

@@ -691,8 +691,13 @@ fn step_inputs_gather_the_embeddings_and_rope_rows_of_the_host_path() {
         burn::tensor::TensorData::new(idx, [ids.len()]),
         &d,
     );
-    let want = table.clone().select(0, idx).mul_scalar(scale);
+    let want = table.clone().select(0, idx.clone()).mul_scalar(scale);
     assert_eq!(host(got), host(want), "embeddings");
+    // A strided view (the tied embedding as a view of a transposed weight) is read in place.
+    let view = tensor::<2>(values(vocab * hidden, 52), [hidden, vocab], &d).transpose();
+    let got = inputs.embed(&view, scale).expect("on a GPU");
+    let want = view.select(0, idx).mul_scalar(scale);
+    assert_eq!(host(got), host(want), "embeddings of a strided view");
     for rope in [
         Rope::new(16, 10_000.0, 1.0),
         Rope::proportional(16, 1e6, 0.25),

@@ -28,8 +28,11 @@ use crate::cache::KvLayers;
 use crate::error::{ModelError, Result};
 use crate::gpu::{self, DeviceGraph, GPU_ROWS_MAX, StepInputs};
 
-/// Most recordings kept (the oldest goes first).
+/// Most recordings kept (the least recently used goes first).
 const RECORDINGS_MAX: usize = 16;
+/// Eligible forwards after which an unused recording is dropped: its sequences have most
+/// likely finished, and a recording keeps every buffer it touched reserved.
+const IDLE_MAX: u64 = 64;
 /// Most keys remembered as seen once.
 const SEEN_MAX: usize = 32;
 
@@ -48,6 +51,8 @@ struct Key {
 /// One recorded forward, the buffer it reads its ids and positions from, and its outputs.
 struct Recorded {
     key: Key,
+    /// The eligible forward ([`State::clock`]) that last replayed it.
+    used: u64,
     graph: DeviceGraph,
     inputs: StepInputs,
     ids: Tensor<1>,
@@ -72,6 +77,8 @@ struct State {
     seen: Vec<Key>,
     /// The device recorded nothing: issue from now on.
     off: bool,
+    /// Eligible forwards so far.
+    clock: u64,
     stats: ReplayStats,
 }
 
@@ -135,6 +142,9 @@ impl Gemma3Model {
         if state.off {
             return Ok(None);
         }
+        state.clock += 1;
+        let now = state.clock;
+        state.recorded.retain(|r| now - r.used <= IDLE_MAX);
         self.check_batch(reqs, kvs)?;
         let reach = reqs.iter().map(|r| r.start + r.tokens.len()).max();
         let rope = self.ensure_device_rope(reach.unwrap_or(0));
@@ -166,7 +176,8 @@ impl Gemma3Model {
             .flat_map(|r| r.tokens.iter().copied().zip(r.start..))
             .unzip();
         let fresh = StepInputs::upload(&tokens, &positions, &self.device);
-        if let Some(r) = state.recorded.iter().find(|r| r.key == key) {
+        if let Some(r) = state.recorded.iter_mut().find(|r| r.key == key) {
+            r.used = now;
             gpu::copy_into(&r.inputs.buf, &fresh.buf).expect("replays run on a GPU");
             replay(&r.graph)?;
             let out = outputs(reqs, r);
@@ -189,8 +200,10 @@ impl Gemma3Model {
             return Ok(None);
         }
         state.seen.retain(|k| *k != key);
-        if state.recorded.len() >= RECORDINGS_MAX {
-            state.recorded.remove(0);
+        if state.recorded.len() >= RECORDINGS_MAX
+            && let Some(oldest) = (0..state.recorded.len()).min_by_key(|&i| state.recorded[i].used)
+        {
+            state.recorded.remove(oldest);
         }
         // Recorded: the caches back at their starts before each run of the forward.
         let inputs = fresh;
@@ -200,6 +213,7 @@ impl Gemma3Model {
         })?;
         let r = Recorded {
             key,
+            used: now,
             graph: match graph {
                 Some(g) => g,
                 None => {

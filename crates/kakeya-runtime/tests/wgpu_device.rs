@@ -395,11 +395,18 @@ fn batched_decode_steps_for_the_kernel_count() {
     // The 270M model's attention shape: one KV head, a window no sequence here fills.
     let mut c = tiny_config(64);
     c.num_key_value_heads = 1;
-    let m = Gemma3Model::from_checkpoint(random_checkpoint(&c, 11), &gpu()).unwrap();
+    let mut m = Gemma3Model::from_checkpoint(random_checkpoint(&c, 11), &gpu()).unwrap();
+    // KAKEYA_DECODE_GRAPH=0: every step issued kernel by kernel, not replayed.
+    m.record_decode = std::env::var("KAKEYA_DECODE_GRAPH").as_deref() != Ok("0");
     let prompts: Vec<Vec<u32>> = (0..seqs).map(|i| tiny_prompt(i, 8)).collect();
     let prompts: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
     let mut sessions: Vec<Session> = (0..seqs).map(|_| Session::new(&m, 0)).collect();
     let cfg = kakeya_runtime::GenerationConfig::greedy(steps, 512);
     let gens = kakeya_runtime::generate_batch(&mut sessions, &prompts, &cfg).unwrap();
     assert!(gens.iter().all(|g| g.tokens.len() == steps));
+    eprintln!(
+        "{seqs} sequences × {steps} tokens, record_decode {}: {:.1} tok/s in all",
+        m.record_decode,
+        gens.iter().map(|g| g.stats.decode_tok_s).sum::<f64>()
+    );
 }

@@ -195,18 +195,25 @@ fn speculative_decoding_on_wgpu_equals_plain_decoding() {
             let mut plain = v.clone();
             plain.record_decode = false;
             let want = generate(&mut Session::new(&plain, 0), &p, &cfg, &mut |_| {}).unwrap();
+            // Speculative decoding on `model`: its tokens and the drafter's store rows.
+            let speculate = |model: &Gemma3Model| {
+                let mut ver = Verifier::new(model, KvSetup::full(0).drafter(&d), block).unwrap();
+                let g = speculative_generate(
+                    &mut ver,
+                    &mut DFlashProposer::new(&d),
+                    &p,
+                    &cfg,
+                    SpecConfig::fixed(block),
+                    &mut |_| {},
+                )
+                .unwrap();
+                let store = ver.store_mut().unwrap().expect("the drafter's store");
+                let (k, v) = store.read(0..store.len()).unwrap();
+                (g.tokens, host(k), host(v))
+            };
             let replays_before = v.replay_stats().replayed;
-            let mut ver = Verifier::new(&v, KvSetup::full(0).drafter(&d), block).unwrap();
-            let got = speculative_generate(
-                &mut ver,
-                &mut DFlashProposer::new(&d),
-                &p,
-                &cfg,
-                SpecConfig::fixed(block),
-                &mut |_| {},
-            )
-            .unwrap();
-            assert_eq!(got.tokens, want.tokens, "block {block}, prompt {i}");
+            let got = speculate(&v);
+            assert_eq!(got.0, want.tokens, "block {block}, prompt {i}");
             let st = v.replay_stats();
             eprintln!("block {block}, prompt {i}: forwards so far {st:?}");
             assert!(
@@ -215,25 +222,10 @@ fn speculative_decoding_on_wgpu_equals_plain_decoding() {
             );
             // The replayed blocks' hidden states fed the drafter's store as the issued
             // blocks' do: the same rows, bit for bit.
-            let mut issued = Verifier::new(&plain, KvSetup::full(0).drafter(&d), block).unwrap();
-            let again = speculative_generate(
-                &mut issued,
-                &mut DFlashProposer::new(&d),
-                &p,
-                &cfg,
-                SpecConfig::fixed(block),
-                &mut |_| {},
-            )
-            .unwrap();
-            assert_eq!(again.tokens, want.tokens);
-            let rows = |v: &mut Verifier| {
-                let store = v.store_mut().unwrap().expect("the drafter's store");
-                let (k, v) = store.read(0..store.len()).unwrap();
-                (host(k), host(v))
-            };
-            assert_eq!(
-                rows(&mut ver),
-                rows(&mut issued),
+            let issued = speculate(&plain);
+            assert_eq!(issued.0, want.tokens);
+            assert!(
+                got.1 == issued.1 && got.2 == issued.2,
                 "store rows, replayed vs issued"
             );
         }

@@ -175,8 +175,9 @@ impl Gemma3Model {
             .iter()
             .flat_map(|r| r.tokens.iter().copied().zip(r.start..))
             .unzip();
-        let fresh = StepInputs::upload(&tokens, &positions, &self.device);
+        let upload = || StepInputs::upload(&tokens, &positions, &self.device);
         if let Some(r) = state.recorded.iter_mut().find(|r| r.key == key) {
+            let fresh = upload();
             r.used = now;
             gpu::copy_into(&r.inputs.buf, &fresh.buf).expect("replays run on a GPU");
             replay(&r.graph)?;
@@ -206,7 +207,7 @@ impl Gemma3Model {
             state.recorded.remove(oldest);
         }
         // Recorded: the caches back at their starts before each run of the forward.
-        let inputs = fresh;
+        let inputs = upload();
         let (graph, (ids, hidden)) = DeviceGraph::record(&self.device, || {
             truncate_all(kvs)?;
             self.greedy_on_device(reqs, kvs, &inputs)

@@ -1,7 +1,8 @@
 //! `kakeya serve` on the test device (`KAKEYA_TEST_DEVICE`: the CPU by default;
 //! `scripts/test_wgpu.sh` runs it on wgpu over Mesa's lavapipe, built with `--features
 //! wgpu`): greedy requests alone and two at once, plainly and speculatively, each equal to
-//! `kakeya infer` on the same device.
+//! `kakeya infer` on the same device (issued kernel by kernel there, `--no-graph`, while the
+//! server replays recorded forwards on a GPU).
 
 mod common;
 
@@ -38,6 +39,7 @@ fn the_server_on_the_test_device_answers_what_infer_gives_alone_and_batched() {
                     "--max-tokens",
                     "40",
                     "--no-drafter",
+                    "--no-graph",
                     "--device",
                     &dev,
                 ],
@@ -76,5 +78,14 @@ fn the_server_on_the_test_device_answers_what_infer_gives_alone_and_batched() {
         });
         assert_eq!(together, want, "{extra:?}: together");
         srv.wait_metric("kakeya_running_sequences", 0.0);
+        // On a GPU the server's greedy forwards were replayed (infer's above were issued
+        // kernel by kernel); the CPU records none.
+        let replayed = srv.metric("kakeya_forwards_replayed_total");
+        eprintln!("{extra:?}: {replayed} forwards replayed");
+        assert_eq!(
+            replayed > 0.0,
+            dev != "cpu",
+            "{extra:?}: {replayed} replayed"
+        );
     }
 }

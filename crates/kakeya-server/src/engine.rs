@@ -385,6 +385,7 @@ pub fn run(
         let kv: usize = active.iter().map(|s| s.verifier.kv_bytes().total).sum();
         metrics.state(active.len(), queue.len(), kv);
         metrics.prefix_cache(prefix.stats(), prefix.len(), prefix.bytes());
+        metrics.replays(model.replay_stats());
     }
 }
 

@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::Mutex;
 
+use kakeya_models::gemma3::ReplayStats;
 use kakeya_runtime::PrefixStats;
 
 /// A cumulative histogram with fixed upper bounds.
@@ -74,6 +75,7 @@ struct Inner {
     prefix: PrefixStats,
     prefix_entries: usize,
     prefix_bytes: usize,
+    replays: ReplayStats,
 }
 
 /// The server's counters, shared by the HTTP handlers and the engine.
@@ -104,6 +106,7 @@ impl Default for Metrics {
                 prefix: PrefixStats::default(),
                 prefix_entries: 0,
                 prefix_bytes: 0,
+                replays: ReplayStats::default(),
             }),
         }
     }
@@ -202,6 +205,11 @@ impl Metrics {
         });
     }
 
+    /// How the model's greedy forwards ran on a GPU so far (recorded, replayed, declined).
+    pub fn replays(&self, stats: ReplayStats) {
+        self.with(|m| m.replays = stats);
+    }
+
     /// Sequences running now (tests and the health check).
     pub fn running(&self) -> usize {
         self.with(|m| m.running)
@@ -259,6 +267,21 @@ impl Metrics {
                     "kakeya_prefix_cache_evictions_total",
                     "Finished sequences dropped from the prefix cache to stay within its budget.",
                     m.prefix.evictions,
+                ),
+                (
+                    "kakeya_forwards_recorded_total",
+                    "Greedy forwards recorded for replay on a GPU (a CUDA graph each).",
+                    m.replays.recorded as u64,
+                ),
+                (
+                    "kakeya_forwards_replayed_total",
+                    "Greedy forwards replayed from a recording on a GPU.",
+                    m.replays.replayed as u64,
+                ),
+                (
+                    "kakeya_forwards_replay_declined_total",
+                    "Greedy forwards that could be recorded, issued kernel by kernel instead (first sightings, caches that are not plain buffers).",
+                    m.replays.declined as u64,
                 ),
             ];
             for (name, help, v) in counters {

@@ -65,6 +65,20 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
+def replays(host: str, port: int) -> dict:
+    """The server's counts of greedy forwards recorded, replayed and declined for replay (a
+    GPU replays recorded forwards; the CPU records none), from /metrics."""
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    out = {}
+    for name in ("recorded", "replayed", "replay_declined"):
+        key = f"kakeya_forwards_{name}_total"
+        out[name] = next((float(l.split()[-1]) for l in text.splitlines() if l.startswith(key + " ")), 0.0)
+    return out
+
+
 def one_request(host: str, port: int, i: int, max_tokens: int) -> dict:
     """Streams one completion; returns its timings and token count (or the error)."""
     body = json.dumps({"prompt": prompt(i), "max_tokens": max_tokens, "temperature": 0,
@@ -196,6 +210,8 @@ def main() -> int:
                   f"{fig['tok_s']:.1f} tok/s aggregate, {fig['wall_s']:.1f} s, "
                   f"RSS {fig['rss_bytes'] / 2**20:.1f} MiB", flush=True)
         report["rounds"] = rounds
+        report["replays"] = replays(host, port)
+        print(f"replays: {report['replays']}", flush=True)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -115,7 +115,7 @@ tail -3 $O/hf.log
 # The server on the GPU (issue 17's batching, issue 18's engine on the device).
 step serve 150 $O/serve.log - python3 $X/load_test.py --kakeya $X/kakeya-cuda --server-args "--device $dev" \
     --rounds 1 --json $O/serve.json
-grep -E "medians|round|reference|errors" $O/serve.log
+grep -E "medians|round|reference|errors|replays" $O/serve.log
 # The drafter on the GPU: capture 64 prompts' continuations and hidden states, then train.
 step drafter-capture 60 $O/drafter-capture.log - $X/kakeya-cuda capture --config $X/dcap.toml --device $dev
 tail -1 $O/drafter-capture.log

@@ -443,7 +443,9 @@ impl Gemma3Model {
     /// runs the batch-invariant block kernel (other weights: with at most
     /// [`crate::linear::QUANT_MAX_ROWS`] rows in all), so each sequence's results are bit for
     /// bit those of its own [`Self::forward`]. All requests ask for the same `hidden_after` and
-    /// `capture_attention`.
+    /// `capture_attention`. On a GPU, a greedy forward of at most 16 rows replays a recording
+    /// of the same forward where one exists (`gemma3::replay`; [`Self::replay_stats`]): the
+    /// same kernels on the same inputs, so the same bits.
     ///
     /// # Shapes
     /// - per request as in [`Self::forward`]; `kvs[i]` holds request `i`'s caches

@@ -20,11 +20,11 @@ pub struct DeviceGraph {
 }
 
 impl DeviceGraph {
-    /// Runs `step` [`WARMUPS`] times, then once more while the device records it. Returns the
-    /// recording (`None` where the device records nothing, or the recording failed: the
-    /// caller then issues its steps one by one) and the last run's output. Under a recording
-    /// a run's launches may only be recorded, not executed: replay once before reading what
-    /// the step writes. An error of a run ends the recording and is returned.
+    /// Runs `step` three times (`WARMUPS`), then once more while the device records it.
+    /// Returns the recording (`None` where the device records nothing, or the recording
+    /// failed: the caller then issues its steps one by one) and the last run's output. Under
+    /// a recording a run's launches may only be recorded, not executed: replay once before
+    /// reading what the step writes. An error of a run ends the recording and is returned.
     ///
     /// `step` must do the same work on the same buffers at every run: what it reads from the
     /// host is baked into the recording.

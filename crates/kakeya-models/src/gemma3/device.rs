@@ -8,7 +8,8 @@ use std::sync::{Mutex, MutexGuard};
 use burn::tensor::{Device, Tensor};
 use kakeya_weights::AttentionKind;
 
-use super::model::{ForwardRequest, Gemma3Model, Logits, head_input};
+use super::model::{ForwardRequest, Gemma3Model, Logits};
+use super::pass::head_input;
 use crate::cache::KvLayers;
 use crate::error::{ModelError, Result};
 use crate::gpu::{self, StepInputs};
@@ -107,12 +108,17 @@ impl Gemma3Model {
     /// returns each table's positions (a recording is valid while they stay).
     pub fn ensure_device_rope(&self, reach: usize) -> [usize; 2] {
         let mut held = [0; 2];
-        for layer in &self.layers {
-            let kind = usize::from(layer.attn.kind == AttentionKind::Sliding);
-            held[kind] = self
-                .device_ropes
-                .table(kind, &layer.attn.rope, reach, &self.device)
-                .dims()[1];
+        for (kind, n) in held.iter_mut().enumerate() {
+            // The first layer of each kind gives its table (as the forward builds it).
+            let of_kind = |l: &&super::model::DecoderLayer| {
+                usize::from(l.attn.kind == AttentionKind::Sliding) == kind
+            };
+            if let Some(layer) = self.layers.iter().find(of_kind) {
+                *n = self
+                    .device_ropes
+                    .table(kind, &layer.attn.rope, reach, &self.device)
+                    .dims()[1];
+            }
         }
         held
     }

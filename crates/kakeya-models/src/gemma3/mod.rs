@@ -6,6 +6,7 @@ mod in_place;
 mod load;
 pub mod model;
 pub mod moe;
+mod pass;
 pub mod per_layer;
 mod replay;
 

@@ -6,11 +6,11 @@ use kakeya_weights::{AttentionKind, Gemma3Config};
 use super::attention::{Attention, AttentionCapture, SharedKv, Span};
 use super::device::DeviceRopes;
 use super::moe::Moe;
+use super::pass::{Pass, head_input};
 use super::per_layer::{PerLayerEmbed, PerLayerGate};
 use super::replay::Replayer;
 use crate::cache::{CacheSpec, KvLayers};
 use crate::error::{ModelError, Result};
-use crate::gpu::StepInputs;
 use crate::linear::{Kernel, Linear};
 use crate::norm::RmsNorm;
 
@@ -33,7 +33,7 @@ pub enum Logits {
 
 impl Logits {
     /// Which of the request's rows go through the head.
-    fn rows(self, span: &std::ops::Range<usize>) -> std::ops::Range<usize> {
+    pub(super) fn rows(self, span: &std::ops::Range<usize>) -> std::ops::Range<usize> {
         match self {
             Logits::None => span.start..span.start,
             Logits::All | Logits::GreedyAll => span.clone(),
@@ -121,52 +121,6 @@ fn argmax_rows(logits: Tensor<2>) -> Vec<u32> {
         .collect()
 }
 
-/// The rows each request wants through the head (its `logits` rows of its span), stacked,
-/// and how many each gave: the stacked rows as they are when every row is wanted (decode
-/// steps, verify blocks).
-///
-/// # Shapes
-/// - `x`: `[R, hidden]` → `[Σ counts, hidden]` (`None`: no row wanted)
-pub(super) fn head_input(
-    reqs: &[ForwardRequest<'_>],
-    spans: &[Span],
-    x: &Tensor<2>,
-) -> (Option<Tensor<2>>, Vec<usize>) {
-    let h = x.dims()[1];
-    let mut wanted: Vec<Tensor<2>> = Vec::new();
-    let mut counts = Vec::with_capacity(reqs.len());
-    let mut every_row = true;
-    for (req, span) in reqs.iter().zip(spans) {
-        let r = req.logits.rows(&span.rows);
-        counts.push(r.len());
-        every_row &= r == span.rows;
-        if !r.is_empty() {
-            wanted.push(x.clone().slice([r, 0..h]));
-        }
-    }
-    if every_row && wanted.len() > 1 {
-        wanted = vec![x.clone()];
-    }
-    let head_in = match wanted.len() {
-        0 => None,
-        1 => wanted.pop(),
-        _ => Some(Tensor::cat(wanted, 0)),
-    };
-    (head_in, counts)
-}
-
-/// What the decoder layers of a forward leave ([`Gemma3Model::pass`]).
-pub(super) struct Pass {
-    /// The last layer's rows, `[R, hidden]`.
-    pub(super) x: Tensor<2>,
-    /// Each request's rows and first position.
-    pub(super) spans: Vec<Span>,
-    /// The rows after each requested layer.
-    pub(super) hidden: Vec<Option<Tensor<2>>>,
-    /// Per request, each layer's attention capture (when asked).
-    pub(super) attention: Vec<Vec<AttentionCapture>>,
-}
-
 /// One decoder layer.
 #[derive(Debug, Clone)]
 pub struct DecoderLayer {
@@ -200,7 +154,7 @@ impl DecoderLayer {
     ///   `positions`: the stacked rows' on a GPU; see [`Attention::forward`]
     /// - `per_layer_input`: `[R, P]` (Gemma 4 with per-layer inputs)
     #[allow(clippy::too_many_arguments)]
-    fn forward(
+    pub(super) fn forward(
         &self,
         x: Tensor<2>,
         spans: &[Span],
@@ -514,116 +468,8 @@ impl Gemma3Model {
         Ok(outs)
     }
 
-    /// The decoder layers over the stacked chunks of `reqs` (each sequence's caches in
-    /// `kvs`): the last layer's rows and what the requests asked to keep. On a GPU the rows'
-    /// ids and positions are read from `given` when the caller holds them on the device (a
-    /// recorded decode step), else from one upload.
-    ///
-    /// # Shapes
-    /// - per request as in [`Self::forward`] → `x`: `[R, hidden]` (every request's rows)
-    pub(super) fn pass(
-        &self,
-        reqs: &[ForwardRequest<'_>],
-        kvs: &mut [&mut dyn KvLayers],
-        given: Option<&StepInputs>,
-    ) -> Result<Pass> {
-        self.check_batch(reqs, kvs)?;
-        let first = &reqs[0];
-        let mut tokens = Vec::new();
-        let mut positions = Vec::new();
-        let mut spans = Vec::with_capacity(reqs.len());
-        for req in reqs {
-            let r0 = tokens.len();
-            tokens.extend_from_slice(req.tokens);
-            positions.extend(req.start..req.start + req.tokens.len());
-            spans.push(Span {
-                start: req.start,
-                rows: r0..tokens.len(),
-            });
-        }
-        // On a GPU: the ids and positions in one device buffer, read there.
-        let uploaded = (given.is_none() && crate::gpu::applies(&self.embed))
-            .then(|| StepInputs::upload(&tokens, &positions, &self.device));
-        let inputs = given.or(uploaded.as_ref());
-        let scale = (self.config.hidden_size as f32).sqrt();
-        let mut x = match inputs.and_then(|i| i.embed(&self.embed, scale)) {
-            Some(x) => x,
-            None => self.embed_tokens(&tokens),
-        };
-        let reach = positions.iter().max().map_or(0, |p| p + 1);
-        let per_layer = self
-            .per_layer
-            .as_ref()
-            .map(|p| (p, p.inputs(&tokens, x.clone())));
-        let mut shared = SharedKv::new();
-        let hidden_after = first.hidden_after;
-        let mut hidden = vec![None; hidden_after.len()];
-        let mut attention: Vec<Vec<AttentionCapture>> = vec![Vec::new(); reqs.len()];
-        // RoPE tables depend only on the positions and the layer kind: build each once.
-        let mut rope_tables: [Option<(Tensor<2>, Tensor<2>)>; 2] = [None, None];
-        for (i, layer) in self.layers.iter().enumerate() {
-            let kind = usize::from(layer.attn.kind == AttentionKind::Sliding);
-            let rope = rope_tables[kind].get_or_insert_with(|| match inputs {
-                Some(i) => self.device_ropes.rows(kind, &layer.attn.rope, reach, i),
-                None => layer.attn.rope.tables(&positions, &self.device),
-            });
-            let (y, caps) = layer.forward(
-                x,
-                &spans,
-                (rope, inputs.map(StepInputs::positions)),
-                (&mut *kvs, i),
-                first.capture_attention,
-                per_layer.as_ref().map(|(p, all)| p.of_layer(all, i)),
-                &mut shared,
-            )?;
-            x = y;
-            for (per_seq, cap) in attention.iter_mut().zip(caps) {
-                per_seq.push(cap);
-            }
-            for (slot, _) in hidden_after.iter().enumerate().filter(|(_, l)| **l == i) {
-                hidden[slot] = Some(x.clone());
-            }
-        }
-        Ok(Pass {
-            x,
-            spans,
-            hidden,
-            attention,
-        })
-    }
-
-    /// Refuses a batch the model cannot run: no requests, a cache set per request, each
-    /// request runnable ([`Self::check_request`]), one set of hidden states and captures.
-    pub(super) fn check_batch(
-        &self,
-        reqs: &[ForwardRequest<'_>],
-        kvs: &[&mut dyn KvLayers],
-    ) -> Result<()> {
-        let Some(first) = reqs.first() else {
-            return Err(ModelError::Input("a forward of no requests".into()));
-        };
-        if kvs.len() != reqs.len() {
-            return Err(ModelError::Input(format!(
-                "{} cache sets for {} requests",
-                kvs.len(),
-                reqs.len()
-            )));
-        }
-        for (req, kv) in reqs.iter().zip(kvs.iter()) {
-            self.check_request(req, &**kv)?;
-            if req.hidden_after != first.hidden_after
-                || req.capture_attention != first.capture_attention
-            {
-                return Err(ModelError::Input(
-                    "requests of one batch must ask for the same hidden states and captures".into(),
-                ));
-            }
-        }
-        Ok(())
-    }
-
     /// Refuses a request the model or its caches cannot run.
-    fn check_request(&self, req: &ForwardRequest<'_>, kv: &dyn KvLayers) -> Result<()> {
+    pub(super) fn check_request(&self, req: &ForwardRequest<'_>, kv: &dyn KvLayers) -> Result<()> {
         let c = &self.config;
         let t = req.tokens.len();
         if t == 0 {

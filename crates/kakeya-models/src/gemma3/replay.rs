@@ -148,15 +148,20 @@ impl Gemma3Model {
         self.check_batch(reqs, kvs)?;
         let reach = reqs.iter().map(|r| r.start + r.tokens.len()).max();
         let rope = self.ensure_device_rope(reach.unwrap_or(0));
+        // Each sequence's caches back at its start (a no-op for those not advanced yet).
+        let truncate_all = |kvs: &mut [&mut dyn KvLayers]| -> Result<()> {
+            for (r, kv) in reqs.iter().zip(kvs.iter_mut()) {
+                kv.truncate(r.start)?;
+            }
+            Ok(())
+        };
         let mut caches = Vec::with_capacity(reqs.len());
-        for (i, (req, kv)) in reqs.iter().zip(kvs.iter_mut()).enumerate() {
+        for (req, kv) in reqs.iter().zip(kvs.iter_mut()) {
             match self.advance_in_place(&mut **kv, req.start, req.tokens.len()) {
                 Some(c) => caches.push(c),
                 None => {
                     // Not plain buffers (a bounded mode's tiers): put back what advanced.
-                    for (r, kv) in reqs.iter().zip(kvs.iter_mut()).take(i + 1) {
-                        kv.truncate(r.start)?;
-                    }
+                    truncate_all(kvs)?;
                     state.stats.declined += 1;
                     return Ok(None);
                 }
@@ -181,16 +186,10 @@ impl Gemma3Model {
             r.used = now;
             gpu::copy_into(&r.inputs.buf, &fresh.buf).expect("replays run on a GPU");
             replay(&r.graph)?;
-            let out = outputs(reqs, r);
+            let out = outputs(reqs, &r.ids, &r.hidden);
             state.stats.replayed += 1;
             return out.map(Some);
         }
-        let truncate_all = |kvs: &mut [&mut dyn KvLayers]| -> Result<()> {
-            for (r, kv) in reqs.iter().zip(kvs.iter_mut()) {
-                kv.truncate(r.start)?;
-            }
-            Ok(())
-        };
         truncate_all(kvs)?;
         if !state.seen.contains(&key) {
             if state.seen.len() >= SEEN_MAX {
@@ -222,7 +221,7 @@ impl Gemma3Model {
                     // real, and this device records nothing.
                     state.off = true;
                     state.stats.declined += 1;
-                    return unrecorded(reqs, &ids, &hidden).map(Some);
+                    return outputs(reqs, &ids, &hidden).map(Some);
                 }
             },
             inputs,
@@ -232,21 +231,16 @@ impl Gemma3Model {
         // The recorded run's launches were only recorded: run them.
         replay(&r.graph)?;
         state.stats.recorded += 1;
-        let out = outputs(reqs, &r);
+        let out = outputs(reqs, &r.ids, &r.hidden);
         state.recorded.push(r);
         out.map(Some)
     }
 }
 
-/// Each request's output of a replayed forward: its greedy ids read back, its rows of each
-/// hidden state copied out of the recording's buffers (the next replay overwrites them).
-fn outputs(reqs: &[ForwardRequest<'_>], r: &Recorded) -> Result<Vec<ForwardOutput>> {
-    unrecorded(reqs, &r.ids, &r.hidden)
-}
-
-/// Each request's output from the forward's `ids` (every wanted row, in request order) and
-/// stacked `hidden` states, copied (a recording holds these buffers).
-fn unrecorded(
+/// Each request's output from the forward's `ids` (every wanted row, in request order, read
+/// back) and stacked `hidden` states, each request's rows copied out (a recording holds these
+/// buffers, and its next replay overwrites them).
+fn outputs(
     reqs: &[ForwardRequest<'_>],
     ids: &Tensor<1>,
     hidden: &[Tensor<2>],

@@ -26,6 +26,12 @@ pub struct Linear {
     pub rows: Option<Arc<DenseMatrix>>,
     /// Which products the quantised weight takes ([`Kernel`]).
     pub kernel: Kernel,
+    /// Where the weight is larger than the GPU's largest buffer
+    /// ([`crate::gpu::max_buffer_bytes`]: 128 MiB on Mesa's lavapipe, against the 270M
+    /// model's 640 MiB tied embedding), its rows in blocks on that device, in order, each
+    /// within the limit; `weight` then stays on the host (the CPU device) for what reads it
+    /// whole (training, the reduced draft head's rows). Empty: `weight` is on its device.
+    pub blocks: Vec<Tensor<2>>,
 }
 
 /// How a linear map with quantised weights multiplies on the CPU.
@@ -51,17 +57,74 @@ impl Linear {
             quant: None,
             rows: None,
             kernel: Kernel::Exact,
+            blocks: Vec::new(),
         }
     }
 
     /// A dense weight `[out, in]` from host values, with the row-order kernel's copy (bf16
-    /// when every value is one) when it lives on the CPU.
+    /// when every value is one) when it lives on the CPU; on a GPU held in row blocks when it
+    /// is larger than one buffer there ([`Self::within`]).
     pub fn host(values: Vec<f32>, shape: [usize; 2], device: &Device) -> Self {
+        if let Some(max) = crate::gpu::max_buffer_bytes(device).map(buffer_limit)
+            && (values.len() * 4) as u64 > max
+        {
+            return Self::blocked(values, shape, device, max);
+        }
         let rows = row_copy(&values, shape, device);
         Self {
             rows,
             ..Self::dense(Tensor::from_data(TensorData::new(values, shape), device))
         }
+    }
+
+    /// This map held in row blocks of at most `max_bytes` each on its GPU, its whole weight
+    /// moved to the host, when the weight is larger than that; unchanged otherwise (and on the
+    /// CPU). The products and the embedding lookups give the same values either way
+    /// ([`Self::forward`], [`crate::gpu::StepInputs::embed`]).
+    pub fn within(self, max_bytes: u64) -> Self {
+        let device = self.device();
+        let shape = self.weight.dims();
+        if !self.blocks.is_empty()
+            || !crate::gpu::is_gpu(&device)
+            || (shape[0] * shape[1] * 4) as u64 <= max_bytes
+        {
+            return self;
+        }
+        Self::blocked(host_rows(self.weight), shape, &device, max_bytes)
+    }
+
+    /// `values` `[out, in]` in even row blocks of at most `max_bytes` on `device`, the whole
+    /// weight on the host.
+    fn blocked(values: Vec<f32>, [out, cols]: [usize; 2], device: &Device, max_bytes: u64) -> Self {
+        let fit = usize::try_from(max_bytes / (cols as u64 * 4))
+            .unwrap_or(usize::MAX)
+            .max(1);
+        let per = out.div_ceil(out.div_ceil(fit));
+        let blocks = values
+            .chunks(per * cols)
+            .map(|b| Tensor::from_data(TensorData::new(b.to_vec(), [b.len() / cols, cols]), device))
+            .collect();
+        tracing::debug!(
+            rows = out,
+            cols,
+            blocks = out.div_ceil(per),
+            max_bytes,
+            "weight held in row blocks: larger than one buffer on the device"
+        );
+        Self {
+            blocks,
+            ..Self::dense(Tensor::from_data(
+                TensorData::new(values, [out, cols]),
+                &Device::flex(),
+            ))
+        }
+    }
+
+    /// The device the products run on (the blocks' where the weight is held in blocks).
+    pub fn device(&self) -> Device {
+        self.blocks
+            .first()
+            .map_or_else(|| self.weight.device(), Tensor::device)
     }
 
     /// This map with the row-order kernel's copy of its dense weight when it lives on the CPU
@@ -70,7 +133,11 @@ impl Linear {
     /// has GGUF blocks or a copy already, or lives on another device.
     pub fn with_host_rows(self) -> Self {
         let device = self.weight.device();
-        if self.quant.is_some() || self.rows.is_some() || device != Device::flex() {
+        if self.quant.is_some()
+            || self.rows.is_some()
+            || !self.blocks.is_empty()
+            || device != Device::flex()
+        {
             return self;
         }
         let values = host_rows(self.weight.clone());
@@ -80,10 +147,15 @@ impl Linear {
         }
     }
 
-    /// Bytes held: the dense weight (f32) and every kernel copy (GGUF blocks with their norms
-    /// and panels, the row-order copy).
+    /// Bytes held: the dense weight (f32), its row blocks on a GPU, and every kernel copy
+    /// (GGUF blocks with their norms and panels, the row-order copy).
     pub fn nbytes(&self) -> usize {
         self.weight.shape().num_elements() * 4
+            + self
+                .blocks
+                .iter()
+                .map(|b| b.shape().num_elements() * 4)
+                .sum::<usize>()
             + self.quant.as_deref().map_or(0, QuantMatrix::nbytes)
             + self.rows.as_deref().map_or(0, DenseMatrix::nbytes)
     }
@@ -92,6 +164,9 @@ impl Linear {
     /// - `x`: `[T, in]` → `[T, out]`
     pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
         let t = x.dims()[0];
+        if !self.blocks.is_empty() {
+            return self.forward_blocks(x);
+        }
         if let (Some(q), Kernel::Int8) = (self.quant.as_deref(), self.kernel) {
             let device = x.device();
             let y = q.matmul_int8(&host_rows(x), t);
@@ -115,6 +190,29 @@ impl Linear {
         crate::gpu::matmul(x, self.weight.clone().transpose())
     }
 
+    /// [`Self::forward`] over the row blocks: each block's outputs side by side, a few rows
+    /// taking one launch for up to three blocks.
+    ///
+    /// # Shapes
+    /// - `x`: `[T, in]` → `[T, out]`
+    fn forward_blocks(&self, x: Tensor<2>) -> Tensor<2> {
+        let parts = self
+            .blocks
+            .chunks(3)
+            .flat_map(|group| {
+                let group: Vec<&Tensor<2>> = group.iter().collect();
+                match crate::gpu::linear_rows(&x, &group) {
+                    Some(y) => vec![y],
+                    None => group
+                        .into_iter()
+                        .map(|b| crate::gpu::matmul(x.clone(), b.clone().transpose()))
+                        .collect(),
+                }
+            })
+            .collect();
+        Tensor::cat(parts, 1)
+    }
+
     /// [`Self::forward`] of each of `maps` (1 to 3) on the same input: on a GPU, a few rows take
     /// one launch for all of them ([`crate::gpu::linear_rows`]).
     ///
@@ -131,7 +229,11 @@ impl Linear {
                 .collect();
         }
         let weights: Vec<&Tensor<2>> = maps.iter().map(|m| &m.weight).collect();
-        let Some(y) = crate::gpu::linear_rows(&x, &weights) else {
+        let whole = maps.iter().all(|m| m.blocks.is_empty());
+        let Some(y) = whole
+            .then(|| crate::gpu::linear_rows(&x, &weights))
+            .flatten()
+        else {
             return maps.iter().map(|m| m.forward(x.clone())).collect();
         };
         let t = x.dims()[0];
@@ -159,7 +261,9 @@ impl Linear {
             let y = Self::gelu_mlp_host(gate, up, down, &host_rows(x), t);
             return Tensor::from_data(TensorData::new(y, [t, down.weight.dims()[0]]), &device);
         }
-        let gu = crate::gpu::linear_rows(&x, &[&gate.weight, &up.weight]);
+        let gu = (gate.blocks.is_empty() && up.blocks.is_empty())
+            .then(|| crate::gpu::linear_rows(&x, &[&gate.weight, &up.weight]))
+            .flatten();
         let m = match gu.and_then(|gu| crate::gpu::gelu_mul_halves(&gu)) {
             Some(m) => m,
             None => crate::activation::gelu_tanh(gate.forward(x.clone())) * up.forward(x),
@@ -208,6 +312,16 @@ impl Linear {
         }
         Some(ids)
     }
+}
+
+/// The largest buffer a weight may take on a GPU: the device's, or less where
+/// `KAKEYA_GPU_MAX_BUFFER_BYTES` says so (to run the row blocks of [`Linear::within`] on a
+/// device that would not need them).
+fn buffer_limit(device_max: u64) -> u64 {
+    std::env::var("KAKEYA_GPU_MAX_BUFFER_BYTES")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .map_or(device_max, |v| v.min(device_max))
 }
 
 /// The block kernel's matrices of `maps` when every one takes the exact block kernel (their

@@ -355,6 +355,50 @@ fn linear_rows_of_several_weights_equals_each_alone() {
     }
 }
 
+/// A weight held in row blocks (larger than one buffer on the device: `Linear::within`)
+/// multiplies as the whole weight does: the same bits for a few rows (one launch per three
+/// blocks), and for prefill's rows through the matmul; its whole weight moves to the host.
+#[test]
+fn a_weight_in_row_blocks_multiplies_as_the_whole_weight() {
+    use kakeya_models::linear::Linear;
+    let d = device();
+    let (out, k) = (103, 48);
+    let whole = Linear::host(values(out * k, 61), [out, k], &d);
+    assert!(whole.blocks.is_empty(), "a small weight is held whole");
+    // 20 rows a block at most: six blocks of 18, 17, … rows (even split of 103).
+    let blocked = whole.clone().within(20 * k as u64 * 4);
+    assert_eq!(blocked.blocks.len(), 6);
+    assert!(blocked.blocks.iter().all(|b| b.dims()[0] <= 20));
+    assert_eq!(
+        blocked.blocks.iter().map(|b| b.dims()[0]).sum::<usize>(),
+        out
+    );
+    assert_eq!(
+        blocked.weight.device(),
+        Device::flex(),
+        "the whole weight on the host"
+    );
+    assert_eq!(blocked.device(), d);
+    assert_eq!(host(blocked.weight.clone()), host(whole.weight.clone()));
+    for t in [1, 5, GPU_ROWS_MAX, 40] {
+        let x = tensor(values(t * k, 62 + t as u32), [t, k], &d);
+        let (got, want) = (host(blocked.forward(x.clone())), host(whole.forward(x)));
+        if t <= GPU_ROWS_MAX {
+            assert_eq!(got, want, "{t} rows");
+        } else {
+            assert!(max_rel(&got, &want) < 1e-5, "{t} rows");
+        }
+    }
+    // A weight that fits is left as it is.
+    assert!(
+        whole
+            .clone()
+            .within(out as u64 * k as u64 * 4)
+            .blocks
+            .is_empty()
+    );
+}
+
 /// `gpu::matmul` sums f32 products of f32 operands: against an f64 reference its error is
 /// f32 rounding (≈ 1e-5 here), where TF32 staging (10-bit mantissas, Burn's CUDA default)
 /// would be ≈ 1e-2.
@@ -685,17 +729,36 @@ fn step_inputs_gather_the_embeddings_and_rope_rows_of_the_host_path() {
     let (ids, positions) = ([7u32, 0, 49, 7, 13], [300usize, 0, 1, 1023, 64]);
     let inputs = gpu::StepInputs::upload(&ids, &positions, &d);
     let scale = (hidden as f32).sqrt();
-    let got = inputs.embed(&table, scale).expect("on a GPU");
+    let got = inputs
+        .embed(std::slice::from_ref(&table), scale)
+        .expect("on a GPU");
     let idx: Vec<i64> = ids.iter().map(|&i| i as i64).collect();
     let idx = burn::tensor::Tensor::<1, burn::tensor::Int>::from_data(
         burn::tensor::TensorData::new(idx, [ids.len()]),
         &d,
     );
     let want = table.clone().select(0, idx.clone()).mul_scalar(scale);
-    assert_eq!(host(got), host(want), "embeddings");
+    assert_eq!(host(got), host(want.clone()), "embeddings");
+    // The table in row blocks of its own buffers (a table larger than one buffer): each row
+    // from its block, the same bits.
+    let all = host(table.clone());
+    let blocks: Vec<_> = [0..17, 17..34, 34..50]
+        .into_iter()
+        .map(|r| {
+            tensor::<2>(
+                all[r.start * hidden..r.end * hidden].to_vec(),
+                [r.len(), hidden],
+                &d,
+            )
+        })
+        .collect();
+    let got = inputs.embed(&blocks, scale).expect("on a GPU");
+    assert_eq!(host(got), host(want), "embeddings from row blocks");
     // A strided view (the tied embedding as a view of a transposed weight) is read in place.
     let view = tensor::<2>(values(vocab * hidden, 52), [hidden, vocab], &d).transpose();
-    let got = inputs.embed(&view, scale).expect("on a GPU");
+    let got = inputs
+        .embed(std::slice::from_ref(&view), scale)
+        .expect("on a GPU");
     let want = view.select(0, idx).mul_scalar(scale);
     assert_eq!(host(got), host(want), "embeddings of a strided view");
     for rope in [

@@ -327,7 +327,8 @@ impl DraftHead {
                         q.prepare(true, false);
                         std::sync::Arc::new(q)
                     });
-                let reduced = Linear::dense(embed.clone().select(0, ids));
+                // On the head's device (the table may be on the host: `Linear::within`).
+                let reduced = Linear::dense(embed.clone().select(0, ids).to_device(&head.device()));
                 let head = match quant {
                     Some(quant) => Linear {
                         quant: Some(quant),

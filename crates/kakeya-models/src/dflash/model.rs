@@ -7,7 +7,7 @@
 //! the drafter and restoration. Each forward appends only the new context rows. The block's
 //! own K/V are never stored: a block is drafted once and thrown away.
 
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::{Device, Tensor, TensorData};
 use kakeya_weights::{DFlashConfig, DraftCheckpoint, HostTensor};
 
 use super::core::{BlockGroup, DraftHead, DraftWeights};
@@ -208,12 +208,7 @@ impl DFlashDrafter {
     }
 
     fn embed_tokens(&self, tokens: &[u32]) -> Tensor<2> {
-        let ids: Vec<i64> = tokens.iter().map(|&t| i64::from(t)).collect();
-        let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [tokens.len()]), &self.device);
-        self.embed
-            .clone()
-            .select(0, ids)
-            .mul_scalar(self.embed_scale)
+        crate::gemma3::model::embedding_rows(&self.embed, tokens, self.embed_scale, &self.device)
     }
 
     /// Drafts one block: appends the new context rows (if any) to `store` and returns the

@@ -93,7 +93,7 @@ impl Gemma3Model {
     /// ([`Self::advance_in_place`] says so per step).
     pub fn replays_decode(&self) -> bool {
         self.record_decode
-            && gpu::writes_in_place(&self.embed)
+            && gpu::writes_in_place(&self.norm.scale)
             && self.per_layer.is_none()
             && self.layers.iter().all(|l| {
                 l.attn.k_proj.is_some()

@@ -47,10 +47,8 @@ impl Loader<'_> {
             .map(std::sync::Arc::new);
         if quant.is_some() {
             return Ok(Linear {
-                weight: self.t2(name)?,
                 quant,
-                rows: None,
-                kernel: crate::linear::Kernel::Exact,
+                ..Linear::dense(self.t2(name)?)
             });
         }
         let t = self.take(name)?;
@@ -212,6 +210,7 @@ impl Gemma3Model {
         if let Some(q) = &head.quant {
             q.prepare(true, false);
         }
+        // Where the device held the head in row blocks, the whole table stays on the host.
         let embed = head.weight.clone();
         let norm = l.norm("model.norm.weight", eps)?;
         Ok(Self {
@@ -222,6 +221,7 @@ impl Gemma3Model {
             norm,
             per_layer,
             device: device.clone(),
+            max_buffer: crate::gpu::max_buffer_bytes(device),
             device_ropes: Default::default(),
             record_decode: true,
             replayer: Default::default(),

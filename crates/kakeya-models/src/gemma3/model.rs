@@ -243,6 +243,9 @@ pub struct Gemma3Model {
     pub record_decode: bool,
     /// The recorded forwards.
     pub(super) replayer: Replayer,
+    /// The largest buffer the device holds ([`crate::gpu::max_buffer_bytes`]; `None` on the
+    /// CPU): a forward's logits must fit in one.
+    pub(super) max_buffer: Option<u64>,
 }
 
 impl Gemma3Model {
@@ -331,10 +334,21 @@ impl Gemma3Model {
     /// # Shapes
     /// - `tokens`: `T` ids → `[T, hidden]`
     pub fn embed_tokens(&self, tokens: &[u32]) -> Tensor<2> {
-        let ids: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
-        let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [tokens.len()]), &self.device);
         let scale = (self.config.hidden_size as f32).sqrt();
-        self.embed.clone().select(0, ids).mul_scalar(scale)
+        embedding_rows(&self.embed, tokens, scale, &self.device)
+    }
+
+    /// The tied embedding as the device holds it: the head's row blocks where the table is
+    /// larger than one buffer there ([`Linear::within`]), else the whole table.
+    ///
+    /// # Shapes
+    /// - → `[rows_b, hidden]` each, `Σ rows_b = vocab`
+    pub(super) fn embed_blocks(&self) -> &[Tensor<2>] {
+        if self.head.blocks.is_empty() {
+            std::slice::from_ref(&self.embed)
+        } else {
+            &self.head.blocks
+        }
     }
 
     /// Final norm + tied LM head (+ soft-cap when configured).
@@ -503,4 +517,24 @@ impl Gemma3Model {
         }
         Ok(())
     }
+}
+
+/// Rows `tokens` of an embedding table times `scale`, on `device` (the table may be on the
+/// host where the device holds it in row blocks: [`Linear::within`]).
+///
+/// # Shapes
+/// - `table`: `[vocab, hidden]`, `tokens`: `T` ids → `[T, hidden]`
+pub(crate) fn embedding_rows(
+    table: &Tensor<2>,
+    tokens: &[u32],
+    scale: f32,
+    device: &Device,
+) -> Tensor<2> {
+    let ids: Vec<i64> = tokens.iter().map(|&t| i64::from(t)).collect();
+    let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [tokens.len()]), &table.device());
+    table
+        .clone()
+        .select(0, ids)
+        .mul_scalar(scale)
+        .to_device(device)
 }

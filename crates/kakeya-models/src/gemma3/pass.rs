@@ -86,11 +86,11 @@ impl Gemma3Model {
             });
         }
         // On a GPU: the ids and positions in one device buffer, read there.
-        let uploaded = (given.is_none() && crate::gpu::applies(&self.embed))
+        let uploaded = (given.is_none() && crate::gpu::applies(&self.norm.scale))
             .then(|| StepInputs::upload(&tokens, &positions, &self.device));
         let inputs = given.or(uploaded.as_ref());
         let scale = (self.config.hidden_size as f32).sqrt();
-        let mut x = match inputs.and_then(|i| i.embed(&self.embed, scale)) {
+        let mut x = match inputs.and_then(|i| i.embed(self.embed_blocks(), scale)) {
             Some(x) => x,
             None => self.embed_tokens(&tokens),
         };
@@ -162,6 +162,22 @@ impl Gemma3Model {
                     "requests of one batch must ask for the same hidden states and captures".into(),
                 ));
             }
+        }
+        // On a GPU the wanted rows' logits are one tensor: more than one buffer there holds
+        // would fail at allocation (lavapipe and WebGPU hold 128 MiB, 128 rows of Gemma 3's).
+        let rows: usize = reqs
+            .iter()
+            .map(|r| r.logits.rows(&(0..r.tokens.len())).len())
+            .sum();
+        let bytes = (rows * self.config.vocab_size * 4) as u64;
+        if let Some(max) = self.max_buffer.filter(|&max| bytes > max) {
+            let mib = |b: u64| b as f64 / (1 << 20) as f64;
+            return Err(ModelError::Input(format!(
+                "the logits of {rows} rows ({:.1} MiB) are more than one buffer on this device \
+                 holds ({:.1} MiB): ask for fewer rows' logits in one forward",
+                mib(bytes),
+                mib(max)
+            )));
         }
         Ok(())
     }

@@ -10,9 +10,10 @@ use cubecl::prelude::*;
 
 use super::kernels::{ELEMENT_UNITS, dense_output, f32_only, grid, sequence};
 
-/// `out[p, i, e] = table[p, idx[offset + i], e] · scale`, one unit per output element; the
-/// table read through its strides (the tied embedding may be a view of the head's weight:
-/// a dense copy of 262k rows would cost 640 MiB).
+/// `out[p, i, e] = table[p, idx[offset + i] − first, e] · scale`, or 0 where that index is
+/// not among the table's rows `first..first + held` (one block of a table held in row
+/// blocks); one unit per output element; the table read through its strides (the tied
+/// embedding may be a view of the head's weight: a dense copy of 262k rows would cost 640 MiB).
 #[cube(launch)]
 fn gather_rows_kernel(
     table: &[f32],
@@ -22,17 +23,22 @@ fn gather_rows_kernel(
     scale: f32,
 ) {
     // dims: planes, gathered rows, row width, first index read; the table's strides of a
-    // plane, a row and an element.
+    // plane, a row and an element; the index of its first row, its rows.
     let (planes, t, width) = (*dims.index(0), *dims.index(1), *dims.index(2));
     let offset = *dims.index(3);
     let (sp, sr, se) = (*dims.index(4), *dims.index(5), *dims.index(6));
+    let (first, held) = (*dims.index(7), *dims.index(8));
     let i = CUBE_POS * CUBE_DIM as usize + UNIT_POS as usize;
     if i < planes * t * width {
         let e = i % width;
         let r = (i / width) % t;
         let p = i / (width * t);
         let row = usize::cast_from(u32::cast_from(idx[offset + r]));
-        out[i] = table[p * sp + row * sr + e * se] * scale;
+        if row >= first && row < first + held {
+            out[i] = table[p * sp + (row - first) * sr + e * se] * scale;
+        } else {
+            out[i] = 0.0;
+        }
     }
 }
 
@@ -43,15 +49,16 @@ pub(super) fn gather_rows(
     offset: usize,
     t: usize,
     scale: f32,
+    first: usize,
 ) -> CubeTensor {
     f32_only(&table, "gather_rows");
     f32_only(&idx, "gather_rows");
     let idx = into_contiguous(idx);
     let dims = table.meta.shape().clone();
     let st = table.meta.strides();
-    let (planes, width, strides) = match dims.num_dims() {
-        2 => (1, dims[1], [0, st[0], st[1]]),
-        3 => (dims[0], dims[2], [st[0], st[1], st[2]]),
+    let (planes, held, width, strides) = match dims.num_dims() {
+        2 => (1, dims[0], dims[1], [0, st[0], st[1]]),
+        3 => (dims[0], dims[1], dims[2], [st[0], st[1], st[2]]),
         n => panic!("gather_rows: a table of 2 or 3 dimensions, not {n}"),
     };
     assert!(
@@ -74,7 +81,9 @@ pub(super) fn gather_rows(
             table.into_buffer_arg(),
             idx.into_buffer_arg(),
             out.clone().into_buffer_arg(),
-            sequence(&[planes, t, width, offset, strides[0], strides[1], strides[2]]),
+            sequence(&[
+                planes, t, width, offset, strides[0], strides[1], strides[2], first, held,
+            ]),
             scale,
         );
     }

@@ -50,12 +50,24 @@ impl StepInputs {
     }
 
     /// The rows' embeddings times `scale` (`table[id] · scale`, as `select` then
-    /// `mul_scalar`). `None` off a GPU.
+    /// `mul_scalar`), from a table held whole (one block) or in row blocks, in order (where
+    /// the device's largest buffer cannot hold it: [`super::max_buffer_bytes`]). Each block
+    /// gives its own rows and zeros elsewhere; their sum is exact. `None` off a GPU.
     ///
     /// # Shapes
-    /// - `table`: `[vocab, hidden]` → `[rows, hidden]`
-    pub fn embed(&self, table: &Tensor<2>, scale: f32) -> Option<Tensor<2>> {
-        gather_rows(table, &self.buf, 0, self.rows, scale)
+    /// - `blocks`: `[rows_b, hidden]` each, `Σ rows_b = vocab` → `[rows, hidden]`
+    pub fn embed(&self, blocks: &[Tensor<2>], scale: f32) -> Option<Tensor<2>> {
+        let mut first = 0;
+        let mut sum: Option<Tensor<2>> = None;
+        for block in blocks {
+            let rows = gather_rows(block, &self.buf, 0, self.rows, scale, first)?;
+            first += block.dims()[0];
+            sum = Some(match sum {
+                Some(s) => s + rows,
+                None => rows,
+            });
+        }
+        sum
     }
 
     /// The rows' RoPE `(cos, sin)` from a device table of both (see
@@ -64,7 +76,7 @@ impl StepInputs {
     /// # Shapes
     /// - `table`: `[2, positions, d/2]` → two `[rows, d/2]`
     pub fn rope(&self, table: &Tensor<3>) -> Option<(Tensor<2>, Tensor<2>)> {
-        let both = gather_rows(table, &self.buf, self.rows, self.rows, 1.0)?;
+        let both = gather_rows(table, &self.buf, self.rows, self.rows, 1.0, 0)?;
         let [_, t, half] = both.dims();
         let plane = |p: usize| {
             both.clone()
@@ -76,7 +88,8 @@ impl StepInputs {
 }
 
 /// Rows of `table` (of each plane of a 3-d one) picked by `idx[offset..offset + t]` (f32),
-/// times `scale`. `None` off a GPU.
+/// times `scale`; the table holds the rows `first..` of a larger one, and an index outside
+/// them gives zeros. `None` off a GPU.
 ///
 /// # Shapes
 /// - `table`: `[rows, w]` → `[t, w]`; `[planes, rows, w]` → `[planes, t, w]`
@@ -87,6 +100,7 @@ pub fn gather_rows<const D: usize>(
     offset: usize,
     t: usize,
     scale: f32,
+    first: usize,
 ) -> Option<Tensor<D>> {
     on_gpu!(super::applies(table), {
         Tensor::from_dispatch(<Dispatch as DecodeKernels>::gather_rows(
@@ -95,6 +109,7 @@ pub fn gather_rows<const D: usize>(
             offset,
             t,
             scale,
+            first,
         ))
     })
 }

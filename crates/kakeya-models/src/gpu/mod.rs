@@ -83,8 +83,10 @@ macro_rules! on_gpu {
     }};
 }
 
+mod buffers;
 mod graph;
 mod inputs;
+pub use buffers::max_buffer_bytes;
 pub use graph::{DeviceGraph, buffer_of};
 pub use inputs::{StepInputs, gather_rows};
 

@@ -258,7 +258,8 @@ pub trait DecodeKernels: burn::backend::Backend {
     fn copy_into(dst: FloatTensor<Self>, src: FloatTensor<Self>) -> FloatTensor<Self>;
 
     /// Rows of `table` (of each of its planes) picked by the `t` indices `idx[offset..]` (f32,
-    /// exact below 2²⁴), each multiplied by `scale`.
+    /// exact below 2²⁴), each multiplied by `scale`. The table holds the rows `first..` of a
+    /// larger one (a block of it); an index outside them gives a row of zeros.
     ///
     /// # Shapes
     /// - `table`: `[rows, w]` or `[planes, rows, w]`, `idx`: `[n]` → `[t, w]` or
@@ -270,6 +271,7 @@ pub trait DecodeKernels: burn::backend::Backend {
         offset: usize,
         t: usize,
         scale: f32,
+        first: usize,
     ) -> FloatTensor<Self>;
 }
 
@@ -502,8 +504,9 @@ impl DecodeKernels for CubeBackend {
         offset: usize,
         t: usize,
         scale: f32,
+        first: usize,
     ) -> FloatTensor<Self> {
-        gather::gather_rows(table, idx, offset, t, scale)
+        gather::gather_rows(table, idx, offset, t, scale, first)
     }
 
     #[allow(clippy::too_many_arguments)]

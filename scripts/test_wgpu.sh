@@ -3,8 +3,10 @@
 # on the CPU): no GPU needed. Installs the driver when missing (Debian/Ubuntu, as root), then
 # runs kakeya-runtime's `tests/wgpu_device.rs` (inference, speculative decoding, KV modes), the
 # trainer tests of kakeya-train with training on the device, `kakeya serve --device wgpu`
-# (kakeya-cli's `tests/serve_device.rs`) and kakeya-capture's capture tests with the verifier
-# on the device (`KAKEYA_TEST_DEVICE=wgpu`),
+# (kakeya-cli's `tests/serve_device.rs`), kakeya-capture's capture tests with the verifier
+# on the device (`KAKEYA_TEST_DEVICE=wgpu`), weights held in row blocks (`tests/wgpu_blocks.rs`)
+# and the real default model's golden test against transformers on the device (≈ 7 min: its
+# 640 MiB embedding in row blocks, lavapipe holding 128 MiB a buffer),
 # both built with `--features wgpu`, writing the output to runs/wgpu/lavapipe-<date>.log. Not
 # part of scripts/test.sh (the wgpu builds take ≈ 20 min; CI keeps `cargo check --features
 # wgpu`).
@@ -31,6 +33,10 @@ log="runs/wgpu/lavapipe-$(date -u +%Y%m%dT%H%M%SZ).log"
     # The GPU decode kernels one by one (kakeya_models::gpu), then the whole model on the device.
     KAKEYA_TEST_DEVICE=wgpu cargo test -p kakeya-models --features wgpu --locked --test gpu_kernels
     cargo test -p kakeya-runtime --features wgpu --locked --test wgpu_device -- --nocapture --test-threads 1
+    # Weights larger than one buffer, in row blocks; then the real model on the device.
+    KAKEYA_TEST_DEVICE=wgpu cargo test -p kakeya-runtime --features wgpu --locked --test wgpu_blocks -- --nocapture
+    KAKEYA_TEST_DEVICE=wgpu cargo test -p kakeya-runtime --features wgpu --locked --test golden -- \
+        --include-ignored --exact logits_and_greedy_match_transformers --nocapture
     KAKEYA_TEST_DEVICE=wgpu cargo test -p kakeya-train --features wgpu --locked \
         --test train_f_theta --test gemma4_f_theta --test train_drafter --test gemma4_drafter \
         --test f_theta_steps \

@@ -65,7 +65,7 @@ impl Linear {
     /// when every value is one) when it lives on the CPU; on a GPU held in row blocks when it
     /// is larger than one buffer there ([`Self::within`]).
     pub fn host(values: Vec<f32>, shape: [usize; 2], device: &Device) -> Self {
-        if let Some(max) = crate::gpu::max_buffer_bytes(device).map(buffer_limit)
+        if let Some(max) = crate::gpu::max_buffer_bytes(device)
             && (values.len() * 4) as u64 > max
         {
             return Self::blocked(values, shape, device, max);
@@ -312,16 +312,6 @@ impl Linear {
         }
         Some(ids)
     }
-}
-
-/// The largest buffer a weight may take on a GPU: the device's, or less where
-/// `KAKEYA_GPU_MAX_BUFFER_BYTES` says so (to run the row blocks of [`Linear::within`] on a
-/// device that would not need them).
-fn buffer_limit(device_max: u64) -> u64 {
-    std::env::var("KAKEYA_GPU_MAX_BUFFER_BYTES")
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-        .map_or(device_max, |v| v.min(device_max))
 }
 
 /// The block kernel's matrices of `maps` when every one takes the exact block kernel (their

@@ -6,8 +6,18 @@ use burn::tensor::Device;
 /// The largest buffer the device allocates (and binds to a kernel), in bytes: on a CubeCL
 /// device without Burn's fusion, CubeCL's page limit (the smaller of the device's buffer and
 /// storage-binding limits on wgpu: 128 MiB on Mesa's lavapipe, WebGPU's default; a GPU's
-/// memory on CUDA). `None` elsewhere (the CPU, or under fusion, which hides the client).
+/// memory on CUDA), or less where `KAKEYA_GPU_MAX_BUFFER_BYTES` says so (to run the row
+/// blocks on a device that would not need them). `None` elsewhere (the CPU, or under fusion,
+/// which hides the client).
 pub fn max_buffer_bytes(device: &Device) -> Option<u64> {
+    let asked = std::env::var("KAKEYA_GPU_MAX_BUFFER_BYTES")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok());
+    device_max(device).map(|max| asked.map_or(max, |a| a.min(max)))
+}
+
+/// The device's own limit ([`max_buffer_bytes`]).
+fn device_max(device: &Device) -> Option<u64> {
     #[cfg(all(feature = "cube", not(feature = "fusion")))]
     {
         use burn::backend::{BackendTensor, DispatchTensorKind};

@@ -293,6 +293,67 @@ fn batched_decoding_on_wgpu_equals_each_sequence_alone() {
 /// full caches doubling past 64 slots; the sliding layers' rings of window 8 are full after
 /// the prompt), every other step a replay that reads its token and position from the
 /// recorded buffer.
+/// The drafter's compact store on the device (f32 on a GPU: rows appended and read there)
+/// holds what the host's store holds: appends across its growth by doubling, rollbacks, reads
+/// of any range, and a fork (a prefix-cache copy) that appends without changing the original.
+#[test]
+fn the_compact_store_on_the_device_holds_what_the_hosts_holds() {
+    use kakeya_models::{DraftContext, KvPart};
+    use kakeya_runtime::CompactStore;
+    let (w, d) = (24, gpu());
+    let mut dev = CompactStore::new(w, None, &d);
+    let mut cpu = CompactStore::new(w, None, &Device::flex());
+    let rows = |n: usize, seed: usize, device: &Device| {
+        let vals: Vec<f32> = (0..n * w)
+            .map(|i| ((i * 7 + seed * 131) % 97) as f32 / 13.0 - 3.0)
+            .collect();
+        Tensor::<2>::from_data(burn::tensor::TensorData::new(vals, [n, w]), device)
+    };
+    let append = |s: &mut CompactStore, n: usize, seed: usize, device: &Device| {
+        s.append(rows(n, seed, device), rows(n, seed + 1, device))
+            .unwrap()
+    };
+    let same = |a: &CompactStore, b: &CompactStore, what: &str| {
+        assert_eq!(a.len(), b.len(), "{what}: length");
+        for r in [0..a.len(), 0..1.min(a.len()), a.len() / 3..a.len()] {
+            let ((ak, av), (bk, bv)) = (a.read(r.clone()).unwrap(), b.read(r.clone()).unwrap());
+            assert_eq!(host(ak), host(bk), "{what}: K {r:?}");
+            assert_eq!(host(av), host(bv), "{what}: V {r:?}");
+            let part = a.read_part(r.clone(), KvPart::V).unwrap();
+            assert_eq!(host(part), host(b.read_part(r.clone(), KvPart::V).unwrap()));
+        }
+    };
+    for (step, n) in [3usize, 70, 1, 100, 5].into_iter().enumerate() {
+        append(&mut dev, n, step, &d);
+        append(&mut cpu, n, step, &Device::flex());
+        same(&dev, &cpu, &format!("after appending {n}"));
+        if step == 2 {
+            dev.truncate(50);
+            cpu.truncate(50);
+            same(&dev, &cpu, "rolled back to 50");
+        }
+    }
+    // 50 + 100 + 5 rows: the buffers grew to 256 rows each.
+    assert_eq!(dev.len(), 155);
+    assert_eq!(
+        dev.nbytes(),
+        2 * 256 * w * 4,
+        "bytes held: both buffers as allocated"
+    );
+    let (mut fork, before) = (dev.clone(), host(dev.read(0..dev.len()).unwrap().0));
+    fork.truncate(10);
+    append(&mut fork, 30, 9, &d);
+    assert_eq!(
+        host(dev.read(0..dev.len()).unwrap().0),
+        before,
+        "the original after a fork's write"
+    );
+    let mut cpu_fork = cpu.clone();
+    cpu_fork.truncate(10);
+    append(&mut cpu_fork, 30, 9, &Device::flex());
+    same(&fork, &cpu_fork, "the fork");
+}
+
 #[test]
 fn recorded_decode_steps_equal_the_steps_issued_one_by_one() {
     let mut m = Gemma3Model::from_checkpoint(random_checkpoint(&tiny(), 11), &gpu()).unwrap();

@@ -31,7 +31,7 @@ log="runs/wgpu/lavapipe-$(date -u +%Y%m%dT%H%M%SZ).log"
     echo "# $(date -u) $(uname -m); VK_ICD_FILENAMES=$VK_ICD_FILENAMES"
     grep -m1 "model name" /proc/cpuinfo || true
     # The GPU decode kernels one by one (kakeya_models::gpu), then the whole model on the device.
-    KAKEYA_TEST_DEVICE=wgpu cargo test -p kakeya-models --features wgpu --locked --test gpu_kernels
+    KAKEYA_TEST_DEVICE=wgpu cargo test -p kakeya-models --features wgpu --locked --test gpu_kernels --test gpu_attention
     cargo test -p kakeya-runtime --features wgpu --locked --test wgpu_device -- --nocapture --test-threads 1
     # Weights larger than one buffer, in row blocks; then the real model on the device.
     KAKEYA_TEST_DEVICE=wgpu cargo test -p kakeya-runtime --features wgpu --locked --test wgpu_blocks -- --nocapture

@@ -39,7 +39,7 @@ log="runs/wgpu/lavapipe-$(date -u +%Y%m%dT%H%M%SZ).log"
         --include-ignored --exact logits_and_greedy_match_transformers --nocapture
     KAKEYA_TEST_DEVICE=wgpu cargo test -p kakeya-train --features wgpu --locked \
         --test train_f_theta --test gemma4_f_theta --test train_drafter --test gemma4_drafter \
-        --test f_theta_steps \
+        --test f_theta_steps --test drafter_blocks \
         -- --test-threads 1
     # `kakeya serve --device wgpu`: requests alone and together equal `kakeya infer` on wgpu.
     KAKEYA_TEST_DEVICE=wgpu cargo test -p kakeya-cli --features wgpu --locked --test serve_device

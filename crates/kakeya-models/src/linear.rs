@@ -127,6 +127,17 @@ impl Linear {
             .map_or_else(|| self.weight.device(), Tensor::device)
     }
 
+    /// This map's dense weight on `device` as [`Self::host`] places it there (in row blocks
+    /// where it is larger than one buffer there); unchanged where it runs there already. Any
+    /// GGUF blocks stay behind: the copy is dense.
+    pub fn to_device(self, device: &Device) -> Self {
+        if self.device() == *device {
+            return self;
+        }
+        let shape = self.weight.dims();
+        Self::host(host_rows(self.weight), shape, device)
+    }
+
     /// This map with the row-order kernel's copy of its dense weight when it lives on the CPU
     /// ([`Self::host`]): inputs of up to [`QUANT_MAX_ROWS`] rows then skip the dense matmul,
     /// whose per-call packing of the weight dominates a few-row product. Unchanged when it

@@ -16,6 +16,8 @@ use std::path::Path;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use kakeya_models::dflash::{BlockGroup, DraftHead, DraftWeights, accepted_drafts};
+use kakeya_models::gemma3::model::embedding_rows;
+use kakeya_models::gpu;
 use kakeya_models::linear::Linear;
 use kakeya_weights::{DFlashConfig, DraftCheckpoint, HostTensor};
 use rand::rngs::StdRng;
@@ -65,14 +67,22 @@ pub struct Frozen {
 
 impl Frozen {
     /// Takes the verifier's embedding and gathers the head rows of `d2t` (`None`: the whole
-    /// vocabulary).
-    pub fn new(embed: Tensor<2>, hidden: usize, d2t: Option<&[u32]>) -> Self {
-        let [vocab, _] = embed.dims();
+    /// vocabulary), the head on the training `device` (in row blocks where the whole
+    /// vocabulary is larger than one buffer there). The table moves to `device` where it fits
+    /// one buffer there, else stays on the host: only a step's block inputs are read from it.
+    pub fn new(embed: Tensor<2>, hidden: usize, d2t: Option<&[u32]>, device: &Device) -> Self {
+        let [vocab, width] = embed.dims();
+        let embed = if gpu::fits_one_buffer(device, (vocab * width * 4) as u64) {
+            embed.to_device(device)
+        } else {
+            embed.to_device(&Device::flex())
+        };
         let head = DraftHead::new(
             Linear::dense(embed.clone()),
             &embed,
             d2t.map(<[u32]>::to_vec),
-        );
+        )
+        .to_device(device);
         Self {
             t2d: head.to_draft(vocab),
             embed,
@@ -330,17 +340,15 @@ impl DrafterParams {
         // Block input: the scaled embedding of [anchor, mask, ..., mask] per block.
         let mut ids = Vec::with_capacity(rows);
         for &t in &batch.anchor_tokens {
-            ids.push(i64::from(t));
-            ids.extend(std::iter::repeat_n(i64::from(c.mask_token_id), bsz - 1));
+            ids.push(t);
+            ids.extend(std::iter::repeat_n(c.mask_token_id, bsz - 1));
         }
-        let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [rows]), &frozen.embed.device());
-        let x = constant(
-            frozen
-                .embed
-                .clone()
-                .select(0, ids)
-                .mul_scalar(frozen.embed_scale),
-        );
+        let x = constant(embedding_rows(
+            &frozen.embed,
+            &ids,
+            frozen.embed_scale,
+            &device.clone().without_autodiff(),
+        ));
 
         // Context rows at their positions, block slots at anchor + k; one group per sequence.
         let mut ctx_pos = Vec::with_capacity(n_ctx);

@@ -213,9 +213,10 @@ pub fn train_drafter(
         cfg,
         // On the training device (the verifier may sit on another: the CPU that captured).
         frozen: Frozen::new(
-            verifier.embed.clone().to_device(&device),
+            verifier.embed.clone(),
             config.hidden_size,
             d2t.as_deref(),
+            &device,
         ),
         data: &data,
     };

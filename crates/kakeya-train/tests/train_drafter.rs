@@ -82,7 +82,12 @@ fn training_vs_runtime(sliding: bool) -> Vec<f32> {
             *t = Tensor::from_data(TensorData::new(d, [1, n]), &Device::flex());
         }
     }
-    let frozen = Frozen::new(v.embed.clone(), v.config.hidden_size, Some(&d2t));
+    let frozen = Frozen::new(
+        v.embed.clone(),
+        v.config.hidden_size,
+        Some(&d2t),
+        &Device::flex(),
+    );
     let seqs: Vec<&Sequence> = prep.data.train.iter().take(2).collect();
     let picks: Vec<(&Sequence, Vec<usize>)> = seqs
         .iter()

@@ -342,13 +342,36 @@ impl DraftHead {
         }
     }
 
-    /// The same head with its weight passed through `f` (e.g. lifted into autodiff).
-    pub fn map_weight(&self, f: impl FnOnce(Tensor<2>) -> Tensor<2>) -> Self {
+    /// The same head with its weight passed through `f` (e.g. lifted into autodiff): each
+    /// row block's where it is held in blocks ([`Linear::within`]).
+    pub fn map_weight(&self, mut f: impl FnMut(Tensor<2>) -> Tensor<2>) -> Self {
+        let mut map = |h: &Linear| {
+            if h.blocks.is_empty() {
+                Linear::dense(f(h.weight.clone()))
+            } else {
+                Linear {
+                    blocks: h.blocks.iter().cloned().map(&mut f).collect(),
+                    ..Linear::dense(h.weight.clone())
+                }
+            }
+        };
         match self {
-            Self::Verifier(h) => Self::Verifier(Linear::dense(f(h.weight.clone()))),
+            Self::Verifier(h) => Self::Verifier(map(h)),
             Self::Reduced { head, d2t } => Self::Reduced {
-                head: Linear::dense(f(head.weight.clone())),
+                head: map(head),
                 d2t: d2t.clone(),
+            },
+        }
+    }
+
+    /// The same head on `device` ([`Linear::to_device`]: in row blocks where it is larger
+    /// than one buffer there).
+    pub fn to_device(self, device: &burn::tensor::Device) -> Self {
+        match self {
+            Self::Verifier(h) => Self::Verifier(h.to_device(device)),
+            Self::Reduced { head, d2t } => Self::Reduced {
+                head: head.to_device(device),
+                d2t,
             },
         }
     }

@@ -524,12 +524,7 @@ impl Gemma3Model {
 ///
 /// # Shapes
 /// - `table`: `[vocab, hidden]`, `tokens`: `T` ids → `[T, hidden]`
-pub(crate) fn embedding_rows(
-    table: &Tensor<2>,
-    tokens: &[u32],
-    scale: f32,
-    device: &Device,
-) -> Tensor<2> {
+pub fn embedding_rows(table: &Tensor<2>, tokens: &[u32], scale: f32, device: &Device) -> Tensor<2> {
     let ids: Vec<i64> = tokens.iter().map(|&t| i64::from(t)).collect();
     let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [tokens.len()]), &table.device());
     table

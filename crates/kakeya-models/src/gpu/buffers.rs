@@ -16,6 +16,11 @@ pub fn max_buffer_bytes(device: &Device) -> Option<u64> {
     device_max(device).map(|max| asked.map_or(max, |a| a.min(max)))
 }
 
+/// Whether `bytes` fit one buffer on `device` ([`max_buffer_bytes`]; always on the CPU).
+pub fn fits_one_buffer(device: &Device, bytes: u64) -> bool {
+    max_buffer_bytes(device).is_none_or(|max| bytes <= max)
+}
+
 /// The device's own limit ([`max_buffer_bytes`]).
 fn device_max(device: &Device) -> Option<u64> {
     #[cfg(all(feature = "cube", not(feature = "fusion")))]

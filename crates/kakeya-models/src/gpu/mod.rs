@@ -87,7 +87,7 @@ mod buffers;
 mod graph;
 mod inputs;
 mod update;
-pub use buffers::max_buffer_bytes;
+pub use buffers::{fits_one_buffer, max_buffer_bytes};
 pub use graph::{DeviceGraph, buffer_of};
 pub use inputs::{StepInputs, gather_rows};
 pub use update::{AdamwStep, adamw, adamw_in_place};

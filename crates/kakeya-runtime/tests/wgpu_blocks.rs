@@ -1,7 +1,8 @@
 //! Weights larger than one buffer on the device, held in row blocks (`Linear::within`; the
 //! 270M model's 640 MiB tied embedding against lavapipe's 128 MiB): the tiny Gemma 3 loaded
 //! under a small `KAKEYA_GPU_MAX_BUFFER_BYTES` decodes, plainly and speculatively, as the same
-//! model held whole, and a forward asking for more logits than one buffer holds is refused.
+//! model held whole, and a forward asking for more logits than one buffer holds is refused;
+//! Gemma 4's per-layer embedding table, larger than one buffer, stays on the host.
 //! Run by `scripts/test_wgpu.sh` (lavapipe), or with `--features cuda` and
 //! `KAKEYA_TEST_DEVICE=cuda` on a GPU. One test: it sets the environment for its process.
 #![cfg(any(feature = "wgpu", feature = "cuda"))]
@@ -53,6 +54,12 @@ fn a_vocabulary_in_row_blocks_decodes_as_the_whole_table() {
         .unwrap()
         .tokens;
     let want_logits = all_logits(&whole, 10).unwrap();
+    // Gemma 4 (the dense fixture: per-layer inputs, shared K/V layers), held whole.
+    let whole4 = Gemma3Model::from_checkpoint(gemma4_dense(), &d).unwrap();
+    let want4 = generate(&mut Session::new(&whole4, 0), &p, &cfg, &mut |_| {})
+        .unwrap()
+        .tokens;
+    let want4_logits = all_logits(&whole4, 6).unwrap();
     // The head is 97 × 32 f32 = 12 416 bytes. 8 192: the head alone in two blocks (every
     // layer weight is at most 64 × 32 f32 = 8 192 bytes); 4 096: nearly every weight in blocks.
     for (limit, head_blocks) in [(8192u64, 2usize), (4096, 4)] {
@@ -113,6 +120,31 @@ fn a_vocabulary_in_row_blocks_decodes_as_the_whole_table() {
         assert_eq!(s.tokens, want, "limit {limit}: speculative decoding");
         eprintln!("limit {limit}: {head_blocks} head blocks, {st:?}");
     }
+    // Still at 4 096 bytes: Gemma 4's per-layer embedding table (128 × 48 f32 here; 9 GB for
+    // E2B) stays on the host, its rows looked up there, and the model decodes as held whole.
+    let m4 = Gemma3Model::from_checkpoint(gemma4_dense(), &d).unwrap();
+    let table = &m4.per_layer.as_ref().expect("per-layer inputs").embed;
+    assert_eq!(
+        table.device(),
+        Device::flex(),
+        "the per-layer table on the host"
+    );
+    let diff = all_logits(&m4, 6)
+        .unwrap()
+        .iter()
+        .zip(&want4_logits)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    eprintln!("Gemma 4 under 4096 bytes: max |Δlogit| against the whole weights {diff:.2e}");
+    assert!(diff <= 1e-4, "Gemma 4: {diff}");
+    let g = generate(&mut Session::new(&m4, 0), &p, &cfg, &mut |_| {}).unwrap();
+    assert_eq!(g.tokens, want4, "Gemma 4: greedy decoding");
     // SAFETY: as above.
     unsafe { std::env::remove_var("KAKEYA_GPU_MAX_BUFFER_BYTES") };
+}
+
+/// The dense Gemma 4 fixture (`tests/fixtures/gemma4/dense`).
+fn gemma4_dense() -> kakeya_weights::Checkpoint {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/gemma4");
+    kakeya_weights::Checkpoint::load(root.join("dense")).unwrap()
 }

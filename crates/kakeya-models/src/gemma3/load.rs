@@ -36,6 +36,23 @@ impl Loader<'_> {
         ))
     }
 
+    /// A lookup table `[rows, width]` (Gemma 4's per-layer embedding) on the device where it
+    /// fits one buffer there, else on the host, where its rows are looked up
+    /// ([`super::model::embedding_rows`]).
+    fn table(&mut self, name: &str) -> Result<Tensor<2>> {
+        let t = self.take(name)?;
+        let fits = crate::gpu::fits_one_buffer(self.device, (t.data.len() * 4) as u64);
+        let device = if fits {
+            self.device.clone()
+        } else {
+            Device::flex()
+        };
+        Ok(Tensor::from_data(
+            TensorData::new(t.data, [t.shape[0], t.shape[1]]),
+            &device,
+        ))
+    }
+
     fn lin(&mut self, name: &str) -> Result<Linear> {
         // The kernels run on host memory: only worth it when the model is on the CPU. A
         // quantised weight gets the block kernel, any other the row-order one.
@@ -198,7 +215,7 @@ impl Gemma3Model {
         }
         let per_layer = match &g4 {
             Some(g) if g.per_layer_input_size > 0 => Some(PerLayerEmbed {
-                embed: l.t2("model.embed_tokens_per_layer.weight")?,
+                embed: l.table("model.embed_tokens_per_layer.weight")?,
                 proj: l.lin("model.per_layer_model_projection.weight")?,
                 norm: l.norm("model.per_layer_projection_norm.weight", eps)?,
                 layers: c.num_hidden_layers,

@@ -2,7 +2,7 @@
 //! projection of the main embedding, and a gated branch in every layer that adds them to the
 //! residual stream (`docs/gemma4.md` §2, §5).
 
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::Tensor;
 
 use crate::activation::gelu_tanh;
 use crate::linear::Linear;
@@ -11,7 +11,8 @@ use crate::norm::RmsNorm;
 /// The model-level part: the per-layer embedding table and the projection of the main one.
 #[derive(Debug, Clone)]
 pub struct PerLayerEmbed {
-    /// `[per_layer_vocab, layers · P]`.
+    /// `[per_layer_vocab, layers · P]`; on the host where it is larger than one buffer on
+    /// the model's device.
     pub embed: Tensor<2>,
     /// `[layers · P, hidden]`.
     pub proj: Linear,
@@ -32,13 +33,9 @@ impl PerLayerEmbed {
     pub fn inputs(&self, tokens: &[u32], x0: Tensor<2>) -> Tensor<2> {
         let (t, hidden) = (tokens.len(), x0.dims()[1]);
         let device = x0.device();
-        let ids: Vec<i64> = tokens.iter().map(|&id| id as i64).collect();
-        let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [t]), &device);
-        let tok = self
-            .embed
-            .clone()
-            .select(0, ids)
-            .mul_scalar((self.size as f32).sqrt());
+        // The table may be on the host (larger than one buffer on the device: `load.rs`).
+        let tok =
+            super::model::embedding_rows(&self.embed, tokens, (self.size as f32).sqrt(), &device);
         let proj = self.proj.forward(x0).mul_scalar((hidden as f32).powf(-0.5));
         let proj = self
             .norm

@@ -44,6 +44,12 @@ pub enum TrainError {
         /// The state folder.
         dir: PathBuf,
     },
+    /// The compute device failed to run a step (out of its memory, a buffer larger than it
+    /// allocates, a lost device); the state of the last checkpoint is kept.
+    #[error(
+        "the compute device failed: {0}; training stopped (out of device memory? a smaller step or model fits); the last checkpoint is kept"
+    )]
+    Device(String),
     /// Training was interrupted (the state of the last checkpoint is kept).
     #[error("interrupted at step {0}")]
     Interrupted(usize),

@@ -111,15 +111,11 @@ pub(crate) fn clip_factor_on_device(norm: &Tensor<1>, clip: f64) -> Tensor<1> {
 pub struct StepValues(pub(crate) Tensor<1>);
 
 impl StepValues {
-    /// `(loss, gradient norm)`, read back.
-    pub fn read(self) -> (f64, f64) {
-        let v = self
-            .0
-            .into_data()
-            .convert::<f32>()
-            .try_into_vec::<f32>()
-            .expect("f32 step values");
-        (f64::from(v[0]), f64::from(v[1]))
+    /// `(loss, gradient norm)`, read back; a [`crate::TrainError::Device`] where the device
+    /// failed to run the step.
+    pub fn read(self) -> crate::error::Result<(f64, f64)> {
+        let v = crate::run::read_f32(self.0)?;
+        Ok((f64::from(v[0]), f64::from(v[1])))
     }
 }
 

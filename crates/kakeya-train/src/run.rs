@@ -113,6 +113,32 @@ pub struct TrainOptions {
     pub stop_after: Option<usize>,
 }
 
+/// A tensor's values read back to the host as f32: where the device failed to run what
+/// produced it, a [`TrainError::Device`] rather than a panic.
+pub(crate) fn read_f32<const D: usize>(t: Tensor<D>) -> Result<Vec<f32>> {
+    let data = t.try_into_data().map_err(|e| {
+        let msg = e.to_string();
+        // The failure itself, without the chain's headers or the launches it skipped.
+        let said: Vec<&str> = msg
+            .lines()
+            .map(str::trim)
+            .filter(|l| {
+                !l.is_empty()
+                    && *l != "Caused by:"
+                    && *l != "Several failures at once"
+                    && !l.starts_with("skipped")
+                    && !l.starts_with('(')
+            })
+            .take(3)
+            .collect();
+        TrainError::Device(said.join(": "))
+    })?;
+    Ok(data
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .expect("converted to f32"))
+}
+
 /// One optimiser step.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StepRecord {
@@ -392,7 +418,7 @@ where
         };
         let queued = started.elapsed();
         // The step's one read-back: on a GPU, the wait for the queued work.
-        let (loss, grad_norm) = values.read();
+        let (loss, grad_norm) = values.read()?;
         tracing::debug!(
             step = t + 1,
             forward_ms = forward.as_secs_f64() * 1e3,

@@ -344,7 +344,7 @@ impl Trainer for DrafterRun<'_> {
     }
 
     fn evaluate(&mut self, step: usize, params: &DrafterParams) -> Result<EvalRecord> {
-        Ok(evaluate(params, &self.frozen, self.data, self.cfg, step))
+        evaluate(params, &self.frozen, self.data, self.cfg, step)
     }
 }
 
@@ -356,7 +356,7 @@ fn evaluate(
     data: &TrainData,
     cfg: &DrafterTrainConfig,
     step: usize,
-) -> EvalRecord {
+) -> Result<EvalRecord> {
     let bsz = params.config.block_size;
     let mut all: Vec<(usize, usize)> = Vec::new();
     for (i, s) in data.heldout.iter().enumerate() {
@@ -380,7 +380,7 @@ fn evaluate(
         let batch = Batch::build(data.width, bsz, &[(&data.heldout[seq], anchors)]);
         let logits = params.forward(&weights, frozen, &batch);
         let (loss, w) = drafter::weighted_ce(&logits, &batch, frozen, cfg.train.gamma);
-        loss_sum += f64::from(loss.into_scalar::<f32>()) * w;
+        loss_sum += f64::from(crate::run::read_f32(loss)?[0]) * w;
         w_sum += w;
         for (drafts, targets) in frozen.greedy(&logits, bsz - 1).iter().zip(&batch.targets) {
             let a = drafter::acceptance(drafts, targets);
@@ -392,11 +392,11 @@ fn evaluate(
         start = end;
     }
     let n = chosen.len().max(1) as f64;
-    EvalRecord {
+    Ok(EvalRecord {
         step,
         loss: loss_sum / w_sum.max(1e-12),
         acceptance_length: acc_sum as f64 / n,
         per_slot_acceptance: per_slot.iter().map(|&c| c as f64 / n).collect(),
         anchors: chosen.len(),
-    }
+    })
 }

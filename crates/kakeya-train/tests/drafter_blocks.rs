@@ -3,8 +3,10 @@
 //! verifier under a small `KAKEYA_GPU_MAX_BUFFER_BYTES`): the table stays on the host, the
 //! whole-vocabulary head is held in row blocks on the device (a reduced one whole), and
 //! training gives the losses and held-out figures of the run with everything on the device.
+//! A drafter larger than the device allocates stops training with a clear error, not a panic.
 //! Run by `scripts/test_wgpu.sh` (lavapipe), or with `--features cuda` and
-//! `KAKEYA_TEST_DEVICE=cuda` on a GPU. One test: it sets the environment for its process.
+//! `KAKEYA_TEST_DEVICE=cuda` on a GPU, one test at a time (`--test-threads 1`): the first sets
+//! the environment for its process, the second makes the device fail.
 #![cfg(any(feature = "wgpu", feature = "cuda"))]
 
 mod tiny_data;
@@ -14,7 +16,7 @@ use kakeya_models::Gemma3Model;
 use kakeya_models::dflash::DraftHead;
 use kakeya_models::testing::{Scratch, random_checkpoint, tiny_config};
 use kakeya_train::drafter::Frozen;
-use kakeya_train::{TrainOptions, prepare, train_drafter};
+use kakeya_train::{TrainError, TrainOptions, prepare, train_drafter};
 use tiny_data::{SHA, capture, train_config};
 
 /// Per-step losses and the held-out evaluations (loss, acceptance length) of a short run.
@@ -91,4 +93,45 @@ fn a_vocabulary_larger_than_one_buffer_trains_as_the_whole_table() {
     }
     // SAFETY: as above.
     unsafe { std::env::remove_var("KAKEYA_GPU_MAX_BUFFER_BYTES") };
+}
+
+/// A drafter whose MLP weight is one row larger than the device's largest buffer (on
+/// lavapipe 128 MiB: 1 048 577 × 32 f32): the device cannot allocate it, and training stops
+/// with `TrainError::Device` naming the failure, where the first read-back panicked before;
+/// nothing is exported. (On a GPU whose buffers hold gigabytes the weight would not fail, so
+/// there the test says so and stops.)
+#[test]
+fn training_a_drafter_larger_than_the_device_allocates_is_an_error_not_a_panic() {
+    let gpu = kakeya_models::testing::test_device();
+    let Some(max) = kakeya_models::gpu::max_buffer_bytes(&gpu) else {
+        panic!("run with KAKEYA_TEST_DEVICE=wgpu (or cuda)");
+    };
+    if max > 1 << 30 {
+        eprintln!("buffers of {max} bytes: a drafter that large does not fit this host either");
+        return;
+    }
+    let s = Scratch::new("drafter-too-large");
+    let v = Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(64), 11), &Device::flex())
+        .unwrap();
+    let ds = capture(&s.0, &v, 10, 8, "1, 3, 4");
+    let mut cfg = train_config(&ds, &s.0.join("run"), 2, 40);
+    cfg.model.intermediate = (max / (32 * 4)) as usize + 1;
+    let prep = prepare(&cfg, &v, SHA).unwrap();
+    let opts = TrainOptions {
+        resume: false,
+        device: gpu,
+        stop_after: None,
+    };
+    match train_drafter(&cfg, &v, prep, &opts, &mut |_| {}) {
+        Err(TrainError::Device(msg)) => {
+            eprintln!("the device's error: {msg}");
+            assert!(!msg.is_empty());
+        }
+        Err(e) => panic!("another error: {e}"),
+        Ok(r) => panic!(
+            "trained {} parameters past the device's limit",
+            r.parameters
+        ),
+    }
+    assert!(!cfg.output.export.exists(), "nothing exported");
 }

@@ -135,7 +135,8 @@ fn trainer_steps(f: &Value, cfg: &FThetaTrainConfig) -> Vec<Step> {
             );
             let loss = prepared_loss(&model, &frozen, &batch, prepared, cfg, &ad);
             let loss_value = value(loss.clone());
-            let (lr, norm) = optimizer_step(cfg, t, loss, &leaves, &mut params, &mut moments);
+            let (lr, norm) =
+                optimizer_step(cfg, t, loss, &leaves, &mut params, &mut moments).unwrap();
             // Per layer, as the reference names them.
             let after = params
                 .to_checkpoint()
@@ -359,7 +360,7 @@ export = "unused"
     let leaves1 = leaves(&params.tensors);
     let model = params.model(&leaves1);
     let loss = batch_loss(&model, &groups, &batch, &tc, 0, &ad);
-    optimizer_step(&tc, 0, loss, &leaves1, &mut params, &mut moments);
+    optimizer_step(&tc, 0, loss, &leaves1, &mut params, &mut moments).unwrap();
     for ((name, _, p), b) in params.tensors.iter().zip(&before) {
         let moved = host(p).iter().zip(b).filter(|(x, y)| x != y).count();
         assert_eq!(
@@ -436,13 +437,14 @@ fn replayed_steps_equal_the_steps_issued_one_by_one() {
                 let part: Vec<&SeqData> = b.iter().collect();
                 let inputs = PassInputs::training(&part, host, &cfg, &ad);
                 let stepped = r.step(t, (&p, &moments), (&frozen, &cfg), inputs, b.len());
-                values.push(stepped.read());
+                values.push(stepped.read().unwrap());
             } else {
                 let leaves = leaves(&p.tensors);
                 let model = p.model(&leaves);
                 let loss = batch_loss(&model, &frozen, &b, &cfg, t, &ad);
                 let loss_value = value(loss.clone());
-                let (_, norm) = optimizer_step(&cfg, t, loss, &leaves, &mut p, &mut moments);
+                let (_, norm) =
+                    optimizer_step(&cfg, t, loss, &leaves, &mut p, &mut moments).unwrap();
                 values.push((loss_value, norm));
             }
         }

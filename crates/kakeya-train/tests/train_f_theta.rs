@@ -226,7 +226,7 @@ fn the_reloaded_export_reproduces_the_reports_heldout_figures() {
         .iter()
         .map(|&q| info.read(&data, q).unwrap())
         .collect();
-    let again = evaluate(&model, &frozen, &held, &cfg, last.step, false);
+    let again = evaluate(&model, &frozen, &held, &cfg, last.step, false).unwrap();
     let diff = largest_difference(&again, last);
     eprintln!("reloaded export vs report.json: largest relative difference {diff:.2e}");
     assert!(

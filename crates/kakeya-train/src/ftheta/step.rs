@@ -409,7 +409,7 @@ pub fn prepared_loss(
 /// [`crate::run::leaves`]), clips the global gradient norm to `train.grad_clip` and applies
 /// AdamW at the schedule's learning rate, with weight decay on every tensor as
 /// torch.optim.AdamW does by default. Returns the learning rate and the gradient norm before
-/// clipping.
+/// clipping (a [`crate::TrainError::Device`] where the device failed to run the step).
 pub fn optimizer_step(
     cfg: &FThetaTrainConfig,
     t: usize,
@@ -417,7 +417,7 @@ pub fn optimizer_step(
     leaves: &[Tensor<2>],
     params: &mut FThetaParams,
     moments: &mut [Moments],
-) -> (f64, f64) {
+) -> crate::error::Result<(f64, f64)> {
     let (opt, clip) = adamw(cfg, t);
     let (_, norm) = backward_and_step(
         loss,
@@ -429,8 +429,8 @@ pub fn optimizer_step(
         t + 1,
         &|_| true,
     )
-    .read();
-    (opt.lr, norm)
+    .read()?;
+    Ok((opt.lr, norm))
 }
 
 /// The AdamW settings of 0-based step `t` and the global clip.
@@ -469,7 +469,8 @@ fn by_type(per_layer: &[Diagnostics], global_layers: &[bool], global: bool) -> D
 
 /// Evaluates on every held-out sequence (evenly spaced queries), without autodiff. With
 /// `oracle`, the verifier's own K/V stand in for f_θ's (the floor of the recomputation).
-/// The trainer's held-out figures come from here.
+/// The trainer's held-out figures come from here; a [`crate::TrainError::Device`] where the
+/// device failed to run them.
 pub fn evaluate(
     model: &FTheta,
     frozen: &[GroupFrozen],
@@ -477,7 +478,7 @@ pub fn evaluate(
     cfg: &FThetaTrainConfig,
     step: usize,
     oracle: bool,
-) -> FEval {
+) -> crate::error::Result<FEval> {
     let device = frozen[0].layers[0].o_proj.device();
     let layers: usize = frozen.iter().map(|g| g.ids.len()).sum();
     let mut global_layers = vec![false; layers];
@@ -505,23 +506,20 @@ pub fn evaluate(
             for (fr, tg) in frozen.iter().zip(&tgs) {
                 let (k, v) = tg.kv.clone().expect("uploaded raw");
                 let t = group_terms(fr, tg, k, v);
-                total += f64::from(
-                    layer_loss(
-                        cfg.loss.kind,
-                        &cfg.loss.lambdas,
-                        cfg.loss.normalize_attention,
-                        &t,
-                    )
-                    .sum()
-                    .into_scalar::<f32>(),
+                let l = layer_loss(
+                    cfg.loss.kind,
+                    &cfg.loss.lambdas,
+                    cfg.loss.normalize_attention,
+                    &t,
                 );
+                total += f64::from(crate::run::read_f32(l.sum())?[0]);
                 diags.extend(fr.ids.iter().copied().zip(t.diagnostics()));
             }
             (total / layers as f64, diags)
         } else {
             let inputs = PassInputs::new(&[s], tgs, cfg, &device, true);
             let (l, d) = sequence_loss(model, frozen, &inputs, cfg, true);
-            (f64::from(l.into_scalar::<f32>()) / layers as f64, d)
+            (f64::from(crate::run::read_f32(l)?[0]) / layers as f64, d)
         };
         loss += l;
         for (id, d) in diags {
@@ -548,7 +546,7 @@ pub fn evaluate(
             v_rel_mse: d.v_rel_mse / n,
         })
         .collect();
-    FEval {
+    Ok(FEval {
         step,
         loss: loss / n,
         sliding: by_type(&per_layer, &global_layers, false),
@@ -556,5 +554,5 @@ pub fn evaluate(
         per_layer,
         sequences: held.len(),
         queries: nq,
-    }
+    })
 }

@@ -400,7 +400,7 @@ pub fn train_f_theta(
     let st = &mut opened.state;
     if st.step == 0 && st.evals.is_empty() && attention {
         let model = opened.params.model(&run::values(&opened.params.tensors));
-        st.extra.floor = Some(evaluate(&model, &frozen, &held, cfg, 0, true));
+        st.extra.floor = Some(evaluate(&model, &frozen, &held, cfg, 0, true)?);
     }
 
     let ahead = (layouts(&frozen), Passes::for_device(&ad));
@@ -591,13 +591,6 @@ impl Trainer for FThetaRun<'_> {
 
     fn evaluate(&mut self, step: usize, params: &FThetaParams) -> Result<FEval> {
         let model = params.model(&run::values(&params.tensors));
-        Ok(evaluate(
-            &model,
-            &self.frozen,
-            self.held,
-            self.cfg,
-            step,
-            false,
-        ))
+        evaluate(&model, &self.frozen, self.held, self.cfg, step, false)
     }
 }

@@ -444,7 +444,7 @@ pub fn weighted_ce(
         w
     };
     let nll = log_softmax(logits, 1).gather(1, idx).neg();
-    let loss = (nll * w).sum().mul_scalar(1.0 / total.max(1e-12));
+    let loss = crate::optim::sum_all(nll * w).mul_scalar(1.0 / total.max(1e-12));
     (loss, total)
 }
 

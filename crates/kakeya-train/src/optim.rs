@@ -64,6 +64,34 @@ pub fn squared_norm(grads: &[Tensor<2>]) -> Tensor<1> {
         .expect("at least one gradient")
 }
 
+/// Σ of every element of `x`, in the same order every run on every device. Burn's `sum()` on a
+/// GPU adds the partial sums of several cubes with atomic adds, in whatever order they land, so
+/// its last bits (and every update computed from them) vary run to run there; here each row of
+/// 4 096 elements is summed by one cube, then the rows' sums likewise.
+///
+/// # Shapes
+/// - `x`: any → `[1]`
+pub(crate) fn sum_all<const D: usize>(x: Tensor<D>) -> Tensor<1> {
+    const ROW: usize = 4096;
+    let n = x.shape().num_elements();
+    let flat = x.reshape([n]);
+    if n <= ROW {
+        return flat.sum_dim(0);
+    }
+    let rows = n.div_ceil(ROW);
+    let pad = rows * ROW - n;
+    let flat = if pad > 0 {
+        let zeros = Tensor::zeros([pad], &flat.device());
+        Tensor::cat(vec![flat, zeros], 0)
+    } else {
+        flat
+    };
+    flat.reshape([rows, ROW])
+        .sum_dim(1)
+        .reshape([rows])
+        .sum_dim(0)
+}
+
 /// [`squared_norm`] in a few launches on a GPU, whatever the number of gradients: all of them
 /// joined into one vector (a copy each), then squared and summed once (the sum in another order
 /// than [`squared_norm`]'s).
@@ -75,7 +103,7 @@ fn squared_norm_joined(grads: &[Tensor<2>]) -> Tensor<1> {
         .iter()
         .map(|g| g.clone().reshape([g.shape().num_elements()]))
         .collect();
-    Tensor::cat(flat, 0).square().sum()
+    sum_all(Tensor::cat(flat, 0).square())
 }
 
 /// `(Σ‖g‖²)^½` over all gradients: one read-back, not one per tensor (each a round trip on a
@@ -269,6 +297,25 @@ pub fn backward_and_step(
 mod tests {
     use super::*;
     use burn::tensor::{Device, TensorData};
+
+    #[test]
+    fn sum_all_adds_every_element_at_any_length() {
+        let d = Device::flex();
+        for n in [1usize, 7, 4096, 4097, 10_000, 12_288] {
+            let v: Vec<f32> = (0..n)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+                .collect();
+            let want: f64 = v.iter().map(|&x| f64::from(x)).sum();
+            // f32 rounding of a sum is bounded by its terms' magnitudes, not by the result.
+            let scale: f64 = v.iter().map(|&x| f64::from(x.abs())).sum();
+            let t = Tensor::<2>::from_data(TensorData::new(v, [1, n]), &d);
+            let got = f64::from(sum_all(t).into_scalar::<f32>());
+            assert!(
+                (got - want).abs() <= 1e-6 * scale,
+                "{n}: {got} against {want}"
+            );
+        }
+    }
 
     #[test]
     fn first_adam_step_moves_each_weight_by_lr_against_its_gradient_sign() {

@@ -22,6 +22,7 @@ use serde::{Deserialize, Serialize};
 pub use super::frozen::{AttentionInputs, GroupFrozen, LayerFrozen};
 use super::targets::Relative;
 pub use super::targets::{GroupTargets, PAD, Rows, TargetScales};
+use crate::optim::sum_all;
 
 /// Added under square roots of squared norms.
 pub(super) const NORM_EPS: f64 = 1e-12;
@@ -313,11 +314,11 @@ pub fn group_loss(
     let (Some(q), Some(o), Some(inputs), Some(w_o)) = (&tg.q, &tg.o, &tg.attention, &w.outputs)
     else {
         let terms = group_terms(fr, tg, k_hat, v_hat);
-        return layer_loss(kind, lambdas, normalize_attention, &terms).sum();
+        return sum_all(layer_loss(kind, lambdas, normalize_attention, &terms));
     };
     let [l, r, _] = k_hat.dims();
     let out = fr.attention(q.clone(), inputs, k_hat.clone(), v_hat.clone());
-    let loss = ((out - o.clone()).square() * w_o.clone()).sum();
+    let loss = sum_all((out - o.clone()).square() * w_o.clone());
     let Some([norms, w_mag, w_dir]) = &w.heads else {
         return loss;
     };
@@ -337,7 +338,7 @@ pub fn group_loss(
     // Σ λ·mean(1 − cos) = λ · (sequences · layers) − Σ λ·w·cos: each sequence's row weights
     // sum to 1 per layer.
     let sequences = tg.scales.len() as f64;
-    (loss + heads.sum()).add_scalar((lambdas.kdir + lambdas.vdir) * sequences * l as f64)
+    (loss + sum_all(heads)).add_scalar((lambdas.kdir + lambdas.vdir) * sequences * l as f64)
 }
 
 /// Every loss term of one layer ([`group_terms`] over a group of one).

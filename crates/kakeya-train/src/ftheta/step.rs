@@ -18,7 +18,7 @@ use super::params::FThetaParams;
 use super::pass::PassInputs;
 use super::targets::{HostTargets, TargetData};
 use super::train::FEval;
-use crate::optim::{AdamW, Moments, backward_and_step};
+use crate::optim::{AdamW, Moments, backward_and_step, sum_all};
 
 /// Query positions of a training sequence of `len` positions at 0-based step `step`: `count`
 /// distinct positions drawn from `(seed, step, seq)`, sorted.
@@ -223,7 +223,7 @@ pub fn sequence_loss(
         let loss = if diagnostics {
             let terms = group_terms(fr, tg, k_hat, v_hat);
             diags.extend(fr.ids.iter().copied().zip(terms.diagnostics()));
-            layer_loss(kind, lambdas, normalize, &terms).sum()
+            sum_all(layer_loss(kind, lambdas, normalize, &terms))
         } else {
             let w = &weights[i];
             group_loss(fr, tg, w, k_hat, v_hat, (kind, lambdas, normalize))
@@ -512,7 +512,7 @@ pub fn evaluate(
                     cfg.loss.normalize_attention,
                     &t,
                 );
-                total += f64::from(crate::run::read_f32(l.sum())?[0]);
+                total += f64::from(crate::run::read_f32(sum_all(l))?[0]);
                 diags.extend(fr.ids.iter().copied().zip(t.diagnostics()));
             }
             (total / layers as f64, diags)

@@ -1,5 +1,6 @@
 //! Token selection from logits: greedy, or seeded sampling with temperature, top-k, top-p.
 
+use burn::tensor::Tensor;
 use serde::{Deserialize, Serialize};
 
 /// How the next token is chosen. Closed: every mode is listed here.
@@ -50,6 +51,9 @@ pub enum Scores {
     Logits(Vec<f32>),
     /// The greedy choice.
     Greedy(u32),
+    /// The token the sampler already drew for the position the forward predicts, on the
+    /// device that holds the logits ([`Sampler::draw_on_device`]).
+    Drawn(u32),
 }
 
 impl Sampler {
@@ -84,7 +88,54 @@ impl Sampler {
                 );
                 *id
             }
+            Scores::Drawn(id) => *id,
         }
+    }
+
+    /// What [`Self::pick_scores`] picks from, given a forward's last row of logits
+    /// (`[1, vocab]`, asked for by [`Self::wants`]) that predicts position `pos`: drawn where
+    /// the logits are ([`Self::draw_on_device`]) when that applies, else the logits on the host.
+    pub fn scores_of(&self, logits: Tensor<2>, pos: usize) -> Scores {
+        match self.draw_on_device(&logits, pos) {
+            Some(ids) => Scores::Drawn(ids[0]),
+            None => Scores::Logits(
+                logits
+                    .into_data()
+                    .try_into_vec::<f32>()
+                    .expect("logits are f32"),
+            ),
+        }
+    }
+
+    /// The tokens [`Self::pick`] draws from each row of `logits` (`[T, vocab]`; row `i`
+    /// predicts position `first + i`), drawn on the GPU that holds them so only the `T` ids come
+    /// back: sampling at a temperature alone (top-k 0, top-p 1: the OpenAI default), with
+    /// [`Self::uniform`] rounded to f32. The device sums in f32 where the host sums in f64; the
+    /// two agree except where a uniform falls within rounding of a boundary between two
+    /// tokens. `None` on the CPU, for greedy decoding (its argmax has its own path), and for
+    /// top-k or top-p cuts (their order is most likely first: the host sorts).
+    ///
+    /// # Shapes
+    /// - `logits`: `[T, vocab]` → `T` ids
+    pub fn draw_on_device(&self, logits: &Tensor<2>, first: usize) -> Option<Vec<u32>> {
+        let Sampling::Sample {
+            temperature,
+            top_k: 0,
+            top_p,
+            ..
+        } = self.mode
+        else {
+            return None;
+        };
+        if top_p < 1.0 || !kakeya_models::gpu::applies(logits) {
+            return None;
+        }
+        // The largest f32 below 1: a uniform that rounds up to 1 would fall past the row.
+        let below_one = 1.0 - f32::EPSILON / 2.0;
+        let u: Vec<f32> = (0..logits.dims()[0])
+            .map(|i| (self.uniform(first + i) as f32).min(below_one))
+            .collect();
+        kakeya_models::gpu::sample_rows(logits, temperature, &u)
     }
 
     /// Picks the token at position `pos` from the logits that predict it.

@@ -35,10 +35,11 @@ pub enum Verified {
     Scores(Scores),
 }
 
-fn scores(out: ForwardOutput) -> Scores {
+/// The [`Scores`] of `out`, whose last row predicts position `pos`, for `sampler`.
+fn scores(out: ForwardOutput, sampler: &Sampler, pos: usize) -> Scores {
     match out.greedy {
         Some(ids) => Scores::Greedy(*ids.last().expect("one greedy choice per wanted row")),
-        None => Scores::Logits(logits_row(out.logits.expect("asked for logits"))),
+        None => sampler.scores_of(out.logits.expect("asked for logits"), pos),
     }
 }
 
@@ -283,7 +284,8 @@ impl<'m> Session<'m> {
         chunk: usize,
         sampler: &Sampler,
     ) -> Result<Scores> {
-        Ok(scores(self.prefill_out(tokens, chunk, sampler.wants())?))
+        let out = self.prefill_out(tokens, chunk, sampler.wants())?;
+        Ok(scores(out, sampler, self.len))
     }
 
     /// Runs `tokens` in chunks of at most `chunk`; the last chunk returns what `last` asks for.
@@ -386,9 +388,9 @@ impl<'m> Session<'m> {
         let outs = Self::forward_many(sessions, blocks, &wants, &[])?;
         let mut verified = Vec::with_capacity(outs.len());
         for ((s, out), sampler) in sessions.iter_mut().zip(outs).zip(samplers) {
-            verified.push(if sampler.is_some() {
+            verified.push(if let Some(sampler) = sampler {
                 s.commit()?;
-                Verified::Scores(scores(out))
+                Verified::Scores(scores(out, sampler, s.len))
             } else {
                 Verified::Greedy(out.greedy.expect("asked for the greedy choices"))
             });
@@ -495,7 +497,8 @@ impl<'m> Session<'m> {
 
     /// Runs one token; returns what `sampler` picks the next token from.
     pub fn step_for(&mut self, token: u32, sampler: &Sampler) -> Result<Scores> {
-        Ok(scores(self.forward(&[token], sampler.wants(), &[])?))
+        let out = self.forward(&[token], sampler.wants(), &[])?;
+        Ok(scores(out, sampler, self.len))
     }
 
     /// Whether a [`Self::truncate`] to `len` would succeed with every cache native (a

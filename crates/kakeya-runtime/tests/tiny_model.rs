@@ -358,7 +358,7 @@ fn a_prompt_chunk_beside_decode_steps_is_bit_for_bit_its_own_forward() {
     });
     let flat = |s: Scores| match s {
         Scores::Logits(l) => l.iter().map(|v| v.to_bits()).collect::<Vec<u32>>(),
-        Scores::Greedy(id) => vec![id],
+        Scores::Greedy(id) | Scores::Drawn(id) => vec![id],
     };
     for (m, prompt_len, what) in [
         (&exact, 12, "exact, 15 rows"),

@@ -34,6 +34,8 @@ mod matmul;
 mod ops;
 #[cfg(feature = "cube")]
 mod optim;
+#[cfg(feature = "cube")]
+mod sample;
 
 #[cfg(feature = "cube")]
 pub use ops::DecodeKernels;
@@ -340,6 +342,36 @@ pub fn argmax_on_device(logits: &Tensor<2>) -> Option<Tensor<1>> {
         Tensor::from_dispatch(<Dispatch as DecodeKernels>::argmax_rows(
             logits.clone().into_dispatch(),
         ))
+    })
+}
+
+/// Per row of `logits`, the token drawn from `softmax(row / temperature)` by inverse CDF in
+/// token-id order at `uniforms[row]` times the row's mass — the host sampler's rule at
+/// temperature alone (no top-k or top-p cut), in f32 where the host sums in f64 — so only the
+/// `T` ids come back to the host. `None` off a GPU.
+///
+/// # Shapes
+/// - `logits`: `[T, V]`, `uniforms`: `T` values in `[0, 1)` → `T` ids
+#[cfg_attr(not(feature = "cube"), allow(unused_variables))]
+pub fn sample_rows(logits: &Tensor<2>, temperature: f32, uniforms: &[f32]) -> Option<Vec<u32>> {
+    assert_eq!(logits.dims()[0], uniforms.len(), "one uniform per row");
+    assert!(temperature > 0.0, "sampling needs a temperature above 0");
+    on_gpu!(applies(logits), {
+        let u = Tensor::<1>::from_data(
+            burn::tensor::TensorData::new(uniforms.to_vec(), [uniforms.len()]),
+            &logits.device(),
+        );
+        let ids = Tensor::<1>::from_dispatch(<Dispatch as DecodeKernels>::sample_rows(
+            logits.clone().into_dispatch(),
+            u.into_dispatch(),
+            temperature,
+        ));
+        ids.into_data()
+            .try_into_vec::<f32>()
+            .expect("sampled ids are written as f32")
+            .into_iter()
+            .map(|i| i as u32)
+            .collect()
     })
 }
 

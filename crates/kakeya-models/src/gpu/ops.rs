@@ -6,7 +6,7 @@ use burn::backend::{backend_extension, tensor::FloatTensor};
 use burn::tensor::Shape;
 use burn_cubecl::CubeBackend;
 
-use super::{attention, gather, kernels, linear, matmul, optim};
+use super::{attention, gather, kernels, linear, matmul, optim, sample};
 
 /// The GPU kernels, on Burn's CubeCL backend (and its fused form).
 #[backend_extension(Cube: cfg(feature = "cube"), Fusion: cfg(feature = "fusion"))]
@@ -118,6 +118,19 @@ pub trait DecodeKernels: burn::backend::Backend {
     /// - `x`: `[T, V]` → `[T]`
     #[fusion(dtype = x, shape = Shape::new([x[0]]))]
     fn argmax_rows(x: FloatTensor<Self>) -> FloatTensor<Self>;
+
+    /// Per row, the token drawn from `softmax(x / temperature)` by inverse CDF in id order at
+    /// `u[row]` times the row's mass (the host sampler's rule, in f32), as an f32 (exact for
+    /// fewer than 2²⁴ columns).
+    ///
+    /// # Shapes
+    /// - `x`: `[T, V]`, `u`: `[T]` → `[T]`
+    #[fusion(dtype = x, shape = Shape::new([x[0]]))]
+    fn sample_rows(
+        x: FloatTensor<Self>,
+        u: FloatTensor<Self>,
+        temperature: f32,
+    ) -> FloatTensor<Self>;
 
     /// Grouped-query attention of a few rows, each over its own keys: row `i` sees keys
     /// `lo0 + i·dlo .. hi0 + i·dhi` (a decode step: one row; a verify block: a causal run that
@@ -394,6 +407,14 @@ impl DecodeKernels for CubeBackend {
 
     fn argmax_rows(x: FloatTensor<Self>) -> FloatTensor<Self> {
         kernels::argmax_rows(x)
+    }
+
+    fn sample_rows(
+        x: FloatTensor<Self>,
+        u: FloatTensor<Self>,
+        temperature: f32,
+    ) -> FloatTensor<Self> {
+        sample::sample_rows(x, u, temperature)
     }
 
     fn adamw(

@@ -8,7 +8,6 @@ use serde::Serialize;
 use super::accept_greedy;
 use super::adaptive::{BlockSchedule, Schedule, ScheduleStats};
 use super::proposer::Proposer;
-use super::sampled::sampled_posterior;
 use super::verifier::Verifier;
 use crate::error::{Result, RuntimeError};
 use crate::generate::{Generation, GenerationConfig, GenerationStats, StopReason, TokenSink, rate};
@@ -221,9 +220,7 @@ impl SpecDecoder {
         let posterior = if self.sampler.mode() == &Sampling::Greedy {
             verifier.verify(&block)?
         } else {
-            let rows = verifier.verify_logits(&block)?;
-            let vocab = verifier.model().config.vocab_size;
-            sampled_posterior(&rows, vocab, pos + 1, &self.sampler)
+            verifier.verify_sampled(&block, &self.sampler, pos + 1)?
         };
         let a = accept_greedy(&drafts, &posterior);
         verifier.rollback(pos + a + 1)?;

@@ -5,7 +5,9 @@ use kakeya_models::{Gemma3Model, Logits};
 
 use crate::error::{Result, RuntimeError};
 use crate::kv::{CompactStore, KvBytes};
+use crate::sampler::Sampler;
 use crate::session::{KvSetup, Session, logits_row};
+use crate::spec::sampled::sampled_posterior;
 
 /// The target model of one sequence, with rollback-capable caches.
 #[derive(Debug)]
@@ -96,14 +98,34 @@ impl<'m> Verifier<'m> {
         Ok(out.greedy.expect("asked for the greedy choices"))
     }
 
-    /// Runs a block like [`Self::verify`] and returns every row's logits, `B × vocab`
-    /// row-major (for sampling).
-    pub fn verify_logits(&mut self, block: &[u32]) -> Result<Vec<f32>> {
+    /// Runs a block like [`Self::verify`] and returns the token `sampler` draws after each
+    /// row (row `i` predicts position `first + i`): on the GPU that holds the logits where
+    /// [`Sampler::draw_on_device`] applies, else from the rows copied to the host
+    /// ([`sampled_posterior`]).
+    ///
+    /// # Shapes
+    /// - `block`: `B` ids → posterior `B` ids
+    pub fn verify_sampled(
+        &mut self,
+        block: &[u32],
+        sampler: &Sampler,
+        first: usize,
+    ) -> Result<Vec<u32>> {
         if block.is_empty() {
             return Err(RuntimeError::Input("empty block".into()));
         }
         let out = self.session.forward(block, Logits::All, &[])?;
-        Ok(logits_row(out.logits.expect("asked for logits")))
+        let logits = out.logits.expect("asked for logits");
+        if let Some(ids) = sampler.draw_on_device(&logits, first) {
+            return Ok(ids);
+        }
+        let vocab = self.model().config.vocab_size;
+        Ok(sampled_posterior(
+            &logits_row(logits),
+            vocab,
+            first,
+            sampler,
+        ))
     }
 
     /// Keeps positions `< len` (the accepted part of a block), exactly, and commits them.

@@ -1,0 +1,105 @@
+//! Sampling on the device (`Sampler::draw_on_device`): on a GPU, a sampled decode step and a
+//! sampled verify block send only token ids to the host. On the tiny model over wgpu (Mesa's
+//! lavapipe, `scripts/test_wgpu.sh`), or CUDA on a lent GPU:
+//! `KAKEYA_TEST_DEVICE=wgpu cargo test -p kakeya-runtime --features wgpu --test wgpu_sampling`.
+//!
+//! - Each step's device draw equals the host sampler's pick from the same logits copied back
+//!   (the device sums in f32, the host in f64: they could differ only where a uniform falls
+//!   within ≈ 1e-6 of a boundary between two tokens; none does in these draws).
+//! - Speculative sampling on the device commits exactly plain sampling's tokens there, drafts
+//!   accepted and rejected (its verify rows are the decode steps' bits, and each row's draw
+//!   depends only on its row and its position's uniform).
+#![cfg(any(feature = "wgpu", feature = "cuda"))]
+
+mod common;
+
+use burn::tensor::Device;
+use common::{NoisyReplay, tiny_prompt};
+use kakeya_models::testing::{random_checkpoint, test_device, tiny_config};
+use kakeya_models::{Gemma3Model, gpu};
+use kakeya_runtime::{
+    GenerationConfig, KvSetup, NgramProposer, Sampler, Sampling, Scores, Session, SpecConfig,
+    Verifier, generate, speculative_generate,
+};
+
+fn device() -> Device {
+    let d = test_device();
+    assert!(
+        gpu::is_gpu(&d),
+        "run with KAKEYA_TEST_DEVICE=wgpu (or cuda): sampling on the device needs a GPU"
+    );
+    d
+}
+
+fn sample(temperature: f32, top_p: f32, seed: u64) -> Sampling {
+    Sampling::Sample {
+        temperature,
+        top_k: 0,
+        top_p,
+        seed,
+    }
+}
+
+#[test]
+fn draws_on_the_device_equal_the_hosts_picks_from_the_same_logits() {
+    let v =
+        Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(8), 13), &device()).unwrap();
+    let mut distinct = std::collections::BTreeSet::new();
+    for (i, temperature) in [(0, 1.0), (1, 0.6), (2, 1.5)] {
+        let sampler = Sampler::new(sample(temperature, 1.0, 5 + i as u64));
+        let p = tiny_prompt(i, 9 + 4 * i);
+        let (mut on, mut off) = (Session::new(&v, 0), Session::new(&v, 0));
+        let mut drawn = on.prefill_for(&p, 16, &sampler).unwrap();
+        let mut logits = off.prefill(&p, 16).unwrap();
+        for step in 0..30 {
+            let Scores::Drawn(tok) = drawn else {
+                panic!("prompt {i}, step {step}: no draw on the device: {drawn:?}");
+            };
+            let want = sampler.pick(&logits, on.len());
+            assert_eq!(tok, want, "prompt {i}, step {step}, T {temperature}");
+            distinct.insert(tok);
+            drawn = on.step_for(tok, &sampler).unwrap();
+            logits = off.step(tok).unwrap();
+        }
+    }
+    assert!(distinct.len() > 20, "draws vary: {} tokens", distinct.len());
+    // A nucleus cut keeps the host's sorted order: the logits come back.
+    let nucleus = Sampler::new(sample(1.0, 0.9, 1));
+    let scores = Session::new(&v, 0)
+        .prefill_for(&tiny_prompt(0, 9), 16, &nucleus)
+        .unwrap();
+    assert!(matches!(scores, Scores::Logits(_)), "{scores:?}");
+}
+
+#[test]
+fn speculative_sampling_on_the_device_commits_plain_samplings_tokens() {
+    let v =
+        Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(8), 17), &device()).unwrap();
+    let mut accepted = 0;
+    for i in 0..2 {
+        let p = tiny_prompt(i, 6 + 5 * i);
+        for (seed, temperature) in [(3u64, 1.0f32), (4, 0.5)] {
+            let cfg = GenerationConfig {
+                sampling: sample(temperature, 1.0, seed),
+                ..GenerationConfig::greedy(32, 16)
+            };
+            let want = generate(&mut Session::new(&v, 0), &p, &cfg, &mut |_| {})
+                .unwrap()
+                .tokens;
+            for sc in [SpecConfig::fixed(4), SpecConfig::adaptive(8)] {
+                let mut ver = Verifier::new(&v, KvSetup::full(0), sc.block_size).unwrap();
+                let mut replay = NoisyReplay::new(&p, &want, 0.25, seed);
+                let g =
+                    speculative_generate(&mut ver, &mut replay, &p, &cfg, sc, &mut |_| {}).unwrap();
+                assert_eq!(g.tokens, want, "prompt {i}, seed {seed}, {sc:?}, replay");
+                accepted += g.spec.as_ref().expect("speculation figures").accepted;
+                let mut ver = Verifier::new(&v, KvSetup::full(0), sc.block_size).unwrap();
+                let mut ngram = NgramProposer::default();
+                let g =
+                    speculative_generate(&mut ver, &mut ngram, &p, &cfg, sc, &mut |_| {}).unwrap();
+                assert_eq!(g.tokens, want, "prompt {i}, seed {seed}, {sc:?}, ngram");
+            }
+        }
+    }
+    assert!(accepted > 20, "drafts accepted: {accepted}");
+}

@@ -109,25 +109,25 @@ impl Sampler {
 
     /// The tokens [`Self::pick`] draws from each row of `logits` (`[T, vocab]`; row `i`
     /// predicts position `first + i`), drawn on the GPU that holds them so only the `T` ids come
-    /// back: sampling at a temperature alone (top-k 0, top-p 1: the OpenAI default), with
+    /// back ([`kakeya_models::gpu::sample_rows`]: the same cuts, order and inverse CDF), with
     /// [`Self::uniform`] rounded to f32. The device sums in f32 where the host sums in f64; the
-    /// two agree except where a uniform falls within rounding of a boundary between two
-    /// tokens. `None` on the CPU, for greedy decoding (its argmax has its own path), and for
-    /// top-k or top-p cuts (their order is most likely first: the host sorts).
+    /// two agree except where a uniform (or the top-p target) falls within rounding of a
+    /// boundary between two tokens. `None` on the CPU and for greedy decoding (its argmax has
+    /// its own path).
     ///
     /// # Shapes
     /// - `logits`: `[T, vocab]` → `T` ids
     pub fn draw_on_device(&self, logits: &Tensor<2>, first: usize) -> Option<Vec<u32>> {
         let Sampling::Sample {
             temperature,
-            top_k: 0,
+            top_k,
             top_p,
             ..
         } = self.mode
         else {
             return None;
         };
-        if top_p < 1.0 || !kakeya_models::gpu::applies(logits) {
+        if !kakeya_models::gpu::applies(logits) {
             return None;
         }
         // The largest f32 below 1: a uniform that rounds up to 1 would fall past the row.
@@ -135,7 +135,7 @@ impl Sampler {
         let u: Vec<f32> = (0..logits.dims()[0])
             .map(|i| (self.uniform(first + i) as f32).min(below_one))
             .collect();
-        kakeya_models::gpu::sample_rows(logits, temperature, &u)
+        kakeya_models::gpu::sample_rows(logits, temperature, top_k, top_p, &u)
     }
 
     /// Picks the token at position `pos` from the logits that predict it.

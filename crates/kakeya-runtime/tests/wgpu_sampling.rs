@@ -3,9 +3,10 @@
 //! lavapipe, `scripts/test_wgpu.sh`), or CUDA on a lent GPU:
 //! `KAKEYA_TEST_DEVICE=wgpu cargo test -p kakeya-runtime --features wgpu --test wgpu_sampling`.
 //!
-//! - Each step's device draw equals the host sampler's pick from the same logits copied back
-//!   (the device sums in f32, the host in f64: they could differ only where a uniform falls
-//!   within ≈ 1e-6 of a boundary between two tokens; none does in these draws).
+//! - Each step's device draw equals the host sampler's pick from the same logits copied back,
+//!   at temperature alone and under top-k and top-p cuts (the device sums in f32, the host in
+//!   f64: they could differ only where a uniform falls within ≈ 1e-6 of a boundary between two
+//!   tokens; none does in these draws).
 //! - Speculative sampling on the device commits exactly plain sampling's tokens there, drafts
 //!   accepted and rejected (its verify rows are the decode steps' bits, and each row's draw
 //!   depends only on its row and its position's uniform).
@@ -31,10 +32,10 @@ fn device() -> Device {
     d
 }
 
-fn sample(temperature: f32, top_p: f32, seed: u64) -> Sampling {
+fn sample(temperature: f32, top_k: usize, top_p: f32, seed: u64) -> Sampling {
     Sampling::Sample {
         temperature,
-        top_k: 0,
+        top_k,
         top_p,
         seed,
     }
@@ -45,8 +46,16 @@ fn draws_on_the_device_equal_the_hosts_picks_from_the_same_logits() {
     let v =
         Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(8), 13), &device()).unwrap();
     let mut distinct = std::collections::BTreeSet::new();
-    for (i, temperature) in [(0, 1.0), (1, 0.6), (2, 1.5)] {
-        let sampler = Sampler::new(sample(temperature, 1.0, 5 + i as u64));
+    // Temperature alone (id order), then top-k and top-p cuts (most likely first).
+    for (i, temperature, top_k, top_p) in [
+        (0, 1.0, 0, 1.0),
+        (1, 0.6, 0, 1.0),
+        (2, 1.5, 0, 1.0),
+        (3, 1.0, 8, 1.0),
+        (4, 1.2, 0, 0.8),
+        (5, 1.0, 20, 0.9),
+    ] {
+        let sampler = Sampler::new(sample(temperature, top_k, top_p, 5 + i as u64));
         let p = tiny_prompt(i, 9 + 4 * i);
         let (mut on, mut off) = (Session::new(&v, 0), Session::new(&v, 0));
         let mut drawn = on.prefill_for(&p, 16, &sampler).unwrap();
@@ -56,19 +65,16 @@ fn draws_on_the_device_equal_the_hosts_picks_from_the_same_logits() {
                 panic!("prompt {i}, step {step}: no draw on the device: {drawn:?}");
             };
             let want = sampler.pick(&logits, on.len());
-            assert_eq!(tok, want, "prompt {i}, step {step}, T {temperature}");
+            assert_eq!(
+                tok, want,
+                "prompt {i}, step {step}, T {temperature}, top-k {top_k}, top-p {top_p}"
+            );
             distinct.insert(tok);
             drawn = on.step_for(tok, &sampler).unwrap();
             logits = off.step(tok).unwrap();
         }
     }
     assert!(distinct.len() > 20, "draws vary: {} tokens", distinct.len());
-    // A nucleus cut keeps the host's sorted order: the logits come back.
-    let nucleus = Sampler::new(sample(1.0, 0.9, 1));
-    let scores = Session::new(&v, 0)
-        .prefill_for(&tiny_prompt(0, 9), 16, &nucleus)
-        .unwrap();
-    assert!(matches!(scores, Scores::Logits(_)), "{scores:?}");
 }
 
 #[test]
@@ -78,9 +84,11 @@ fn speculative_sampling_on_the_device_commits_plain_samplings_tokens() {
     let mut accepted = 0;
     for i in 0..2 {
         let p = tiny_prompt(i, 6 + 5 * i);
-        for (seed, temperature) in [(3u64, 1.0f32), (4, 0.5)] {
+        for (seed, temperature, top_k, top_p) in
+            [(3u64, 1.0f32, 0, 1.0), (4, 0.5, 0, 1.0), (5, 1.0, 6, 0.9)]
+        {
             let cfg = GenerationConfig {
-                sampling: sample(temperature, 1.0, seed),
+                sampling: sample(temperature, top_k, top_p, seed),
                 ..GenerationConfig::greedy(32, 16)
             };
             let want = generate(&mut Session::new(&v, 0), &p, &cfg, &mut |_| {})

@@ -345,15 +345,23 @@ pub fn argmax_on_device(logits: &Tensor<2>) -> Option<Tensor<1>> {
     })
 }
 
-/// Per row of `logits`, the token drawn from `softmax(row / temperature)` by inverse CDF in
-/// token-id order at `uniforms[row]` times the row's mass — the host sampler's rule at
-/// temperature alone (no top-k or top-p cut), in f32 where the host sums in f64 — so only the
-/// `T` ids come back to the host. `None` off a GPU.
+/// Per row of `logits`, the token drawn from `softmax(row / temperature)` cut to the `top_k`
+/// most likely tokens (0: all), then to the shortest most-likely-first prefix holding `top_p`
+/// of their mass (1: all), by inverse CDF at `uniforms[row]` times the kept mass — in token-id
+/// order without a cut, most likely first (then the lower id) with one: the host sampler's
+/// rule, in f32 where the host sums in f64 — so only the `T` ids come back to the host. `None`
+/// off a GPU.
 ///
 /// # Shapes
 /// - `logits`: `[T, V]`, `uniforms`: `T` values in `[0, 1)` → `T` ids
 #[cfg_attr(not(feature = "cube"), allow(unused_variables))]
-pub fn sample_rows(logits: &Tensor<2>, temperature: f32, uniforms: &[f32]) -> Option<Vec<u32>> {
+pub fn sample_rows(
+    logits: &Tensor<2>,
+    temperature: f32,
+    top_k: usize,
+    top_p: f32,
+    uniforms: &[f32],
+) -> Option<Vec<u32>> {
     assert_eq!(logits.dims()[0], uniforms.len(), "one uniform per row");
     assert!(temperature > 0.0, "sampling needs a temperature above 0");
     on_gpu!(applies(logits), {
@@ -365,6 +373,8 @@ pub fn sample_rows(logits: &Tensor<2>, temperature: f32, uniforms: &[f32]) -> Op
             logits.clone().into_dispatch(),
             u.into_dispatch(),
             temperature,
+            top_k,
+            top_p.min(1.0),
         ));
         ids.into_data()
             .try_into_vec::<f32>()

@@ -119,8 +119,10 @@ pub trait DecodeKernels: burn::backend::Backend {
     #[fusion(dtype = x, shape = Shape::new([x[0]]))]
     fn argmax_rows(x: FloatTensor<Self>) -> FloatTensor<Self>;
 
-    /// Per row, the token drawn from `softmax(x / temperature)` by inverse CDF in id order at
-    /// `u[row]` times the row's mass (the host sampler's rule, in f32), as an f32 (exact for
+    /// Per row, the token drawn from `softmax(x / temperature)` cut to the `top_k` most likely
+    /// tokens (0: all) and then to the shortest most-likely-first prefix holding `top_p` of
+    /// their mass, by inverse CDF at `u[row]` times the kept mass — in id order without a cut,
+    /// most likely first with one (the host sampler's rule, in f32) — as an f32 (exact for
     /// fewer than 2²⁴ columns).
     ///
     /// # Shapes
@@ -130,6 +132,8 @@ pub trait DecodeKernels: burn::backend::Backend {
         x: FloatTensor<Self>,
         u: FloatTensor<Self>,
         temperature: f32,
+        top_k: usize,
+        top_p: f32,
     ) -> FloatTensor<Self>;
 
     /// Grouped-query attention of a few rows, each over its own keys: row `i` sees keys
@@ -413,8 +417,10 @@ impl DecodeKernels for CubeBackend {
         x: FloatTensor<Self>,
         u: FloatTensor<Self>,
         temperature: f32,
+        top_k: usize,
+        top_p: f32,
     ) -> FloatTensor<Self> {
-        sample::sample_rows(x, u, temperature)
+        sample::sample_rows(x, u, temperature, top_k, top_p)
     }
 
     fn adamw(

@@ -14,6 +14,8 @@
 #   bench-ar.json                `kakeya bench --device cuda`: pp512, tg128 (decode steps
 #                                recorded once and replayed as CUDA graphs)
 #   bench-ar-nograph.json        the same with `--no-graph` (every step issued kernel by kernel)
+#   bench-sampled[-cut].json     tg128 sampled at T = 1 (then with top-k 40, top-p 0.95): the
+#                                draw on the device, each step issued kernel by kernel
 #   bench-spec.json              AR vs speculative, 20 built-in prompts × 128 tokens, the default
 #                                settings (v3 drafter, n-gram table)
 #   hf.json                      transformers on the same GGUF and GPU
@@ -92,6 +94,13 @@ summary bench $O/bench-ar.json
 step bench-ar-nograph 100 $O/bench-ar-nograph.json $O/bench-ar-nograph.log $X/kakeya-cuda bench \
     --device $dev --no-graph --runs 3 --warmup 1 --json
 summary bench $O/bench-ar-nograph.json
+# Sampled decode (T = 1; then top-k 40, top-p 0.95): drawn on the device, only the ids read back.
+step bench-sampled 100 $O/bench-sampled.json $O/bench-sampled.log $X/kakeya-cuda bench --device $dev \
+    --temperature 1 --prompt-tokens 16 --runs 3 --warmup 1 --json
+summary bench $O/bench-sampled.json
+step bench-sampled-cut 100 $O/bench-sampled-cut.json $O/bench-sampled-cut.log $X/kakeya-cuda bench \
+    --device $dev --temperature 1 --top-k 40 --top-p 0.95 --prompt-tokens 16 --runs 3 --warmup 1 --json
+summary bench $O/bench-sampled-cut.json
 step bench-spec 150 $O/bench-spec.json $O/bench-spec.log $X/kakeya-cuda bench --device $dev \
     --drafter checkpoints/drafter-gemma3-270m-v3 --runs 1 --warmup 1 --json
 summary spec $O/bench-spec.json

@@ -9,7 +9,7 @@ use kakeya_runtime::Session;
 use kakeya_runtime::{Sampler, Sampling};
 use serde::Serialize;
 
-use crate::common::ModelArgs;
+use crate::common::{ModelArgs, SamplingArgs};
 use crate::kv::{KvArgs, KvRun};
 
 /// Arguments of `kakeya bench`.
@@ -60,6 +60,10 @@ pub struct BenchArgs {
     /// tokens/s.
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
+    /// How the tg test chooses its tokens (default greedy): `--temperature` above 0 samples
+    /// each step (on a GPU, on the device: only the ids come back).
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
     #[command(flatten)]
     pub table: crate::ngram::TableArgs,
     #[command(flatten)]
@@ -107,8 +111,14 @@ pub fn run(a: BenchArgs) -> Result<()> {
         a.runs > 0 && a.prompt_tokens > 0 && a.gen_tokens > 0 && a.batch > 0,
         "--runs, --prompt-tokens, --gen-tokens and --batch must be positive"
     );
+    let sampling = a.sampling.sampling()?;
+    let spec = a.drafter.is_some() || a.replay_drafts || a.draft.is_some();
+    anyhow::ensure!(
+        !spec || sampling == Sampling::Greedy,
+        "--temperature applies to the pp/tg tests; the speculative comparison is greedy"
+    );
     let (model, tok) = a.model.load()?;
-    if a.drafter.is_some() || a.replay_drafts || a.draft.is_some() {
+    if spec {
         return run_spec(&a, &model, &tok);
     }
     let kv = KvRun::prepare(&a.kv, &a.model, &model, None, None)?;
@@ -130,9 +140,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
         s.prefill(&prompt, a.prompt_tokens)?;
         let pp_rate = a.prompt_tokens as f64 / t.elapsed().as_secs_f64();
         // Decode: gen_tokens steps of `batch` sequences (one token each) after `depth`
-        // context tokens, greedy. Batched sequences each continue one of the built-in prompts
-        // (after the depth context), as concurrent requests would.
-        let greedy = Sampler::new(Sampling::Greedy);
+        // context tokens, greedy unless sampling was asked for. Batched sequences each
+        // continue one of the built-in prompts (after the depth context), as concurrent
+        // requests would.
+        let picker = Sampler::new(sampling.clone());
         let mut seqs = Vec::with_capacity(a.batch);
         let mut next = Vec::with_capacity(a.batch);
         for b in 0..a.batch {
@@ -144,7 +155,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
                     let prompts = &crate::bench_spec::DEFAULT_PROMPTS;
                     ctx.extend(tok.encode(prompts[b % prompts.len()])?);
                 }
-                first = greedy.pick_scores(&s.prefill_for(&ctx, 512, &greedy)?, ctx.len());
+                first = picker.pick_scores(&s.prefill_for(&ctx, 512, &picker)?, ctx.len());
             }
             seqs.push(s);
             next.push(first);
@@ -153,13 +164,13 @@ pub fn run(a: BenchArgs) -> Result<()> {
         for _ in 0..a.gen_tokens {
             if a.batch == 1 {
                 let s = &mut seqs[0];
-                next[0] = greedy.pick_scores(&s.step_for(next[0], &greedy)?, s.len());
+                next[0] = picker.pick_scores(&s.step_for(next[0], &picker)?, s.len());
             } else {
                 let mut refs: Vec<&mut Session<'_>> = seqs.iter_mut().collect();
-                let samplers = vec![&greedy; a.batch];
+                let samplers = vec![&picker; a.batch];
                 let scores = Session::step_batch(&mut refs, &next, &samplers)?;
                 for ((n, sc), s) in next.iter_mut().zip(&scores).zip(&seqs) {
-                    *n = greedy.pick_scores(sc, s.len());
+                    *n = picker.pick_scores(sc, s.len());
                 }
             }
         }
@@ -185,7 +196,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         },
         Figure {
             test: format!(
-                "tg{}{}{}",
+                "tg{}{}{}{}",
                 a.gen_tokens,
                 if a.depth > 0 {
                     format!(" @ d{}", a.depth)
@@ -196,6 +207,15 @@ pub fn run(a: BenchArgs) -> Result<()> {
                     format!(" × {} sequences (aggregate)", a.batch)
                 } else {
                     String::new()
+                },
+                match &sampling {
+                    Sampling::Greedy => String::new(),
+                    Sampling::Sample {
+                        temperature,
+                        top_k,
+                        top_p,
+                        ..
+                    } => format!(", sampled (T {temperature}, top-k {top_k}, top-p {top_p})"),
                 }
             ),
             tokens: a.batch * a.gen_tokens,

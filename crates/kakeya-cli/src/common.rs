@@ -203,3 +203,43 @@ pub fn check_block_size(block: usize, context: usize) -> Result<()> {
     }
     Ok(())
 }
+
+/// How tokens are chosen (`kakeya infer`, `kakeya bench`): greedy at temperature 0.
+#[derive(clap::Args, Debug, Clone)]
+pub struct SamplingArgs {
+    /// Sampling temperature; 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Top-k (0 = off); with temperature > 0.
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Top-p nucleus (1 = off); with temperature > 0.
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// RNG seed for sampling.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+impl SamplingArgs {
+    /// The sampling these flags ask for; an error for a negative temperature or a top-p
+    /// outside (0, 1].
+    pub fn sampling(&self) -> anyhow::Result<kakeya_runtime::Sampling> {
+        if self.temperature < 0.0 || !self.temperature.is_finite() {
+            anyhow::bail!("--temperature must be >= 0, got {}", self.temperature);
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            anyhow::bail!("--top-p must be in (0, 1], got {}", self.top_p);
+        }
+        Ok(if self.temperature == 0.0 {
+            kakeya_runtime::Sampling::Greedy
+        } else {
+            kakeya_runtime::Sampling::Sample {
+                temperature: self.temperature,
+                top_k: self.top_k,
+                top_p: self.top_p,
+                seed: self.seed,
+            }
+        })
+    }
+}

@@ -8,12 +8,12 @@ use clap::{ArgGroup, Args};
 use kakeya_models::{DFlashDrafter, Gemma3Model};
 use kakeya_runtime::chat::{self, ChatSession, Message};
 use kakeya_runtime::{
-    Generation, GenerationConfig, KvMode, KvSetup, RunawayGuard, Sampling, Session, SpecConfig,
-    TextStream, Verifier, generate, speculative_generate,
+    Generation, GenerationConfig, KvMode, KvSetup, RunawayGuard, Session, SpecConfig, TextStream,
+    Verifier, generate, speculative_generate,
 };
 use kakeya_weights::Tokenizer;
 
-use crate::common::{ModelArgs, check_block_size, drafter_dir, load_drafter};
+use crate::common::{ModelArgs, SamplingArgs, check_block_size, drafter_dir, load_drafter};
 use crate::draft::{DraftKind, NGRAM_BLOCK};
 use crate::kv::{KvArgs, KvRun};
 
@@ -38,18 +38,8 @@ pub struct InferArgs {
     /// Most tokens to generate (per turn in chat).
     #[arg(long, default_value_t = 128)]
     pub max_tokens: usize,
-    /// Sampling temperature; 0 = greedy.
-    #[arg(long, default_value_t = 0.0)]
-    pub temperature: f32,
-    /// Top-k (0 = off); with temperature > 0.
-    #[arg(long, default_value_t = 0)]
-    pub top_k: usize,
-    /// Top-p nucleus (1 = off); with temperature > 0.
-    #[arg(long, default_value_t = 1.0)]
-    pub top_p: f32,
-    /// RNG seed for sampling.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
     /// Print one JSON object (text, token ids, stats) instead of streaming text.
     #[arg(long)]
     pub json: bool,
@@ -85,27 +75,6 @@ pub struct InferArgs {
     pub table: crate::ngram::TableArgs,
     #[command(flatten)]
     pub kv: KvArgs,
-}
-
-impl InferArgs {
-    fn sampling(&self) -> Result<Sampling> {
-        if self.temperature < 0.0 || !self.temperature.is_finite() {
-            bail!("--temperature must be >= 0, got {}", self.temperature);
-        }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            bail!("--top-p must be in (0, 1], got {}", self.top_p);
-        }
-        Ok(if self.temperature == 0.0 {
-            Sampling::Greedy
-        } else {
-            Sampling::Sample {
-                temperature: self.temperature,
-                top_k: self.top_k,
-                top_p: self.top_p,
-                seed: self.seed,
-            }
-        })
-    }
 }
 
 /// Prints text as tokens arrive (holding back incomplete UTF-8) to stdout.
@@ -209,7 +178,7 @@ fn decode(
 
 /// Runs `kakeya infer`.
 pub fn run(a: InferArgs) -> Result<()> {
-    let sampling = a.sampling()?;
+    let sampling = a.sampling.sampling()?;
     if a.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }

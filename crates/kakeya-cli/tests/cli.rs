@@ -311,6 +311,29 @@ fn bench_prints_the_documented_json() {
     assert_eq!(tg["test"], "tg5 × 3 sequences (aggregate)");
     assert_eq!(tg["tokens"], 15);
     assert!(tg["median_tok_s"].as_f64().unwrap() > 0.0);
+    // Sampled decoding: the tg test says how it chose its tokens.
+    let j = json(&run_ok(&[
+        "bench",
+        "--model",
+        mm,
+        "--prompt-tokens",
+        "4",
+        "--gen-tokens",
+        "5",
+        "--runs",
+        "1",
+        "--warmup",
+        "0",
+        "--temperature",
+        "0.8",
+        "--top-k",
+        "5",
+        "--json",
+    ]));
+    assert_eq!(
+        j["results"][1]["test"],
+        "tg5, sampled (T 0.8, top-k 5, top-p 1)"
+    );
     // The speculative comparison with replayed drafts: every draft is right.
     let prompts = s.0.join("p.jsonl");
     std::fs::write(

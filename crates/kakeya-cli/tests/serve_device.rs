@@ -1,7 +1,7 @@
 //! `kakeya serve` on the test device (`KAKEYA_TEST_DEVICE`: the CPU by default;
 //! `scripts/test_wgpu.sh` runs it on wgpu over Mesa's lavapipe, built with `--features
-//! wgpu`): greedy requests alone and two at once, plainly and speculatively, each equal to
-//! `kakeya infer` on the same device (issued kernel by kernel there, `--no-graph`, while the
+//! wgpu`): greedy and sampled requests alone and three at once, plainly and speculatively,
+//! each equal to `kakeya infer` on the same device (issued kernel by kernel there, `--no-graph`, while the
 //! server replays recorded forwards on a GPU).
 
 mod common;
@@ -47,7 +47,35 @@ fn the_server_on_the_test_device_answers_what_infer_gives_alone_and_batched() {
             .0
         })
         .collect();
+    // Sampled (top-k 20 at T 0.8, seeded): drawn on the device on a GPU, in `infer` as in the
+    // server.
+    let sampled: Vec<String> = prompts
+        .iter()
+        .map(|p| {
+            infer_text(
+                &m,
+                &[
+                    "--prompt",
+                    p,
+                    "--max-tokens",
+                    "40",
+                    "--temperature",
+                    "0.8",
+                    "--top-k",
+                    "20",
+                    "--seed",
+                    "3",
+                    "--no-drafter",
+                    "--device",
+                    &dev,
+                ],
+            )
+            .0
+        })
+        .collect();
+    assert_ne!(sampled, want, "sampling changes the texts");
     let body = |p: &str| json!({"prompt": p, "max_tokens": 40, "temperature": 0});
+    let sampled_body = |p: &str| json!({"prompt": p, "max_tokens": 40, "temperature": 0.8, "top_k": 20, "seed": 3});
     for extra in [vec!["--no-drafter"], vec!["--drafter", d.to_str().unwrap()]] {
         let mut args = vec!["--device", dev.as_str()];
         args.extend(extra.iter().copied());
@@ -63,20 +91,36 @@ fn the_server_on_the_test_device_answers_what_infer_gives_alone_and_batched() {
         }
         // All at once: stacked forwards (drafts beside each other where they pay).
         let addr = srv.addr.clone();
-        let together: Vec<String> = std::thread::scope(|sc| {
-            let handles = prompts.map(|p| {
-                let (addr, b) = (addr.clone(), body(p));
-                sc.spawn(move || {
-                    let v = post(&addr, "/v1/completions", &b).json();
-                    v["choices"][0]["text"]
-                        .as_str()
-                        .unwrap_or_else(|| panic!("{v}"))
-                        .to_string()
-                })
-            });
-            handles.map(|h| h.join().unwrap()).to_vec()
-        });
-        assert_eq!(together, want, "{extra:?}: together");
+        let at_once = |make: &dyn Fn(&str) -> serde_json::Value| -> Vec<String> {
+            std::thread::scope(|sc| {
+                let handles = prompts.map(|p| {
+                    let (addr, b) = (addr.clone(), make(p));
+                    sc.spawn(move || {
+                        let v = post(&addr, "/v1/completions", &b).json();
+                        v["choices"][0]["text"]
+                            .as_str()
+                            .unwrap_or_else(|| panic!("{v}"))
+                            .to_string()
+                    })
+                });
+                handles.map(|h| h.join().unwrap()).to_vec()
+            })
+        };
+        assert_eq!(at_once(&body), want, "{extra:?}: together");
+        // Sampled requests, alone and together: the texts `infer` samples.
+        for (p, w) in prompts.iter().zip(&sampled) {
+            let v = srv.post("/v1/completions", &sampled_body(p)).json();
+            assert_eq!(
+                v["choices"][0]["text"].as_str(),
+                Some(w.as_str()),
+                "{extra:?}, sampled: {v}"
+            );
+        }
+        assert_eq!(
+            at_once(&sampled_body),
+            sampled,
+            "{extra:?}: sampled, together"
+        );
         srv.wait_metric("kakeya_running_sequences", 0.0);
         // On a GPU the server's greedy forwards were replayed (infer's above were issued
         // kernel by kernel); the CPU records none.

@@ -15,7 +15,7 @@
 #                                recorded once and replayed as CUDA graphs)
 #   bench-ar-nograph.json        the same with `--no-graph` (every step issued kernel by kernel)
 #   bench-sampled[-cut].json     tg128 sampled at T = 1 (then with top-k 40, top-p 0.95): the
-#                                draw on the device, each step issued kernel by kernel
+#                                draw on the device, the steps replayed as CUDA graphs
 #   bench-spec.json              AR vs speculative, 20 built-in prompts × 128 tokens, the default
 #                                settings (v3 drafter, n-gram table)
 #   hf.json                      transformers on the same GGUF and GPU

@@ -5,6 +5,7 @@
 pub mod activation;
 pub mod cache;
 pub mod dflash;
+pub mod draw;
 pub mod error;
 pub mod ftheta;
 pub mod gemma3;
@@ -21,6 +22,7 @@ pub use cache::{
     SegmentKv,
 };
 pub use dflash::{DFlashDrafter, DraftOutput, DraftRequest};
+pub use draw::Draw;
 pub use error::{ModelError, Result};
 pub use ftheta::FTheta;
 pub use gemma3::{ForwardOutput, ForwardRequest, Gemma3Model, Logits};

@@ -1,6 +1,6 @@
 //! Token selection from logits: greedy, or seeded sampling with temperature, top-k, top-p.
 
-use burn::tensor::Tensor;
+use kakeya_models::Draw;
 use serde::{Deserialize, Serialize};
 
 /// How the next token is chosen. Closed: every mode is listed here.
@@ -32,13 +32,6 @@ pub struct Sampler {
     mode: Sampling,
 }
 
-/// SplitMix64's finaliser: a bijective mix of 64 bits.
-fn mix(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
 /// Index of the largest value (first on ties); `None` for an empty slice.
 pub use kakeya_weights::argmax::first_max as argmax;
 
@@ -51,8 +44,8 @@ pub enum Scores {
     Logits(Vec<f32>),
     /// The greedy choice.
     Greedy(u32),
-    /// The token the sampler already drew for the position the forward predicts, on the
-    /// device that holds the logits ([`Sampler::draw_on_device`]).
+    /// The token the sampler's rule already drew for the position the forward predicts, on
+    /// the GPU that held the logits ([`kakeya_models::Logits::DrawLast`]).
     Drawn(u32),
 }
 
@@ -68,11 +61,31 @@ impl Sampler {
     }
 
     /// What a forward must return for [`Self::pick_scores`]: the greedy choice alone when
-    /// greedy, else the logits (of the last position).
+    /// greedy, else the draw after the last position (on a GPU drawn there, elsewhere the
+    /// logits for [`Self::pick`]).
     pub fn wants(&self) -> kakeya_models::Logits {
+        match self.draw() {
+            None => kakeya_models::Logits::GreedyLast,
+            Some(d) => kakeya_models::Logits::DrawLast(d),
+        }
+    }
+
+    /// The sampling rule as a forward's request ([`kakeya_models::Draw`]: the same rule and
+    /// uniforms, drawn on a GPU); `None` when greedy.
+    pub fn draw(&self) -> Option<Draw> {
         match self.mode {
-            Sampling::Greedy => kakeya_models::Logits::GreedyLast,
-            Sampling::Sample { .. } => kakeya_models::Logits::Last,
+            Sampling::Greedy => None,
+            Sampling::Sample {
+                temperature,
+                top_k,
+                top_p,
+                seed,
+            } => Some(Draw {
+                temperature,
+                top_k,
+                top_p,
+                seed,
+            }),
         }
     }
 
@@ -92,52 +105,6 @@ impl Sampler {
         }
     }
 
-    /// What [`Self::pick_scores`] picks from, given a forward's last row of logits
-    /// (`[1, vocab]`, asked for by [`Self::wants`]) that predicts position `pos`: drawn where
-    /// the logits are ([`Self::draw_on_device`]) when that applies, else the logits on the host.
-    pub fn scores_of(&self, logits: Tensor<2>, pos: usize) -> Scores {
-        match self.draw_on_device(&logits, pos) {
-            Some(ids) => Scores::Drawn(ids[0]),
-            None => Scores::Logits(
-                logits
-                    .into_data()
-                    .try_into_vec::<f32>()
-                    .expect("logits are f32"),
-            ),
-        }
-    }
-
-    /// The tokens [`Self::pick`] draws from each row of `logits` (`[T, vocab]`; row `i`
-    /// predicts position `first + i`), drawn on the GPU that holds them so only the `T` ids come
-    /// back ([`kakeya_models::gpu::sample_rows`]: the same cuts, order and inverse CDF), with
-    /// [`Self::uniform`] rounded to f32. The device sums in f32 where the host sums in f64; the
-    /// two agree except where a uniform (or the top-p target) falls within rounding of a
-    /// boundary between two tokens. `None` on the CPU and for greedy decoding (its argmax has
-    /// its own path).
-    ///
-    /// # Shapes
-    /// - `logits`: `[T, vocab]` → `T` ids
-    pub fn draw_on_device(&self, logits: &Tensor<2>, first: usize) -> Option<Vec<u32>> {
-        let Sampling::Sample {
-            temperature,
-            top_k,
-            top_p,
-            ..
-        } = self.mode
-        else {
-            return None;
-        };
-        if !kakeya_models::gpu::applies(logits) {
-            return None;
-        }
-        // The largest f32 below 1: a uniform that rounds up to 1 would fall past the row.
-        let below_one = 1.0 - f32::EPSILON / 2.0;
-        let u: Vec<f32> = (0..logits.dims()[0])
-            .map(|i| (self.uniform(first + i) as f32).min(below_one))
-            .collect();
-        kakeya_models::gpu::sample_rows(logits, temperature, top_k, top_p, &u)
-    }
-
     /// Picks the token at position `pos` from the logits that predict it.
     pub fn pick(&self, logits: &[f32], pos: usize) -> u32 {
         match self.mode {
@@ -155,8 +122,7 @@ impl Sampler {
             Sampling::Sample { seed, .. } => seed,
             Sampling::Greedy => 0,
         };
-        let bits = mix(seed ^ mix(pos as u64 ^ 0x9e37_79b9_7f4a_7c15));
-        (bits >> 11) as f64 / (1u64 << 53) as f64
+        kakeya_models::draw::uniform(seed, pos)
     }
 
     /// The distribution [`Self::pick`] draws from: the kept token ids with their

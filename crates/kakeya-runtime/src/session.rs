@@ -15,7 +15,7 @@ use kakeya_models::{
 
 use crate::error::{Result, RuntimeError};
 use crate::kv::{CompactStore, KvBytes, KvPolicy, Restorer, SequenceKv};
-use crate::sampler::{Sampler, Scores};
+use crate::sampler::{Sampler, Sampling, Scores};
 
 /// Copies one row of logits `[1, vocab]` to the host.
 pub fn logits_row(logits: Tensor<2>) -> Vec<f32> {
@@ -35,11 +35,18 @@ pub enum Verified {
     Scores(Scores),
 }
 
-/// The [`Scores`] of `out`, whose last row predicts position `pos`, for `sampler`.
-fn scores(out: ForwardOutput, sampler: &Sampler, pos: usize) -> Scores {
-    match out.greedy {
-        Some(ids) => Scores::Greedy(*ids.last().expect("one greedy choice per wanted row")),
-        None => sampler.scores_of(out.logits.expect("asked for logits"), pos),
+/// The [`Scores`] of a forward that asked for what `sampler` wants: the choice made on the
+/// device (the greedy one, or a draw on a GPU), else the last row's logits on the host.
+fn scores(out: ForwardOutput, sampler: &Sampler) -> Scores {
+    match out.chosen {
+        Some(ids) => {
+            let id = *ids.last().expect("one choice per wanted row");
+            match sampler.mode() {
+                Sampling::Greedy => Scores::Greedy(id),
+                Sampling::Sample { .. } => Scores::Drawn(id),
+            }
+        }
+        None => Scores::Logits(logits_row(out.logits.expect("asked for logits"))),
     }
 }
 
@@ -285,7 +292,7 @@ impl<'m> Session<'m> {
         sampler: &Sampler,
     ) -> Result<Scores> {
         let out = self.prefill_out(tokens, chunk, sampler.wants())?;
-        Ok(scores(out, sampler, self.len))
+        Ok(scores(out, sampler))
     }
 
     /// Runs `tokens` in chunks of at most `chunk`; the last chunk returns what `last` asks for.
@@ -390,9 +397,9 @@ impl<'m> Session<'m> {
         for ((s, out), sampler) in sessions.iter_mut().zip(outs).zip(samplers) {
             verified.push(if let Some(sampler) = sampler {
                 s.commit()?;
-                Verified::Scores(scores(out, sampler, s.len))
+                Verified::Scores(scores(out, sampler))
             } else {
-                Verified::Greedy(out.greedy.expect("asked for the greedy choices"))
+                Verified::Greedy(out.chosen.expect("asked for the greedy choices"))
             });
         }
         Ok(verified)
@@ -498,7 +505,7 @@ impl<'m> Session<'m> {
     /// Runs one token; returns what `sampler` picks the next token from.
     pub fn step_for(&mut self, token: u32, sampler: &Sampler) -> Result<Scores> {
         let out = self.forward(&[token], sampler.wants(), &[])?;
-        Ok(scores(out, sampler, self.len))
+        Ok(scores(out, sampler))
     }
 
     /// Whether a [`Self::truncate`] to `len` would succeed with every cache native (a

@@ -225,8 +225,8 @@ fn greedy_choices_equal_the_argmax_of_the_logits() {
             let want: Vec<u32> = all.iter().map(|r| argmax(r).unwrap() as u32).collect();
             let got = run(Logits::GreedyAll);
             assert!(got.logits.is_none());
-            assert_eq!(got.greedy.unwrap(), want, "n={n} quantised={quantised}");
-            let last = run(Logits::GreedyLast).greedy.unwrap();
+            assert_eq!(got.chosen.unwrap(), want, "n={n} quantised={quantised}");
+            let last = run(Logits::GreedyLast).chosen.unwrap();
             assert_eq!(last, vec![*want.last().unwrap()], "n={n}");
         }
         // Mixed batch: one greedy and one logits request in one forward.
@@ -244,8 +244,8 @@ fn greedy_choices_equal_the_argmax_of_the_logits() {
             .unwrap();
         let alone_a = full_forward(&m, &a);
         let want: Vec<u32> = alone_a.iter().map(|r| argmax(r).unwrap() as u32).collect();
-        assert_eq!(outs[0].greedy.as_deref(), Some(&want[..]));
-        assert!(outs[0].logits.is_none() && outs[1].greedy.is_none());
+        assert_eq!(outs[0].chosen.as_deref(), Some(&want[..]));
+        assert!(outs[0].logits.is_none() && outs[1].chosen.is_none());
         let lb = rows(outs[1].logits.clone().unwrap());
         assert_close(
             &lb[0],

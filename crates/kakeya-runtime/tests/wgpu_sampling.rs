@@ -1,5 +1,6 @@
-//! Sampling on the device (`Sampler::draw_on_device`): on a GPU, a sampled decode step and a
-//! sampled verify block send only token ids to the host. On the tiny model over wgpu (Mesa's
+//! Sampling on the device (`kakeya_models::Logits::DrawLast`, `DrawAll`): on a GPU, a sampled
+//! decode step and a sampled verify block send only token ids to the host, and are recorded
+//! once and replayed like greedy ones. On the tiny model over wgpu (Mesa's
 //! lavapipe, `scripts/test_wgpu.sh`), or CUDA on a lent GPU:
 //! `KAKEYA_TEST_DEVICE=wgpu cargo test -p kakeya-runtime --features wgpu --test wgpu_sampling`.
 //!
@@ -75,6 +76,11 @@ fn draws_on_the_device_equal_the_hosts_picks_from_the_same_logits() {
         }
     }
     assert!(distinct.len() > 20, "draws vary: {} tokens", distinct.len());
+    // The sampled steps were recorded once and replayed (their uniforms copied in each time);
+    // the picks above come from logits of steps issued kernel by kernel.
+    let st = v.replay_stats();
+    eprintln!("sampled steps: {st:?}");
+    assert!(st.replayed > 100, "sampled steps replayed: {st:?}");
 }
 
 #[test]

@@ -8,7 +8,7 @@ use std::sync::{Mutex, MutexGuard};
 use burn::tensor::{Device, Tensor};
 use kakeya_weights::AttentionKind;
 
-use super::model::{ForwardRequest, Gemma3Model, Logits};
+use super::model::{ForwardRequest, Gemma3Model};
 use super::pass::head_input;
 use crate::cache::KvLayers;
 use crate::error::{ModelError, Result};
@@ -123,41 +123,77 @@ impl Gemma3Model {
         held
     }
 
-    /// A greedy forward (decode steps, verify blocks: every request asks for
-    /// [`Logits::GreedyLast`] or [`Logits::GreedyAll`]) whose token ids and positions are read
-    /// from `inputs` (the buffer a recording reads) and whose choices stay on the device: the
-    /// form of [`Self::forward_batch`] that a recording can hold (nothing read back inside
-    /// it). `inputs` must hold the requests' stacked tokens and positions. Returns the ids of
-    /// every wanted row in request order and the stacked rows after each of `hidden_after`.
+    /// A forward whose every request asks for the greedy choices or a draw
+    /// ([`crate::Logits::GreedyLast`], [`crate::Logits::GreedyAll`], [`crate::Logits::DrawLast`],
+    /// [`crate::Logits::DrawAll`]: decode steps, verify blocks), whose token ids, positions and
+    /// uniforms are read from `inputs` (the buffer a recording reads; the draws' uniforms
+    /// after the positions, in request order: [`Self::uniforms_of`]) and whose choices stay on
+    /// the device: the form of [`Self::forward_batch`] that a recording can hold (nothing read
+    /// back inside it). Returns the ids of every wanted row in request order and the stacked
+    /// rows after each of `hidden_after`.
     ///
     /// # Shapes
     /// - `R` stacked rows → `[wanted rows]` ids as f32 on the device, hidden `[R, hidden]` each
-    pub(super) fn greedy_on_device(
+    pub(super) fn chosen_on_device(
         &self,
         reqs: &[ForwardRequest<'_>],
         kvs: &mut [&mut dyn KvLayers],
         inputs: &StepInputs,
     ) -> Result<(Tensor<1>, Vec<Tensor<2>>)> {
-        if let Some(r) = reqs
-            .iter()
-            .find(|r| !matches!(r.logits, Logits::GreedyLast | Logits::GreedyAll))
-        {
+        if let Some(r) = reqs.iter().find(|r| !r.logits.chosen_on_device()) {
             return Err(ModelError::Input(format!(
-                "greedy_on_device returns greedy choices, not {:?}",
+                "chosen_on_device returns greedy choices or draws, not {:?}",
                 r.logits
             )));
         }
         let pass = self.pass(reqs, kvs, Some(inputs))?;
-        let (head_in, _) = head_input(reqs, &pass.spans, &pass.x);
+        let (head_in, counts) = head_input(reqs, &pass.spans, &pass.x);
         let head_in = head_in.ok_or_else(|| ModelError::Input("no row wanted".into()))?;
-        let ids = gpu::argmax_on_device(&self.logits(head_in))
-            .ok_or_else(|| ModelError::Input("greedy_on_device needs a GPU".into()))?;
+        let logits = self.logits(head_in);
+        let no_gpu = || ModelError::Input("chosen_on_device needs a GPU".into());
+        let ids = if reqs.iter().all(|r| r.logits.greedy()) {
+            gpu::argmax_on_device(&logits).ok_or_else(no_gpu)?
+        } else {
+            // Each request's rows by its own rule; its uniforms where `uniforms_of` put them.
+            let (mut parts, mut row, mut drawn) = (Vec::with_capacity(reqs.len()), 0, 0);
+            let v = logits.dims()[1];
+            for (req, n) in reqs.iter().zip(counts) {
+                let rows = logits.clone().slice([row..row + n, 0..v]);
+                let ids = match req.logits.draw(req.start, req.tokens.len()) {
+                    Some((d, _)) => {
+                        drawn += n;
+                        d.ids_on_device(&rows, inputs.extra(drawn - n, n))
+                    }
+                    None => gpu::argmax_on_device(&rows),
+                };
+                parts.push(ids.ok_or_else(no_gpu)?);
+                row += n;
+            }
+            Tensor::cat(parts, 0)
+        };
         let hidden = pass
             .hidden
             .into_iter()
             .map(|t| t.ok_or_else(|| ModelError::Input("a requested layer did not run".into())))
             .collect::<Result<Vec<_>>>()?;
         Ok((ids, hidden))
+    }
+
+    /// The uniforms [`Self::chosen_on_device`] reads after the positions: each drawing
+    /// request's, in request order, one per wanted row.
+    pub(super) fn uniforms_of(reqs: &[ForwardRequest<'_>]) -> Vec<f32> {
+        let mut u = Vec::new();
+        for req in reqs {
+            if let Some((d, first)) = req.logits.draw(req.start, req.tokens.len()) {
+                let n = if req.logits.last_only() {
+                    1
+                } else {
+                    req.tokens.len()
+                };
+                u.extend(d.uniforms(first, n));
+            }
+        }
+        u
     }
 
     /// The host's side of a replayed step of `t` rows at `start`: each layer's cache takes

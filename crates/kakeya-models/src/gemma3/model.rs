@@ -29,6 +29,12 @@ pub enum Logits {
     GreedyLast,
     /// Only the greedy choice after every position (`T` ids), as `GreedyLast`.
     GreedyAll,
+    /// The token drawn after the last position: on a GPU drawn there, one id in
+    /// [`ForwardOutput::chosen`]; elsewhere the logits `Last` returns, for the caller's sampler.
+    DrawLast(crate::Draw),
+    /// The token drawn after every position (row `i` predicts position `start + i + 1`), as
+    /// `DrawLast`: `T` ids on a GPU, the logits `All` returns elsewhere.
+    DrawAll(crate::Draw),
 }
 
 impl Logits {
@@ -36,13 +42,36 @@ impl Logits {
     pub(super) fn rows(self, span: &std::ops::Range<usize>) -> std::ops::Range<usize> {
         match self {
             Logits::None => span.start..span.start,
-            Logits::All | Logits::GreedyAll => span.clone(),
-            Logits::Last | Logits::GreedyLast => span.end - 1..span.end,
+            Logits::All | Logits::GreedyAll | Logits::DrawAll(_) => span.clone(),
+            Logits::Last | Logits::GreedyLast | Logits::DrawLast(_) => span.end - 1..span.end,
+        }
+    }
+
+    /// Whether a forward can keep this request's choices on the device (greedy or a draw).
+    pub(super) fn chosen_on_device(self) -> bool {
+        self.greedy() || matches!(self, Logits::DrawLast(_) | Logits::DrawAll(_))
+    }
+
+    /// Whether only the last position's row is wanted.
+    pub(super) fn last_only(self) -> bool {
+        matches!(
+            self,
+            Logits::Last | Logits::GreedyLast | Logits::DrawLast(_)
+        )
+    }
+
+    /// The draw asked for, with the position the first wanted row of a chunk of `t` tokens at
+    /// `start` predicts.
+    pub(super) fn draw(self, start: usize, t: usize) -> Option<(crate::Draw, usize)> {
+        match self {
+            Logits::DrawLast(d) => Some((d, start + t)),
+            Logits::DrawAll(d) => Some((d, start + 1)),
+            _ => None,
         }
     }
 
     /// Whether only the greedy choices are wanted.
-    fn greedy(self) -> bool {
+    pub(super) fn greedy(self) -> bool {
         matches!(self, Logits::GreedyLast | Logits::GreedyAll)
     }
 }
@@ -80,9 +109,10 @@ impl<'a> ForwardRequest<'a> {
 pub struct ForwardOutput {
     /// Logits, `[1 or T, vocab]`, when asked for.
     pub logits: Option<Tensor<2>>,
-    /// The greedy choices (1 or `T` ids), when asked for ([`Logits::GreedyLast`] /
-    /// [`Logits::GreedyAll`]).
-    pub greedy: Option<Vec<u32>>,
+    /// The chosen tokens (1 or `T` ids): the greedy choices when asked for
+    /// ([`Logits::GreedyLast`] / [`Logits::GreedyAll`]), the draws on a GPU
+    /// ([`Logits::DrawLast`] / [`Logits::DrawAll`]).
+    pub chosen: Option<Vec<u32>>,
     /// Hidden states after the requested layers, each `[T, hidden]`.
     pub hidden: Vec<Tensor<2>>,
     /// Per-layer attention captures, when asked for.
@@ -464,14 +494,20 @@ impl Gemma3Model {
                 at += n;
                 (l, g)
             });
-            let (logits, greedy) = match part {
+            // On a GPU a draw runs there: only its ids come back.
+            let drawn = match (&part, req.logits.draw(span.start, span.rows.len())) {
+                (Some((Some(l), _)), Some((d, first))) => d.on_device(l, first),
+                _ => None,
+            };
+            let (logits, chosen) = match part {
                 None => (None, None),
+                Some(_) if drawn.is_some() => (None, drawn),
                 Some((Some(l), _)) if req.logits.greedy() => (None, Some(argmax_rows(l))),
                 Some((l, g)) => (l, g),
             };
             outs.push(ForwardOutput {
                 logits,
-                greedy,
+                chosen,
                 hidden: hidden
                     .iter()
                     .map(|t| rows(t.as_ref().expect("every requested layer ran"), &span.rows))

@@ -1,12 +1,14 @@
-//! Greedy forwards recorded once and replayed on a GPU: decode steps, speculative verify
-//! blocks, and the server's batched steps of several sequences ([`Gemma3Model::forward_batch`]
+//! Greedy and sampled forwards (their choices drawn on the device) recorded once and replayed
+//! on a GPU: decode steps, speculative verify blocks, and the server's batched steps of several
+//! sequences ([`Gemma3Model::forward_batch`]
 //! takes this path by itself). A decode step of the 270M model issues ~185 kernel launches,
 //! and on an H100 it was bound by issuing them (6.5–7.6 ms a step, far more than its kernels:
 //! `docs/gpu.md`). Recorded, a forward is one replay (a CUDA graph) plus one small upload and
 //! one copy.
 //!
-//! What a replay must find where the recording left it: the token ids and positions in one
-//! device buffer ([`StepInputs`], rewritten before each replay), which the recorded kernels
+//! What a replay must find where the recording left it: the token ids and positions (and a
+//! sampled forward's uniforms) in one device buffer ([`StepInputs`], rewritten before each
+//! replay), which the recorded kernels
 //! read (the embedding and RoPE rows gathered there, the attention's first positions); the
 //! caches' buffers, written in place by the recorded attention while the host only advances
 //! their lengths ([`Gemma3Model::advance_in_place`]); the device RoPE tables; and the greedy
@@ -36,11 +38,22 @@ const IDLE_MAX: u64 = 64;
 /// Most keys remembered as seen once.
 const SEEN_MAX: usize = 32;
 
+/// What a request's head launches: its [`Logits`] without a draw's seed (the draws' uniforms
+/// are inputs, copied in before each replay; the rest is baked into the launches).
+fn launched(l: Logits) -> Logits {
+    let unseeded = |d: crate::Draw| crate::Draw { seed: 0, ..d };
+    match l {
+        Logits::DrawLast(d) => Logits::DrawLast(unseeded(d)),
+        Logits::DrawAll(d) => Logits::DrawAll(unseeded(d)),
+        other => other,
+    }
+}
+
 /// What a forward must match to replay a recording.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Key {
-    /// Per request: its rows and whether only the last is wanted.
-    rows: Vec<(usize, bool)>,
+    /// Per request: its rows and what its head launches ([`launched`]).
+    rows: Vec<(usize, Logits)>,
     hidden_after: Vec<usize>,
     /// Per request, each layer cache's slots and buffers.
     caches: Vec<Vec<CacheBuffers>>,
@@ -119,7 +132,7 @@ impl Gemma3Model {
 
     /// [`Self::forward_batch`] replayed from a recording, or recorded now; `Ok(None)` where it
     /// is not (the caller issues it): off a recording device ([`Self::replays_decode`]),
-    /// logits other than the greedy choices, attention captures, more than [`GPU_ROWS_MAX`]
+    /// logits other than the greedy choices or draws, attention captures, more than [`GPU_ROWS_MAX`]
     /// rows, a key's first sighting, caches that are not plain buffers. The outputs are the
     /// issued forward's, bit for bit (the same kernels on the same inputs).
     pub(super) fn replayed(
@@ -127,11 +140,9 @@ impl Gemma3Model {
         reqs: &[ForwardRequest<'_>],
         kvs: &mut [&mut dyn KvLayers],
     ) -> Result<Option<Vec<ForwardOutput>>> {
-        let greedy = reqs
-            .iter()
-            .all(|r| matches!(r.logits, Logits::GreedyLast | Logits::GreedyAll));
+        let chosen = reqs.iter().all(|r| r.logits.chosen_on_device());
         let total: usize = reqs.iter().map(|r| r.tokens.len()).sum();
-        if !greedy
+        if !chosen
             || reqs.iter().any(|r| r.capture_attention)
             || total > GPU_ROWS_MAX
             || !self.replays_decode()
@@ -170,7 +181,7 @@ impl Gemma3Model {
         let key = Key {
             rows: reqs
                 .iter()
-                .map(|r| (r.tokens.len(), r.logits == Logits::GreedyLast))
+                .map(|r| (r.tokens.len(), launched(r.logits)))
                 .collect(),
             hidden_after: reqs[0].hidden_after.to_vec(),
             caches,
@@ -180,7 +191,8 @@ impl Gemma3Model {
             .iter()
             .flat_map(|r| r.tokens.iter().copied().zip(r.start..))
             .unzip();
-        let upload = || StepInputs::upload(&tokens, &positions, &self.device);
+        let uniforms = Self::uniforms_of(reqs);
+        let upload = || StepInputs::upload_with(&tokens, &positions, &uniforms, &self.device);
         if let Some(r) = state.recorded.iter_mut().find(|r| r.key == key) {
             let fresh = upload();
             r.used = now;
@@ -209,7 +221,7 @@ impl Gemma3Model {
         let inputs = upload();
         let (graph, (ids, hidden)) = DeviceGraph::record(&self.device, || {
             truncate_all(kvs)?;
-            self.greedy_on_device(reqs, kvs, &inputs)
+            self.chosen_on_device(reqs, kvs, &inputs)
         })?;
         let r = Recorded {
             key,
@@ -249,17 +261,13 @@ fn outputs(
         .clone()
         .into_data()
         .try_into_vec::<f32>()
-        .map_err(|e| ModelError::Input(format!("greedy ids: {e:?}")))?;
+        .map_err(|e| ModelError::Input(format!("chosen ids: {e:?}")))?;
     let mut outs = Vec::with_capacity(reqs.len());
     let (mut id_at, mut row_at) = (0, 0);
     for req in reqs {
         let t = req.tokens.len();
-        let n = if req.logits == Logits::GreedyLast {
-            1
-        } else {
-            t
-        };
-        let greedy = all[id_at..id_at + n].iter().map(|&i| i as u32).collect();
+        let n = if req.logits.last_only() { 1 } else { t };
+        let chosen = all[id_at..id_at + n].iter().map(|&i| i as u32).collect();
         let rows = |h: &Tensor<2>| {
             let w = h.dims()[1];
             // A slice of the recording's buffer is never its only holder: always a copy.
@@ -267,7 +275,7 @@ fn outputs(
         };
         outs.push(ForwardOutput {
             logits: None,
-            greedy: Some(greedy),
+            chosen: Some(chosen),
             hidden: hidden.iter().map(rows).collect(),
             attention: Vec::new(),
         });

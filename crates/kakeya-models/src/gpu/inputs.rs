@@ -11,10 +11,11 @@ use super::DecodeKernels;
 #[cfg(feature = "cube")]
 use burn::backend::Dispatch;
 
-/// The stacked rows' token ids, then their positions, as f32 (exact below 2²⁴).
+/// The stacked rows' token ids, then their positions, as f32 (exact below 2²⁴), then any
+/// extra values ([`StepInputs::upload_with`]).
 ///
 /// # Shapes
-/// - `buf`: `[2 · rows]`
+/// - `buf`: `[2 · rows + extra]`
 #[derive(Debug, Clone)]
 pub struct StepInputs {
     /// `[ids…, positions…]`.
@@ -26,6 +27,17 @@ pub struct StepInputs {
 impl StepInputs {
     /// `tokens` and their `positions` in one upload to `device`.
     pub fn upload(tokens: &[u32], positions: &[usize], device: &Device) -> Self {
+        Self::upload_with(tokens, positions, &[], device)
+    }
+
+    /// [`Self::upload`] with `extra` values after the positions (a sampled forward's
+    /// uniforms: [`Self::extra`]).
+    pub fn upload_with(
+        tokens: &[u32],
+        positions: &[usize],
+        extra: &[f32],
+        device: &Device,
+    ) -> Self {
         assert_eq!(tokens.len(), positions.len(), "one position per token");
         let exact = 1usize << 24;
         assert!(
@@ -36,12 +48,24 @@ impl StepInputs {
             .iter()
             .map(|&t| t as f32)
             .chain(positions.iter().map(|&p| p as f32))
+            .chain(extra.iter().copied())
             .collect();
         let rows = tokens.len();
+        let n = data.len();
         Self {
-            buf: Tensor::from_data(TensorData::new(data, [2 * rows]), device),
+            buf: Tensor::from_data(TensorData::new(data, [n]), device),
             rows,
         }
+    }
+
+    /// `n` of the values uploaded after the positions, from the `from`-th on (a view of the
+    /// buffer: a recording reads what each replay copied in).
+    ///
+    /// # Shapes
+    /// → `[n]`
+    pub fn extra(&self, from: usize, n: usize) -> Tensor<1> {
+        let at = 2 * self.rows + from;
+        self.buf.clone().narrow(0, at, n)
     }
 
     /// The buffer and where the positions start in it (what [`super::span_attention`] reads).

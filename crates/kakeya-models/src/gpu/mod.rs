@@ -363,25 +363,46 @@ pub fn sample_rows(
     uniforms: &[f32],
 ) -> Option<Vec<u32>> {
     assert_eq!(logits.dims()[0], uniforms.len(), "one uniform per row");
-    assert!(temperature > 0.0, "sampling needs a temperature above 0");
-    on_gpu!(applies(logits), {
-        let u = Tensor::<1>::from_data(
-            burn::tensor::TensorData::new(uniforms.to_vec(), [uniforms.len()]),
-            &logits.device(),
-        );
-        let ids = Tensor::<1>::from_dispatch(<Dispatch as DecodeKernels>::sample_rows(
-            logits.clone().into_dispatch(),
-            u.into_dispatch(),
-            temperature,
-            top_k,
-            top_p.min(1.0),
-        ));
+    if !applies(logits) {
+        return None;
+    }
+    let u = Tensor::<1>::from_data(
+        burn::tensor::TensorData::new(uniforms.to_vec(), [uniforms.len()]),
+        &logits.device(),
+    );
+    let ids = sample_on_device(logits, temperature, top_k, top_p, u)?;
+    Some(
         ids.into_data()
             .try_into_vec::<f32>()
             .expect("sampled ids are written as f32")
             .into_iter()
             .map(|i| i as u32)
-            .collect()
+            .collect(),
+    )
+}
+
+/// [`sample_rows`] with the uniforms on the device and the ids left there, as f32 (exact
+/// below 2²⁴).
+///
+/// # Shapes
+/// - `logits`: `[T, V]`, `uniforms`: `[T]` → `[T]`
+#[cfg_attr(not(feature = "cube"), allow(unused_variables))]
+pub fn sample_on_device(
+    logits: &Tensor<2>,
+    temperature: f32,
+    top_k: usize,
+    top_p: f32,
+    uniforms: Tensor<1>,
+) -> Option<Tensor<1>> {
+    assert!(temperature > 0.0, "sampling needs a temperature above 0");
+    on_gpu!(applies(logits), {
+        Tensor::from_dispatch(<Dispatch as DecodeKernels>::sample_rows(
+            logits.clone().into_dispatch(),
+            uniforms.into_dispatch(),
+            temperature,
+            top_k,
+            top_p.min(1.0),
+        ))
     })
 }
 

@@ -95,13 +95,13 @@ impl<'m> Verifier<'m> {
             return Err(RuntimeError::Input("empty block".into()));
         }
         let out = self.session.forward(block, Logits::GreedyAll, &[])?;
-        Ok(out.greedy.expect("asked for the greedy choices"))
+        Ok(out.chosen.expect("asked for the greedy choices"))
     }
 
     /// Runs a block like [`Self::verify`] and returns the token `sampler` draws after each
-    /// row (row `i` predicts position `first + i`): on the GPU that holds the logits where
-    /// [`Sampler::draw_on_device`] applies, else from the rows copied to the host
-    /// ([`sampled_posterior`]).
+    /// row (row `i` predicts position `first + i`, the block's first row sitting at
+    /// `first − 1`): drawn on a GPU by the forward ([`Logits::DrawAll`]), else from the rows
+    /// copied to the host ([`sampled_posterior`]).
     ///
     /// # Shapes
     /// - `block`: `B` ids → posterior `B` ids
@@ -114,11 +114,19 @@ impl<'m> Verifier<'m> {
         if block.is_empty() {
             return Err(RuntimeError::Input("empty block".into()));
         }
-        let out = self.session.forward(block, Logits::All, &[])?;
-        let logits = out.logits.expect("asked for logits");
-        if let Some(ids) = sampler.draw_on_device(&logits, first) {
+        let Some(draw) = sampler.draw() else {
+            return self.verify(block);
+        };
+        debug_assert_eq!(
+            first,
+            self.session.len() + 1,
+            "the block's first row predicts first"
+        );
+        let out = self.session.forward(block, Logits::DrawAll(draw), &[])?;
+        if let Some(ids) = out.chosen {
             return Ok(ids);
         }
+        let logits = out.logits.expect("asked for logits");
         let vocab = self.model().config.vocab_size;
         Ok(sampled_posterior(
             &logits_row(logits),

@@ -28,51 +28,22 @@ fn the_server_on_the_test_device_answers_what_infer_gives_alone_and_batched() {
     let (m, d) = tiny(&s);
     let dev = device();
     let prompts = ["w9 w10 w11 w12", "w30 w31 w9", "w50 w51 w52 w53 w54"];
-    let want: Vec<String> = prompts
-        .iter()
-        .map(|p| {
-            infer_text(
-                &m,
-                &[
-                    "--prompt",
-                    p,
-                    "--max-tokens",
-                    "40",
-                    "--no-drafter",
-                    "--no-graph",
-                    "--device",
-                    &dev,
-                ],
-            )
-            .0
-        })
-        .collect();
+    // `infer` on each prompt, on the device, without a drafter, with `extra` flags.
+    let infer_all = |extra: &[&str]| -> Vec<String> {
+        prompts
+            .iter()
+            .map(|p| {
+                let mut args = vec!["--prompt", p, "--max-tokens", "40", "--no-drafter"];
+                args.extend(["--device", dev.as_str()]);
+                args.extend(extra);
+                infer_text(&m, &args).0
+            })
+            .collect()
+    };
+    let want = infer_all(&["--no-graph"]);
     // Sampled (top-k 20 at T 0.8, seeded): drawn on the device on a GPU, in `infer` as in the
     // server.
-    let sampled: Vec<String> = prompts
-        .iter()
-        .map(|p| {
-            infer_text(
-                &m,
-                &[
-                    "--prompt",
-                    p,
-                    "--max-tokens",
-                    "40",
-                    "--temperature",
-                    "0.8",
-                    "--top-k",
-                    "20",
-                    "--seed",
-                    "3",
-                    "--no-drafter",
-                    "--device",
-                    &dev,
-                ],
-            )
-            .0
-        })
-        .collect();
+    let sampled = infer_all(&["--temperature", "0.8", "--top-k", "20", "--seed", "3"]);
     assert_ne!(sampled, want, "sampling changes the texts");
     let body = |p: &str| json!({"prompt": p, "max_tokens": 40, "temperature": 0});
     let sampled_body = |p: &str| json!({"prompt": p, "max_tokens": 40, "temperature": 0.8, "top_k": 20, "seed": 3});

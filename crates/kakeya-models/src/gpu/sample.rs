@@ -29,6 +29,61 @@ use super::kernels::{dense_output, f32_only, grid, tree_max, tree_sum};
 /// units, rows of up to ≈ 600 000 entries fit that).
 const SAMPLE_UNITS: usize = 1024;
 
+/// Where a search runs: the row's logits, its maximum, and this unit's chunk.
+#[derive(CubeType, Clone, Copy)]
+struct RowView {
+    base: usize,
+    lo: usize,
+    hi: usize,
+    max: f32,
+    temperature: f32,
+}
+
+/// Row `row`'s view for this unit: its contiguous chunk of the row (`cols.div_ceil(units)`
+/// entries, fewer or none at the end) and the row's maximum (a fixed tree; `part` is the
+/// cube's scratch). Every unit calls it.
+#[cube]
+fn row_view(
+    x: &[f32],
+    row: usize,
+    cols: usize,
+    temperature: f32,
+    part: &mut Shared<[f32]>,
+    #[comptime] units: usize,
+) -> RowView {
+    let unit = UNIT_POS as usize;
+    let chunk = cols.div_ceil(units);
+    let mut lo = unit * chunk;
+    if lo > cols {
+        lo = cols;
+    }
+    let mut hi = lo + chunk;
+    if hi > cols {
+        hi = cols;
+    }
+    let base = row * cols;
+    // WGSL has no infinity literal: the lowest finite f32 seeds the maximum.
+    let mut m = f32::new(f32::MIN);
+    for i in lo..hi {
+        let v = x[base + i];
+        if v > m {
+            m = v;
+        }
+    }
+    part[unit] = m;
+    sync_cube();
+    tree_max(part, unit);
+    let max = part[0];
+    sync_cube();
+    RowView {
+        base,
+        lo,
+        hi,
+        max,
+        temperature,
+    }
+}
+
 /// One cube per row: the token drawn from `softmax(x[row] / temperature)` by inverse CDF in id
 /// order at `u[row] · total`, written as an f32 (exact below 2²⁴). Where rounding leaves
 /// `u · total` past every interval, the last entry of nonzero weight (the host's rule too).
@@ -47,35 +102,13 @@ fn sample_rows_kernel(
         terminate!();
     }
     let unit = UNIT_POS as usize;
-    let base = row * cols;
-    let chunk = cols.div_ceil(units);
-    let mut lo = unit * chunk;
-    if lo > cols {
-        lo = cols;
-    }
-    let mut hi = lo + chunk;
-    if hi > cols {
-        hi = cols;
-    }
     let mut part = Shared::<[f32]>::new_slice(units);
     let mut lasts = Shared::<[f32]>::new_slice(units);
     let mut before = Shared::<[f32]>::new_slice(units);
     // [the drawn id, the row's total mass]
     let mut picked = Shared::<[f32]>::new_slice(2usize);
-
-    // The row's maximum (WGSL has no infinity literal: the lowest finite f32 seeds it).
-    let mut m = f32::new(f32::MIN);
-    for i in lo..hi {
-        let v = x[base + i];
-        if v > m {
-            m = v;
-        }
-    }
-    part[unit] = m;
-    sync_cube();
-    tree_max(&mut part, unit);
-    let max = part[0];
-    sync_cube();
+    let view = row_view(x, row, cols, temperature, &mut part, units);
+    let (base, lo, hi, max) = (view.base, view.lo, view.hi, view.max);
 
     // Each chunk's mass, and its last entry of nonzero weight (-1: none).
     let mut mass = f32::new(0.0);
@@ -154,16 +187,6 @@ fn meets(g: f32, target: f32, strict: bool) -> bool {
 #[cube]
 fn within(key: u32, id: u32, vb: u32, ib: u32, t: u32) -> bool {
     key >= t && (key > vb || (key == vb && id <= ib))
-}
-
-/// Where a search runs: the row's logits, its maximum, and this unit's chunk.
-#[derive(CubeType, Clone, Copy)]
-struct RowView {
-    base: usize,
-    lo: usize,
-    hi: usize,
-    max: f32,
-    temperature: f32,
 }
 
 /// An entry's share of a count (1) or of the mass (`exp((l − max) / T)`).
@@ -311,39 +334,12 @@ fn sample_sorted_kernel(
     if row >= rows {
         terminate!();
     }
-    let unit = UNIT_POS as usize;
-    let chunk = cols.div_ceil(units);
-    let mut lo = unit * chunk;
-    if lo > cols {
-        lo = cols;
-    }
-    let mut hi = lo + chunk;
-    if hi > cols {
-        hi = cols;
-    }
     let mut part = Shared::<[f32]>::new_slice(units);
     let mut lasts = Shared::<[f32]>::new_slice(units);
     let mut before = Shared::<[f32]>::new_slice(units);
     let mut found = Shared::<[f32]>::new_slice(2usize);
-    let base = row * cols;
-    let mut m = f32::new(f32::MIN);
-    for i in lo..hi {
-        let v = x[base + i];
-        if v > m {
-            m = v;
-        }
-    }
-    part[unit] = m;
-    sync_cube();
-    tree_max(&mut part, unit);
-    let view = RowView {
-        base,
-        lo,
-        hi,
-        max: part[0],
-        temperature,
-    };
-    sync_cube();
+    let view = row_view(x, row, cols, temperature, &mut part, units);
+    let unit = UNIT_POS as usize;
     // The kept prefix ends at the entry of key `vb`, id `ib` (all entries at first).
     let mut vb = 0u32;
     let mut ib = u32::new(4_294_967_295i64);

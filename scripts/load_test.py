@@ -79,11 +79,14 @@ def replays(host: str, port: int) -> dict:
     return out
 
 
-def one_request(host: str, port: int, i: int, max_tokens: int) -> dict:
-    """Streams one completion; returns its timings and token count (or the error)."""
-    body = json.dumps({"prompt": prompt(i), "max_tokens": max_tokens, "temperature": 0,
-                       "ignore_eos": True, "stream": True,
-                       "stream_options": {"include_usage": True}})
+def one_request(host: str, port: int, i: int, max_tokens: int, temperature: float = 0.0) -> dict:
+    """Streams one completion (greedy, or sampled at `temperature` with seed `i`); returns its
+    timings and token count (or the error)."""
+    req = {"prompt": prompt(i), "max_tokens": max_tokens, "temperature": temperature,
+           "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if temperature > 0:
+        req["seed"] = i
+    body = json.dumps(req)
     t0 = time.perf_counter()
     ttft = None
     tokens = 0

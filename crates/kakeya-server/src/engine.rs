@@ -22,8 +22,8 @@ use kakeya_models::linear::QUANT_MAX_ROWS;
 use kakeya_models::{DFlashDrafter, Gemma3Model};
 use kakeya_runtime::{
     CostLine, Costs, DraftKind, GenerationConfig, KvBytes, KvMode, KvPolicy, KvSetup, NgramTable,
-    PrefixCache, Restorer, RuntimeError, Sampler, Session, SpecConfig, StopReason, Verified, Want,
-    accept_greedy,
+    PrefixCache, Restorer, RuntimeError, Sampler, Sampling, Session, SpecConfig, StopReason,
+    Verified, accept_greedy,
 };
 use serde::Serialize;
 use tokio::sync::mpsc::UnboundedSender;
@@ -441,7 +441,7 @@ fn draft_threshold(coefficients: Option<(f64, f64)>, n: usize) -> f64 {
 }
 
 /// One decode step of the sequences `group` (indices into `active`) in one stacked forward,
-/// where each speculative sequence (greedy or sampled) verifies a block — its newest token, then the drafts
+/// where each greedy speculative sequence verifies a block — its newest token, then the drafts
 /// its lookups offer whose chance of being committed is at least `threshold` (`None`: no
 /// drafts) — and every other sequence takes a plain step; with, in the same forward, the next
 /// prompt chunk (of at most `chunk` tokens) of each sequence in `prefill` (not in `group`); at
@@ -477,10 +477,11 @@ fn verify_group(
         let last = *s.tokens.last().expect("a decoding sequence has tokens");
         let ctx = s.verifier.model().config.max_position_embeddings;
         let mut block = vec![last];
-        // Greedy and sampled sequences alike (a sampled block's rows are drawn with their
-        // positions' uniforms: speculative sampling's rule).
+        // Sampled sequences take plain steps (`drafts_beside` offers them none).
         let verifies_block = match (s.dec.as_mut(), s.proposer.as_mut(), threshold) {
-            (Some(dec), Some(proposer), Some(threshold)) => {
+            (Some(dec), Some(proposer), Some(threshold))
+                if s.sampler.mode() == &Sampling::Greedy =>
+            {
                 let room = 1 + spare
                     .min(s.sink.remaining().saturating_sub(1))
                     .min(ctx.saturating_sub(s.verifier.len() + 1));
@@ -499,10 +500,10 @@ fn verify_group(
     let order: Vec<usize> = group.iter().chain(prefill).copied().collect();
     let rows = blocks.iter().map(Vec::len).sum();
     let samplers: Vec<Sampler> = order.iter().map(|&i| active[i].sampler.clone()).collect();
-    let wants: Vec<Want<'_>> = samplers
+    let wants: Vec<Option<&Sampler>> = samplers
         .iter()
         .zip(&verifies)
-        .map(|(s, &v)| if v { Want::Block(s) } else { Want::Next(s) })
+        .map(|(s, &v)| (!v).then_some(s))
         .collect();
     // Sessions in `order`'s order (each index once).
     let mut slots: Vec<Option<&mut Session<'_>>> = active
@@ -535,7 +536,7 @@ fn verify_group(
         s.batched_steps += 1;
         let before = s.tokens.len();
         match v {
-            Verified::Block(posterior) => {
+            Verified::Greedy(posterior) => {
                 let a = accept_greedy(&block[1..], &posterior);
                 metrics.drafts_beside(block.len() - 1, a);
                 s.commit_beside(&block[1..], &posterior)?;

@@ -217,11 +217,7 @@ impl SpecDecoder {
         block.push(last);
         block.extend(&drafts);
         let tv = Instant::now();
-        let posterior = if self.sampler.mode() == &Sampling::Greedy {
-            verifier.verify(&block)?
-        } else {
-            verifier.verify_sampled(&block, &self.sampler, pos + 1)?
-        };
+        let posterior = verifier.verify_sampled(&block, &self.sampler)?;
         let a = accept_greedy(&drafts, &posterior);
         verifier.rollback(pos + a + 1)?;
         let verify_secs = tv.elapsed().as_secs_f64();

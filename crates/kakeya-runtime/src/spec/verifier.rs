@@ -99,41 +99,28 @@ impl<'m> Verifier<'m> {
     }
 
     /// Runs a block like [`Self::verify`] and returns the token `sampler` draws after each
-    /// row (row `i` predicts position `first + i`, the block's first row sitting at
-    /// `first − 1`): drawn on a GPU by the forward ([`Logits::DrawAll`]), else from the rows
-    /// copied to the host ([`sampled_posterior`]).
+    /// row (row `i` predicts the position after it, with that position's uniform): drawn on
+    /// a GPU by the forward ([`Logits::DrawAll`]), else from the rows copied to the host
+    /// ([`sampled_posterior`]). Greedy: [`Self::verify`].
     ///
     /// # Shapes
     /// - `block`: `B` ids → posterior `B` ids
-    pub fn verify_sampled(
-        &mut self,
-        block: &[u32],
-        sampler: &Sampler,
-        first: usize,
-    ) -> Result<Vec<u32>> {
-        if block.is_empty() {
-            return Err(RuntimeError::Input("empty block".into()));
-        }
+    pub fn verify_sampled(&mut self, block: &[u32], sampler: &Sampler) -> Result<Vec<u32>> {
         let Some(draw) = sampler.draw() else {
             return self.verify(block);
         };
-        debug_assert_eq!(
-            first,
-            self.session.len() + 1,
-            "the block's first row predicts first"
-        );
+        if block.is_empty() {
+            return Err(RuntimeError::Input("empty block".into()));
+        }
+        // The block's first row sits at the session's next position and predicts the one after.
+        let first = self.session.len() + 1;
         let out = self.session.forward(block, Logits::DrawAll(draw), &[])?;
         if let Some(ids) = out.chosen {
             return Ok(ids);
         }
-        let logits = out.logits.expect("asked for logits");
+        let rows = logits_row(out.logits.expect("asked for logits"));
         let vocab = self.model().config.vocab_size;
-        Ok(sampled_posterior(
-            &logits_row(logits),
-            vocab,
-            first,
-            sampler,
-        ))
+        Ok(sampled_posterior(&rows, vocab, first, sampler))
     }
 
     /// Keeps positions `< len` (the accepted part of a block), exactly, and commits them.

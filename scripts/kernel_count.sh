@@ -8,11 +8,14 @@
 #   scripts/kernel_count.sh batch      one batched decode step of 8 sequences (the server's
 #       stacked forward): `batched_decode_steps_for_the_kernel_count` (same test file) at 4 and
 #       12 tokens each, KAKEYA_DECODE_SEQS sequences (default 8).
+#   scripts/kernel_count.sh draft      one draft of the drafter (2 layers, a block of 8 over a
+#       store of 40 rows): `drafts_for_the_kernel_count` (same test file) at 4 and 12 drafts.
 #   scripts/kernel_count.sh f-theta    one f_θ training step (tiny verifier, the trainer's
 #       layout: stacked layers, the step's sequences in one padded pass, AdamW):
 #       `f_theta_steps_for_the_kernel_count` (kakeya-train's tests/train_f_theta.rs) at 6 and 10
 #       steps; the difference over 4.
-# KAKEYA_FEATURES picks the builds (default "wgpu wgpu,fusion").
+# KAKEYA_FEATURES picks the builds (default "wgpu wgpu,fusion"); KAKEYA_DECODE_GRAPH=0 counts
+# decode steps and drafts issued kernel by kernel instead of replayed.
 # Needs: apt-get install mesa-vulkan-drivers libvulkan1. Writes runs/kernel-count/<what>-<features>.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,9 +26,11 @@ decode) pkg=kakeya-runtime; test=wgpu_device; probe=decode_steps_for_the_kernel_
 batch) pkg=kakeya-runtime; test=wgpu_device; probe=batched_decode_steps_for_the_kernel_count
     var=KAKEYA_DECODE_STEPS; lo=4; hi=12; unit="batched decode step (${KAKEYA_DECODE_SEQS:=8} sequences, 6 layers)"
     export KAKEYA_DECODE_SEQS;;
+draft) pkg=kakeya-runtime; test=wgpu_device; probe=drafts_for_the_kernel_count
+    var=KAKEYA_DECODE_STEPS; lo=4; hi=12; unit="draft (block of 8, 2 drafter layers)";;
 f-theta) pkg=kakeya-train; test=train_f_theta; probe=f_theta_steps_for_the_kernel_count
     var=KAKEYA_FTHETA_STEPS; lo=6; hi=10; unit="f_θ training step";;
-*) echo "kernel_count.sh: decode, batch or f-theta, not $what" >&2; exit 2;;
+*) echo "kernel_count.sh: decode, batch, draft or f-theta, not $what" >&2; exit 2;;
 esac
 export VK_ICD_FILENAMES
 VK_ICD_FILENAMES=$(ls /usr/share/vulkan/icd.d/lvp_icd*.json | head -n 1)
@@ -45,6 +50,7 @@ for features in ${KAKEYA_FEATURES:-wgpu wgpu,fusion}; do
     suffix=${features/,/-}
     [ "$what" = decode ] || suffix="$what-$suffix"
     [ "$what" != batch ] || suffix="$suffix-$KAKEYA_DECODE_SEQS"
+    [ "${KAKEYA_DECODE_GRAPH:-1}" != 0 ] || suffix="$suffix-nograph"
     echo "$features: ${launches[$lo]} launches for $lo, ${launches[$hi]} for $hi: $per_step per $unit" \
         | tee "runs/kernel-count/$suffix.txt"
 done

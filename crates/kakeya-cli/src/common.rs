@@ -92,9 +92,9 @@ pub struct ModelArgs {
     /// near-ties). Speculation stays lossless either way.
     #[arg(long, value_enum, default_value_t = KernelKind::Exact)]
     pub kernel: KernelKind,
-    /// On a GPU, issue every greedy forward (decode steps, verify blocks, batched steps)
-    /// kernel by kernel instead of recording it once and replaying it (a CUDA graph): the
-    /// same tokens, for timing the two.
+    /// On a GPU, issue every forward (decode steps, verify blocks, batched steps, the
+    /// drafter's drafts) kernel by kernel instead of recording it once and replaying it (a
+    /// CUDA graph): the same tokens, for timing the two.
     #[arg(long)]
     pub no_graph: bool,
 }

@@ -318,4 +318,15 @@ pub trait DraftContext {
     /// # Shapes
     /// - returns `k`, `v`: `[positions.len, drafter_layers · kv_heads · head_dim]`
     fn read(&self, positions: Range<usize>) -> Result<(Tensor<2>, Tensor<2>)>;
+
+    /// The whole K and V buffers where the rows live on a GPU, positions in order from 0:
+    /// rows `len()..` are spare (zeros or stale). A recorded draft reads these and masks
+    /// what is past the length it is given. `None` (the default) where the rows are held
+    /// otherwise (on the host, quantised).
+    ///
+    /// # Shapes
+    /// - returns `k`, `v`: `[capacity ≥ len, drafter_layers · kv_heads · head_dim]`
+    fn device_rows(&self) -> Option<(Tensor<2>, Tensor<2>)> {
+        None
+    }
 }

@@ -20,7 +20,8 @@ use kakeya_models::testing::{
 use kakeya_models::{DFlashDrafter, DraftContext, ForwardRequest, Gemma3Model, Logits};
 use kakeya_runtime::kv::{KvMode, KvPolicy};
 use kakeya_runtime::{
-    DFlashProposer, KvCache, KvSetup, Session, SpecConfig, Verifier, generate, speculative_generate,
+    DFlashProposer, KvCache, KvSetup, Proposer, Session, SpecConfig, Verifier, generate,
+    speculative_generate,
 };
 use kakeya_weights::{Checkpoint, Gemma3Config};
 use serde_json::Value;
@@ -403,6 +404,103 @@ fn recorded_decode_steps_equal_the_steps_issued_one_by_one() {
     );
 }
 
+/// Records the drafts a proposer makes.
+struct Logged<'d> {
+    inner: DFlashProposer<'d>,
+    drafts: Vec<Vec<u32>>,
+}
+
+impl Proposer for Logged<'_> {
+    fn propose(
+        &mut self,
+        tokens: &[u32],
+        n: usize,
+        store: Option<&mut kakeya_runtime::kv::CompactStore>,
+    ) -> kakeya_runtime::Result<Vec<u32>> {
+        let d = self.inner.propose(tokens, n, store)?;
+        self.drafts.push(d.clone());
+        Ok(d)
+    }
+
+    fn drafter(&self) -> Option<&DFlashDrafter> {
+        self.inner.drafter()
+    }
+}
+
+/// The drafter's drafts recorded once and replayed (attending over the store's whole buffers,
+/// masked past the length each replay reads) are the drafts issued kernel by kernel: across
+/// the store's doubling past 64 rows (new buffers: a new recording), blocks shortened by
+/// the token budget, fixed and adaptive schedules. Speculative decoding commits plain
+/// decoding's tokens either way.
+#[test]
+fn recorded_drafts_equal_the_drafts_issued_one_by_one() {
+    let v = Gemma3Model::from_checkpoint(random_checkpoint(&tiny(), 11), &gpu()).unwrap();
+    // Random weights draft the mask token (whose embedding the tied head scores highest)
+    // whatever the context; sharper attention with larger outputs makes the drafts depend on
+    // which context rows each query picks.
+    let mut ck = random_drafter(&drafter_config(&v.config, 2, 8), 5);
+    for (name, t) in ck.tensors.iter_mut() {
+        let by = match name.rsplit('.').nth(1) {
+            Some("o_proj") => 30.0,
+            Some("q_norm") => 5.0,
+            _ => 1.0,
+        };
+        t.data.iter_mut().for_each(|x| *x *= by);
+    }
+    let d = DFlashDrafter::from_checkpoint(ck, &v).unwrap();
+    assert!(d.replays_drafts(), "a GPU drafter records");
+    let mut issued_d = d.clone();
+    issued_d.record_drafts = false;
+    let p = tiny_prompt(3, 30);
+    let cfg = kakeya_runtime::GenerationConfig::greedy(90, 16);
+    let want = generate(&mut Session::new(&v, 0), &p, &cfg, &mut |_| {}).unwrap();
+    // The random drafter's drafts are never accepted: the adaptive schedule soon stops
+    // drafting, fixed ones draft at every block.
+    for spec in [
+        SpecConfig::fixed(8),
+        SpecConfig::fixed(4),
+        SpecConfig::adaptive(8),
+    ] {
+        let run = |drafter: &DFlashDrafter| {
+            let mut ver = Verifier::new(&v, KvSetup::full(0).drafter(drafter), 8).unwrap();
+            let mut proposer = Logged {
+                inner: DFlashProposer::new(drafter),
+                drafts: Vec::new(),
+            };
+            let g =
+                speculative_generate(&mut ver, &mut proposer, &p, &cfg, spec, &mut |_| {}).unwrap();
+            (g.tokens, proposer.drafts)
+        };
+        let before = d.replay_stats();
+        let replayed = run(&d);
+        let st = d.replay_stats();
+        let issued = run(&issued_d);
+        eprintln!(
+            "{spec:?}: {} drafts; drafts so far {st:?}",
+            replayed.1.len()
+        );
+        eprintln!("{:?}", &replayed.1[..6.min(replayed.1.len())]);
+        assert_eq!(replayed.0, want.tokens, "{spec:?}: tokens");
+        assert_eq!(issued.0, want.tokens, "{spec:?}: tokens, issued");
+        assert_eq!(replayed.1, issued.1, "{spec:?}: drafts, replayed vs issued");
+        if spec.schedule == kakeya_runtime::Schedule::Fixed {
+            assert!(
+                st.replayed > before.replayed + replayed.1.len() / 2,
+                "{spec:?}: most drafts replayed: {st:?}"
+            );
+        }
+    }
+    assert!(
+        d.replay_stats().recorded >= 2,
+        "a recording per store buffer"
+    );
+    assert_eq!(
+        issued_d.replay_stats(),
+        Default::default(),
+        "record_drafts off"
+    );
+}
+
 /// `KAKEYA_DECODE_STEPS` greedy tokens from a prompt of 8 on the device: `scripts/kernel_count.sh`
 /// runs it at two step counts with CubeCL's kernel log on and takes the difference, the kernels
 /// one decode step launches (with and without Burn's fusion; `KAKEYA_DECODE_GRAPH=0`: every
@@ -462,4 +560,32 @@ fn batched_decode_steps_for_the_kernel_count() {
         m.record_decode,
         gens.iter().map(|g| g.stats.decode_tok_s).sum::<f64>()
     );
+}
+
+/// `KAKEYA_DECODE_STEPS` drafts of a block of 8 over a store of 40 rows on the device:
+/// `scripts/kernel_count.sh draft` runs it at two counts with CubeCL's kernel log on and takes
+/// the difference, the kernels one draft launches (`KAKEYA_DECODE_GRAPH=0`: every draft
+/// issued, none replayed).
+#[test]
+#[ignore = "run by scripts/kernel_count.sh, with CubeCL's kernel log on"]
+fn drafts_for_the_kernel_count() {
+    let steps: usize = std::env::var("KAKEYA_DECODE_STEPS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(4);
+    let v = Gemma3Model::from_checkpoint(random_checkpoint(&tiny(), 11), &gpu()).unwrap();
+    let mut d =
+        DFlashDrafter::from_checkpoint(random_drafter(&drafter_config(&v.config, 2, 8), 5), &v)
+            .unwrap();
+    d.record_drafts = std::env::var("KAKEYA_DECODE_GRAPH").as_deref() != Ok("0");
+    let w = d.context_width();
+    let mut store = kakeya_runtime::kv::CompactStore::new(w, None, &gpu());
+    let rows = Tensor::<2>::ones([40, w], &gpu()).mul_scalar(0.1);
+    store.append(rows.clone(), rows).unwrap();
+    let mut block = vec![d.config.mask_token_id; 8];
+    block[0] = 5;
+    for _ in 0..steps {
+        assert_eq!(d.draft(&block, &mut store).unwrap().len(), 7);
+    }
+    eprintln!("{steps} drafts: {:?}", d.replay_stats());
 }

@@ -201,19 +201,18 @@ impl DraftWeights {
     pub fn blocks(
         &self,
         c: &DFlashConfig,
-        mut x: Tensor<2>,
+        x: Tensor<2>,
         (ck, cv): (Tensor<2>, Tensor<2>),
         (ctx_pos, blk_pos): (&[usize], &[usize]),
         groups: &[BlockGroup],
     ) -> Tensor<2> {
         let device = x.device();
         let rope = Rope::new(c.head_dim, c.rope_theta, 1.0);
-        let (ctx_cos, ctx_sin) = rope.tables(ctx_pos, &device);
-        let (blk_cos, blk_sin) = rope.tables(blk_pos, &device);
-        let (hq, hkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-        let (n, rows) = (ctx_pos.len(), blk_pos.len());
-        let kv = hkv * hd;
-        let scale = (hd as f64).powf(-0.5);
+        let ropes = BlockRopes {
+            context: rope.tables(ctx_pos, &device),
+            block: rope.tables(blk_pos, &device),
+        };
+        let groups_per_kv = c.num_attention_heads / c.num_key_value_heads;
         // Sliding layers: each group's mask with the window's (one per distinct window).
         let mut windowed: Vec<(usize, Vec<Option<Tensor<3>>>)> = Vec::new();
         for w in c.layer_windows.iter().flatten() {
@@ -227,7 +226,7 @@ impl DraftWeights {
                         &ctx_pos[g.context.clone()],
                         &blk_pos[g.rows.clone()],
                         *w,
-                        hq / hkv,
+                        groups_per_kv,
                         &device,
                     );
                     match (g.mask.clone(), win) {
@@ -238,21 +237,57 @@ impl DraftWeights {
                 .collect();
             windowed.push((*w, masks));
         }
+        let own: Vec<Option<Tensor<3>>> = groups.iter().map(|g| g.mask.clone()).collect();
+        let masks: Vec<Vec<Option<Tensor<3>>>> = c
+            .layer_windows
+            .iter()
+            .take(self.layers.len())
+            .map(|w| {
+                w.and_then(|w| windowed.iter().find(|(x, _)| *x == w))
+                    .map_or_else(|| own.clone(), |(_, m)| m.clone())
+            })
+            .collect();
+        debug_assert_eq!(ctx_pos.len(), ck.dims()[0], "a position per context row");
+        debug_assert_eq!(blk_pos.len(), x.dims()[0], "a position per block row");
+        self.layers_over(c, x, (ck, cv), &ropes, groups, &masks)
+    }
+
+    /// [`Self::blocks`] with the RoPE tables and each layer's masks given: the layers and the
+    /// final norm. `masks[i][g]` is layer `i`'s additive mask of group `g` (`None`: no mask).
+    ///
+    /// # Shapes
+    /// - `x`: `[R, hidden]`; `ck`, `cv`: `[N, layers · kv_heads · head_dim]`
+    /// - `ropes`: context `[N, head_dim/2]`, block `[R, head_dim/2]` (cos, sin)
+    /// - `masks[i][g]`: `[1 | kv_heads, 1 | G · rows_g, context_g + rows_g]` (broadcast)
+    /// - returns `[R, hidden]` (final-normed)
+    pub(super) fn layers_over(
+        &self,
+        c: &DFlashConfig,
+        mut x: Tensor<2>,
+        (ck, cv): (Tensor<2>, Tensor<2>),
+        ropes: &BlockRopes,
+        groups: &[BlockGroup],
+        masks: &[Vec<Option<Tensor<3>>>],
+    ) -> Tensor<2> {
+        let (ctx_cos, ctx_sin) = &ropes.context;
+        let (blk_cos, blk_sin) = &ropes.block;
+        let (hq, hkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let (n, rows) = (ck.dims()[0], x.dims()[0]);
+        let kv = hkv * hd;
+        let scale = (hd as f64).powf(-0.5);
         for (i, l) in self.layers.iter().enumerate() {
-            let masks: Option<&Vec<Option<Tensor<3>>>> = c.layer_windows[i]
-                .and_then(|w| windowed.iter().find(|(x, _)| *x == w).map(|(_, m)| m));
             let kc = ck.clone().slice([0..n, i * kv..(i + 1) * kv]);
-            let kc = Rope::apply(heads_first(kc, hkv, hd), &ctx_cos, &ctx_sin);
+            let kc = Rope::apply(heads_first(kc, hkv, hd), ctx_cos, ctx_sin);
             let vc = heads_first(cv.clone().slice([0..n, i * kv..(i + 1) * kv]), hkv, hd);
             let h = l.input_norm.forward(x.clone());
             let q = l
                 .q_norm
                 .forward(heads_first(l.q_proj.forward(h.clone()), hq, hd));
-            let q = Rope::apply(q, &blk_cos, &blk_sin);
+            let q = Rope::apply(q, blk_cos, blk_sin);
             let kb = l
                 .k_norm
                 .forward(heads_first(l.k_proj.forward(h.clone()), hkv, hd));
-            let kb = Rope::apply(kb, &blk_cos, &blk_sin);
+            let kb = Rope::apply(kb, blk_cos, blk_sin);
             let vb = heads_first(l.v_proj.forward(h), hkv, hd);
             let outs: Vec<Tensor<2>> = groups
                 .iter()
@@ -274,8 +309,7 @@ impl DraftWeights {
                         ],
                         1,
                     );
-                    let mask = masks.map_or_else(|| g.mask.clone(), |m| m[gi].clone());
-                    grouped_attention(q_g, k, v, scale, mask)
+                    grouped_attention(q_g, k, v, scale, masks[i][gi].clone())
                 })
                 .collect();
             let attn = if outs.len() == 1 {
@@ -291,6 +325,19 @@ impl DraftWeights {
         }
         self.norm.forward(x)
     }
+
+    /// The final norm's multipliers (a tensor on the weights' device).
+    pub(super) fn norm_scale(&self) -> &Tensor<1> {
+        &self.norm.scale
+    }
+}
+
+/// The RoPE `(cos, sin)` of the context keys and of the block rows.
+pub(super) struct BlockRopes {
+    /// `[N, head_dim/2]` each.
+    pub context: (Tensor<2>, Tensor<2>),
+    /// `[R, head_dim/2]` each.
+    pub block: (Tensor<2>, Tensor<2>),
 }
 
 /// The LM head the drafter scores with.

@@ -4,6 +4,7 @@
 
 pub mod core;
 pub mod model;
+mod replay;
 
 pub use core::{BlockGroup, DraftHead, DraftWeights, accepted_drafts};
 pub use model::{DFlashDrafter, DraftOutput, DraftRequest};

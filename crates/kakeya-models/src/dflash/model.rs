@@ -11,9 +11,10 @@ use burn::tensor::{Device, Tensor, TensorData};
 use kakeya_weights::{DFlashConfig, DraftCheckpoint, HostTensor};
 
 use super::core::{BlockGroup, DraftHead, DraftWeights};
+use super::replay::Replayer;
 use crate::cache::DraftContext;
 use crate::error::{ModelError, Result};
-use crate::gemma3::Gemma3Model;
+use crate::gemma3::{DeviceRopes, Gemma3Model};
 
 /// One drafter forward: new context rows and the block to draft.
 #[derive(Debug, Clone)]
@@ -44,12 +45,22 @@ pub struct DraftOutput {
 pub struct DFlashDrafter {
     /// Hyper-parameters.
     pub config: DFlashConfig,
-    weights: DraftWeights,
+    pub(super) weights: DraftWeights,
     /// The verifier's embedding, `[vocab, hidden]`.
     embed: Tensor<2>,
-    embed_scale: f32,
+    /// The same as the device holds it (the verifier's head's row blocks where the table is
+    /// larger than one buffer there), for drafts that gather their rows on the device.
+    pub(super) embed_blocks: Vec<Tensor<2>>,
+    pub(super) embed_scale: f32,
     head: DraftHead,
-    device: Device,
+    pub(super) device: Device,
+    /// On a GPU, drafts are recorded once and replayed ([`Self::replays_drafts`]); false:
+    /// issued launch by launch (the CLI's `--no-graph`).
+    pub record_drafts: bool,
+    /// The RoPE table on the device that recorded drafts gather from.
+    pub(super) device_rope: DeviceRopes,
+    /// The recorded drafts.
+    pub(super) replayer: Replayer,
 }
 
 /// Moves checkpoint tensors to the device, in 2-D storage form.
@@ -126,10 +137,14 @@ impl DFlashDrafter {
         Ok(Self {
             head: DraftHead::new(verifier.head.clone(), &verifier.embed, d2t),
             embed: verifier.embed.clone(),
+            embed_blocks: verifier.embed_blocks().to_vec(),
             embed_scale: (v.hidden_size as f32).sqrt(),
             config: c,
             weights,
             device,
+            record_drafts: verifier.record_decode,
+            device_rope: DeviceRopes::default(),
+            replayer: Replayer::default(),
         })
     }
 

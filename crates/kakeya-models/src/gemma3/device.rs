@@ -40,7 +40,13 @@ impl DeviceRopes {
     ///
     /// # Shapes
     /// - → `[2, n ≥ reach, d/2]`
-    fn table(&self, kind: usize, rope: &Rope, reach: usize, device: &Device) -> Tensor<3> {
+    pub(crate) fn table(
+        &self,
+        kind: usize,
+        rope: &Rope,
+        reach: usize,
+        device: &Device,
+    ) -> Tensor<3> {
         let mut tables = self.lock();
         match &tables[kind] {
             Some(t) if t.dims()[1] >= reach => t.clone(),

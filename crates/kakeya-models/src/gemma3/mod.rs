@@ -12,5 +12,6 @@ mod replay;
 
 pub use attention::AttentionCapture;
 pub use device::CacheBuffers;
+pub(crate) use device::DeviceRopes;
 pub use model::{ForwardOutput, ForwardRequest, Gemma3Model, Logits};
 pub use replay::ReplayStats;

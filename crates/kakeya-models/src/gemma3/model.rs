@@ -373,7 +373,7 @@ impl Gemma3Model {
     ///
     /// # Shapes
     /// - → `[rows_b, hidden]` each, `Σ rows_b = vocab`
-    pub(super) fn embed_blocks(&self) -> &[Tensor<2>] {
+    pub(crate) fn embed_blocks(&self) -> &[Tensor<2>] {
         if self.head.blocks.is_empty() {
             std::slice::from_ref(&self.embed)
         } else {

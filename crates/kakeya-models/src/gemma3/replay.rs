@@ -20,23 +20,14 @@
 //! recorded the second time it is seen (recording costs four runs of the forward: a one-off
 //! prompt chunk or a set of sequences that lasts one step is not worth it).
 
-use std::sync::{Mutex, MutexGuard};
-
 use burn::tensor::Tensor;
 
 use super::device::CacheBuffers;
 use super::model::{ForwardOutput, ForwardRequest, Gemma3Model, Logits};
 use crate::cache::KvLayers;
 use crate::error::{ModelError, Result};
+pub use crate::gpu::ReplayStats;
 use crate::gpu::{self, DeviceGraph, GPU_ROWS_MAX, StepInputs};
-
-/// Most recordings kept (the least recently used goes first).
-const RECORDINGS_MAX: usize = 16;
-/// Eligible forwards after which an unused recording is dropped: its sequences have most
-/// likely finished, and a recording keeps every buffer it touched reserved.
-const IDLE_MAX: u64 = 64;
-/// Most keys remembered as seen once.
-const SEEN_MAX: usize = 32;
 
 /// What a request's head launches: its [`Logits`] without a draw's seed (the draws' uniforms
 /// are inputs, copied in before each replay; the rest is baked into the launches).
@@ -51,7 +42,7 @@ fn launched(l: Logits) -> Logits {
 
 /// What a forward must match to replay a recording.
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct Key {
+pub(crate) struct Key {
     /// Per request: its rows and what its head launches ([`launched`]).
     rows: Vec<(usize, Logits)>,
     hidden_after: Vec<usize>,
@@ -62,67 +53,15 @@ struct Key {
 }
 
 /// One recorded forward, the buffer it reads its ids and positions from, and its outputs.
-struct Recorded {
-    key: Key,
-    /// The eligible forward ([`State::clock`]) that last replayed it.
-    used: u64,
+pub(crate) struct Recorded {
     graph: DeviceGraph,
     inputs: StepInputs,
     ids: Tensor<1>,
     hidden: Vec<Tensor<2>>,
 }
 
-/// How a model's greedy forwards ran on a GPU.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct ReplayStats {
-    /// Forwards recorded (each also ran).
-    pub recorded: usize,
-    /// Forwards replayed from a recording.
-    pub replayed: usize,
-    /// Forwards issued launch by launch though they could be recorded: first sightings,
-    /// caches that are not plain buffers.
-    pub declined: usize,
-}
-
-#[derive(Default)]
-struct State {
-    recorded: Vec<Recorded>,
-    seen: Vec<Key>,
-    /// The device recorded nothing: issue from now on.
-    off: bool,
-    /// Eligible forwards so far.
-    clock: u64,
-    stats: ReplayStats,
-}
-
-/// A model's recorded forwards. A clone of the model starts with none.
-#[derive(Default)]
-pub(crate) struct Replayer(Mutex<State>);
-
-impl Clone for Replayer {
-    fn clone(&self) -> Self {
-        Self::default()
-    }
-}
-
-impl std::fmt::Debug for Replayer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let s = self.lock();
-        f.debug_struct("Replayer")
-            .field("recordings", &s.recorded.len())
-            .field("off", &s.off)
-            .field("stats", &s.stats)
-            .finish()
-    }
-}
-
-impl Replayer {
-    fn lock(&self) -> MutexGuard<'_, State> {
-        self.0
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-}
+/// A model's recorded forwards.
+pub(crate) type Replayer = gpu::Recorder<Key, Recorded>;
 
 impl Gemma3Model {
     /// How this model's greedy forwards ran on a GPU so far.
@@ -153,9 +92,7 @@ impl Gemma3Model {
         if state.off {
             return Ok(None);
         }
-        state.clock += 1;
-        let now = state.clock;
-        state.recorded.retain(|r| now - r.used <= IDLE_MAX);
+        state.tick();
         self.check_batch(reqs, kvs)?;
         let reach = reqs.iter().map(|r| r.start + r.tokens.len()).max();
         let rope = self.ensure_device_rope(reach.unwrap_or(0));
@@ -193,9 +130,8 @@ impl Gemma3Model {
             .unzip();
         let uniforms = Self::uniforms_of(reqs);
         let upload = || StepInputs::upload_with(&tokens, &positions, &uniforms, &self.device);
-        if let Some(r) = state.recorded.iter_mut().find(|r| r.key == key) {
+        if let Some(r) = state.find(&key) {
             let fresh = upload();
-            r.used = now;
             gpu::copy_into(&r.inputs.buf, &fresh.buf).expect("replays run on a GPU");
             replay(&r.graph)?;
             let out = outputs(reqs, &r.ids, &r.hidden);
@@ -203,19 +139,8 @@ impl Gemma3Model {
             return out.map(Some);
         }
         truncate_all(kvs)?;
-        if !state.seen.contains(&key) {
-            if state.seen.len() >= SEEN_MAX {
-                state.seen.remove(0);
-            }
-            state.seen.push(key);
-            state.stats.declined += 1;
+        if !state.second_sighting(key.clone()) {
             return Ok(None);
-        }
-        state.seen.retain(|k| *k != key);
-        if state.recorded.len() >= RECORDINGS_MAX
-            && let Some(oldest) = (0..state.recorded.len()).min_by_key(|&i| state.recorded[i].used)
-        {
-            state.recorded.remove(oldest);
         }
         // Recorded: the caches back at their starts before each run of the forward.
         let inputs = upload();
@@ -224,8 +149,6 @@ impl Gemma3Model {
             self.chosen_on_device(reqs, kvs, &inputs)
         })?;
         let r = Recorded {
-            key,
-            used: now,
             graph: match graph {
                 Some(g) => g,
                 None => {
@@ -242,9 +165,8 @@ impl Gemma3Model {
         };
         // The recorded run's launches were only recorded: run them.
         replay(&r.graph)?;
-        state.stats.recorded += 1;
         let out = outputs(reqs, &r.ids, &r.hidden);
-        state.recorded.push(r);
+        state.insert(key, r);
         out.map(Some)
     }
 }

@@ -88,10 +88,12 @@ macro_rules! on_gpu {
 mod buffers;
 mod graph;
 mod inputs;
+mod recordings;
 mod update;
 pub use buffers::{fits_one_buffer, max_buffer_bytes};
 pub use graph::{DeviceGraph, buffer_of};
 pub use inputs::{StepInputs, gather_rows};
+pub use recordings::{Recorder, Recordings, ReplayStats};
 pub use update::{AdamwStep, adamw, adamw_in_place};
 
 /// RMSNorm over the last dimension ([`crate::norm::RmsNorm::forward`]).

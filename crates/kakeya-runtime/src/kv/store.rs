@@ -151,6 +151,10 @@ impl DraftContext for CompactStore {
         self.read_peak.set(self.read_peak.get().max(2 * n * w * 4));
         Ok((make(&self.k), make(&self.v)))
     }
+    fn device_rows(&self) -> Option<(Tensor<2>, Tensor<2>)> {
+        let d = self.on_device.as_ref()?;
+        Some((d.k.clone()?, d.v.clone()?))
+    }
 }
 
 /// An f32 store's rows on a GPU: K and V buffers of `cap` rows, grown by doubling, the first

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use kakeya_models::{DFlashDrafter, DraftContext, DraftRequest};
+use kakeya_models::{DFlashDrafter, DraftContext};
 
 use serde::{Deserialize, Serialize};
 
@@ -93,15 +93,7 @@ impl Proposer for DFlashProposer<'_> {
         }
         let mut block = vec![self.drafter.config.mask_token_id; n + 1];
         block[0] = last;
-        let out = self.drafter.forward(
-            &DraftRequest {
-                context: None,
-                block: &block,
-                capture_context: false,
-            },
-            store,
-        )?;
-        Ok(self.drafter.draft_tokens(out.hidden))
+        Ok(self.drafter.draft(&block, store)?)
     }
 
     fn drafter(&self) -> Option<&DFlashDrafter> {

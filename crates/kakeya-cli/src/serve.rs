@@ -70,6 +70,11 @@ pub struct ServeArgs {
     /// GGUF kernels.
     #[arg(long, default_value_t = 256)]
     pub prefix_cache_mib: usize,
+    /// Whether sampled requests verify their lookups' drafts beside other sequences, as
+    /// greedy ones do (`true`/`false`). Default: on a GPU, which draws where the logits are;
+    /// not on the CPU, where a sampled row computes every logit.
+    #[arg(long, value_name = "BOOL")]
+    pub sampled_blocks: Option<bool>,
     /// Seconds requests in flight get to finish after SIGTERM or Ctrl-C.
     #[arg(long, default_value_t = 30)]
     pub drain_secs: u64,
@@ -171,6 +176,9 @@ pub fn run(a: ServeArgs) -> Result<()> {
             "off (it would change numbers with this KV mode or device)".to_string()
         }
     );
+    let sampled_blocks = a
+        .sampled_blocks
+        .unwrap_or_else(|| EngineParts::sampled_blocks_by_default(&model));
     let parts = EngineParts {
         model,
         drafter,
@@ -181,6 +189,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         prefill_chunk: a.prefill_chunk,
         max_seqs: a.max_seqs,
         prefix_cache_bytes: a.prefix_cache_mib << 20,
+        sampled_blocks,
     };
     let cfg = HttpConfig {
         model_name,

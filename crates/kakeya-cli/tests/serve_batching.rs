@@ -11,24 +11,56 @@ use serde_json::{Value, json};
 
 /// The tiny model served with its drafter, speculation's costs modelled (a forward of R rows:
 /// 1 ms + 0.05 ms per extra row), so that whether drafts run beside other sequences does not
-/// hang on the machine's load.
-fn speculative_server(s: &Scratch) -> Server {
+/// hang on the machine's load; `extra` arguments after those.
+fn speculative_server(s: &Scratch, extra: &[&str]) -> Server {
     let (m, d) = tiny(s);
-    Server::start(
-        &m,
-        &[
-            "--drafter",
-            d.to_str().unwrap(),
-            "--modelled-costs",
-            "1000,50,0",
-        ],
+    let mut args = vec![
+        "--drafter",
+        d.to_str().unwrap(),
+        "--modelled-costs",
+        "1000,50,0",
+    ];
+    args.extend_from_slice(extra);
+    Server::start(&m, &args)
+}
+
+/// Two sampled clients (T 0.3) together: each gets its answer alone. Returns the drafts
+/// verified beside the other sequence, and those accepted.
+fn sampled_pair(srv: &Server, prompts: &[&str; 2]) -> (f64, f64) {
+    let cool = |i: usize| json!({"prompt": prompts[i], "max_tokens": 150, "ignore_eos": true, "temperature": 0.3, "seed": i});
+    let alone: Vec<Value> = [0, 1]
+        .map(|i| srv.post("/v1/completions", &cool(i)).json()["choices"][0]["text"].clone())
+        .to_vec();
+    let (drafted0, accepted0, forwards0) = (
+        srv.metric("kakeya_batched_drafts_total"),
+        srv.metric("kakeya_batched_drafts_accepted_total"),
+        srv.metric("kakeya_batch_rows_count"),
+    );
+    let pair: Vec<Value> = std::thread::scope(|sc| {
+        let handles = [0, 1].map(|i| {
+            let (addr, b) = (srv.addr.clone(), cool(i));
+            sc.spawn(move || {
+                post(&addr, "/v1/completions", &b).json()["choices"][0]["text"].clone()
+            })
+        });
+        handles.map(|h| h.join().unwrap()).to_vec()
+    });
+    assert_eq!(pair, alone, "sampled, together against alone");
+    assert!(
+        srv.metric("kakeya_batch_rows_count") > forwards0,
+        "the pair shared forwards"
+    );
+    (
+        srv.metric("kakeya_batched_drafts_total") - drafted0,
+        srv.metric("kakeya_batched_drafts_accepted_total") - accepted0,
     )
 }
 
 #[test]
 fn concurrent_clients_get_their_own_answers_through_shared_forwards() {
     let s = Scratch::new("serve-concurrent");
-    let srv = speculative_server(&s);
+    // Sampled requests verify drafts beside others too (the default on a GPU only).
+    let srv = speculative_server(&s, &["--sampled-blocks", "true"]);
     let prompts: Vec<String> = (0..16)
         .map(|i| format!("w{} w{} w{}", 9 + i, 40 + i, 70 + i))
         .collect();
@@ -125,6 +157,14 @@ fn concurrent_clients_get_their_own_answers_through_shared_forwards() {
     );
     let accepted = srv.metric("kakeya_batched_drafts_accepted_total") - accepted0;
     assert!(accepted > 0.0, "no draft accepted beside another sequence");
+    // Two sampled clients at once: their drafts too are verified beside the other's rows
+    // (each row drawn with its position's uniform).
+    let (drafted, accepted) = sampled_pair(&srv, &[&prompts[1], &prompts[3]]);
+    eprintln!("sampled pair: {accepted} of {drafted} drafts accepted beside the other");
+    assert!(
+        accepted > 0.0,
+        "no sampled draft accepted beside another sequence"
+    );
     srv.wait_metric("kakeya_running_sequences", 0.0);
     srv.wait_metric("kakeya_kv_bytes", 0.0);
 }
@@ -138,7 +178,7 @@ fn concurrent_clients_get_their_own_answers_through_shared_forwards() {
 #[test]
 fn a_sequence_that_meets_another_releases_the_drafters_store_and_answers_the_same() {
     let s = Scratch::new("serve-release");
-    let srv = speculative_server(&s);
+    let srv = speculative_server(&s, &[]);
     let long =
         json!({"prompt": "w9 w10 w11", "max_tokens": 400, "ignore_eos": true, "temperature": 0});
     let short =
@@ -180,4 +220,15 @@ fn a_sequence_that_meets_another_releases_the_drafters_store_and_answers_the_sam
     assert!(met, "the short request never ran beside the long one");
     srv.wait_metric("kakeya_running_sequences", 0.0);
     srv.wait_metric("kakeya_kv_bytes", 0.0);
+}
+
+/// By default on the CPU, sampled requests beside other sequences take plain steps (a sampled
+/// row computes every logit there: drafts cost more than they bring); answers are the same.
+#[test]
+fn sampled_requests_beside_others_take_plain_steps_by_default_on_the_cpu() {
+    let s = Scratch::new("serve-sampled-plain");
+    let srv = speculative_server(&s, &[]);
+    let (drafted, _) = sampled_pair(&srv, &["w9 w10 w11", "w40 w41 w42"]);
+    assert_eq!(drafted, 0.0, "no drafts beside others for sampled requests");
+    srv.wait_metric("kakeya_running_sequences", 0.0);
 }

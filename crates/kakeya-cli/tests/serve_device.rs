@@ -87,10 +87,16 @@ fn the_server_on_the_test_device_answers_what_infer_gives_alone_and_batched() {
                 "{extra:?}, sampled: {v}"
             );
         }
+        // (On a GPU, sampled sequences verify their lookups' drafts beside the others.)
+        let drafted0 = srv.metric("kakeya_batched_drafts_total");
         assert_eq!(
             at_once(&sampled_body),
             sampled,
             "{extra:?}: sampled, together"
+        );
+        eprintln!(
+            "{extra:?}: sampled together, {} drafts beside others",
+            srv.metric("kakeya_batched_drafts_total") - drafted0
         );
         srv.wait_metric("kakeya_running_sequences", 0.0);
         // On a GPU the server's greedy forwards were replayed (infer's above were issued

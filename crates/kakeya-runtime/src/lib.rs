@@ -23,7 +23,7 @@ pub use kv::{
 };
 pub use prefix::{PrefixCache, PrefixStats};
 pub use sampler::{Sampler, Sampling, Scores};
-pub use session::{KvSetup, Session, Verified};
+pub use session::{KvSetup, Session, Verified, Want};
 pub use spec::{
     CombinedProposer, CostLine, Costs, DFlashProposer, DraftKind, DraftSource, NgramProposer,
     NgramTable, Proposer, ReplayProposer, Schedule, SpecConfig, SpecDecoder, SpecStats, Verifier,

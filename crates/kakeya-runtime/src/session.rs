@@ -25,13 +25,23 @@ pub fn logits_row(logits: Tensor<2>) -> Vec<f32> {
         .expect("logits are f32")
 }
 
-/// The last position's [`Scores`] of a forward that asked for logits or the greedy choice.
+/// What one session of [`Session::verify_batch`] asks of its chunk.
+#[derive(Debug, Clone, Copy)]
+pub enum Want<'s> {
+    /// Run the chunk; give what the sampler picks the token after it from.
+    Next(&'s Sampler),
+    /// Verify the block (its newest token, then drafts): give the sampler's choice after
+    /// every row — the greedy one, or a draw with the uniform of the position the row
+    /// predicts (speculative sampling's rule, as [`crate::Verifier::verify_sampled`]).
+    Block(&'s Sampler),
+}
+
 /// What [`Session::verify_batch`] gives one session.
 #[derive(Debug, Clone)]
 pub enum Verified {
-    /// The greedy choice after every row of its block.
-    Greedy(Vec<u32>),
-    /// What its sampler picks the token after its chunk from.
+    /// The sampler's choice after every row of its block ([`Want::Block`]).
+    Block(Vec<u32>),
+    /// What its sampler picks the token after its chunk from ([`Want::Next`]).
     Scores(Scores),
 }
 
@@ -366,40 +376,54 @@ impl<'m> Session<'m> {
         chunks: &[&[u32]],
         samplers: &[&Sampler],
     ) -> Result<Vec<Scores>> {
-        let wants: Vec<Option<&Sampler>> = samplers.iter().copied().map(Some).collect();
+        let wants: Vec<Want<'_>> = samplers.iter().copied().map(Want::Next).collect();
         Ok(Self::verify_batch(sessions, chunks, &wants)?
             .into_iter()
             .map(|v| match v {
                 Verified::Scores(s) => s,
-                Verified::Greedy(_) => unreachable!("every session has a sampler"),
+                Verified::Block(_) => unreachable!("every session runs its next chunk"),
             })
             .collect())
     }
 
-    /// [`Self::run_batch`] where some sessions verify a block: session `i` with `samplers[i]
-    /// = None` runs `blocks[i]` (its newest token, then drafts) and gets the greedy choice
-    /// after every row, as [`crate::Verifier::verify`] gives it — the rows stay in its caches
-    /// until it truncates the rejected ones ([`Self::truncate`]); the others run their chunk
-    /// as `run_batch` does. Bit for bit each session's own forward under `run_batch`'s
+    /// [`Self::run_batch`] where some sessions verify a block: session `i` with
+    /// [`Want::Block`] runs `blocks[i]` (its newest token, then drafts) and gets its sampler's
+    /// choice after every row, as [`crate::Verifier::verify`] (greedy) or
+    /// [`crate::Verifier::verify_sampled`] gives it — the rows stay in its caches until it
+    /// truncates the rejected ones ([`Self::truncate`]); the others run their chunk as
+    /// `run_batch` does. Bit for bit each session's own forward under `run_batch`'s
     /// conditions.
     pub fn verify_batch(
         sessions: &mut [&mut Session<'m>],
         blocks: &[&[u32]],
-        samplers: &[Option<&Sampler>],
+        wants: &[Want<'_>],
     ) -> Result<Vec<Verified>> {
-        Self::check_batch(sessions, blocks, samplers.len())?;
-        let wants: Vec<Logits> = samplers
+        Self::check_batch(sessions, blocks, wants.len())?;
+        let logits: Vec<Logits> = wants
             .iter()
-            .map(|s| s.map_or(Logits::GreedyAll, Sampler::wants))
+            .map(|w| match w {
+                Want::Next(s) => s.wants(),
+                Want::Block(s) => s.draw().map_or(Logits::GreedyAll, Logits::DrawAll),
+            })
             .collect();
-        let outs = Self::forward_many(sessions, blocks, &wants, &[])?;
+        let outs = Self::forward_many(sessions, blocks, &logits, &[])?;
         let mut verified = Vec::with_capacity(outs.len());
-        for ((s, out), sampler) in sessions.iter_mut().zip(outs).zip(samplers) {
-            verified.push(if let Some(sampler) = sampler {
-                s.commit()?;
-                Verified::Scores(scores(out, sampler))
-            } else {
-                Verified::Greedy(out.chosen.expect("asked for the greedy choices"))
+        for (((s, out), want), block) in sessions.iter_mut().zip(outs).zip(wants).zip(blocks) {
+            verified.push(match *want {
+                Want::Next(sampler) => {
+                    s.commit()?;
+                    Verified::Scores(scores(out, sampler))
+                }
+                Want::Block(sampler) => Verified::Block(match out.chosen {
+                    Some(ids) => ids,
+                    // A draw on the host: row `i` predicts the block's position `i + 1`.
+                    None => {
+                        let rows = logits_row(out.logits.expect("asked for logits"));
+                        let vocab = s.model.config.vocab_size;
+                        let first = s.len - block.len() + 1;
+                        crate::spec::sampled_posterior(&rows, vocab, first, sampler)
+                    }
+                }),
             });
         }
         Ok(verified)

@@ -23,7 +23,7 @@ use kakeya_models::{DFlashDrafter, Gemma3Model};
 use kakeya_runtime::{
     CostLine, Costs, DraftKind, GenerationConfig, KvBytes, KvMode, KvPolicy, KvSetup, NgramTable,
     PrefixCache, Restorer, RuntimeError, Sampler, Sampling, Session, SpecConfig, StopReason,
-    Verified, accept_greedy,
+    Verified, Want, accept_greedy,
 };
 use serde::Serialize;
 use tokio::sync::mpsc::UnboundedSender;
@@ -58,6 +58,19 @@ pub struct EngineParts {
     /// prefix cache; it is off anyway where it would change numbers, see
     /// [`PrefixCache::applies`]).
     pub prefix_cache_bytes: usize,
+    /// Sampled requests verify their lookups' drafts beside other sequences too (each row
+    /// drawn with its position's uniform), as greedy ones always do. Worth it where a drawn
+    /// row costs what a greedy one does — on a GPU, which draws where the logits are — not on
+    /// the CPU, where a sampled row computes every logit and the host draws
+    /// ([`Self::sampled_blocks_by_default`]).
+    pub sampled_blocks: bool,
+}
+
+impl EngineParts {
+    /// Whether [`Self::sampled_blocks`] pays on `model`'s device: on a GPU.
+    pub fn sampled_blocks_by_default(model: &Gemma3Model) -> bool {
+        kakeya_models::gpu::is_gpu(model.device())
+    }
 }
 
 /// One request for the engine.
@@ -157,6 +170,7 @@ pub fn run(
         prefill_chunk,
         max_seqs,
         prefix_cache_bytes,
+        sampled_blocks,
     } = parts;
     let prefix_budget = if PrefixCache::applies(&model, &policy) {
         prefix_cache_bytes
@@ -351,7 +365,10 @@ pub fn run(
                     group,
                     &[],
                     chunk,
-                    Some(threshold),
+                    Some(Beside {
+                        threshold,
+                        sampled: sampled_blocks,
+                    }),
                     max_rows,
                     metrics,
                 ) {
@@ -440,10 +457,19 @@ fn draft_threshold(coefficients: Option<(f64, f64)>, n: usize) -> f64 {
     (beta * n as f64 / plain.max(1e-12)).min(1.0)
 }
 
+/// Which decoding sequences verify drafts beside other sequences, and how many.
+#[derive(Debug, Clone, Copy)]
+struct Beside {
+    /// Least chance of being committed a draft row must have.
+    threshold: f64,
+    /// Sampled sequences too ([`EngineParts::sampled_blocks`]), not only greedy ones.
+    sampled: bool,
+}
+
 /// One decode step of the sequences `group` (indices into `active`) in one stacked forward,
-/// where each greedy speculative sequence verifies a block — its newest token, then the drafts
-/// its lookups offer whose chance of being committed is at least `threshold` (`None`: no
-/// drafts) — and every other sequence takes a plain step; with, in the same forward, the next
+/// where each speculative sequence that `beside` admits (`None`: none) verifies a block — its
+/// newest token, then the drafts its lookups offer whose chance of being committed is at
+/// least the threshold — and every other sequence takes a plain step; with, in the same forward, the next
 /// prompt chunk (of at most `chunk` tokens) of each sequence in `prefill` (not in `group`); at
 /// most `max_rows` rows in all (the drafts give way). Returns the rows run.
 fn verify_group(
@@ -451,7 +477,7 @@ fn verify_group(
     group: &[usize],
     prefill: &[usize],
     chunk: usize,
-    threshold: Option<f64>,
+    beside: Option<Beside>,
     max_rows: usize,
     metrics: &Metrics,
 ) -> Result<usize, RuntimeError> {
@@ -477,10 +503,11 @@ fn verify_group(
         let last = *s.tokens.last().expect("a decoding sequence has tokens");
         let ctx = s.verifier.model().config.max_position_embeddings;
         let mut block = vec![last];
-        // Sampled sequences take plain steps (`drafts_beside` offers them none).
-        let verifies_block = match (s.dec.as_mut(), s.proposer.as_mut(), threshold) {
-            (Some(dec), Some(proposer), Some(threshold))
-                if s.sampler.mode() == &Sampling::Greedy =>
+        // A sampled block's rows are drawn with their positions' uniforms (speculative
+        // sampling's rule).
+        let verifies_block = match (s.dec.as_mut(), s.proposer.as_mut(), beside) {
+            (Some(dec), Some(proposer), Some(Beside { threshold, sampled }))
+                if sampled || s.sampler.mode() == &Sampling::Greedy =>
             {
                 let room = 1 + spare
                     .min(s.sink.remaining().saturating_sub(1))
@@ -500,10 +527,10 @@ fn verify_group(
     let order: Vec<usize> = group.iter().chain(prefill).copied().collect();
     let rows = blocks.iter().map(Vec::len).sum();
     let samplers: Vec<Sampler> = order.iter().map(|&i| active[i].sampler.clone()).collect();
-    let wants: Vec<Option<&Sampler>> = samplers
+    let wants: Vec<Want<'_>> = samplers
         .iter()
         .zip(&verifies)
-        .map(|(s, &v)| (!v).then_some(s))
+        .map(|(s, &v)| if v { Want::Block(s) } else { Want::Next(s) })
         .collect();
     // Sessions in `order`'s order (each index once).
     let mut slots: Vec<Option<&mut Session<'_>>> = active
@@ -536,7 +563,7 @@ fn verify_group(
         s.batched_steps += 1;
         let before = s.tokens.len();
         match v {
-            Verified::Greedy(posterior) => {
+            Verified::Block(posterior) => {
                 let a = accept_greedy(&block[1..], &posterior);
                 metrics.drafts_beside(block.len() - 1, a);
                 s.commit_beside(&block[1..], &posterior)?;

@@ -50,6 +50,7 @@ impl Engine {
                 prefill_chunk: 8,
                 max_seqs: 16,
                 prefix_cache_bytes: prefix_mib << 20,
+                sampled_blocks: false,
             };
             engine::run(parts, rx, &m, &AtomicUsize::new(0));
         });

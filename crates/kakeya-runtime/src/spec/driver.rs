@@ -232,9 +232,10 @@ impl SpecDecoder {
     /// Drafts for a block whose rows are verified beside other sequences' in one stacked
     /// forward (a server's batch), after `tokens` (its newest not yet in the caches), at most
     /// `room − 1` of them: as many as the schedule expects each to be committed with chance
-    /// at least `threshold` ([`BlockSchedule::next_len_beside`]). None for sampled
-    /// sequences, nor where the drafts would need a forward of their own (a model drafter).
-    /// Verify `[newest, drafts...]` with the batch, then call [`Self::commit_beside`].
+    /// at least `threshold` ([`BlockSchedule::next_len_beside`]). None where the drafts
+    /// would need a forward of their own (a model drafter). Verify `[newest, drafts...]` with
+    /// the batch (`Want::Block` with this decoder's sampler), then call
+    /// [`Self::commit_beside`].
     pub fn drafts_beside(
         &mut self,
         proposer: &mut dyn Proposer,
@@ -242,9 +243,6 @@ impl SpecDecoder {
         room: usize,
         threshold: f64,
     ) -> Result<Vec<u32>> {
-        if self.sampler.mode() != &Sampling::Greedy {
-            return Ok(Vec::new());
-        }
         let source = proposer.source(tokens);
         let b = self
             .schedule
@@ -262,7 +260,7 @@ impl SpecDecoder {
     }
 
     /// Commits a block from [`Self::drafts_beside`] that the batch verified: `posterior`
-    /// holds the greedy choice after each of its rows. Rolls the verifier back past the
+    /// holds the sampler's choice after each of its rows (greedy, or drawn). Rolls the verifier back past the
     /// rejected drafts and appends the committed tokens to `tokens`, offering them to `sink`;
     /// `Some(reason)` when generation stops.
     pub fn commit_beside(

@@ -329,4 +329,24 @@ pub trait DraftContext {
     fn device_rows(&self) -> Option<(Tensor<2>, Tensor<2>)> {
         None
     }
+
+    /// Makes room on the device for `n` more rows and returns the buffers (as
+    /// [`Self::device_rows`], held by this store alone, so that a write into them changes no
+    /// other store), for a step that writes rows `len()..len() + n` into them in place and
+    /// then calls [`Self::written_in_place`]. `None` (the default) where the rows are held
+    /// otherwise: append them.
+    ///
+    /// # Shapes
+    /// - returns `k`, `v`: `[capacity ≥ len + n, drafter_layers · kv_heads · head_dim]`
+    fn reserve_on_device(&mut self, n: usize) -> Option<(Tensor<2>, Tensor<2>)> {
+        let _ = n;
+        None
+    }
+
+    /// Counts `n` rows written in place after [`Self::reserve_on_device`] as held.
+    fn written_in_place(&mut self, n: usize) -> Result<()> {
+        Err(crate::ModelError::Cache(format!(
+            "{n} rows written in place into a store that keeps none on the device"
+        )))
+    }
 }

@@ -276,7 +276,6 @@ impl<'m> Session<'m> {
         let from = self.backlog[0].0;
         let aux = Tensor::cat(self.backlog.drain(..).map(|(_, h)| h).collect(), 0);
         let d = self.drafter.expect("store rows only with a drafter");
-        let (k, v) = d.context_rows(aux)?;
         let store = self.kv.store_mut().expect("a drafter comes with a store");
         if store.len() != from {
             return Err(RuntimeError::Input(format!(
@@ -284,7 +283,7 @@ impl<'m> Session<'m> {
                 store.len()
             )));
         }
-        store.append(k, v)?;
+        d.append_context(aux, store)?;
         Ok(())
     }
 

@@ -353,6 +353,28 @@ fn the_compact_store_on_the_device_holds_what_the_hosts_holds() {
     cpu_fork.truncate(10);
     append(&mut cpu_fork, 30, 9, &Device::flex());
     same(&fork, &cpu_fork, "the fork");
+    // Rows written in place (a recorded append: `gpu::put_rows` from the length) into a fork
+    // that still shares the original's buffers: the fork's own copies, the original unchanged.
+    let mut fork = dev.clone();
+    fork.truncate(20);
+    let (k, v) = fork.reserve_on_device(7).expect("a device store");
+    let at = Tensor::<1>::from_data(burn::tensor::TensorData::new(vec![20.0f32], [1]), &d);
+    kakeya_models::gpu::put_rows(&k, &rows(7, 4, &d), &at, 0).unwrap();
+    kakeya_models::gpu::put_rows(&v, &rows(7, 5, &d), &at, 0).unwrap();
+    drop((k, v));
+    fork.written_in_place(7).unwrap();
+    assert!(
+        host(dev.read(0..dev.len()).unwrap().0) == before,
+        "the original after a fork's write in place"
+    );
+    let mut cpu_fork = cpu.clone();
+    cpu_fork.truncate(20);
+    append(&mut cpu_fork, 7, 4, &Device::flex());
+    same(&fork, &cpu_fork, "the fork written in place");
+    assert!(
+        fork.written_in_place(1000).is_err(),
+        "past the reserved rows"
+    );
 }
 
 #[test]
@@ -428,7 +450,8 @@ impl Proposer for Logged<'_> {
 }
 
 /// The drafter's drafts recorded once and replayed (attending over the store's whole buffers,
-/// masked past the length each replay reads) are the drafts issued kernel by kernel: across
+/// masked past the length each replay reads) are the drafts issued kernel by kernel, and the
+/// store rows appended by recorded steps are the issued appends' bits: across
 /// the store's doubling past 64 rows (new buffers: a new recording), blocks shortened by
 /// the token budget, fixed and adaptive schedules. Speculative decoding commits plain
 /// decoding's tokens either way.
@@ -469,7 +492,9 @@ fn recorded_drafts_equal_the_drafts_issued_one_by_one() {
             };
             let g =
                 speculative_generate(&mut ver, &mut proposer, &p, &cfg, spec, &mut |_| {}).unwrap();
-            (g.tokens, proposer.drafts)
+            let store = ver.store_mut().unwrap().expect("the drafter's store");
+            let (k, v) = store.read(0..store.len()).unwrap();
+            (g.tokens, proposer.drafts, host(k), host(v))
         };
         let before = d.replay_stats();
         let replayed = run(&d);
@@ -483,6 +508,11 @@ fn recorded_drafts_equal_the_drafts_issued_one_by_one() {
         assert_eq!(replayed.0, want.tokens, "{spec:?}: tokens");
         assert_eq!(issued.0, want.tokens, "{spec:?}: tokens, issued");
         assert_eq!(replayed.1, issued.1, "{spec:?}: drafts, replayed vs issued");
+        // The store rows appended by recorded steps are the issued appends' bits.
+        assert!(
+            replayed.2 == issued.2 && replayed.3 == issued.3,
+            "{spec:?}: store rows, replayed vs issued appends"
+        );
         if spec.schedule == kakeya_runtime::Schedule::Fixed {
             assert!(
                 st.replayed > before.replayed + replayed.1.len() / 2,
@@ -499,6 +529,10 @@ fn recorded_drafts_equal_the_drafts_issued_one_by_one() {
         Default::default(),
         "record_drafts off"
     );
+    let appends = d.append_replay_stats();
+    eprintln!("store appends: {appends:?}");
+    assert!(appends.replayed > 100, "appends replayed: {appends:?}");
+    assert_eq!(issued_d.append_replay_stats(), Default::default());
 }
 
 /// `KAKEYA_DECODE_STEPS` greedy tokens from a prompt of 8 on the device: `scripts/kernel_count.sh`

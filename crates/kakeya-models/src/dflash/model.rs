@@ -11,7 +11,7 @@ use burn::tensor::{Device, Tensor, TensorData};
 use kakeya_weights::{DFlashConfig, DraftCheckpoint, HostTensor};
 
 use super::core::{BlockGroup, DraftHead, DraftWeights};
-use super::replay::Replayer;
+use super::replay::{AppendReplayer, Replayer};
 use crate::cache::DraftContext;
 use crate::error::{ModelError, Result};
 use crate::gemma3::{DeviceRopes, Gemma3Model};
@@ -61,6 +61,8 @@ pub struct DFlashDrafter {
     pub(super) device_rope: DeviceRopes,
     /// The recorded drafts.
     pub(super) replayer: Replayer,
+    /// The recorded appends of store rows.
+    pub(super) append_replayer: AppendReplayer,
 }
 
 /// Moves checkpoint tensors to the device, in 2-D storage form.
@@ -145,6 +147,7 @@ impl DFlashDrafter {
             record_drafts: verifier.record_decode,
             device_rope: DeviceRopes::default(),
             replayer: Replayer::default(),
+            append_replayer: AppendReplayer::default(),
         })
     }
 

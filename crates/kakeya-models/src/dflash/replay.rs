@@ -15,6 +15,11 @@
 //! Masked keys add nothing (`exp` of −10³⁰ below the row's largest score is 0), but the
 //! softmax sums more terms, so a replayed draft's logits may differ from the issued draft's in
 //! the last bits: drafts only propose, and verification decides what is committed either way.
+//!
+//! The store's new rows (the committed positions' context projection,
+//! [`DFlashDrafter::append_context`]) are recorded too, per row count: projected by the same
+//! launches as [`DFlashDrafter::context_rows`] and written into the store's buffers from the
+//! row its length gives, read on the device ([`gpu::put_rows`]): the same bits as an append.
 
 use burn::tensor::{Tensor, TensorData};
 
@@ -27,6 +32,10 @@ use crate::rope::Rope;
 
 /// Added to the scores of keys past the context's length.
 const MASKED: f32 = -1e30;
+
+/// Most rows an append records (a speculative block commits at most [`GPU_ROWS_MAX`]; a
+/// prompt's or a backlog's rows are one-off counts, issued).
+const APPEND_ROWS_MAX: usize = GPU_ROWS_MAX;
 
 /// What a draft must match to replay a recording.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -54,6 +63,28 @@ pub(crate) struct Recorded {
 /// A drafter's recorded drafts.
 pub(crate) type Replayer = gpu::Recorder<Key, Recorded>;
 
+/// What an append of store rows must match to replay a recording.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct AppendKey {
+    /// Rows appended, and the width of the hidden states they come from.
+    rows: usize,
+    width: usize,
+    /// The store's K and V allocations and their rows.
+    k: (usize, u64),
+    v: (usize, u64),
+    capacity: usize,
+}
+
+/// One recorded append: the buffers it reads (the hidden states, the first row's index).
+pub(crate) struct AppendRecorded {
+    graph: DeviceGraph,
+    context: Tensor<2>,
+    at: Tensor<1>,
+}
+
+/// A drafter's recorded appends.
+pub(crate) type AppendReplayer = gpu::Recorder<AppendKey, AppendRecorded>;
+
 impl DFlashDrafter {
     /// Greedy drafts for block slots `1..B` (as [`Self::draft_tokens`] of [`Self::forward`]'s
     /// hidden states, with no new context rows), as verifier token ids: on a GPU replayed from
@@ -74,6 +105,105 @@ impl DFlashDrafter {
             store,
         )?;
         Ok(self.draft_tokens(out.hidden))
+    }
+
+    /// Appends the store rows of the positions `store.len()..` whose verifier hidden states
+    /// are `context` (as [`Self::context_rows`] then [`DraftContext::append`]): on a GPU
+    /// replayed from a recording where one fits (see the module's doc), else issued.
+    ///
+    /// # Shapes
+    /// - `context`: `[n, targets · hidden]`
+    pub fn append_context(&self, context: Tensor<2>, store: &mut dyn DraftContext) -> Result<()> {
+        if self.appended_in_place(&context, store)? {
+            return Ok(());
+        }
+        let (k, v) = self.context_rows(context)?;
+        store.append(k, v)
+    }
+
+    /// How this drafter's appends of store rows ran on a GPU so far.
+    pub fn append_replay_stats(&self) -> ReplayStats {
+        self.append_replayer.lock().stats
+    }
+
+    /// An append replayed, or recorded now; `Ok(false)` where it is not (the caller issues
+    /// it): see [`Self::replays_drafts`], more than [`APPEND_ROWS_MAX`] rows, a store not
+    /// held in device buffers, a key's first sighting.
+    fn appended_in_place(&self, context: &Tensor<2>, store: &mut dyn DraftContext) -> Result<bool> {
+        let [n, width] = context.dims();
+        let c = &self.config;
+        if n == 0
+            || n > APPEND_ROWS_MAX
+            || width != c.target_layer_ids.len() * c.hidden_size
+            || !self.replays_drafts()
+        {
+            return Ok(false);
+        }
+        let len = store.len();
+        let Some((kb, vb)) = store.reserve_on_device(n) else {
+            return Ok(false);
+        };
+        let (Some(k), Some(v)) = (gpu::buffer_of(&kb), gpu::buffer_of(&vb)) else {
+            return Ok(false);
+        };
+        let mut state = self.append_replayer.lock();
+        if state.off {
+            return Ok(false);
+        }
+        state.tick();
+        let key = AppendKey {
+            rows: n,
+            width,
+            k,
+            v,
+            capacity: kb.dims()[0],
+        };
+        let at = || Tensor::<1>::from_data(TensorData::new(vec![len as f32], [1]), &self.device);
+        if let Some(r) = state.find(&key) {
+            gpu::copy_into(&r.context, context).expect("replays run on a GPU");
+            gpu::copy_into(&r.at, &at()).expect("replays run on a GPU");
+            replay(&r.graph)?;
+            state.stats.replayed += 1;
+            drop((kb, vb));
+            store.written_in_place(n)?;
+            return Ok(true);
+        }
+        if !state.second_sighting(key.clone()) {
+            return Ok(false);
+        }
+        // The recording reads the hidden states and the first row's index from buffers of its
+        // own, rewritten before each replay (a clone is never its buffer's only holder: this
+        // copies).
+        let inputs = (gpu::unique_dense(context.clone()), at());
+        let (graph, ()) = DeviceGraph::record(&self.device, || {
+            let (k, v) = self.weights.context_rows(c, inputs.0.clone());
+            let no_gpu = || ModelError::Input("a recorded append needs a GPU".into());
+            gpu::put_rows(&kb, &k, &inputs.1, 0).ok_or_else(no_gpu)?;
+            gpu::put_rows(&vb, &v, &inputs.1, 0).ok_or_else(no_gpu)
+        })?;
+        match graph {
+            Some(graph) => {
+                // The recorded run's launches were only recorded: run them.
+                replay(&graph)?;
+                state.insert(
+                    key,
+                    AppendRecorded {
+                        graph,
+                        context: inputs.0,
+                        at: inputs.1,
+                    },
+                );
+            }
+            None => {
+                // The device ran the last run instead of recording it: the rows are written,
+                // and this device records nothing.
+                state.off = true;
+                state.stats.declined += 1;
+            }
+        }
+        drop((kb, vb));
+        store.written_in_place(n)?;
+        Ok(true)
     }
 
     /// How this drafter's drafts ran on a GPU so far.

@@ -191,11 +191,7 @@ impl Gemma3Model {
         let mut u = Vec::new();
         for req in reqs {
             if let Some((d, first)) = req.logits.draw(req.start, req.tokens.len()) {
-                let n = if req.logits.last_only() {
-                    1
-                } else {
-                    req.tokens.len()
-                };
+                let n = req.logits.rows(&(0..req.tokens.len())).len();
                 u.extend(d.uniforms(first, n));
             }
         }

@@ -52,14 +52,6 @@ impl Logits {
         self.greedy() || matches!(self, Logits::DrawLast(_) | Logits::DrawAll(_))
     }
 
-    /// Whether only the last position's row is wanted.
-    pub(super) fn last_only(self) -> bool {
-        matches!(
-            self,
-            Logits::Last | Logits::GreedyLast | Logits::DrawLast(_)
-        )
-    }
-
     /// The draw asked for, with the position the first wanted row of a chunk of `t` tokens at
     /// `start` predicts.
     pub(super) fn draw(self, start: usize, t: usize) -> Option<(crate::Draw, usize)> {

@@ -188,7 +188,7 @@ fn outputs(
     let (mut id_at, mut row_at) = (0, 0);
     for req in reqs {
         let t = req.tokens.len();
-        let n = if req.logits.last_only() { 1 } else { t };
+        let n = req.logits.rows(&(0..t)).len();
         let chosen = all[id_at..id_at + n].iter().map(|&i| i as u32).collect();
         let rows = |h: &Tensor<2>| {
             let w = h.dims()[1];

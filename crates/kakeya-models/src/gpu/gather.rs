@@ -2,6 +2,8 @@
 //! the token embeddings and the RoPE rows of a forward's stacked inputs, read from the one
 //! buffer of token ids and positions the forward uploads. A recorded decode step reads them
 //! there too, so its replays pick up whatever ids and positions were written into that buffer.
+//! And the other way ([`super::DecodeKernels::put_rows`]): rows written into a buffer from a
+//! row index held on the device (the drafter's store rows, appended by a recorded step).
 
 use burn::tensor::Shape;
 use burn_cubecl::kernel::into_contiguous;
@@ -88,4 +90,57 @@ pub(super) fn gather_rows(
         );
     }
     out
+}
+
+/// `dst[(idx[at] + r) · width + e] = src[r · width + e]` for the rows that fit in `dst`; one
+/// unit per element of `src`.
+#[cube(launch)]
+fn put_rows_kernel(src: &[f32], idx: &[f32], dst: &mut [f32], dims: Sequence<usize>) {
+    // dims: elements of src, row width, where the first row's index is, rows of dst.
+    let (n, width, at, rows) = (
+        *dims.index(0),
+        *dims.index(1),
+        *dims.index(2),
+        *dims.index(3),
+    );
+    let i = CUBE_POS * CUBE_DIM as usize + UNIT_POS as usize;
+    if i < n {
+        let row = usize::cast_from(u32::cast_from(idx[at])) + i / width;
+        if row < rows {
+            dst[row * width + i % width] = src[i];
+        }
+    }
+}
+
+/// See [`super::DecodeKernels::put_rows`].
+pub(super) fn put_rows(dst: CubeTensor, src: CubeTensor, idx: CubeTensor, at: usize) -> CubeTensor {
+    f32_only(&dst, "put_rows");
+    f32_only(&src, "put_rows");
+    f32_only(&idx, "put_rows");
+    let (d, s) = (dst.meta.shape().clone(), src.meta.shape().clone());
+    assert!(
+        dst.is_contiguous() && d.num_dims() == 2 && s.num_dims() == 2 && d[1] == s[1],
+        "put_rows: a dense destination [rows, w] {d:?} and a source [n, w] {s:?}"
+    );
+    assert!(
+        at < idx.meta.shape().num_elements(),
+        "put_rows: index {at} past the {} held",
+        idx.meta.shape().num_elements()
+    );
+    let (rows, width) = (d[0], d[1]);
+    let src = into_contiguous(src);
+    let idx = into_contiguous(idx);
+    let n = s.num_elements();
+    if n > 0 {
+        put_rows_kernel::launch(
+            &dst.client.clone(),
+            grid(n.div_ceil(ELEMENT_UNITS)),
+            CubeDim::new_1d(ELEMENT_UNITS as u32),
+            src.into_buffer_arg(),
+            idx.into_buffer_arg(),
+            dst.clone().into_buffer_arg(),
+            sequence(&[n, width, at, rows]),
+        );
+    }
+    dst
 }

@@ -317,6 +317,25 @@ pub fn copy_into<const D: usize, const E: usize>(dst: &Tensor<D>, src: &Tensor<E
     })
 }
 
+/// `src`'s rows written into `dst`'s buffer in place (dense), whoever else holds it, from row
+/// `idx[at]` on, an index read on the device (rows past `dst`'s end are dropped): the rows a
+/// recorded step appends where each replay is told. `Some(())` where the kernels apply and
+/// write in place.
+///
+/// # Shapes
+/// - `dst`: `[rows, w]`, `src`: `[n, w]`, `idx`: `[> at]`
+#[cfg_attr(not(feature = "cube"), allow(unused_variables))]
+pub fn put_rows(dst: &Tensor<2>, src: &Tensor<2>, idx: &Tensor<1>, at: usize) -> Option<()> {
+    on_gpu!(writes_in_place(dst), {
+        let _ = <Dispatch as DecodeKernels>::put_rows(
+            dst.clone().into_dispatch(),
+            src.clone().into_dispatch(),
+            idx.clone().into_dispatch(),
+            at,
+        );
+    })
+}
+
 /// Per row, the index of its largest entry (the first on ties); only the `T` ids come back
 /// to the host.
 ///

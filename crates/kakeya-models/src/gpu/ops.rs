@@ -274,6 +274,20 @@ pub trait DecodeKernels: burn::backend::Backend {
     #[fusion(dtype = dst, shape = dst)]
     fn copy_into(dst: FloatTensor<Self>, src: FloatTensor<Self>) -> FloatTensor<Self>;
 
+    /// `src`'s rows written into `dst`'s dense buffer in place (whoever else holds it) from
+    /// row `idx[at]` on (f32, exact below 2²⁴, read on the device); rows past `dst`'s end are
+    /// dropped. Returns `dst`.
+    ///
+    /// # Shapes
+    /// - `dst`: `[rows, w]`, `src`: `[n, w]`, `idx`: `[> at]` → `dst`
+    #[fusion(dtype = dst, shape = dst)]
+    fn put_rows(
+        dst: FloatTensor<Self>,
+        src: FloatTensor<Self>,
+        idx: FloatTensor<Self>,
+        at: usize,
+    ) -> FloatTensor<Self>;
+
     /// Rows of `table` (of each of its planes) picked by the `t` indices `idx[offset..]` (f32,
     /// exact below 2²⁴), each multiplied by `scale`. The table holds the rows `first..` of a
     /// larger one (a block of it); an index outside them gives a row of zeros.
@@ -534,6 +548,15 @@ impl DecodeKernels for CubeBackend {
         first: usize,
     ) -> FloatTensor<Self> {
         gather::gather_rows(table, idx, offset, t, scale, first)
+    }
+
+    fn put_rows(
+        dst: FloatTensor<Self>,
+        src: FloatTensor<Self>,
+        idx: FloatTensor<Self>,
+        at: usize,
+    ) -> FloatTensor<Self> {
+        gather::put_rows(dst, src, idx, at)
     }
 
     #[allow(clippy::too_many_arguments)]

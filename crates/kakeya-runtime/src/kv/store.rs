@@ -155,6 +155,24 @@ impl DraftContext for CompactStore {
         let d = self.on_device.as_ref()?;
         Some((d.k.clone()?, d.v.clone()?))
     }
+
+    fn reserve_on_device(&mut self, n: usize) -> Option<(Tensor<2>, Tensor<2>)> {
+        let d = self.on_device.as_mut()?;
+        d.reserve(n);
+        Some((d.k.clone()?, d.v.clone()?))
+    }
+
+    fn written_in_place(&mut self, n: usize) -> kakeya_models::Result<()> {
+        match &mut self.on_device {
+            Some(d) if d.len + n <= d.cap() => {
+                d.len += n;
+                Ok(())
+            }
+            _ => Err(ModelError::Cache(format!(
+                "{n} rows written in place past the store's reserved rows"
+            ))),
+        }
+    }
 }
 
 /// An f32 store's rows on a GPU: K and V buffers of `cap` rows, grown by doubling, the first
@@ -198,27 +216,41 @@ impl DeviceRows {
     /// - `k`, `v`: `[n, width]`, on the store's device
     fn append(&mut self, k: Tensor<2>, v: Tensor<2>) {
         let (n, w) = (k.dims()[0], self.width);
-        let end = self.len + n;
-        if end > self.cap() {
-            let cap = end.next_power_of_two().max(Self::MIN_ROWS);
-            let grow = |old: Option<Tensor<2>>, len: usize| {
-                let fresh = Tensor::<2>::zeros([cap, w], &self.device);
-                match old {
-                    Some(old) if len > 0 => {
-                        fresh.slice_assign([0..len, 0..w], old.slice([0..len, 0..w]))
-                    }
-                    _ => fresh,
-                }
-            };
-            self.k = Some(grow(self.k.take(), self.len));
-            self.v = Some(grow(self.v.take(), self.len));
-        }
+        self.grow(self.len + n);
         let put = |buf: Option<Tensor<2>>, rows: Tensor<2>, at: usize| {
             buf.map(|b| b.slice_assign([at..at + n, 0..w], rows))
         };
         self.k = put(self.k.take(), k, self.len);
         self.v = put(self.v.take(), v, self.len);
-        self.len = end;
+        self.len += n;
+    }
+
+    /// Buffers of at least `end` rows (doubling; the held rows copied over).
+    fn grow(&mut self, end: usize) {
+        if end <= self.cap() {
+            return;
+        }
+        let w = self.width;
+        let cap = end.next_power_of_two().max(Self::MIN_ROWS);
+        let grow = |old: Option<Tensor<2>>, len: usize| {
+            let fresh = Tensor::<2>::zeros([cap, w], &self.device);
+            match old {
+                Some(old) if len > 0 => {
+                    fresh.slice_assign([0..len, 0..w], old.slice([0..len, 0..w]))
+                }
+                _ => fresh,
+            }
+        };
+        self.k = Some(grow(self.k.take(), self.len));
+        self.v = Some(grow(self.v.take(), self.len));
+    }
+
+    /// Room for `n` more rows, in buffers this store alone holds (a prefix-cache fork that
+    /// still shares them gets its own copies first, as `slice_assign` would make).
+    fn reserve(&mut self, n: usize) {
+        self.grow(self.len + n);
+        self.k = self.k.take().map(kakeya_models::gpu::unique_dense);
+        self.v = self.v.take().map(kakeya_models::gpu::unique_dense);
     }
 
     /// # Shapes

@@ -10,12 +10,16 @@
 #       12 tokens each, KAKEYA_DECODE_SEQS sequences (default 8).
 #   scripts/kernel_count.sh draft      one draft of the drafter (2 layers, a block of 8 over a
 #       store of 40 rows): `drafts_for_the_kernel_count` (same test file) at 4 and 12 drafts.
+#   scripts/kernel_count.sh spec       one speculative block (fixed blocks of 8 whose drafts
+#       are all rejected: a block a token): `speculative_blocks_for_the_kernel_count` at 12 and
+#       20 tokens.
 #   scripts/kernel_count.sh f-theta    one f_θ training step (tiny verifier, the trainer's
 #       layout: stacked layers, the step's sequences in one padded pass, AdamW):
 #       `f_theta_steps_for_the_kernel_count` (kakeya-train's tests/train_f_theta.rs) at 6 and 10
 #       steps; the difference over 4.
 # KAKEYA_FEATURES picks the builds (default "wgpu wgpu,fusion"); KAKEYA_DECODE_GRAPH=0 counts
-# decode steps and drafts issued kernel by kernel instead of replayed.
+# decode steps and drafts issued kernel by kernel instead of replayed; KAKEYA_DRAFT_GRAPH=0 the
+# drafter's alone (spec).
 # Needs: apt-get install mesa-vulkan-drivers libvulkan1. Writes runs/kernel-count/<what>-<features>.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,9 +32,11 @@ batch) pkg=kakeya-runtime; test=wgpu_device; probe=batched_decode_steps_for_the_
     export KAKEYA_DECODE_SEQS;;
 draft) pkg=kakeya-runtime; test=wgpu_device; probe=drafts_for_the_kernel_count
     var=KAKEYA_DECODE_STEPS; lo=4; hi=12; unit="draft (block of 8, 2 drafter layers)";;
+spec) pkg=kakeya-runtime; test=wgpu_device; probe=speculative_blocks_for_the_kernel_count
+    var=KAKEYA_DECODE_STEPS; lo=12; hi=20; unit="speculative block (verify, draft, store row; 6 + 2 layers)";;
 f-theta) pkg=kakeya-train; test=train_f_theta; probe=f_theta_steps_for_the_kernel_count
     var=KAKEYA_FTHETA_STEPS; lo=6; hi=10; unit="f_θ training step";;
-*) echo "kernel_count.sh: decode, batch, draft or f-theta, not $what" >&2; exit 2;;
+*) echo "kernel_count.sh: decode, batch, draft, spec or f-theta, not $what" >&2; exit 2;;
 esac
 export VK_ICD_FILENAMES
 VK_ICD_FILENAMES=$(ls /usr/share/vulkan/icd.d/lvp_icd*.json | head -n 1)
@@ -51,6 +57,7 @@ for features in ${KAKEYA_FEATURES:-wgpu wgpu,fusion}; do
     [ "$what" = decode ] || suffix="$what-$suffix"
     [ "$what" != batch ] || suffix="$suffix-$KAKEYA_DECODE_SEQS"
     [ "${KAKEYA_DECODE_GRAPH:-1}" != 0 ] || suffix="$suffix-nograph"
+    [ "${KAKEYA_DRAFT_GRAPH:-1}" != 0 ] || suffix="$suffix-nodraftgraph"
     echo "$features: ${launches[$lo]} launches for $lo, ${launches[$hi]} for $hi: $per_step per $unit" \
         | tee "runs/kernel-count/$suffix.txt"
 done

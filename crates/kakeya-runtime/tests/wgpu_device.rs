@@ -623,3 +623,44 @@ fn drafts_for_the_kernel_count() {
     }
     eprintln!("{steps} drafts: {:?}", d.replay_stats());
 }
+
+/// Speculative decoding of `KAKEYA_DECODE_STEPS` tokens (fixed blocks of 8 drafted by a random
+/// drafter, whose drafts are rejected: one block a token): `scripts/kernel_count.sh spec` runs
+/// it at two counts with CubeCL's kernel log on and takes the difference, the kernels one
+/// block launches from the host — verify, draft, the store's new row and the session's
+/// bookkeeping (`KAKEYA_DECODE_GRAPH=0`: the verifier and drafter issue every kernel;
+/// `KAKEYA_DRAFT_GRAPH=0`: the drafter does).
+#[test]
+#[ignore = "run by scripts/kernel_count.sh, with CubeCL's kernel log on"]
+fn speculative_blocks_for_the_kernel_count() {
+    let steps: usize = std::env::var("KAKEYA_DECODE_STEPS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(4);
+    let graph = std::env::var("KAKEYA_DECODE_GRAPH").as_deref() != Ok("0");
+    let mut v = Gemma3Model::from_checkpoint(random_checkpoint(&tiny(), 11), &gpu()).unwrap();
+    v.record_decode = graph;
+    let mut d =
+        DFlashDrafter::from_checkpoint(random_drafter(&drafter_config(&v.config, 2, 8), 5), &v)
+            .unwrap();
+    // KAKEYA_DRAFT_GRAPH=0: the drafter issues its kernels while the verifier replays.
+    d.record_drafts = graph && std::env::var("KAKEYA_DRAFT_GRAPH").as_deref() != Ok("0");
+    let mut ver = Verifier::new(&v, KvSetup::full(0).drafter(&d), 8).unwrap();
+    let cfg = kakeya_runtime::GenerationConfig::greedy(steps, 16);
+    let g = speculative_generate(
+        &mut ver,
+        &mut DFlashProposer::new(&d),
+        &tiny_prompt(1, 8),
+        &cfg,
+        SpecConfig::fixed(8),
+        &mut |_| {},
+    )
+    .unwrap();
+    assert_eq!(g.tokens.len(), steps);
+    eprintln!(
+        "{steps} tokens: verifier {:?}, drafts {:?}, appends {:?}",
+        v.replay_stats(),
+        d.replay_stats(),
+        d.append_replay_stats()
+    );
+}

@@ -75,6 +75,13 @@ pub struct ServeArgs {
     /// not on the CPU, where a sampled row computes every logit.
     #[arg(long, value_name = "BOOL")]
     pub sampled_blocks: Option<bool>,
+    /// Beside other sequences, pad every block to one length so that a batched step has at
+    /// most this many rows and one shape while its sequences last (0: as many drafts as the
+    /// schedule expects to pay, a shape that changes every step). Default: 16 where the
+    /// forwards are recorded and replayed (a GPU: one recording then serves every step), else
+    /// 0.
+    #[arg(long, value_name = "ROWS")]
+    pub beside_rows: Option<usize>,
     /// Seconds requests in flight get to finish after SIGTERM or Ctrl-C.
     #[arg(long, default_value_t = 30)]
     pub drain_secs: u64,
@@ -179,6 +186,11 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let sampled_blocks = a
         .sampled_blocks
         .unwrap_or_else(|| EngineParts::sampled_blocks_by_default(&model));
+    let beside_rows = match a.beside_rows {
+        Some(0) => None,
+        Some(rows) => Some(rows),
+        None => EngineParts::beside_rows_by_default(&model),
+    };
     let parts = EngineParts {
         model,
         drafter,
@@ -190,6 +202,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         max_seqs: a.max_seqs,
         prefix_cache_bytes: a.prefix_cache_mib << 20,
         sampled_blocks,
+        beside_rows,
     };
     let cfg = HttpConfig {
         model_name,

@@ -232,3 +232,48 @@ fn sampled_requests_beside_others_take_plain_steps_by_default_on_the_cpu() {
     assert_eq!(drafted, 0.0, "no drafts beside others for sampled requests");
     srv.wait_metric("kakeya_running_sequences", 0.0);
 }
+
+/// Blocks beside other sequences padded to one length (`--beside-rows`, the default where
+/// forwards are recorded: a GPU), the lookups' drafts then repeats of the last: greedy and
+/// sampled clients together each get their answer alone, and drafts are accepted.
+#[test]
+fn padded_blocks_beside_others_answer_as_alone() {
+    let s = Scratch::new("serve-padded");
+    let srv = speculative_server(&s, &["--beside-rows", "16", "--sampled-blocks", "true"]);
+    let body = |i: usize| {
+        let p = format!("w{} w{} w{} w{} w{}", 9 + i, 10 + i, 9 + i, 10 + i, 30 + i);
+        if i % 3 == 2 {
+            json!({"prompt": p, "max_tokens": 60, "ignore_eos": true, "temperature": 0.5, "seed": i})
+        } else {
+            json!({"prompt": p, "max_tokens": 60, "ignore_eos": true, "temperature": 0})
+        }
+    };
+    let text = |v: Value| {
+        v["choices"][0]["text"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{v}"))
+            .to_string()
+    };
+    let alone: Vec<String> = (0..6)
+        .map(|i| text(srv.post("/v1/completions", &body(i)).json()))
+        .collect();
+    let (drafted0, accepted0) = (
+        srv.metric("kakeya_batched_drafts_total"),
+        srv.metric("kakeya_batched_drafts_accepted_total"),
+    );
+    let together: Vec<String> = std::thread::scope(|sc| {
+        let handles: Vec<_> = (0..6)
+            .map(|i| {
+                let (addr, b) = (srv.addr.clone(), body(i));
+                sc.spawn(move || text(post(&addr, "/v1/completions", &b).json()))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(together, alone, "together against alone");
+    let drafted = srv.metric("kakeya_batched_drafts_total") - drafted0;
+    let accepted = srv.metric("kakeya_batched_drafts_accepted_total") - accepted0;
+    eprintln!("padded blocks: {accepted} of {drafted} draft rows accepted");
+    assert!(accepted > 0.0, "drafts accepted beside others");
+    srv.wait_metric("kakeya_running_sequences", 0.0);
+}

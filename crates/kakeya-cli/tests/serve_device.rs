@@ -102,7 +102,11 @@ fn the_server_on_the_test_device_answers_what_infer_gives_alone_and_batched() {
         // On a GPU the server's greedy forwards were replayed (infer's above were issued
         // kernel by kernel); the CPU records none.
         let replayed = srv.metric("kakeya_forwards_replayed_total");
-        eprintln!("{extra:?}: {replayed} forwards replayed");
+        eprintln!(
+            "{extra:?}: forwards replayed {replayed}, recorded {}, declined {}",
+            srv.metric("kakeya_forwards_recorded_total"),
+            srv.metric("kakeya_forwards_replay_declined_total")
+        );
         assert_eq!(
             replayed > 0.0,
             dev != "cpu",

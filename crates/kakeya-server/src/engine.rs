@@ -22,15 +22,16 @@ use kakeya_models::linear::QUANT_MAX_ROWS;
 use kakeya_models::{DFlashDrafter, Gemma3Model};
 use kakeya_runtime::{
     CostLine, Costs, DraftKind, GenerationConfig, KvBytes, KvMode, KvPolicy, KvSetup, NgramTable,
-    PrefixCache, Restorer, RuntimeError, Sampler, Sampling, Session, SpecConfig, StopReason,
-    Verified, Want, accept_greedy,
+    PrefixCache, Restorer, SpecConfig, StopReason,
 };
 use serde::Serialize;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::metrics::Metrics;
 
+mod group;
 mod seq;
+use group::{Beside, PRIOR_ROW_COST, draft_threshold, prompt_batch, verify_group};
 use seq::Seq;
 
 /// What the engine runs on.
@@ -64,12 +65,26 @@ pub struct EngineParts {
     /// the CPU, where a sampled row computes every logit and the host draws
     /// ([`Self::sampled_blocks_by_default`]).
     pub sampled_blocks: bool,
+    /// Beside other sequences, blocks padded to one fixed length so that a step's forward has
+    /// at most this many rows and the same shape at every step while its set of sequences
+    /// lasts — what a GPU replays from one recording (an issued step costs it ≈ 5 replays) —
+    /// instead of as many drafts as the schedule expects to pay, a shape that changes every
+    /// step ([`Self::beside_rows_by_default`]).
+    pub beside_rows: Option<usize>,
 }
 
 impl EngineParts {
     /// Whether [`Self::sampled_blocks`] pays on `model`'s device: on a GPU.
     pub fn sampled_blocks_by_default(model: &Gemma3Model) -> bool {
         kakeya_models::gpu::is_gpu(model.device())
+    }
+
+    /// [`Self::beside_rows`] where `model` replays recorded forwards (on a GPU: the rows the
+    /// recorded kernels take); `None` elsewhere.
+    pub fn beside_rows_by_default(model: &Gemma3Model) -> Option<usize> {
+        model
+            .replays_decode()
+            .then_some(kakeya_models::gpu::GPU_ROWS_MAX)
     }
 }
 
@@ -171,6 +186,7 @@ pub fn run(
         max_seqs,
         prefix_cache_bytes,
         sampled_blocks,
+        beside_rows,
     } = parts;
     let prefix_budget = if PrefixCache::applies(&model, &policy) {
         prefix_cache_bytes
@@ -368,6 +384,7 @@ pub fn run(
                     Some(Beside {
                         threshold,
                         sampled: sampled_blocks,
+                        rows: beside_rows,
                     }),
                     max_rows,
                     metrics,
@@ -404,178 +421,6 @@ pub fn run(
         metrics.prefix_cache(prefix.stats(), prefix.len(), prefix.bytes());
         metrics.replays(model.replay_stats());
     }
-}
-
-/// The sequences (indices into `active`, from `prefilling`, oldest first) whose next prompt
-/// chunks run in this turn's forward beside the decoding sequences' steps: as many as fit in
-/// `chunk` prompt rows (at least one) and [`QUANT_MAX_ROWS`] sequences in all. Empty when
-/// nothing prefills, or when that forward would not give every row its own bits (weights off
-/// the block kernel with more than its rows): the oldest chunk then runs alone.
-fn prompt_batch(
-    active: &[Seq<'_>],
-    prefilling: &[usize],
-    decoding: &[usize],
-    chunk: usize,
-    model: &Gemma3Model,
-) -> Vec<usize> {
-    if decoding.len() >= QUANT_MAX_ROWS {
-        return Vec::new();
-    }
-    let any_count = model.rows_invariant_at_any_count();
-    let mut batch = Vec::new();
-    let mut rows = 0;
-    for &i in prefilling {
-        let n = (active[i].job.prompt.len() - active[i].prefilled).min(chunk);
-        // Past the budget (the first chunk always fits it), or past the rows that keep bits.
-        let over_budget = !batch.is_empty()
-            && (rows + n > chunk || decoding.len() + batch.len() >= QUANT_MAX_ROWS);
-        let changes_bits = !any_count && rows + n + decoding.len() > QUANT_MAX_ROWS;
-        if over_budget || changes_bits {
-            break;
-        }
-        batch.push(i);
-        rows += n;
-    }
-    if decoding.is_empty() && batch.len() == 1 {
-        // One chunk alone: the sequence's own prefill.
-        batch.clear();
-    }
-    batch
-}
-
-/// A stacked forward's cost of each row beyond the first, relative to one row, until measured
-/// (the CPU block kernel: 8 rows ≈ 2 single-row steps).
-const PRIOR_ROW_COST: f64 = 0.15;
-
-/// The chance of being committed from which a draft row beside `n` sequences' steps pays: its
-/// cost against the batch's tokens per second without it, `β · n / T(n)` for a forward of
-/// `R` rows costing `T = α + β·(R − 1)` seconds (`coefficients`: `(α, β)`, the prior's when
-/// nothing was measured yet).
-fn draft_threshold(coefficients: Option<(f64, f64)>, n: usize) -> f64 {
-    let (alpha, beta) = coefficients.unwrap_or((1.0, PRIOR_ROW_COST));
-    let plain = alpha + beta * (n.max(1) - 1) as f64;
-    (beta * n as f64 / plain.max(1e-12)).min(1.0)
-}
-
-/// Which decoding sequences verify drafts beside other sequences, and how many.
-#[derive(Debug, Clone, Copy)]
-struct Beside {
-    /// Least chance of being committed a draft row must have.
-    threshold: f64,
-    /// Sampled sequences too ([`EngineParts::sampled_blocks`]), not only greedy ones.
-    sampled: bool,
-}
-
-/// One decode step of the sequences `group` (indices into `active`) in one stacked forward,
-/// where each speculative sequence that `beside` admits (`None`: none) verifies a block — its
-/// newest token, then the drafts its lookups offer whose chance of being committed is at
-/// least the threshold — and every other sequence takes a plain step; with, in the same forward, the next
-/// prompt chunk (of at most `chunk` tokens) of each sequence in `prefill` (not in `group`); at
-/// most `max_rows` rows in all (the drafts give way). Returns the rows run.
-fn verify_group(
-    active: &mut [Seq<'_>],
-    group: &[usize],
-    prefill: &[usize],
-    chunk: usize,
-    beside: Option<Beside>,
-    max_rows: usize,
-    metrics: &Metrics,
-) -> Result<usize, RuntimeError> {
-    let prompt_chunks: Vec<Vec<u32>> = prefill
-        .iter()
-        .map(|&i| {
-            let s = &active[i];
-            let end = (s.prefilled + chunk).min(s.job.prompt.len());
-            s.job.prompt[s.prefilled..end].to_vec()
-        })
-        .collect();
-    let prompt_rows: usize = prompt_chunks.iter().map(Vec::len).sum();
-    let mut spare = max_rows.saturating_sub(group.len() + prompt_rows);
-    if group.len() + prefill.len() > 1 {
-        for &i in group {
-            active[i].beside_others();
-        }
-    }
-    let mut blocks: Vec<Vec<u32>> = Vec::with_capacity(group.len() + prefill.len());
-    let mut verifies: Vec<bool> = Vec::with_capacity(group.len() + prefill.len());
-    for &i in group {
-        let s = &mut active[i];
-        let last = *s.tokens.last().expect("a decoding sequence has tokens");
-        let ctx = s.verifier.model().config.max_position_embeddings;
-        let mut block = vec![last];
-        // A sampled block's rows are drawn with their positions' uniforms (speculative
-        // sampling's rule).
-        let verifies_block = match (s.dec.as_mut(), s.proposer.as_mut(), beside) {
-            (Some(dec), Some(proposer), Some(Beside { threshold, sampled }))
-                if sampled || s.sampler.mode() == &Sampling::Greedy =>
-            {
-                let room = 1 + spare
-                    .min(s.sink.remaining().saturating_sub(1))
-                    .min(ctx.saturating_sub(s.verifier.len() + 1));
-                let drafts = dec.drafts_beside(proposer.as_mut(), &s.tokens, room, threshold)?;
-                spare -= drafts.len();
-                block.extend(drafts);
-                true
-            }
-            _ => false,
-        };
-        blocks.push(block);
-        verifies.push(verifies_block);
-    }
-    blocks.extend(prompt_chunks);
-    verifies.extend(prefill.iter().map(|_| false));
-    let order: Vec<usize> = group.iter().chain(prefill).copied().collect();
-    let rows = blocks.iter().map(Vec::len).sum();
-    let samplers: Vec<Sampler> = order.iter().map(|&i| active[i].sampler.clone()).collect();
-    let wants: Vec<Want<'_>> = samplers
-        .iter()
-        .zip(&verifies)
-        .map(|(s, &v)| if v { Want::Block(s) } else { Want::Next(s) })
-        .collect();
-    // Sessions in `order`'s order (each index once).
-    let mut slots: Vec<Option<&mut Session<'_>>> = active
-        .iter_mut()
-        .map(|s| Some(s.verifier.session_mut()))
-        .collect();
-    let mut sessions: Vec<&mut Session<'_>> = order
-        .iter()
-        .map(|&i| slots[i].take().expect("each sequence once"))
-        .collect();
-    let block_refs: Vec<&[u32]> = blocks.iter().map(Vec::as_slice).collect();
-    let verified = Session::verify_batch(&mut sessions, &block_refs, &wants)?;
-    drop(sessions);
-    drop(slots);
-    if !group.is_empty() {
-        metrics.batch(group.len());
-    }
-    if !prefill.is_empty() {
-        metrics.prompt_chunks(prefill.len());
-    }
-    for (k, (&i, v)) in order.iter().zip(verified).enumerate() {
-        let (s, block) = (&mut active[i], &blocks[k]);
-        if k >= group.len() {
-            let Verified::Scores(l) = v else {
-                unreachable!("a prompt chunk gets its sampler's scores")
-            };
-            s.prefilled_to(s.prefilled + block.len(), &l);
-            continue;
-        }
-        s.batched_steps += 1;
-        let before = s.tokens.len();
-        match v {
-            Verified::Block(posterior) => {
-                let a = accept_greedy(&block[1..], &posterior);
-                metrics.drafts_beside(block.len() - 1, a);
-                s.commit_beside(&block[1..], &posterior)?;
-            }
-            Verified::Scores(l) => {
-                let tok = s.sampler.pick_scores(&l, s.verifier.len());
-                s.accept(tok);
-            }
-        }
-        metrics.committed(s.tokens.len() - before);
-    }
-    Ok(rows)
 }
 
 /// The number of requests waiting for a slot, shared with the HTTP side (which refuses new

@@ -51,6 +51,7 @@ impl Engine {
                 max_seqs: 16,
                 prefix_cache_bytes: prefix_mib << 20,
                 sampled_blocks: false,
+                beside_rows: None,
             };
             engine::run(parts, rx, &m, &AtomicUsize::new(0));
         });

@@ -359,6 +359,12 @@ impl BlockSchedule {
         }
     }
 
+    /// A block beside other sequences of a length the batch fixed, drafted from `source`:
+    /// what [`Self::record_beside`] then credits (no length is chosen, nothing probed).
+    pub fn fixed_beside(&mut self, source: DraftSource) {
+        self.current = (source.index(), false);
+    }
+
     /// Records the block [`Self::next_len_beside`] chose: `drafted` drafts, `accepted` of
     /// them. Its seconds were the batch's, not this sequence's, and are not recorded; a
     /// probe wins when its draft was accepted.

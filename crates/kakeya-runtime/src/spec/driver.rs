@@ -6,7 +6,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use super::accept_greedy;
-use super::adaptive::{BlockSchedule, Schedule, ScheduleStats};
+use super::adaptive::{BlockSchedule, DraftSource, Schedule, ScheduleStats};
 use super::proposer::Proposer;
 use super::verifier::Verifier;
 use crate::error::{Result, RuntimeError};
@@ -259,28 +259,64 @@ impl SpecDecoder {
         Ok(drafts)
     }
 
-    /// Commits a block from [`Self::drafts_beside`] that the batch verified: `posterior`
-    /// holds the sampler's choice after each of its rows (greedy, or drawn). Rolls the verifier back past the
+    /// Exactly `k` drafts (at most the schedule's longest block less one) for a block verified
+    /// beside other sequences in a forward whose
+    /// shape the batch fixes (on a GPU, so that one recording replays every step): the
+    /// proposer's lookups (at most `k`; none where it would need the drafter's forward), then
+    /// the last of them — or `tokens`' newest — repeated. The filler rows cost the recorded
+    /// forward nothing more and are committed only where right. Returns the drafts and how
+    /// many the proposer made (what [`Self::commit_beside`] credits the schedule with).
+    pub fn padded_drafts_beside(
+        &mut self,
+        proposer: &mut dyn Proposer,
+        tokens: &[u32],
+        k: usize,
+    ) -> Result<(Vec<u32>, usize)> {
+        let source = proposer.source(tokens);
+        self.schedule.fixed_beside(source);
+        // No longer than the schedule's blocks: the verifier rolls back at most that far.
+        let k = k.min(self.schedule.max() - 1);
+        if k == 0 {
+            return Ok((Vec::new(), 0));
+        }
+        let mut drafts = match source {
+            DraftSource::Model | DraftSource::Nothing => Vec::new(),
+            _ => proposer.propose(tokens, k, None)?,
+        };
+        drafts.truncate(k);
+        let proposed = drafts.len();
+        let fill = *drafts
+            .last()
+            .or(tokens.last())
+            .ok_or_else(|| RuntimeError::Input("nothing to draft from".into()))?;
+        drafts.resize(k, fill);
+        Ok((drafts, proposed))
+    }
+
+    /// Commits a block from [`Self::drafts_beside`] (`proposed` = its drafts) or
+    /// [`Self::padded_drafts_beside`] that the batch verified: `posterior` holds the sampler's
+    /// choice after each of its rows (greedy, or drawn). Rolls the verifier back past the
     /// rejected drafts and appends the committed tokens to `tokens`, offering them to `sink`;
-    /// `Some(reason)` when generation stops.
+    /// `Some(reason)` when generation stops. The schedule's evidence counts the `proposed`
+    /// drafts alone, not the filler after them.
     pub fn commit_beside(
         &mut self,
         verifier: &mut Verifier<'_>,
-        drafts: &[u32],
+        (drafts, proposed): (&[u32], usize),
         posterior: &[u32],
         tokens: &mut Vec<u32>,
         sink: &mut TokenSink<'_>,
     ) -> Result<Option<StopReason>> {
-        if posterior.len() != drafts.len() + 1 {
+        if posterior.len() != drafts.len() + 1 || proposed > drafts.len() {
             return Err(RuntimeError::Input(format!(
-                "{} choices for a block of {} drafts",
+                "{} choices for a block of {} drafts ({proposed} proposed)",
                 posterior.len(),
                 drafts.len()
             )));
         }
         let a = accept_greedy(drafts, posterior);
         verifier.rollback(verifier.len() - drafts.len() + a)?;
-        self.schedule.record_beside(drafts.len(), a);
+        self.schedule.record_beside(proposed, a.min(proposed));
         Ok(self.commit(drafts, posterior, a, tokens, sink))
     }
 

@@ -181,11 +181,11 @@ impl<'m> Seq<'m> {
     }
 
     /// Commits a block the batch verified beside other sequences' rows
-    /// ([`SpecDecoder::commit_beside`]): `drafts` after the newest token, `posterior` the
-    /// greedy choice after each row.
+    /// ([`SpecDecoder::commit_beside`]): `drafts` after the newest token (and how many of
+    /// them the proposer made, the rest filler), `posterior` the choice after each row.
     pub(super) fn commit_beside(
         &mut self,
-        drafts: &[u32],
+        drafts: (&[u32], usize),
         posterior: &[u32],
     ) -> Result<(), RuntimeError> {
         let Some(dec) = self.dec.as_mut() else {

@@ -114,3 +114,75 @@ fn the_server_on_the_test_device_answers_what_infer_gives_alone_and_batched() {
         );
     }
 }
+
+/// Eight clients × two greedy requests of 64 tokens on repetitive prompts, drafts beside each
+/// other costed as on a GPU (rows nearly free: `--modelled-costs 1000,1,0`), by the n-gram
+/// lookups: with blocks padded to one length (the default where forwards replay) the batched
+/// forwards keep one shape and most of them replay; with as many drafts as the schedule
+/// chooses (`--beside-rows 0`), the shape changes at almost every step and few replay. Built
+/// only for a GPU device (`scripts/test_wgpu.sh`); prints the figures `docs/gpu.md` records.
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+#[test]
+fn padded_blocks_keep_the_batched_forwards_replaying() {
+    let s = Scratch::new("serve-padded-replays");
+    let (m, _) = tiny(&s);
+    let dev = device();
+    let run = |extra: &[&str]| -> [f64; 5] {
+        let mut args = vec![
+            "--device",
+            dev.as_str(),
+            "--draft",
+            "ngram",
+            "--modelled-costs",
+            "1000,1,0",
+        ];
+        args.extend(extra);
+        let srv = Server::start(&m, &args);
+        std::thread::scope(|sc| {
+            let handles: Vec<_> = (0..8)
+                .map(|i| {
+                    let addr = srv.addr.clone();
+                    sc.spawn(move || {
+                        for r in 0..2 {
+                            let p = format!(
+                                "w{} w{} w{} w{} w{} w{}",
+                                9 + i,
+                                10 + i,
+                                11 + i,
+                                9 + i,
+                                10 + i,
+                                11 + r
+                            );
+                            let b = json!({"prompt": p, "max_tokens": 64, "ignore_eos": true, "temperature": 0});
+                            let v = post(&addr, "/v1/completions", &b).json();
+                            assert!(v["choices"][0]["text"].is_string(), "{v}");
+                        }
+                    })
+                })
+                .collect();
+            for h in handles {
+                h.join().unwrap();
+            }
+        });
+        let f = [
+            "kakeya_forwards_replayed_total",
+            "kakeya_forwards_recorded_total",
+            "kakeya_forwards_replay_declined_total",
+            "kakeya_batched_drafts_total",
+            "kakeya_batched_drafts_accepted_total",
+        ]
+        .map(|name| srv.metric(name));
+        eprintln!(
+            "{extra:?}: forwards replayed {}, recorded {}, issued {}; draft rows {} ({} accepted)",
+            f[0], f[1], f[2], f[3], f[4]
+        );
+        f
+    };
+    let padded = run(&[]);
+    let unpadded = run(&["--beside-rows", "0"]);
+    assert!(padded[3] > 0.0 && unpadded[3] > 0.0, "drafts beside others");
+    assert!(
+        padded[0] > padded[2] && padded[0] > 4.0 * unpadded[0].max(5.0),
+        "replays: padded {padded:?}, unpadded {unpadded:?}"
+    );
+}

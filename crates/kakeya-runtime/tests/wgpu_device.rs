@@ -67,6 +67,15 @@ fn forward_all(m: &Gemma3Model, toks: &[u32]) -> Vec<Vec<f32>> {
     )
 }
 
+/// A count from the environment variable `name` (the kernel-count probes' step counts), else
+/// `default`.
+fn env_count(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
+}
+
 fn tiny() -> Gemma3Config {
     tiny_config(8)
 }
@@ -542,10 +551,7 @@ fn recorded_drafts_equal_the_drafts_issued_one_by_one() {
 #[test]
 #[ignore = "run by scripts/kernel_count.sh, with CubeCL's kernel log on"]
 fn decode_steps_for_the_kernel_count() {
-    let steps: usize = std::env::var("KAKEYA_DECODE_STEPS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(4);
+    let steps = env_count("KAKEYA_DECODE_STEPS", 4);
     let mut m = Gemma3Model::from_checkpoint(random_checkpoint(&tiny(), 11), &gpu()).unwrap();
     // KAKEYA_DECODE_GRAPH=0: every step issued kernel by kernel, not replayed.
     m.record_decode = std::env::var("KAKEYA_DECODE_GRAPH").as_deref() != Ok("0");
@@ -570,13 +576,10 @@ fn decode_steps_for_the_kernel_count() {
 #[test]
 #[ignore = "run by scripts/kernel_count.sh, with CubeCL's kernel log on"]
 fn batched_decode_steps_for_the_kernel_count() {
-    let var = |name: &str, default: usize| {
-        std::env::var(name)
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(default)
-    };
-    let (steps, seqs) = (var("KAKEYA_DECODE_STEPS", 4), var("KAKEYA_DECODE_SEQS", 8));
+    let (steps, seqs) = (
+        env_count("KAKEYA_DECODE_STEPS", 4),
+        env_count("KAKEYA_DECODE_SEQS", 8),
+    );
     // The 270M model's attention shape: one KV head, a window no sequence here fills.
     let mut c = tiny_config(64);
     c.num_key_value_heads = 1;
@@ -603,10 +606,7 @@ fn batched_decode_steps_for_the_kernel_count() {
 #[test]
 #[ignore = "run by scripts/kernel_count.sh, with CubeCL's kernel log on"]
 fn drafts_for_the_kernel_count() {
-    let steps: usize = std::env::var("KAKEYA_DECODE_STEPS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(4);
+    let steps = env_count("KAKEYA_DECODE_STEPS", 4);
     let v = Gemma3Model::from_checkpoint(random_checkpoint(&tiny(), 11), &gpu()).unwrap();
     let mut d =
         DFlashDrafter::from_checkpoint(random_drafter(&drafter_config(&v.config, 2, 8), 5), &v)
@@ -633,10 +633,7 @@ fn drafts_for_the_kernel_count() {
 #[test]
 #[ignore = "run by scripts/kernel_count.sh, with CubeCL's kernel log on"]
 fn speculative_blocks_for_the_kernel_count() {
-    let steps: usize = std::env::var("KAKEYA_DECODE_STEPS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(4);
+    let steps = env_count("KAKEYA_DECODE_STEPS", 4);
     let graph = std::env::var("KAKEYA_DECODE_GRAPH").as_deref() != Ok("0");
     let mut v = Gemma3Model::from_checkpoint(random_checkpoint(&tiny(), 11), &gpu()).unwrap();
     v.record_decode = graph;

@@ -143,14 +143,13 @@ impl DFlashDrafter {
         let Some((kb, vb)) = store.reserve_on_device(n) else {
             return Ok(false);
         };
-        let (Some(k), Some(v)) = (gpu::buffer_of(&kb), gpu::buffer_of(&vb)) else {
+        let Some((k, v)) = allocations(&kb, &vb) else {
             return Ok(false);
         };
         let mut state = self.append_replayer.lock();
-        if state.off {
+        if !state.begin() {
             return Ok(false);
         }
-        state.tick();
         let key = AppendKey {
             rows: n,
             width,
@@ -197,8 +196,7 @@ impl DFlashDrafter {
             None => {
                 // The device ran the last run instead of recording it: the rows are written,
                 // and this device records nothing.
-                state.off = true;
-                state.stats.declined += 1;
+                state.records_nothing();
             }
         }
         drop((kb, vb));
@@ -242,14 +240,13 @@ impl DFlashDrafter {
             return Ok(None);
         };
         let capacity = ck.dims()[0];
-        let (Some(k), Some(v)) = (gpu::buffer_of(&ck), gpu::buffer_of(&cv)) else {
+        let Some((k, v)) = allocations(&ck, &cv) else {
             return Ok(None);
         };
         let mut state = self.replayer.lock();
-        if state.off {
+        if !state.begin() {
             return Ok(None);
         }
-        state.tick();
         let rope = Rope::new(self.config.head_dim, self.config.rope_theta, 1.0);
         let table = self
             .device_rope
@@ -287,8 +284,7 @@ impl DFlashDrafter {
         let Some(graph) = graph else {
             // The device ran the last run instead of recording it: its ids are real, and
             // this device records nothing.
-            state.off = true;
-            state.stats.declined += 1;
+            state.records_nothing();
             return self.draft_ids_of(&ids).map(Some);
         };
         let r = Recorded {
@@ -368,6 +364,12 @@ impl DFlashDrafter {
             .map(|i| self.to_target(i as usize))
             .collect())
     }
+}
+
+/// The allocations of a store's K and V buffers ([`gpu::buffer_of`]): part of a recording's
+/// key.
+fn allocations(k: &Tensor<2>, v: &Tensor<2>) -> Option<((usize, u64), (usize, u64))> {
+    Some((gpu::buffer_of(k)?, gpu::buffer_of(v)?))
 }
 
 /// Replays `graph`. Its buffers are alive: the weights and RoPE table the drafter holds, the

@@ -89,10 +89,9 @@ impl Gemma3Model {
             return Ok(None);
         }
         let mut state = self.replayer.lock();
-        if state.off {
+        if !state.begin() {
             return Ok(None);
         }
-        state.tick();
         self.check_batch(reqs, kvs)?;
         let reach = reqs.iter().map(|r| r.start + r.tokens.len()).max();
         let rope = self.ensure_device_rope(reach.unwrap_or(0));
@@ -154,8 +153,7 @@ impl Gemma3Model {
                 None => {
                     // The device ran the last run instead of recording it: its outputs are
                     // real, and this device records nothing.
-                    state.off = true;
-                    state.stats.declined += 1;
+                    state.records_nothing();
                     return outputs(reqs, &ids, &hidden).map(Some);
                 }
             },

@@ -54,6 +54,23 @@ impl<K, R> Default for Recordings<K, R> {
 }
 
 impl<K: PartialEq, R> Recordings<K, R> {
+    /// Starts an eligible forward: `false` where the device records nothing ([`Self::off`]:
+    /// issue it), else counts it ([`Self::tick`]).
+    pub fn begin(&mut self) -> bool {
+        if self.off {
+            return false;
+        }
+        self.tick();
+        true
+    }
+
+    /// The device ran a forward it was asked to record instead of recording it: its outputs
+    /// are real, it counts as declined, and every later forward is issued.
+    pub fn records_nothing(&mut self) {
+        self.off = true;
+        self.stats.declined += 1;
+    }
+
     /// Counts an eligible forward and drops the recordings unused for [`IDLE_MAX`] of them.
     pub fn tick(&mut self) {
         self.clock += 1;
@@ -175,5 +192,9 @@ mod tests {
             r.tick();
         }
         assert!(r.is_empty(), "idle recordings dropped");
+        assert!(r.begin(), "a recording device");
+        r.records_nothing();
+        assert!(!r.begin(), "then nothing is recorded");
+        assert_eq!(r.stats.declined, 3);
     }
 }

@@ -66,7 +66,7 @@ if kind == 'train':
     print('   secs_per_step', d.get('secs_per_step'), 'steps', len(st), 'replayed', d.get('replayed_steps'), 'first', [round(s['secs'], 3) for s in st[:3]],
           'last losses', [round(s['loss'], 5) for s in st[-3:]])
 elif kind == 'bench':
-    print('  ', [(r.get('name'), r.get('median_tok_s')) for r in d.get('results', [])])
+    print('  ', [(r.get('test'), r.get('median_tok_s')) for r in d.get('results', [])])
 elif kind == 'spec':
     print('  ', {k: d.get(k) for k in ('drafts', 'ar_decode_tok_s', 'spec_decode_tok_s', 'speedup', 'mean_acceptance_length', 'all_identical', 'blocks_by_length')})
     print('   divergences', [p['divergence'] for p in d.get('prompts', []) if 'divergence' in p])

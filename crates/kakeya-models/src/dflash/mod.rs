@@ -3,8 +3,10 @@
 //! states plus the block being drafted; one forward drafts a whole block.
 
 pub mod core;
+mod head;
 pub mod model;
 mod replay;
 
-pub use core::{BlockGroup, DraftHead, DraftWeights, accepted_drafts};
+pub use core::{BlockGroup, DraftWeights, accepted_drafts};
+pub use head::DraftHead;
 pub use model::{DFlashDrafter, DraftOutput, DraftRequest};

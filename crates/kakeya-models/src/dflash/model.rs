@@ -10,7 +10,8 @@
 use burn::tensor::{Device, Tensor, TensorData};
 use kakeya_weights::{DFlashConfig, DraftCheckpoint, HostTensor};
 
-use super::core::{BlockGroup, DraftHead, DraftWeights};
+use super::DraftHead;
+use super::core::{BlockGroup, DraftWeights};
 use super::replay::{AppendReplayer, Replayer};
 use crate::cache::DraftContext;
 use crate::error::{ModelError, Result};

@@ -23,7 +23,7 @@ pub enum Logits {
     Last,
     /// Every position's, `[T, vocab]`.
     All,
-    /// Only the greedy choice after the last position ([`ForwardOutput::greedy`], one id):
+    /// Only the greedy choice after the last position ([`ForwardOutput::chosen`], one id):
     /// exactly the argmax (first on ties) of the row `Last` returns, found without most
     /// logits where the head allows ([`Gemma3Model::greedy`]).
     GreedyLast,

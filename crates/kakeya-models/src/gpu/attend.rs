@@ -114,9 +114,9 @@ pub struct ChunkSlots {
 /// written into the cache buffers `cache` in place, and its rows' attention (each over the
 /// positions it sees, up to its own) written into rows `row0..row0 + t` of `out` (`None`: a
 /// new output; later chunks of the forward pass it back). The cache buffers must come from
-/// [`unique_dense`]. The kernel reads the chunk's first position from `positions` (the
+/// [`unique_dense`](super::unique_dense). The kernel reads the chunk's first position from `positions` (the
 /// stacked rows' positions from index `first`, as the forward uploaded them: see
-/// [`StepInputs`]); `at.start` checks the launch. A row's bits equal [`attention_rows`]' over
+/// [`StepInputs`](super::StepInputs)); `at.start` checks the launch. A row's bits equal [`attention_rows`]' over
 /// the same keys. `None` off a GPU and with Burn's fusion (whose lazy graph does not see the
 /// in-place writes).
 ///

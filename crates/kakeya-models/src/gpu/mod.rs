@@ -12,7 +12,7 @@
 //! a fixed-order f32 sum, the same bits whatever the row count, so a verify block's rows equal
 //! the decode steps they stand for there, as on the CPU.
 //!
-//! The kernels are a Burn backend extension ([`DecodeKernels`]) on Burn's CubeCL backend; on
+//! The kernels are a Burn backend extension (`DecodeKernels`, with the `cube` feature) on Burn's CubeCL backend; on
 //! the CPU and under autodiff the callers keep Burn's composed ops ([`applies`] says which).
 //! Every wrapper here returns `None` where the kernels do not apply.
 

@@ -71,7 +71,7 @@ impl<K: PartialEq, R> Recordings<K, R> {
         self.stats.declined += 1;
     }
 
-    /// Counts an eligible forward and drops the recordings unused for [`IDLE_MAX`] of them.
+    /// Counts an eligible forward and drops the recordings unused for `IDLE_MAX` of them.
     pub fn tick(&mut self) {
         self.clock += 1;
         let now = self.clock;
@@ -107,7 +107,7 @@ impl<K: PartialEq, R> Recordings<K, R> {
     }
 
     /// Keeps a new recording (counted), dropping the least recently used one beyond
-    /// [`RECORDINGS_MAX`].
+    /// `RECORDINGS_MAX`.
     pub fn insert(&mut self, key: K, recording: R) {
         if self.recorded.len() >= RECORDINGS_MAX
             && let Some(oldest) = (0..self.recorded.len()).min_by_key(|&i| self.recorded[i].1)

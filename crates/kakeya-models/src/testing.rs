@@ -241,6 +241,23 @@ pub fn word_level_tokenizer_json(n: usize) -> String {
     )
 }
 
+/// The tiny model the server tests serve, with its drafter, written into `dir`: `dir/m` (the
+/// [`tiny_config`] model with window 16, weights of seed 3, the [`chat_tokenizer_json`]
+/// tokenizer of 97 tokens) and `dir/d` (a random one-layer drafter for it, blocks of 4). Also
+/// the model `kakeya serve`'s own cost per token is measured with (`examples/tiny_served_model`
+/// of `kakeya-cli`): its forwards cost almost nothing.
+pub fn write_tiny_served_model(
+    dir: &std::path::Path,
+) -> kakeya_weights::Result<(std::path::PathBuf, std::path::PathBuf)> {
+    let (m, d) = (dir.join("m"), dir.join("d"));
+    random_checkpoint(&tiny_config(16), 3).write_hf_dir(&m)?;
+    let tokenizer = m.join("tokenizer.json");
+    std::fs::write(&tokenizer, chat_tokenizer_json(97))
+        .map_err(|e| kakeya_weights::WeightsError::io(&tokenizer, e))?;
+    random_drafter(&drafter_config(&tiny_config(16), 1, 4), 5).write_dir(&d)?;
+    Ok((m, d))
+}
+
 /// A `tokenizer.json` for chat tests on a tiny model: `n` tokens — `<pad>`, `<eos>`, `<bos>`,
 /// `<unk>`, `w4`, the special `<start_of_turn>` (5) and `<end_of_turn>` (6), `user` (7),
 /// `model` (8), then `w9`, `w10`, ... — split on whitespace, so Gemma's chat template

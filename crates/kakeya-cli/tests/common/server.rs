@@ -6,13 +6,11 @@ use std::process::{Child, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use kakeya_models::testing::{
-    Scratch, chat_tokenizer_json, drafter_config, random_drafter, tiny_config,
-};
+use kakeya_models::testing::{Scratch, write_tiny_served_model};
 use serde_json::Value;
 
 use super::http::{self, get, post};
-use super::{kakeya, run_ok, tiny_model_dir};
+use super::{kakeya, run_ok};
 
 /// A running `kakeya serve`, killed when dropped.
 pub struct Server {
@@ -92,13 +90,7 @@ impl Drop for Server {
 
 /// The tiny model with the chat tokenizer (special turn tokens), and a random drafter for it.
 pub fn tiny(s: &Scratch) -> (PathBuf, PathBuf) {
-    let m = tiny_model_dir(&s.0, "m", 16, 3);
-    std::fs::write(m.join("tokenizer.json"), chat_tokenizer_json(97)).unwrap();
-    let d = s.0.join("d");
-    random_drafter(&drafter_config(&tiny_config(16), 1, 4), 5)
-        .write_dir(&d)
-        .unwrap();
-    (m, d)
+    write_tiny_served_model(&s.0).unwrap()
 }
 
 /// `kakeya infer --json` on `model` with `args`: its text and its JSON.

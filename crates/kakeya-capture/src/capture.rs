@@ -154,7 +154,8 @@ pub fn capture_tokens(
         });
     }
     // One pass over the whole sequence, chunked, into fresh caches.
-    let mut caches = KvCache::for_specs(&model.cache_specs(), 0);
+    let mut caches =
+        KvCache::for_specs(&model.cache_specs(), 0, kakeya_runtime::KvDtype::default());
     let mut columns: Vec<Option<HostMatrix>> = vec![None; n_v + sel.aux_layers.len()];
     let mut drafter_aux: Vec<Tensor<2>> = Vec::new();
     let drafter_targets: Vec<usize> = drafter

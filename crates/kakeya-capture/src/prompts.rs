@@ -151,6 +151,22 @@ const KEYS: [&str; 16] = [
 /// other keys with their own codes at random depths; the question asks for `key`'s code.
 /// Deterministic in (`seed`, `item`).
 pub fn keyed_needle(seed: u64, item: u64, n: usize, depth: f64, distractors: usize) -> Prompt {
+    let (p, _) = keyed_needles(seed, item, n, &[depth], distractors);
+    p
+}
+
+/// Several needles, all asked for: needle `i` ("The secret code for `key_i` is NNNNNN.") at
+/// `depths[i]`, `distractors` other keys at random depths, and a question asking for every
+/// needle's code in order; the answer begins with the first. Returns the prompt (its `answer`
+/// the first code) and every code asked for, in order. With one depth this is
+/// [`keyed_needle`]'s prompt. Deterministic in (`seed`, `item`).
+pub fn keyed_needles(
+    seed: u64,
+    item: u64,
+    n: usize,
+    depths: &[f64],
+    distractors: usize,
+) -> (Prompt, Vec<String>) {
     let mut state = mix(seed ^ mix(item.wrapping_add(0x6e65_6564)));
     let mut next = || {
         state = mix(state);
@@ -161,25 +177,46 @@ pub fn keyed_needle(seed: u64, item: u64, n: usize, depth: f64, distractors: usi
         keys.swap(i, (next() % (i as u64 + 1)) as usize);
     }
     let code = |next: &mut dyn FnMut() -> u64| format!("{:06}", next() % 1_000_000);
-    let answer = code(&mut next);
-    let at = ((depth.clamp(0.0, 1.0) * n as f64).round() as usize).min(n);
-    let mut inserts = vec![(at, format!("The secret code for {} is {answer}.", keys[0]))];
-    for key in keys.iter().skip(1).take(distractors.min(KEYS.len() - 1)) {
+    let asked = depths.len().clamp(1, KEYS.len());
+    let mut answers = Vec::with_capacity(asked);
+    let mut inserts = Vec::new();
+    for (key, &depth) in keys.iter().zip(depths).take(asked) {
+        let answer = code(&mut next);
+        let at = ((depth.clamp(0.0, 1.0) * n as f64).round() as usize).min(n);
+        inserts.push((at, format!("The secret code for {key} is {answer}.")));
+        answers.push(answer);
+    }
+    for key in keys
+        .iter()
+        .skip(asked)
+        .take(distractors.min(KEYS.len() - asked))
+    {
         let c = code(&mut next);
         let d = (next() % (n as u64 + 1)) as usize;
         inserts.push((d, format!("The secret code for {key} is {c}.")));
     }
+    let question = match asked {
+        1 => format!("what is the secret code for {}?", keys[0]),
+        _ => {
+            let (last, rest) = keys[..asked].split_last().expect("asked >= 1");
+            format!(
+                "what are the secret codes for {} and {last}?",
+                rest.join(", ")
+            )
+        }
+    };
     let text = haystack(&mut next, n, &inserts)
         + &format!(
-            "Question: what is the secret code for {}?\nAnswer: The secret code for {} is",
-            keys[0], keys[0]
+            "Question: {question}\nAnswer: The secret code for {} is",
+            keys[0]
         );
-    Prompt {
+    let prompt = Prompt {
         source: 0,
         item: item as usize,
         text,
-        answer: Some(answer),
-    }
+        answer: Some(answers[0].clone()),
+    };
+    (prompt, answers)
 }
 
 #[cfg(test)]
@@ -301,5 +338,24 @@ mod tests {
             keyed_needle(7, 1, 40, 0.5, 3),
             keyed_needle(7, 2, 40, 0.5, 3)
         );
+    }
+
+    #[test]
+    fn multi_key_needles_ask_for_every_code_in_order() {
+        let (p, codes) = keyed_needles(3, 9, 60, &[0.2, 0.5, 0.8], 2);
+        assert_eq!(codes.len(), 3);
+        assert_eq!(p.answer.as_deref(), Some(codes[0].as_str()));
+        // Each asked-for code is in the haystack once, before the question, in depth order.
+        let at: Vec<usize> = codes
+            .iter()
+            .map(|c| p.text.find(c.as_str()).unwrap())
+            .collect();
+        assert!(at.windows(2).all(|w| w[0] < w[1]), "{at:?}");
+        assert!(p.text.contains("what are the secret codes for "));
+        assert!(p.text.matches("The secret code for ").count() >= 3 + 2);
+        // One depth is the single-needle prompt.
+        let (one, codes) = keyed_needles(3, 9, 60, &[0.5], 2);
+        assert_eq!(one.text, keyed_needle(3, 9, 60, 0.5, 2).text);
+        assert_eq!(codes.len(), 1);
     }
 }

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
 use kakeya_capture::job::sha256_path;
-use kakeya_capture::prompts::keyed_needle;
+use kakeya_capture::prompts::keyed_needles;
 use kakeya_models::{DFlashDrafter, Gemma3Model};
 use kakeya_runtime::{
     DFlashProposer, FThetaRestorer, Generation, GenerationConfig, KvMode, KvPolicy, KvSetup,
@@ -70,10 +70,16 @@ pub struct NiahArgs {
     /// Distractor keys (other codes) per prompt.
     #[arg(long, default_value_t = 3)]
     pub distractors: usize,
+    /// Also, per (length, depth), --per-cell prompts with this many needles (spread over the
+    /// haystack from the depth on), all asked for; an answer counts when it holds every code.
+    /// 0: single needles only.
+    #[arg(long, default_value_t = 0)]
+    pub multi_key: usize,
     /// Seed of the generator.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Use these prompts instead: JSON lines `{"id", "text", "answer"}`.
+    /// Use these prompts instead: JSON lines `{"id", "text", "answer"}` (other fields are
+    /// ignored); each is reported under the --lengths value nearest its token count.
     #[arg(long)]
     pub prompts: Option<PathBuf>,
     /// Most tokens generated per answer.
@@ -108,7 +114,10 @@ pub struct Item {
     pub text: String,
     /// The string a correct output contains.
     pub answer: String,
-    /// Length bucket (the ladder length, or the smallest one at least the prompt's).
+    /// Further strings a correct output contains too (the other codes of a multi-key item).
+    #[serde(default)]
+    pub also: Vec<String>,
+    /// Length bucket (the ladder length, or for `--prompts` items the nearest one).
     pub bucket: usize,
     /// Needle depth, for generated prompts.
     pub depth: Option<f64>,
@@ -145,7 +154,7 @@ pub struct Settings {
 pub fn parse_modes(s: &str) -> Result<Vec<KvMode>> {
     let mut out = vec![KvMode::Full];
     if s.trim() == "all" {
-        out.extend(KvMode::ALL.into_iter().skip(1));
+        out.extend(KvMode::all().into_iter().skip(1));
         return Ok(out);
     }
     for m in s.split(',').map(str::trim).filter(|m| !m.is_empty()) {
@@ -162,50 +171,84 @@ fn count_tokens(tok: &Tokenizer, text: &str) -> Result<usize> {
 }
 
 /// The generated ladder: per length, depth and repeat, a keyed needle prompt of at most that
-/// many tokens (filler lines added or removed until it is within 16 tokens below).
+/// many tokens (filler lines added or removed until it is within 16 tokens below); with
+/// `--multi-key N`, as many again with N needles each.
 fn ladder(a: &NiahArgs, tok: &Tokenizer) -> Result<Vec<Item>> {
     let mut items = Vec::new();
+    let kinds: &[usize] = if a.multi_key >= 2 {
+        &[1, a.multi_key]
+    } else {
+        &[1]
+    };
     for (li, &len) in a.lengths.iter().enumerate() {
         for (di, &depth) in a.depths.iter().enumerate() {
-            for r in 0..a.per_cell {
-                let key = ((li * a.depths.len() + di) * a.per_cell + r) as u64;
-                let make = |n: usize| keyed_needle(a.seed, key, n, depth, a.distractors);
-                let mut n = (len / 12).max(1);
-                let mut p = make(n);
-                for _ in 0..24 {
-                    let t = count_tokens(tok, &p.text)?;
-                    if t <= len && len - t < 16 {
-                        break;
-                    }
-                    let step = ((len as f64 - t as f64) / 11.0).round() as i64;
-                    let step = if step != 0 {
-                        step
-                    } else if t > len {
-                        -1
-                    } else {
-                        1
-                    };
-                    n = (n as i64 + step).max(1) as usize;
-                    p = make(n);
+            for &keys in kinds {
+                for r in 0..a.per_cell {
+                    items.push(ladder_item(a, tok, (li, len), (di, depth), keys, r)?);
                 }
-                while n > 1 && count_tokens(tok, &p.text)? > len {
-                    n -= 1;
-                    p = make(n);
-                }
-                items.push(Item {
-                    id: format!("L{len}-d{depth:.2}-r{r}"),
-                    text: p.text,
-                    answer: p.answer.expect("needles have answers"),
-                    bucket: len,
-                    depth: Some(depth),
-                });
             }
         }
     }
     Ok(items)
 }
 
-/// `{"id", "text", "answer"}` per line.
+/// One ladder prompt: `keys` needles, the first at `depth`, the others spread after it.
+fn ladder_item(
+    a: &NiahArgs,
+    tok: &Tokenizer,
+    (li, len): (usize, usize),
+    (di, depth): (usize, f64),
+    keys: usize,
+    r: usize,
+) -> Result<Item> {
+    let cell = ((li * a.depths.len() + di) * a.per_cell + r) as u64;
+    // Single needles keep their item numbers; multi-key items take others.
+    let key = if keys == 1 { cell } else { cell + (1 << 32) };
+    let mut depths: Vec<f64> = (0..keys)
+        .map(|i| (depth + i as f64 / keys as f64).fract())
+        .collect();
+    depths.sort_by(f64::total_cmp);
+    let make = |n: usize| keyed_needles(a.seed, key, n, &depths, a.distractors);
+    let mut n = (len / 12).max(1);
+    let mut p = make(n);
+    for _ in 0..24 {
+        let t = count_tokens(tok, &p.0.text)?;
+        if t <= len && len - t < 16 {
+            break;
+        }
+        let step = ((len as f64 - t as f64) / 11.0).round() as i64;
+        let step = if step != 0 {
+            step
+        } else if t > len {
+            -1
+        } else {
+            1
+        };
+        n = (n as i64 + step).max(1) as usize;
+        p = make(n);
+    }
+    while n > 1 && count_tokens(tok, &p.0.text)? > len {
+        n -= 1;
+        p = make(n);
+    }
+    let (prompt, mut codes) = p;
+    let answer = codes.remove(0);
+    Ok(Item {
+        id: match keys {
+            1 => format!("L{len}-d{depth:.2}-r{r}"),
+            k => format!("L{len}-d{depth:.2}-r{r}-k{k}"),
+        },
+        text: prompt.text,
+        answer,
+        also: codes,
+        bucket: len,
+        depth: Some(depth),
+    })
+}
+
+/// `{"id", "text", "answer"}` per line; other fields (common in JSONL datasets) are ignored.
+/// Each item goes to the ladder length nearest its token count (the larger on a tie), so a
+/// file of prompts of many lengths reports a few buckets, not one per length.
 fn read_prompts(path: &Path, lengths: &[usize], tok: &Tokenizer) -> Result<Vec<Item>> {
     let body =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
@@ -215,7 +258,6 @@ fn read_prompts(path: &Path, lengths: &[usize], tok: &Tokenizer) -> Result<Vec<I
             continue;
         }
         #[derive(Deserialize)]
-        #[serde(deny_unknown_fields)]
         struct Line {
             id: String,
             text: String,
@@ -232,17 +274,12 @@ fn read_prompts(path: &Path, lengths: &[usize], tok: &Tokenizer) -> Result<Vec<I
             bail!("{}:{}: empty text or answer", path.display(), n + 1);
         }
         let t = count_tokens(tok, &l.text)?;
-        let bucket = lengths
-            .iter()
-            .copied()
-            .filter(|&b| b >= t)
-            .min()
-            .unwrap_or(t);
         items.push(Item {
             id: l.id,
             text: l.text,
             answer: l.answer,
-            bucket,
+            also: Vec::new(),
+            bucket: nearest_length(lengths, t),
             depth: None,
         });
     }
@@ -250,6 +287,15 @@ fn read_prompts(path: &Path, lengths: &[usize], tok: &Tokenizer) -> Result<Vec<I
         bail!("{}: no prompts", path.display());
     }
     Ok(items)
+}
+
+/// The ladder length nearest `tokens` (the larger on a tie); `tokens` itself without a ladder.
+fn nearest_length(lengths: &[usize], tokens: usize) -> usize {
+    lengths
+        .iter()
+        .copied()
+        .min_by_key(|&b| (b.abs_diff(tokens), std::cmp::Reverse(b)))
+        .unwrap_or(tokens)
 }
 
 /// Everything one mode's run needs.
@@ -262,7 +308,12 @@ struct Engine<'m> {
 }
 
 impl Engine<'_> {
-    fn run(&self, policy: KvPolicy, ids: &[u32]) -> Result<Generation> {
+    /// One prompt under `policy`, at most `max_tokens` generated.
+    fn run(&self, policy: KvPolicy, ids: &[u32], max_tokens: usize) -> Result<Generation> {
+        let cfg = GenerationConfig {
+            max_tokens,
+            ..self.cfg.clone()
+        };
         let mut setup = KvSetup::new(policy);
         if policy.mode.restores() || self.block.is_some() {
             setup = setup.drafter(self.drafter.expect("loaded when needed"));
@@ -277,7 +328,7 @@ impl Engine<'_> {
                     &mut v,
                     &mut DFlashProposer::new(d),
                     ids,
-                    &self.cfg,
+                    &cfg,
                     SpecConfig::fixed(block),
                     &mut |_| {},
                 )?
@@ -285,7 +336,7 @@ impl Engine<'_> {
             _ => generate(
                 &mut Session::with_kv(self.model, setup)?,
                 ids,
-                &self.cfg,
+                &cfg,
                 &mut |_| {},
             )?,
         })
@@ -325,6 +376,7 @@ pub fn run(a: NiahArgs) -> Result<()> {
             mode,
             sink: a.kv_sink,
             window: a.kv_window,
+            ..KvPolicy::new(mode)
         }
         .check(ctx, 1)?;
     }
@@ -365,6 +417,7 @@ pub fn run(a: NiahArgs) -> Result<()> {
                 mode,
                 sink: a.kv_sink,
                 window: a.kv_window,
+                ..KvPolicy::new(mode)
             }
             .check(ctx, b)?;
         }
@@ -387,8 +440,8 @@ pub fn run(a: NiahArgs) -> Result<()> {
         prompts: match &a.prompts {
             Some(p) => format!("file sha256 {}", sha256_path(p)?),
             None => format!(
-                "ladder seed {} lengths {:?} depths {:?} per_cell {} distractors {}",
-                a.seed, a.lengths, a.depths, a.per_cell, a.distractors
+                "ladder seed {} lengths {:?} depths {:?} per_cell {} distractors {} multi_key {}",
+                a.seed, a.lengths, a.depths, a.per_cell, a.distractors, a.multi_key
             ),
         },
         max_tokens: a.max_tokens,
@@ -479,9 +532,10 @@ pub fn run(a: NiahArgs) -> Result<()> {
     for item in &items {
         let mut ids = vec![tok.bos];
         ids.extend(tok.encode(&item.text)?);
-        if ids.len() >= ctx {
+        let room = a.max_tokens * (1 + item.also.len());
+        if ids.len() + room > ctx {
             bail!(
-                "prompt {} has {} tokens: more than the model's context",
+                "prompt {} has {} tokens: with {room} to generate, more than the model's context of {ctx}",
                 item.id,
                 ids.len()
             );
@@ -495,9 +549,12 @@ pub fn run(a: NiahArgs) -> Result<()> {
                 mode,
                 sink: a.kv_sink,
                 window: a.kv_window,
+                ..KvPolicy::new(mode)
             };
+            // A multi-key answer lists every code: room for each.
+            let max_tokens = a.max_tokens * (1 + item.also.len());
             let g = engine
-                .run(policy, &ids)
+                .run(policy, &ids, max_tokens)
                 .with_context(|| format!("prompt {} in mode {mode}", item.id))?;
             let output = tok.decode(&g.tokens)?;
             if mode == KvMode::Full {
@@ -513,8 +570,10 @@ pub fn run(a: NiahArgs) -> Result<()> {
                 bucket: item.bucket,
                 depth: item.depth,
                 prompt_tokens: ids.len(),
-                correct: output.contains(&item.answer),
+                correct: output.contains(&item.answer)
+                    && item.also.iter().all(|c| output.contains(c.as_str())),
                 answer: item.answer.clone(),
+                also: item.also.clone(),
                 output,
                 tokens: g.tokens.clone(),
                 first_divergence_from_full: first_divergence,
@@ -550,4 +609,26 @@ pub fn run(a: NiahArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::nearest_length;
+
+    #[test]
+    fn prompts_go_to_the_nearest_ladder_length() {
+        let ladder = [512, 1024, 2048, 3584];
+        for (tokens, want) in [
+            (10, 512),
+            (700, 512),
+            (768, 1024),
+            (1500, 1024),
+            (1600, 2048),
+            (3000, 3584),
+            (16_000, 3584),
+        ] {
+            assert_eq!(nearest_length(&ladder, tokens), want, "{tokens} tokens");
+        }
+        assert_eq!(nearest_length(&[], 777), 777);
+    }
 }

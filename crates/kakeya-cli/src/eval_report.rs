@@ -29,6 +29,9 @@ pub struct ItemResult {
     pub prompt_tokens: usize,
     /// The answer looked for.
     pub answer: String,
+    /// Further answers looked for (a multi-key item's other codes).
+    #[serde(default)]
+    pub also: Vec<String>,
     /// The generated text.
     pub output: String,
     /// The generated ids.

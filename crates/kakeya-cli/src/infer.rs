@@ -111,7 +111,7 @@ fn print_stats(g: &Generation) {
     let kv = &s.kv;
     eprintln!(
         "[KV {}: {:.2} MiB held (exact {:.2}, quantised {:.2}, store {:.2}, transient peak {:.2}); full cache in 16-bit would be {:.2} MiB: {:.2}x]",
-        s.kv_mode.map_or("full", |m| m.name()),
+        s.kv_mode.map_or_else(|| "full".to_string(), |m| m.name()),
         mib(kv.total),
         mib(kv.exact),
         mib(kv.quantised),

@@ -7,7 +7,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use kakeya_capture::job::sha256_path;
 use kakeya_models::{DFlashDrafter, FTheta, Gemma3Model};
-use kakeya_runtime::{FThetaRestorer, KvMode, KvPolicy};
+use kakeya_runtime::{FThetaRestorer, KvDtype, KvMode, KvPolicy};
 use kakeya_weights::FThetaCheckpoint;
 
 /// f_θ of the default model and its trained drafter.
@@ -17,7 +17,8 @@ pub const DEFAULT_F_THETA: &str = "checkpoints/f-theta-gemma3-270m";
 #[derive(Args, Debug, Clone)]
 pub struct KvArgs {
     /// KV mode: full, sink-window, exact-global, restored, restored-sliding, quant8, quant4,
-    /// quant8-all, quant4-all, restored-q8, restored-q4 (see the README).
+    /// quant8-all, quant4-all, restored-q8, restored-q4, or a bounded preset
+    /// bounded-k<K>v<V> (e.g. bounded-k4v2; see docs/kv-modes.md).
     #[arg(long, default_value = "full")]
     pub kv_mode: KvMode,
     /// First positions every bounded layer keeps exactly.
@@ -26,8 +27,12 @@ pub struct KvArgs {
     /// Most recent positions every bounded layer keeps exactly.
     #[arg(long, default_value_t = 64)]
     pub kv_window: usize,
-    /// A TOML policy file (`mode`, optional `sink` and `window`) instead of the three flags.
-    #[arg(long, conflicts_with_all = ["kv_mode", "kv_sink", "kv_window"])]
+    /// How exact K/V are stored: f16 (the default, as llama.cpp's and vLLM's caches) or f32.
+    /// Attention computes in f32 either way; on a GPU the caches stay f32.
+    #[arg(long, default_value = "f16")]
+    pub kv_dtype: KvDtype,
+    /// A TOML policy file (`mode`, optional `sink`, `window`, `dtype`) instead of the flags.
+    #[arg(long, conflicts_with_all = ["kv_mode", "kv_sink", "kv_window", "kv_dtype"])]
     pub kv_policy: Option<PathBuf>,
     /// An exported f_θ folder for the restored modes (default: checkpoints/f-theta-gemma3-270m
     /// with the default model and drafter).
@@ -44,6 +49,8 @@ impl KvArgs {
                 mode: self.kv_mode,
                 sink: self.kv_sink,
                 window: self.kv_window,
+                dtype: self.kv_dtype,
+                ..KvPolicy::new(self.kv_mode)
             }),
         }
     }

@@ -219,9 +219,26 @@ fn bad_kv_settings_fail_cleanly() {
         "8",
     ]);
     assert!(
-        e.contains("block size 8 is larger than the exact window of 4"),
+        e.contains("block size 8 is larger than the global layers' exact window of 4"),
         "{e}"
     );
+    // Bit widths, per-layer rules and dtypes.
+    let e = run(&["--kv-mode", "bounded-k9v2"]);
+    assert!(e.contains("unsupported key bit width 9"), "{e}");
+    std::fs::write(&pol, "mode = \"bounded-k4v2\"\n[global]\nv_bits = 1\n").unwrap();
+    let e = run(&["--kv-policy", s(&pol)]);
+    assert!(
+        e.contains("bad.toml") && e.contains("v_bits = 1: unsupported bit width"),
+        "{e}"
+    );
+    std::fs::write(&pol, "mode = \"bounded-k4v2\"\n[global]\nbits = 4\n").unwrap();
+    let e = run(&["--kv-policy", s(&pol)]);
+    assert!(e.contains("bad.toml") && e.contains("bits"), "{e}");
+    std::fs::write(&pol, "mode = \"bounded-k4v2\"\n[global]\nwindow = 32\n").unwrap();
+    let e = run(&["--kv-policy", s(&pol)]);
+    assert!(e.contains("must hold at least 64 (it is 32)"), "{e}");
+    let e = run(&["--kv-dtype", "f8"]);
+    assert!(e.contains("unknown KV dtype \"f8\""), "{e}");
     let e = run(&["--kv-mode", "restored", "--drafter", s(&d)]);
     assert!(e.contains("need an f_θ"), "{e}");
     // An f_θ made for another verifier.

@@ -18,8 +18,8 @@ pub use generate::{
 };
 pub use guard::RunawayGuard;
 pub use kv::{
-    CompactStore, FThetaRestorer, FullCache, KvBytes, KvCache, KvMode, KvPolicy, OracleRestorer,
-    Restorer, RingCache, SequenceKv,
+    BOUNDED_PRESETS, CompactStore, FThetaRestorer, FullCache, GLOBAL_WINDOW, KvBytes, KvCache,
+    KvDtype, KvMode, KvPolicy, OracleRestorer, Restorer, RingCache, SequenceKv,
 };
 pub use prefix::{PrefixCache, PrefixStats};
 pub use sampler::{Sampler, Sampling, Scores};

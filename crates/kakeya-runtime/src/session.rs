@@ -164,9 +164,14 @@ impl<'m> Session<'m> {
             policy: setup.policy,
             kv: SequenceKv::new(
                 &model.cache_specs(),
-                &(0..c.num_hidden_layers)
-                    .map(|i| c.kv_width_of(i))
-                    .collect::<Vec<_>>(),
+                (
+                    &(0..c.num_hidden_layers)
+                        .map(|i| c.kv_width_of(i))
+                        .collect::<Vec<_>>(),
+                    &(0..c.num_hidden_layers)
+                        .map(|i| c.head_dim_of(i))
+                        .collect::<Vec<_>>(),
+                ),
                 &setup.policy,
                 setup.slack,
                 store,

@@ -7,7 +7,7 @@ mod common;
 use burn::tensor::{Device, Tensor};
 use kakeya_models::LayerCache;
 use kakeya_models::{ForwardRequest, Gemma3Model, Logits};
-use kakeya_runtime::{KvCache, Session};
+use kakeya_runtime::{KvCache, KvDtype, KvMode, KvPolicy, KvSetup, Session};
 use kakeya_weights::Checkpoint;
 use serde_json::Value;
 
@@ -83,7 +83,7 @@ fn matches_transformers_from(name: &str, src: Source) {
     let prompt = ids(&r["prompt"]);
     let want = &r["configs"][name.split(' ').next().unwrap()];
     let m = load_from(name.split(' ').next().unwrap(), src);
-    let mut caches = KvCache::for_specs(&m.cache_specs(), 0);
+    let mut caches = KvCache::for_specs(&m.cache_specs(), 0, KvDtype::F32);
     let got = rows(
         m.forward(&ForwardRequest::new(&prompt, 0, Logits::All), &mut caches)
             .unwrap()
@@ -111,7 +111,12 @@ fn matches_transformers_from(name: &str, src: Source) {
         let d = max_diff(g, &w);
         assert!(d <= TOL, "{name}: position {i}: max |Δlogit| {d} > {TOL}");
     }
-    let mut s = Session::new(&m, 0);
+    // f32 K/V throughout: this compares with transformers' f32 numbers.
+    let f32_kv = KvPolicy {
+        dtype: KvDtype::F32,
+        ..KvPolicy::new(KvMode::Full)
+    };
+    let mut s = Session::with_kv(&m, KvSetup::new(f32_kv)).unwrap();
     let mut row = s.prefill(&prompt, 5).unwrap();
     let mut seq = prompt.clone();
     let mut generated = Vec::new();
@@ -120,7 +125,7 @@ fn matches_transformers_from(name: &str, src: Source) {
         generated.push(next);
         seq.push(next);
         let full = {
-            let mut c = KvCache::for_specs(&m.cache_specs(), 0);
+            let mut c = KvCache::for_specs(&m.cache_specs(), 0, KvDtype::F32);
             rows(
                 m.forward(&ForwardRequest::new(&seq, 0, Logits::Last), &mut c)
                     .unwrap()

@@ -2,7 +2,9 @@
 //! `restored` with an oracle restorer (the verifier's own K/V) equals `full`; speculative
 //! decoding equals plain greedy decoding in the same mode, for every mode and blocks 4/8/16 with
 //! windows wrapping mid-block; rollback under random accept counts never needs a demoted
-//! position; the byte accounting adds up; bad settings are refused.
+//! position; the `bounded-*` presets (per-channel keys, rotation) decode speculatively as
+//! plainly; per-layer rules shape the plan; the byte accounting adds up; bad settings are
+//! refused.
 
 mod common;
 
@@ -10,7 +12,7 @@ use burn::tensor::Device;
 use common::{NoisyReplay, max_diff, oracle_restorer, random_f_theta_restorer, tiny_prompt};
 use kakeya_models::testing::{drafter_config, random_checkpoint, random_drafter, tiny_config};
 use kakeya_models::{DFlashDrafter, Gemma3Model};
-use kakeya_runtime::kv::{KvMode, KvPolicy, Restorer};
+use kakeya_runtime::kv::{Bits, KvMode, KvPolicy, LayerRule, Restorer};
 use kakeya_runtime::{
     DFlashProposer, Generation, GenerationConfig, KvSetup, Proposer, Session, SpecConfig, Verifier,
     generate, speculative_generate,
@@ -38,7 +40,20 @@ fn cfg(max_tokens: usize) -> GenerationConfig {
 }
 
 fn policy(mode: KvMode, sink: usize, window: usize) -> KvPolicy {
-    KvPolicy { mode, sink, window }
+    KvPolicy {
+        mode,
+        sink,
+        window,
+        ..KvPolicy::new(mode)
+    }
+}
+
+/// `p` with f32 exact tiers.
+fn f32_kv(p: KvPolicy) -> KvPolicy {
+    KvPolicy {
+        dtype: kakeya_runtime::KvDtype::F32,
+        ..p
+    }
 }
 
 fn setup<'m>(p: KvPolicy, d: &'m DFlashDrafter, r: &'m dyn Restorer) -> KvSetup<'m> {
@@ -88,7 +103,7 @@ fn a_window_covering_the_context_equals_full() {
     let p = prompt(1, 45);
     let full = plain(&v, KvSetup::full(0), &p, 40);
     let reference = trace(&v, KvSetup::full(0), &p, &full.tokens);
-    for mode in KvMode::ALL.into_iter().filter(|m| m.windowed()) {
+    for mode in KvMode::all().into_iter().filter(|m| m.windowed()) {
         let s = setup(policy(mode, 4, 200), &d, &r);
         let got = plain(&v, s, &p, 40);
         assert_eq!(got.tokens, full.tokens, "{mode}: tokens");
@@ -103,13 +118,15 @@ fn restored_with_an_oracle_restorer_equals_full() {
     // 420 + 40 positions: the global layer reads its evicted tier in two tiles of 256.
     for (i, len) in [(0, 37), (1, 60), (2, 420)] {
         let p = prompt(i, len);
-        let full = plain(&v, KvSetup::full(0), &p, 40);
+        // f32 exact tiers: the oracle's K/V are the exact f32 values.
+        let native = KvSetup::new(f32_kv(KvPolicy::new(KvMode::Full)));
+        let full = plain(&v, native, &p, 40);
         let mut seq = p.clone();
         seq.extend(&full.tokens);
         let o = oracle_restorer(&v, &seq);
-        let reference = trace(&v, KvSetup::full(0), &p, &full.tokens);
+        let reference = trace(&v, native, &p, &full.tokens);
         for (sink, window) in [(2, 4), (0, 1), (4, 9)] {
-            let s = KvSetup::new(policy(KvMode::Restored, sink, window)).restorer(&o);
+            let s = KvSetup::new(f32_kv(policy(KvMode::Restored, sink, window))).restorer(&o);
             let got = plain(&v, s, &p, 40);
             assert_eq!(got.tokens, full.tokens, "sink {sink}, window {window}");
             let diff = max_diff(&trace(&v, s, &p, &full.tokens), &reference);
@@ -121,7 +138,7 @@ fn restored_with_an_oracle_restorer_equals_full() {
         // The same machinery with the tier dropped differs: the test can tell.
         let dropped = trace(
             &v,
-            KvSetup::new(policy(KvMode::SinkWindow, 2, 4)),
+            KvSetup::new(f32_kv(policy(KvMode::SinkWindow, 2, 4))),
             &p,
             &full.tokens,
         );
@@ -135,7 +152,7 @@ fn every_mode_decodes_speculatively_as_it_does_plainly() {
     for block in [4, 8, 16] {
         let d = drafter(&v, block);
         let r = random_f_theta_restorer(&v, &d);
-        for mode in KvMode::ALL {
+        for mode in KvMode::all() {
             let s = setup(policy(mode, 2, 16), &d, &r);
             for i in 0..2 + usize::from(block == 8) {
                 // 30–45 prompt tokens + 40 generated: the 16-position windows wrap many times,
@@ -165,7 +182,7 @@ fn rollback_under_random_accept_counts_never_needs_a_demoted_position() {
     let d = drafter(&v, 16);
     let r = random_f_theta_restorer(&v, &d);
     let mut seed = 1u64;
-    for mode in KvMode::ALL.into_iter().filter(|m| *m != KvMode::Full) {
+    for mode in KvMode::all().into_iter().filter(|m| *m != KvMode::Full) {
         for (block, window) in [(4, 4), (8, 9), (16, 16)] {
             seed += 1;
             let s = setup(policy(mode, 2, window), &d, &r);
@@ -223,9 +240,14 @@ fn bytes_are_measured_and_bounded_modes_hold_less() {
     let p = prompt(2, 150);
     let full = plain(&v, KvSetup::full(0), &p, 20).stats.kv;
     assert_eq!(full.total, full.exact, "full holds only exact K/V");
-    // Full f32 holds at least the 16-bit reference twice over (capacity may add more).
-    assert!(full.exact >= 2 * full.full_f16);
-    for mode in KvMode::ALL.into_iter().filter(|m| *m != KvMode::Full) {
+    // Full holds 16-bit K/V: the reference's bytes, plus less than a 64-position block per
+    // layer (169 positions sit in 192 slots of the global layer; the rings hold their window).
+    assert!(full.exact >= full.full_f16, "{full:?}");
+    let block: usize = (0..v.config.num_hidden_layers)
+        .map(|i| kakeya_runtime::kv::KV_BLOCK * v.config.kv_width_of(i) * 2 * 2)
+        .sum();
+    assert!(full.exact < full.full_f16 + block, "{full:?}");
+    for mode in KvMode::all().into_iter().filter(|m| *m != KvMode::Full) {
         let kv = plain(&v, setup(policy(mode, 4, 16), &d, &r), &p, 20)
             .stats
             .kv;
@@ -246,7 +268,11 @@ fn bytes_are_measured_and_bounded_modes_hold_less() {
         }
         let quantises = matches!(
             mode,
-            KvMode::Quant8 | KvMode::Quant4 | KvMode::Quant8All | KvMode::Quant4All
+            KvMode::Quant8
+                | KvMode::Quant4
+                | KvMode::Quant8All
+                | KvMode::Quant4All
+                | KvMode::Bounded { .. }
         );
         assert_eq!(kv.quantised > 0, quantises, "{mode}: quantised tier");
         assert!(
@@ -268,7 +294,7 @@ fn bad_settings_are_refused() {
     let err = |s: KvSetup<'_>, block: usize| Verifier::new(&v, s, block).unwrap_err().to_string();
     let e = err(KvSetup::new(policy(KvMode::SinkWindow, 4, 4)), 8);
     assert!(
-        e.contains("block size 8 is larger than the exact window of 4"),
+        e.contains("block size 8 is larger than the global layers' exact window of 4"),
         "{e}"
     );
     let e = err(KvSetup::new(policy(KvMode::Quant4, 500, 64)), 1);
@@ -290,4 +316,128 @@ fn bad_settings_are_refused() {
             .to_string()
             .contains("quant4-all")
     );
+    for (name, why) in [
+        ("bounded-k9v2", "unsupported key bit width 9"),
+        ("bounded-k4v1", "unsupported value bit width 1"),
+        ("bounded-k4", "expected k<K>v<V>"),
+        ("bounded-kxv2", "not a number"),
+    ] {
+        let e = name.parse::<KvMode>().unwrap_err().to_string();
+        assert!(e.contains(why) && e.contains(name), "{name}: {e}");
+    }
+    // Per-channel keys: a window shorter than a block, a verified block longer than one.
+    let bounded = KvMode::Bounded {
+        k: Bits::B4,
+        v: Bits::new(2).unwrap(),
+    };
+    let short = KvPolicy {
+        global: Some(LayerRule {
+            window: Some(32),
+            ..LayerRule::default()
+        }),
+        ..policy(bounded, 4, 16)
+    };
+    let e = err(KvSetup::new(short), 1);
+    assert!(e.contains("must hold at least 64 (it is 32)"), "{e}");
+    let e = err(KvSetup::new(policy(bounded, 4, 200)), 100);
+    assert!(e.contains("over the 64-position slack"), "{e}");
+}
+
+/// Every `bounded-*` preset over positions far past its 128-position global window: the
+/// per-channel key blocks complete inside verified blocks and rollbacks reopen them; plain
+/// and speculative decoding (blocks 4/8/16, random accept counts) give the same tokens, and
+/// the quantised tier is read (the logits differ from `full`).
+#[test]
+fn bounded_presets_decode_speculatively_as_they_do_plainly() {
+    let v = verifier();
+    let d = drafter(&v, 16);
+    let r = random_f_theta_restorer(&v, &d);
+    let mut seed = 40u64;
+    for (k, vb) in kakeya_runtime::BOUNDED_PRESETS {
+        let mode = KvMode::Bounded {
+            k: Bits::new(k).unwrap(),
+            v: Bits::new(vb).unwrap(),
+        };
+        let s = setup(policy(mode, 2, 16), &d, &r);
+        let p = prompt(seed as usize, 170);
+        let want = plain(&v, s, &p, 60);
+        for block in [4, 8, 16] {
+            seed += 1;
+            let got = spec(&v, s, &mut DFlashProposer::new(&d), &p, 60, block);
+            assert_eq!(got.tokens, want.tokens, "{mode}, block {block}");
+            let mut prop = NoisyReplay::new(&p, &want.tokens, 0.3, seed * 7919);
+            let got = spec(&v, s, &mut prop, &p, 60, block);
+            let st = got.spec.unwrap();
+            assert!(st.accepted > 0 && st.accepted < st.drafted, "{mode}");
+            assert_eq!(got.tokens, want.tokens, "{mode}, block {block}, noisy");
+        }
+        let full = plain(&v, KvSetup::full(0), &p, 60);
+        let diff = max_diff(
+            &trace(&v, s, &p, &full.tokens),
+            &trace(&v, KvSetup::full(0), &p, &full.tokens),
+        );
+        assert!(diff > 0.0, "{mode}: the quantised tier is read");
+    }
+}
+
+/// A preset's plan per kind of layer, and `[global]` / `[sliding]` rules over it.
+#[test]
+fn per_layer_rules_shape_the_plan() {
+    use kakeya_runtime::kv::{Evicted, LayerPlan, QuantFormat};
+    let bounded = KvMode::Bounded {
+        k: Bits::B4,
+        v: Bits::new(2).unwrap(),
+    };
+    let p = policy(bounded, 4, 64);
+    let global = kakeya_models::CacheSpec::Full;
+    let sliding = kakeya_models::CacheSpec::Sliding { window: 512 };
+    assert_eq!(
+        p.plan(global),
+        LayerPlan::Bounded {
+            evicted: Evicted::Quantise(QuantFormat {
+                k_bits: Bits::B4,
+                v_bits: Bits::new(2).unwrap(),
+                k_per_channel: true,
+                rotate: true,
+            }),
+            sink: 4,
+            window: 128,
+        }
+    );
+    assert_eq!(
+        p.plan(sliding),
+        LayerPlan::Bounded {
+            evicted: Evicted::Drop,
+            sink: 4,
+            window: 64
+        }
+    );
+    let ruled = KvPolicy {
+        global: Some(LayerRule {
+            k_bits: Some(8),
+            k_groups: Some(kakeya_runtime::kv::policy::KeyGroups::Token),
+            rotate: Some(false),
+            window: Some(256),
+            ..LayerRule::default()
+        }),
+        sliding: Some(LayerRule {
+            keep: Some(kakeya_runtime::kv::policy::Keep::Native),
+            ..LayerRule::default()
+        }),
+        ..p
+    };
+    assert_eq!(
+        ruled.plan(global),
+        LayerPlan::Bounded {
+            evicted: Evicted::Quantise(QuantFormat {
+                k_bits: Bits::B8,
+                v_bits: Bits::new(2).unwrap(),
+                k_per_channel: false,
+                rotate: false,
+            }),
+            sink: 4,
+            window: 256,
+        }
+    );
+    assert_eq!(ruled.plan(sliding), LayerPlan::Native);
 }

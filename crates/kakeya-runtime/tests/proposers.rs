@@ -198,6 +198,7 @@ fn adaptive_ngram_is_lossless_in_bounded_kv_modes() {
             mode,
             sink: 2,
             window: 12,
+            ..KvPolicy::new(mode)
         };
         for i in 0..4 {
             let p = prompt(i);

@@ -6,7 +6,7 @@ mod common;
 use burn::tensor::{Device, Tensor};
 use kakeya_models::testing::{random_checkpoint, tiny_config};
 use kakeya_models::{ForwardRequest, Gemma3Model, KvSegment, LayerCache, Logits, Reach, SegmentKv};
-use kakeya_runtime::{FullCache, KvCache, Session};
+use kakeya_runtime::{FullCache, KvCache, KvDtype, KvMode, KvPolicy, KvSetup, Session};
 
 /// Tolerance of f32 comparisons between differently-chunked computations of the same values.
 const TOL: f32 = 1e-4;
@@ -35,9 +35,11 @@ fn assert_close(a: &[f32], b: &[f32], what: &str) {
     assert!(d <= TOL, "{what}: max abs diff {d} > {TOL}");
 }
 
-/// Logits of every position from one forward over the whole sequence.
+/// Logits of every position from one forward over the whole sequence (f32 caches: the tests
+/// compare paths that are not bit for bit the same, within a tolerance that 16-bit rounding
+/// would swamp).
 fn full_forward(m: &Gemma3Model, toks: &[u32]) -> Vec<Vec<f32>> {
-    let mut caches = KvCache::for_specs(&m.cache_specs(), 0);
+    let mut caches = KvCache::for_specs(&m.cache_specs(), 0, KvDtype::F32);
     rows(
         m.forward(&ForwardRequest::new(toks, 0, Logits::All), &mut caches)
             .unwrap()
@@ -51,7 +53,11 @@ fn prefill_then_decode_equals_one_full_forward() {
     let m = model(4);
     let toks = tokens(24);
     let full = full_forward(&m, &toks);
-    let mut s = Session::new(&m, 0);
+    let policy = KvPolicy {
+        dtype: KvDtype::F32,
+        ..KvPolicy::new(KvMode::Full)
+    };
+    let mut s = Session::with_kv(&m, KvSetup::new(policy)).unwrap();
     let first = s.prefill(&toks[..7], 3).unwrap();
     assert_close(&first, &full[6], "prefill last row");
     for (i, &t) in toks.iter().enumerate().skip(7) {
@@ -64,11 +70,11 @@ fn prefill_then_decode_equals_one_full_forward() {
 fn sliding_ring_matches_a_never_evicting_cache_across_wraps() {
     let m = model(5);
     let toks = tokens(30); // the ring (capacity 4) wraps 7 times
-    let mut ring = KvCache::for_specs(&m.cache_specs(), 0);
+    let mut ring = KvCache::for_specs(&m.cache_specs(), 0, KvDtype::F32);
     let mut keep_all: Vec<KvCache> = m
         .cache_specs()
         .iter()
-        .map(|_| KvCache::Full(FullCache::default()))
+        .map(|_| KvCache::Full(FullCache::new(KvDtype::F32)))
         .collect();
     for (i, t) in toks.iter().enumerate() {
         let req = ForwardRequest::new(std::slice::from_ref(t), i, Logits::Last);
@@ -156,7 +162,7 @@ fn raw_kv_segments_reproduce_the_cached_computation() {
     let m = model(64); // windows wider than the sequence: every layer sees every position
     let toks = tokens(12);
     let split = 8;
-    let mut caches = KvCache::for_specs(&m.cache_specs(), 0);
+    let mut caches = KvCache::for_specs(&m.cache_specs(), 0, KvDtype::F32);
     let req = ForwardRequest {
         capture_attention: true,
         ..ForwardRequest::new(&toks, 0, Logits::All)
@@ -183,7 +189,7 @@ fn raw_kv_segments_reproduce_the_cached_computation() {
 fn hidden_states_and_captures_have_documented_shapes() {
     let m = model(4);
     let toks = tokens(5);
-    let mut caches = KvCache::for_specs(&m.cache_specs(), 0);
+    let mut caches = KvCache::for_specs(&m.cache_specs(), 0, KvDtype::F32);
     let req = ForwardRequest {
         hidden_after: &[1, 4],
         capture_attention: true,
@@ -217,7 +223,7 @@ fn greedy_choices_equal_the_argmax_of_the_logits() {
         for n in [1, 2, 5, 8, 16, 17, 30] {
             let toks = tokens(n);
             let run = |logits: Logits| {
-                let mut caches = KvCache::for_specs(&m.cache_specs(), 0);
+                let mut caches = KvCache::for_specs(&m.cache_specs(), 0, KvDtype::F32);
                 m.forward(&ForwardRequest::new(&toks, 0, logits), &mut caches)
                     .unwrap()
             };
@@ -231,8 +237,8 @@ fn greedy_choices_equal_the_argmax_of_the_logits() {
         }
         // Mixed batch: one greedy and one logits request in one forward.
         let (a, b) = (tokens(3), tokens(4));
-        let mut ca = KvCache::for_specs(&m.cache_specs(), 0);
-        let mut cb = KvCache::for_specs(&m.cache_specs(), 0);
+        let mut ca = KvCache::for_specs(&m.cache_specs(), 0, KvDtype::F32);
+        let mut cb = KvCache::for_specs(&m.cache_specs(), 0, KvDtype::F32);
         let outs = m
             .forward_batch(
                 &[

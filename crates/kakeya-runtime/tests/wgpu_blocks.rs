@@ -29,7 +29,7 @@ fn gpu() -> Device {
 
 /// Each row's logits, and the error of a forward asking for them, over `rows` tokens.
 fn all_logits(m: &Gemma3Model, rows: usize) -> Result<Vec<f32>, ModelError> {
-    let mut caches = KvCache::for_specs(&m.cache_specs(), 0);
+    let mut caches = KvCache::for_specs(&m.cache_specs(), 0, kakeya_runtime::KvDtype::default());
     let toks = tiny_prompt(3, rows);
     let out = m.forward(&ForwardRequest::new(&toks, 0, Logits::All), &mut caches)?;
     Ok(out

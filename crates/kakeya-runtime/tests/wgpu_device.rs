@@ -58,7 +58,7 @@ fn rows(t: Tensor<2>) -> Vec<Vec<f32>> {
 
 /// Logits of every position of `toks` from one forward.
 fn forward_all(m: &Gemma3Model, toks: &[u32]) -> Vec<Vec<f32>> {
-    let mut caches = KvCache::for_specs(&m.cache_specs(), 0);
+    let mut caches = KvCache::for_specs(&m.cache_specs(), 0, kakeya_runtime::KvDtype::default());
     rows(
         m.forward(&ForwardRequest::new(toks, 0, Logits::All), &mut caches)
             .unwrap()
@@ -158,7 +158,8 @@ fn block_drift(m: &Gemma3Model) -> f32 {
     let prompt = tiny_prompt(2, 9);
     let block: Vec<u32> = (0..8u32).map(|j| (j * 29 + 11) % 90).collect();
     let prefilled = || {
-        let mut caches = KvCache::for_specs(&m.cache_specs(), 0);
+        let mut caches =
+            KvCache::for_specs(&m.cache_specs(), 0, kakeya_runtime::KvDtype::default());
         m.forward(&ForwardRequest::new(&prompt, 0, Logits::Last), &mut caches)
             .unwrap();
         caches
@@ -248,11 +249,12 @@ fn bounded_kv_modes_on_wgpu_decode_speculatively_as_plainly() {
     let d = DFlashDrafter::from_checkpoint(random_drafter(&drafter_config(&v.config, 2, 4), 5), &v)
         .unwrap();
     let r = common::random_f_theta_restorer(&v, &d);
-    for mode in KvMode::ALL {
+    for mode in KvMode::all() {
         let s = KvSetup::new(KvPolicy {
             mode,
             sink: 2,
             window: 8,
+            ..KvPolicy::new(mode)
         })
         .drafter(&d)
         .restorer(&r);

@@ -92,6 +92,7 @@ fn f_theta_trains_on_gemma4_verifiers_and_restores_their_kv() {
                 mode,
                 sink: 2,
                 window: 4,
+                ..KvPolicy::new(mode)
             })
             .drafter(&d)
             .restorer(&r);

@@ -2,9 +2,11 @@
 //! or everything quantised), the compact store shared by the drafter and restoration, and the
 //! byte accounting.
 
+pub mod channels;
 pub mod native;
 pub mod policy;
 pub mod restore;
+pub mod rotation;
 pub mod rows;
 pub mod store;
 pub mod tiered;
@@ -17,8 +19,10 @@ use kakeya_models::{
 };
 use serde::{Deserialize, Serialize};
 
-pub use native::{FullCache, HeldKv, KvCache, RingCache};
-pub use policy::{Evicted, KvMode, KvPolicy, LayerPlan};
+pub use native::{FullCache, HeldKv, KV_BLOCK, KvCache, KvDtype, RingCache};
+pub use policy::{
+    BOUNDED_PRESETS, Evicted, GLOBAL_WINDOW, KvMode, KvPolicy, LayerPlan, LayerRule, QuantFormat,
+};
 pub use restore::{FThetaRestorer, OracleRestorer, Restorer};
 pub use rows::{Bits, QuantRows, Rows};
 pub use store::CompactStore;
@@ -99,13 +103,13 @@ pub struct SequenceKv<'r> {
 }
 
 impl<'r> SequenceKv<'r> {
-    /// Caches for layers declared `specs` (layer `i`'s K/V rows `kv_widths[i]` wide: Gemma 4's
-    /// full and sliding layers differ) under `policy`; every
+    /// Caches for layers declared `specs` (layer `i`'s K/V rows `kv_widths[i]` wide, heads
+    /// `head_dims[i]` wide: Gemma 4's full and sliding layers differ) under `policy`; every
     /// cache can roll back `slack` positions exactly. `store` is the compact store (needed by
     /// a drafter or restoration), `restorer` the restorer of the restored modes.
     pub fn new(
         specs: &[CacheSpec],
-        kv_widths: &[usize],
+        (kv_widths, head_dims): (&[usize], &[usize]),
         policy: &KvPolicy,
         slack: usize,
         store: Option<CompactStore>,
@@ -116,19 +120,17 @@ impl<'r> SequenceKv<'r> {
             .enumerate()
             .map(|(i, &spec)| match policy.plan(spec) {
                 _ if matches!(spec, CacheSpec::Shared { .. }) => LayerKv::Native(KvCache::Shared),
-                LayerPlan::Native => LayerKv::Native(match spec {
-                    CacheSpec::Full => KvCache::Full(FullCache::default()),
-                    CacheSpec::Sliding { window } => {
-                        KvCache::Ring(RingCache::native(window, slack))
-                    }
-                    CacheSpec::Shared { .. } => KvCache::Shared,
-                }),
-                LayerPlan::Bounded(ev) => LayerKv::Tiered(TieredCache::new(
+                LayerPlan::Native => LayerKv::Native(KvCache::native(spec, slack, policy.dtype)),
+                LayerPlan::Bounded {
+                    evicted,
+                    sink,
+                    window,
+                } => LayerKv::Tiered(TieredCache::new(
                     i,
                     spec,
-                    (policy.sink, policy.window, slack),
-                    ev,
-                    kv_widths[i],
+                    (sink, window, slack),
+                    (evicted, policy.dtype),
+                    (kv_widths[i], head_dims[i]),
                 )),
                 LayerPlan::QuantAll(bits) => {
                     LayerKv::QuantAll(QuantAllCache::new(spec, bits, kv_widths[i]))

@@ -1,7 +1,11 @@
 //! The native KV caches (what `full` mode keeps): a growable full cache and a sliding ring,
 //! both with an exact `truncate`.
 //!
-//! Keys/values are stored `[kv_heads, capacity, head_dim]` on the model's device. A ring
+//! Keys/values are stored `[kv_heads, capacity, head_dim]` on the model's device, in 16-bit
+//! floats on the CPU by default ([`KvDtype`]; attention widens them to f32 and computes in f32)
+//! and in f32 on a GPU, whose kernels read f32. Capacity grows in blocks of [`KV_BLOCK`]
+//! positions (by a sixteenth of what is held at least), so the bytes held stay within a block
+//! and 1/16 of what the positions need. A ring
 //! keeps `window - 1 + slack` positions: `window - 1` are what the next query needs, and the
 //! `slack` extra let `truncate` roll back that many positions exactly even after wrapping
 //! (speculative decoding rolls back at most `block - 1`). A model's native ring has one more,
@@ -9,11 +13,66 @@
 //! first and attention reads the ring's slots in place, instead of the ring being copied
 //! because the write would clobber a slot a held view still shows.
 
-use burn::tensor::Tensor;
+use burn::tensor::{DType, Tensor};
 use kakeya_models::{CacheSpec, InPlace, KvSegment, LayerCache, ModelError, Reach};
+use serde::{Deserialize, Serialize};
 
-/// Bytes per stored element (f32).
-const ELEM_BYTES: usize = 4;
+/// Positions a cache's buffers grow by, at least.
+pub const KV_BLOCK: usize = 64;
+
+/// How exact K/V are stored: 16-bit (f16, as llama.cpp and vLLM keep their caches by default)
+/// or f32 (reference tests). 16-bit applies to caches in CPU memory; on a GPU, and under
+/// autodiff, K/V stay f32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KvDtype {
+    /// IEEE half precision.
+    #[default]
+    F16,
+    /// Single precision.
+    F32,
+}
+
+impl KvDtype {
+    /// The name as on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDtype::F16 => "f16",
+            KvDtype::F32 => "f32",
+        }
+    }
+
+    /// The dtype buffers shaped like `like` are stored in.
+    fn storage(self, like: &Tensor<3>) -> DType {
+        match self {
+            KvDtype::F16 if kakeya_models::host_attention::on_host(like) => DType::F16,
+            _ => DType::F32,
+        }
+    }
+}
+
+impl std::fmt::Display for KvDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for KvDtype {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "f16" => Ok(KvDtype::F16),
+            "f32" => Ok(KvDtype::F32),
+            _ => Err(format!("unknown KV dtype {s:?}; the dtypes are f16, f32")),
+        }
+    }
+}
+
+/// `t` in `dtype` (a no-op when it already is).
+pub(crate) fn in_dtype(t: Tensor<3>, dtype: DType) -> Tensor<3> {
+    if t.dtype() == dtype { t } else { t.cast(dtype) }
+}
 
 /// Positions `from..to` of a `[kv_heads, S, head_dim]` tensor.
 pub(crate) fn seq_slice(t: &Tensor<3>, from: usize, to: usize) -> Tensor<3> {
@@ -37,6 +96,17 @@ pub struct HeldKv {
     pub positions: Vec<usize>,
 }
 
+impl HeldKv {
+    /// The same positions with K/V as f32.
+    fn widened(self) -> Self {
+        Self {
+            k: in_dtype(self.k, DType::F32),
+            v: in_dtype(self.v, DType::F32),
+            positions: self.positions,
+        }
+    }
+}
+
 /// Refuses a truncation to more positions than are held.
 pub(crate) fn check_truncate(len: usize, held: usize) -> kakeya_models::Result<()> {
     if len > held {
@@ -47,11 +117,17 @@ pub(crate) fn check_truncate(len: usize, held: usize) -> kakeya_models::Result<(
     Ok(())
 }
 
-/// Allocated bytes of an optional K/V buffer pair (f32).
+/// Allocated bytes of an optional K/V buffer pair.
 fn pair_bytes(kv: &Option<(Tensor<3>, Tensor<3>)>) -> usize {
     kv.as_ref().map_or(0, |(k, v)| {
-        (k.shape().num_elements() + v.shape().num_elements()) * ELEM_BYTES
+        k.shape().num_elements() * k.dtype().size() + v.shape().num_elements() * v.dtype().size()
     })
+}
+
+/// The dtype a buffer pair stores (or, before the first write, will store) values like `like`.
+fn stored_dtype(kv: &Option<(Tensor<3>, Tensor<3>)>, dtype: KvDtype, like: &Tensor<3>) -> DType {
+    kv.as_ref()
+        .map_or_else(|| dtype.storage(like), |(k, _)| k.dtype())
 }
 
 /// The buffers of `kv` made writable in place ([`kakeya_models::gpu::unique_dense`]), kept by
@@ -71,24 +147,35 @@ fn writable(kv: &mut Option<(Tensor<3>, Tensor<3>)>, origin: usize, modulus: usi
     }
 }
 
-/// Keeps every position; capacity doubles as needed.
+/// Keeps every position; capacity grows in blocks.
 #[derive(Debug, Default, Clone)]
 pub struct FullCache {
     kv: Option<(Tensor<3>, Tensor<3>)>,
     len: usize,
+    dtype: KvDtype,
 }
 
 impl FullCache {
+    /// An empty cache storing K/V as `dtype`.
+    pub fn new(dtype: KvDtype) -> Self {
+        Self {
+            kv: None,
+            len: 0,
+            dtype,
+        }
+    }
+
     fn ensure(&mut self, k: &Tensor<3>, need: usize) {
-        grow(&mut self.kv, k, self.len, need, usize::MAX);
+        grow(&mut self.kv, (k, self.dtype), self.len, need, usize::MAX);
     }
 }
 
-/// Grows a K/V buffer pair to at least `need` positions (doubling, from 64, at most `limit`),
-/// keeping its first `used` positions; `like` gives the heads, width and device.
+/// Grows a K/V buffer pair to at least `need` positions (rounded up to [`KV_BLOCK`], and by a
+/// sixteenth of what it holds at least, at most `limit`), keeping its first `used` positions;
+/// `like` gives the heads, width and device, `dtype` the storage of a first allocation.
 fn grow(
     kv: &mut Option<(Tensor<3>, Tensor<3>)>,
-    like: &Tensor<3>,
+    (like, dtype): (&Tensor<3>, KvDtype),
     used: usize,
     need: usize,
     limit: usize,
@@ -98,10 +185,14 @@ fn grow(
         return;
     }
     let [h, _, d] = like.dims();
-    let new = need.max(2 * have).max(64).min(limit);
+    let new = need
+        .max(have + have / 16)
+        .next_multiple_of(KV_BLOCK)
+        .min(limit);
+    let dtype = stored_dtype(kv, dtype, like);
     let device = like.device();
-    let mut nk = Tensor::zeros([h, new, d], &device);
-    let mut nv = Tensor::zeros([h, new, d], &device);
+    let mut nk = Tensor::zeros([h, new, d], (&device, dtype));
+    let mut nv = Tensor::zeros([h, new, d], (&device, dtype));
     if let Some((ok, ov)) = kv.take()
         && used > 0
     {
@@ -126,14 +217,23 @@ impl FullCache {
         let t = k.dims()[1];
         self.ensure(&k, self.len + t);
         let (bk, bv) = self.kv.take().expect("ensured");
-        let (bk, bv) = (assign(bk, start, k), assign(bv, start, v));
+        let dt = bk.dtype();
+        let (bk, bv) = (
+            assign(bk, start, in_dtype(k, dt)),
+            assign(bv, start, in_dtype(v, dt)),
+        );
         self.len += t;
         self.kv = Some((bk, bv));
         Ok(())
     }
 
-    /// Every held position, oldest first.
+    /// Every held position, oldest first, as f32 (inspection and tests).
     pub fn held(&self) -> Option<HeldKv> {
+        self.held_stored().map(HeldKv::widened)
+    }
+
+    /// Every held position, oldest first, as stored (views of the buffers).
+    pub(crate) fn held_stored(&self) -> Option<HeldKv> {
         self.kv
             .as_ref()
             .filter(|_| self.len > 0)
@@ -153,7 +253,7 @@ impl LayerCache for FullCache {
         start: usize,
     ) -> kakeya_models::Result<Vec<KvSegment>> {
         self.push(k, v, start)?;
-        let held = self.held().expect("just written");
+        let held = self.held_stored().expect("just written");
         Ok(vec![KvSegment::ready(
             held.k,
             held.v,
@@ -163,7 +263,8 @@ impl LayerCache for FullCache {
     }
 
     fn in_place(&mut self, start: usize, like: &Tensor<3>) -> Option<InPlace> {
-        if start != self.len {
+        // The in-place kernels write and read f32 buffers.
+        if start != self.len || stored_dtype(&self.kv, self.dtype, like) != DType::F32 {
             return None;
         }
         let t = like.dims()[1];
@@ -196,6 +297,7 @@ impl LayerCache for FullCache {
 pub struct RingCache {
     window: usize,
     cap: usize,
+    dtype: KvDtype,
     kv: Option<(Tensor<3>, Tensor<3>)>,
     /// First position this ring ever holds.
     origin: usize,
@@ -209,6 +311,11 @@ impl RingCache {
     /// A ring for a layer with attention `window`, able to roll back `slack` positions.
     pub fn new(window: usize, slack: usize) -> Self {
         Self::starting_at(0, window, slack)
+    }
+
+    /// The ring storing K/V as `dtype` (the default: [`KvDtype::F16`]).
+    pub fn with_dtype(self, dtype: KvDtype) -> Self {
+        Self { dtype, ..self }
     }
 
     /// A model's native sliding cache: [`Self::new`] plus one spare slot, so that a chunk of
@@ -227,6 +334,7 @@ impl RingCache {
         Self {
             window,
             cap: (window.max(1) - 1 + slack).max(1),
+            dtype: KvDtype::default(),
             kv: None,
             origin,
             first: origin,
@@ -248,7 +356,13 @@ impl RingCache {
     /// capacity the ring has never wrapped: it holds positions `origin..len` in slots
     /// `0..len − origin`.
     fn ensure(&mut self, k: &Tensor<3>, need: usize) {
-        grow(&mut self.kv, k, self.len - self.origin, need, self.cap);
+        grow(
+            &mut self.kv,
+            (k, self.dtype),
+            self.len - self.origin,
+            need,
+            self.cap,
+        );
     }
 
     /// Held positions `first..len` in chronological order.
@@ -286,8 +400,13 @@ impl RingCache {
 }
 
 impl RingCache {
-    /// Held positions, oldest first, with their K/V.
+    /// Held positions, oldest first, with their K/V as f32 (inspection and tests).
     pub fn held(&self) -> Option<HeldKv> {
+        self.held_stored().map(HeldKv::widened)
+    }
+
+    /// Held positions, oldest first, with their K/V as stored.
+    pub(crate) fn held_stored(&self) -> Option<HeldKv> {
         let (k, v) = self.kv.as_ref()?;
         Some(HeldKv {
             k: self.chronological(k)?,
@@ -313,8 +432,9 @@ impl RingCache {
         let (bk, bv) = self.kv.take().expect("ensured");
         let keep = t.min(self.cap);
         let p0 = start + t - keep;
-        let bk = self.write(bk, p0, seq_slice(&k, t - keep, t));
-        let bv = self.write(bv, p0, seq_slice(&v, t - keep, t));
+        let dt = bk.dtype();
+        let bk = self.write(bk, p0, in_dtype(seq_slice(&k, t - keep, t), dt));
+        let bv = self.write(bv, p0, in_dtype(seq_slice(&v, t - keep, t), dt));
         self.kv = Some((bk, bv));
         self.len = start + t;
         self.first = self.first.max(self.len.saturating_sub(self.cap));
@@ -324,6 +444,11 @@ impl RingCache {
     /// The oldest position still held.
     pub fn first(&self) -> usize {
         self.first
+    }
+
+    /// The dtype the ring stores values like `like` in.
+    pub(crate) fn stored_dtype(&self, like: &Tensor<3>) -> DType {
+        stored_dtype(&self.kv, self.dtype, like)
     }
 
     /// The oldest position the next query needs once the ring is cut back to `len`.
@@ -380,9 +505,13 @@ impl LayerCache for RingCache {
             return Ok(self.held_views());
         }
         let mut out = Vec::with_capacity(2);
-        if let Some(h) = self.held() {
+        if let Some(h) = self.held_stored() {
             out.push(KvSegment::ready(h.k, h.v, h.positions, Reach::Always));
         }
+        // The chunk's own keys as the ring stores them: a query reads a position's K/V at the
+        // same precision whether it was written by this chunk or an earlier one.
+        let dt = self.stored_dtype(&k);
+        let (k, v) = (in_dtype(k, dt), in_dtype(v, dt));
         self.push(k.clone(), v.clone(), start)?;
         out.push(KvSegment::ready(
             k,
@@ -397,7 +526,11 @@ impl LayerCache for RingCache {
         let t = like.dims()[1];
         // As `update`'s write-first case: the chunk's slots hold nothing its queries read.
         let reach = (start + 1).saturating_sub(self.window).max(self.origin);
-        if start != self.len || t == 0 || start + t > reach + self.cap {
+        if start != self.len
+            || t == 0
+            || start + t > reach + self.cap
+            || self.stored_dtype(like) != DType::F32
+        {
             return None;
         }
         self.ensure(like, (start + t - self.origin).min(self.cap));
@@ -444,17 +577,24 @@ pub enum KvCache {
 }
 
 impl KvCache {
-    /// Builds one cache per layer from the model's specs; rings get `slack` positions of
-    /// exact rollback.
-    pub fn for_specs(specs: &[CacheSpec], slack: usize) -> Vec<KvCache> {
+    /// Builds one cache per layer from the model's specs, storing K/V as `dtype`; rings get
+    /// `slack` positions of exact rollback.
+    pub fn for_specs(specs: &[CacheSpec], slack: usize, dtype: KvDtype) -> Vec<KvCache> {
         specs
             .iter()
-            .map(|s| match *s {
-                CacheSpec::Full => KvCache::Full(FullCache::default()),
-                CacheSpec::Sliding { window } => KvCache::Ring(RingCache::native(window, slack)),
-                CacheSpec::Shared { .. } => KvCache::Shared,
-            })
+            .map(|&s| Self::native(s, slack, dtype))
             .collect()
+    }
+
+    /// The native cache of a layer declared `spec`.
+    pub fn native(spec: CacheSpec, slack: usize, dtype: KvDtype) -> KvCache {
+        match spec {
+            CacheSpec::Full => KvCache::Full(FullCache::new(dtype)),
+            CacheSpec::Sliding { window } => {
+                KvCache::Ring(RingCache::native(window, slack).with_dtype(dtype))
+            }
+            CacheSpec::Shared { .. } => KvCache::Shared,
+        }
     }
 
     /// The positions this cache holds, oldest first, with their K/V (inspection and tests).
@@ -563,7 +703,7 @@ mod tests {
     fn a_ring_allocates_as_it_fills_and_keeps_its_window_through_rollbacks() {
         // Window 200, slack 2, from position 5: 201 slots.
         let mut r = RingCache::starting_at(5, 200, 2);
-        let slot_bytes = 2 * 2 * ELEM_BYTES;
+        let slot_bytes = 2 * 2 * 2; // K and V, width 2, f16
         let (mut len, mut first) = (5, 5);
         let mut sizes = Vec::new();
         for step in 0..400 {
@@ -585,9 +725,9 @@ mod tests {
             assert!(bytes >= held.len().min(64) * slot_bytes, "step {step}");
             sizes.push(bytes / slot_bytes);
         }
-        // 64 slots, then doubled, then the capacity; never more.
+        // Blocks of 64 slots as the ring fills, then the capacity; never more.
         let mut distinct = sizes.clone();
         distinct.dedup();
-        assert_eq!(distinct, vec![64, 128, 201], "{sizes:?}");
+        assert_eq!(distinct, vec![64, 128, 192, 201], "{sizes:?}");
     }
 }

@@ -12,12 +12,14 @@ use std::str::FromStr;
 use kakeya_models::CacheSpec;
 use serde::{Deserialize, Serialize};
 
+use super::channels::CHANNEL_BLOCK;
+use super::native::KvDtype;
 use super::rows::Bits;
 use crate::error::{Result, RuntimeError};
 
 /// The KV modes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
+#[serde(into = "String", try_from = "String")]
 pub enum KvMode {
     /// The model's native caches (the oracle).
     Full,
@@ -41,11 +43,45 @@ pub enum KvMode {
     RestoredQ8,
     /// `restored` with the compact store itself 4-bit.
     RestoredQ4,
+    /// The bounded presets `bounded-k{k}v{v}`: sliding layers keep sink + window and drop
+    /// what they evict; global layers keep sink + [`GLOBAL_WINDOW`] positions in 16-bit and
+    /// the rest quantised, keys `k`-bit per channel over blocks of 64 positions, values
+    /// `v`-bit per token (groups of 64), both rotated.
+    Bounded {
+        /// Key bits.
+        k: Bits,
+        /// Value bits.
+        v: Bits,
+    },
 }
 
+/// Exact recent positions the global layers of the `bounded-*` presets keep (at least two
+/// per-channel blocks, so a verified block never reads a block still being filled).
+pub const GLOBAL_WINDOW: usize = 128;
+
+/// The named `bounded-*` presets (any `bounded-k{2..8}v{2..8}` parses).
+pub const BOUNDED_PRESETS: [(u32, u32); 5] = [(8, 4), (4, 4), (4, 2), (3, 2), (2, 2)];
+
 impl KvMode {
-    /// Every mode, `full` first.
-    pub const ALL: [KvMode; 11] = [
+    /// The bounded mode the docs recommend (docs/kv-modes.md has the measurements).
+    pub const RECOMMENDED: KvMode = KvMode::Bounded {
+        k: Bits::B4,
+        v: Bits::B4,
+    };
+
+    /// Every mode of `--modes all`, `full` first: the fixed modes, then the `bounded-*`
+    /// presets.
+    pub fn all() -> Vec<KvMode> {
+        let mut out = Self::FIXED.to_vec();
+        out.extend(BOUNDED_PRESETS.map(|(k, v)| KvMode::Bounded {
+            k: Bits::new(k).expect("preset bits"),
+            v: Bits::new(v).expect("preset bits"),
+        }));
+        out
+    }
+
+    /// The modes without parameters, `full` first.
+    pub const FIXED: [KvMode; 11] = [
         KvMode::Full,
         KvMode::SinkWindow,
         KvMode::ExactGlobal,
@@ -60,8 +96,16 @@ impl KvMode {
     ];
 
     /// The mode's name (as on the command line).
-    pub fn name(self) -> &'static str {
+    pub fn name(self) -> String {
         match self {
+            KvMode::Bounded { k, v } => format!("bounded-k{}v{}", k.count(), v.count()),
+            fixed => fixed.fixed_name().to_string(),
+        }
+    }
+
+    fn fixed_name(self) -> &'static str {
+        match self {
+            KvMode::Bounded { .. } => "bounded",
             KvMode::Full => "full",
             KvMode::SinkWindow => "sink-window",
             KvMode::ExactGlobal => "exact-global",
@@ -93,7 +137,8 @@ impl KvMode {
         }
     }
 
-    /// Whether any layer keeps a sink + window instead of its native cache.
+    /// Whether the mode bounds some layer with a sink + window (a policy file's rules may
+    /// bound layers of other modes too: [`KvPolicy::check`] asks the plans).
     pub fn windowed(self) -> bool {
         !matches!(self, KvMode::Full | KvMode::Quant8All | KvMode::Quant4All)
     }
@@ -101,23 +146,89 @@ impl KvMode {
 
 impl std::fmt::Display for KvMode {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
+        f.write_str(&self.name())
     }
+}
+
+impl From<KvMode> for String {
+    fn from(m: KvMode) -> String {
+        m.name()
+    }
+}
+
+impl TryFrom<String> for KvMode {
+    type Error = RuntimeError;
+
+    fn try_from(s: String) -> Result<Self> {
+        s.parse()
+    }
+}
+
+/// `k{K}v{V}` → the two bit widths, each checked.
+fn parse_kv_bits(s: &str, whole: &str) -> Result<(Bits, Bits)> {
+    let bad = |why: String| {
+        RuntimeError::Input(format!(
+            "KV mode {whole:?}: {why}; the bounded presets are named bounded-k<K>v<V> with K and V from 2 to 8 bits (e.g. bounded-k4v2)"
+        ))
+    };
+    let rest = s
+        .strip_prefix('k')
+        .ok_or_else(|| bad("expected k<K>v<V>".into()))?;
+    let (k, v) = rest
+        .split_once('v')
+        .ok_or_else(|| bad("expected k<K>v<V>".into()))?;
+    let bits = |t: &str, what: &str| -> Result<Bits> {
+        let n: u32 = t
+            .parse()
+            .map_err(|_| bad(format!("{what} bits {t:?} are not a number")))?;
+        Bits::new(n).ok_or_else(|| bad(format!("unsupported {what} bit width {n}")))
+    };
+    Ok((bits(k, "key")?, bits(v, "value")?))
 }
 
 impl FromStr for KvMode {
     type Err = RuntimeError;
 
     fn from_str(s: &str) -> Result<Self> {
-        KvMode::ALL
+        if let Some(kv) = s.strip_prefix("bounded-") {
+            let (k, v) = parse_kv_bits(kv, s)?;
+            return Ok(KvMode::Bounded { k, v });
+        }
+        KvMode::FIXED
             .into_iter()
-            .find(|m| m.name() == s)
+            .find(|m| m.fixed_name() == s)
             .ok_or_else(|| {
                 RuntimeError::Input(format!(
-                    "unknown KV mode {s:?}; the modes are {}",
-                    KvMode::ALL.map(KvMode::name).join(", ")
+                    "unknown KV mode {s:?}; the modes are {}, and bounded-k<K>v<V> (K, V from 2 to 8 bits)",
+                    KvMode::all().into_iter().map(KvMode::name).collect::<Vec<_>>().join(", ")
                 ))
             })
+    }
+}
+
+/// How a bounded layer quantises the positions it evicts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct QuantFormat {
+    /// Key bits.
+    pub k_bits: Bits,
+    /// Value bits.
+    pub v_bits: Bits,
+    /// Keys grouped per channel over blocks of 64 positions (else per token, groups of 64
+    /// values, as values always are).
+    pub k_per_channel: bool,
+    /// Keys and values rotated before quantisation ([`super::rotation::Rotation`]).
+    pub rotate: bool,
+}
+
+impl QuantFormat {
+    /// Keys and values `bits`-bit per token, unrotated (the `quant8`/`quant4` modes).
+    pub fn per_token(bits: Bits) -> Self {
+        Self {
+            k_bits: bits,
+            v_bits: bits,
+            k_per_channel: false,
+            rotate: false,
+        }
     }
 }
 
@@ -127,7 +238,7 @@ pub enum Evicted {
     /// Nothing is kept.
     Drop,
     /// Kept quantised.
-    Quantise(Bits),
+    Quantise(QuantFormat),
     /// Rebuilt by the restorer.
     Restore,
 }
@@ -137,8 +248,15 @@ pub enum Evicted {
 pub enum LayerPlan {
     /// The model's native cache (every position it needs, exactly).
     Native,
-    /// Sink + window exact; evicted positions as given.
-    Bounded(Evicted),
+    /// `sink` first and `window` most recent positions exact; evicted positions as given.
+    Bounded {
+        /// What happens to evicted positions.
+        evicted: Evicted,
+        /// First positions kept exactly.
+        sink: usize,
+        /// Most recent positions kept exactly.
+        window: usize,
+    },
     /// Every position quantised.
     QuantAll(Bits),
 }
@@ -155,6 +273,58 @@ pub struct KvPolicy {
     /// Most recent positions kept exactly.
     #[serde(default = "default_window")]
     pub window: usize,
+    /// How exact K/V (native caches, sinks, windows) are stored.
+    #[serde(default)]
+    pub dtype: KvDtype,
+    /// What global (full-attention) layers keep, over the mode's plan.
+    #[serde(default)]
+    pub global: Option<LayerRule>,
+    /// What sliding-window layers keep, over the mode's plan.
+    #[serde(default)]
+    pub sliding: Option<LayerRule>,
+}
+
+/// What one kind of layer keeps (a policy file's `[global]` or `[sliding]` table); every
+/// field left out keeps the mode's choice.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LayerRule {
+    /// `native` (the model's cache), `drop` or `quantise` (evicted positions).
+    pub keep: Option<Keep>,
+    /// First positions kept exactly.
+    pub sink: Option<usize>,
+    /// Most recent positions kept exactly.
+    pub window: Option<usize>,
+    /// Key bits of the quantised tier (2 to 8).
+    pub k_bits: Option<u32>,
+    /// Value bits of the quantised tier (2 to 8).
+    pub v_bits: Option<u32>,
+    /// Key groups: `channel` (per channel over blocks of 64 positions) or `token`.
+    pub k_groups: Option<KeyGroups>,
+    /// Rotate keys and values before quantising them.
+    pub rotate: Option<bool>,
+}
+
+/// What a layer does with what falls out of its exact tiers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Keep {
+    /// The model's native cache: nothing is evicted.
+    Native,
+    /// Evicted positions dropped.
+    Drop,
+    /// Evicted positions quantised.
+    Quantise,
+}
+
+/// How quantised keys are grouped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KeyGroups {
+    /// Per channel over blocks of 64 positions.
+    Channel,
+    /// Per token, groups of 64 values.
+    Token,
 }
 
 fn default_sink() -> usize {
@@ -178,27 +348,64 @@ impl KvPolicy {
             mode,
             sink: default_sink(),
             window: default_window(),
+            dtype: KvDtype::default(),
+            global: None,
+            sliding: None,
         }
     }
 
-    /// Reads a policy file (TOML: `mode`, optional `sink`, `window`; nothing else).
+    /// Reads a policy file (TOML: `mode`, optional `sink`, `window`, `dtype`, and `[global]` /
+    /// `[sliding]` tables of [`LayerRule`]; nothing else), checking every bit width.
     pub fn from_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| RuntimeError::Input(format!("{}: {e}", path.display())))?;
-        toml::from_str(&text)
-            .map_err(|e| RuntimeError::Input(format!("{}: {}", path.display(), e.message())))
+        let policy: Self = toml::from_str(&text)
+            .map_err(|e| RuntimeError::Input(format!("{}: {}", path.display(), e.message())))?;
+        for (kind, rule) in [("global", policy.global), ("sliding", policy.sliding)] {
+            let Some(rule) = rule else { continue };
+            for (what, bits) in [("k_bits", rule.k_bits), ("v_bits", rule.v_bits)] {
+                if let Some(n) = bits.filter(|&n| Bits::new(n).is_none()) {
+                    return Err(RuntimeError::Input(format!(
+                        "{}: [{kind}] {what} = {n}: unsupported bit width (2 to 8)",
+                        path.display()
+                    )));
+                }
+            }
+        }
+        Ok(policy)
     }
 
-    /// What a layer with `spec` keeps. A sliding layer whose own window fits in the kept
-    /// recent window keeps its native ring under every windowed mode: it never reads a
-    /// position the policy would evict (Gemma 4's small tiny-test windows; Gemma 3/4's 512 or
-    /// 1024 against a 64-position policy window are bounded as before).
+    /// What a layer with `spec` keeps: the mode's plan, then the policy's `[global]` or
+    /// `[sliding]` rule over it. A sliding layer whose own window fits in the kept recent
+    /// window keeps its native ring: it never reads a position the policy would evict
+    /// (Gemma 4's small tiny-test windows; Gemma 3/4's 512 or 1024 against a 64-position
+    /// policy window are bounded as before).
     pub fn plan(&self, spec: CacheSpec) -> LayerPlan {
         let global = spec == CacheSpec::Full;
-        let bounded = |ev| match spec {
-            CacheSpec::Sliding { window } if window <= self.window => LayerPlan::Native,
-            _ => LayerPlan::Bounded(ev),
+        let plan = self.mode_plan(global);
+        let rule = if global { self.global } else { self.sliding };
+        let plan = match rule {
+            Some(r) => r.over(plan, (self.sink, self.window)),
+            None => plan,
         };
+        match (plan, spec) {
+            (LayerPlan::Bounded { window: w, .. }, CacheSpec::Sliding { window })
+                if window <= w =>
+            {
+                LayerPlan::Native
+            }
+            _ => plan,
+        }
+    }
+
+    /// The mode's plan for a global or a sliding layer.
+    fn mode_plan(&self, global: bool) -> LayerPlan {
+        let bounded = |evicted| LayerPlan::Bounded {
+            evicted,
+            sink: self.sink,
+            window: self.window,
+        };
+        let quant = |b| bounded(Evicted::Quantise(QuantFormat::per_token(b)));
         match self.mode {
             KvMode::Full => LayerPlan::Native,
             KvMode::SinkWindow => bounded(Evicted::Drop),
@@ -209,37 +416,113 @@ impl KvPolicy {
             | KvMode::RestoredSliding
             | KvMode::RestoredQ8
             | KvMode::RestoredQ4 => bounded(Evicted::Restore),
-            KvMode::Quant8 => bounded(Evicted::Quantise(Bits::B8)),
-            KvMode::Quant4 => bounded(Evicted::Quantise(Bits::B4)),
+            KvMode::Quant8 => quant(Bits::B8),
+            KvMode::Quant4 => quant(Bits::B4),
             KvMode::Quant8All => LayerPlan::QuantAll(Bits::B8),
             KvMode::Quant4All => LayerPlan::QuantAll(Bits::B4),
+            KvMode::Bounded { k, v } if global => LayerPlan::Bounded {
+                evicted: Evicted::Quantise(QuantFormat {
+                    k_bits: k,
+                    v_bits: v,
+                    k_per_channel: true,
+                    rotate: true,
+                }),
+                sink: self.sink,
+                window: self.window.max(GLOBAL_WINDOW),
+            },
+            KvMode::Bounded { .. } => bounded(Evicted::Drop),
         }
     }
 
     /// Checks the policy against the model's context and the speculative block size
-    /// (`block` 1 for plain decoding).
+    /// (`block` 1 for plain decoding), for global and sliding layers alike.
     pub fn check(&self, context: usize, block: usize) -> Result<()> {
-        if !self.mode.windowed() {
-            return Ok(());
-        }
-        if self.window == 0 {
-            return Err(RuntimeError::Input(format!(
-                "KV mode {}: the window must keep at least 1 position",
-                self.mode
-            )));
-        }
-        if self.sink + self.window > context {
-            return Err(RuntimeError::Input(format!(
-                "KV mode {}: sink {} + window {} is larger than the model's context of {context}",
-                self.mode, self.sink, self.window
-            )));
-        }
-        if block > self.window {
-            return Err(RuntimeError::Input(format!(
-                "KV mode {}: block size {block} is larger than the exact window of {}: a verified block would read its own keys exactly where plain decoding reads evicted copies; use a block of at most {} or a larger window",
-                self.mode, self.window, self.window
-            )));
+        let kinds = [
+            ("global", CacheSpec::Full),
+            ("sliding", CacheSpec::Sliding { window: usize::MAX }),
+        ];
+        for (kind, spec) in kinds {
+            let LayerPlan::Bounded {
+                evicted,
+                sink,
+                window,
+            } = self.plan(spec)
+            else {
+                continue;
+            };
+            let mode = &self.mode;
+            if window == 0 {
+                return Err(RuntimeError::Input(format!(
+                    "KV mode {mode}: the {kind} layers' window must keep at least 1 position"
+                )));
+            }
+            if sink + window > context {
+                return Err(RuntimeError::Input(format!(
+                    "KV mode {mode}: {kind} layers' sink {sink} + window {window} is larger than the model's context of {context}"
+                )));
+            }
+            if block > window {
+                return Err(RuntimeError::Input(format!(
+                    "KV mode {mode}: block size {block} is larger than the {kind} layers' exact window of {window}: a verified block would read its own keys exactly where plain decoding reads evicted copies; use a block of at most {window} or a larger window"
+                )));
+            }
+            if let Evicted::Quantise(f) = evicted
+                && f.k_per_channel
+            {
+                let b = CHANNEL_BLOCK;
+                if window < b {
+                    return Err(RuntimeError::Input(format!(
+                        "KV mode {mode}: the {kind} layers quantise keys per channel over blocks of {b} positions, so their exact window must hold at least {b} (it is {window}): a query would read a block still being filled"
+                    )));
+                }
+                if block > b {
+                    return Err(RuntimeError::Input(format!(
+                        "KV mode {mode}: block size {block} is over the {b}-position slack of per-channel keys: a rollback could reopen a block already quantised; use a block of at most {b}"
+                    )));
+                }
+            }
         }
         Ok(())
+    }
+}
+
+impl LayerRule {
+    /// This rule over the mode's `plan`; `(sink, window)` are the policy's, for a layer the
+    /// rule bounds where the mode did not.
+    fn over(&self, plan: LayerPlan, (sink, window): (usize, usize)) -> LayerPlan {
+        let (evicted, sink, window) = match plan {
+            LayerPlan::Bounded {
+                evicted,
+                sink,
+                window,
+            } => (Some(evicted), sink, window),
+            LayerPlan::Native | LayerPlan::QuantAll(_) => (None, sink, window),
+        };
+        let fmt = match evicted {
+            Some(Evicted::Quantise(f)) => f,
+            _ => QuantFormat::per_token(Bits::B8),
+        };
+        let fmt = QuantFormat {
+            k_bits: self.k_bits.and_then(Bits::new).unwrap_or(fmt.k_bits),
+            v_bits: self.v_bits.and_then(Bits::new).unwrap_or(fmt.v_bits),
+            k_per_channel: self
+                .k_groups
+                .map_or(fmt.k_per_channel, |g| g == KeyGroups::Channel),
+            rotate: self.rotate.unwrap_or(fmt.rotate),
+        };
+        let evicted = match (self.keep, evicted) {
+            (Some(Keep::Native), _) => return LayerPlan::Native,
+            (Some(Keep::Drop), _) => Evicted::Drop,
+            (Some(Keep::Quantise), _) | (None, Some(Evicted::Quantise(_))) => {
+                Evicted::Quantise(fmt)
+            }
+            (None, Some(e)) => e,
+            (None, None) => return plan,
+        };
+        LayerPlan::Bounded {
+            evicted,
+            sink: self.sink.unwrap_or(sink),
+            window: self.window.unwrap_or(window),
+        }
     }
 }

@@ -1,6 +1,6 @@
 //! Host-side row storage for K/V tiers and the compact store: f32 rows, or rows affine-quantised
-//! in groups of 64 values (8 or 4 bits; like llama.cpp's `q8_1`/`q4_1` and mlx-lm's
-//! `--kv-bits`, one scale and one minimum per group, held as f16).
+//! in groups of 64 values (2 to 8 bits; like llama.cpp's `q8_1`/`q4_1` and mlx-lm's
+//! `--kv-bits`, one scale and one minimum per group, held as f16; codes packed low bits first).
 //!
 //! Quantisation of a group `x[0..64]`: `m` = f16 of `min x` rounded down, `s` = f16 of
 //! `(max x − m) / (2^bits − 1)` rounded up, `q = clamp(round((x − m) / s), 0, 2^bits − 1)`,
@@ -12,39 +12,100 @@ use half::f16;
 /// Values per quantisation group.
 pub const GROUP: usize = 64;
 
-/// Bits per quantised value.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-pub enum Bits {
-    /// 8-bit values.
-    B8,
-    /// 4-bit values, two per byte.
-    B4,
-}
+/// Bits per quantised value: 2 to 8.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+pub struct Bits(u8);
 
 impl Bits {
-    /// Largest code.
-    fn max_code(self) -> u8 {
-        match self {
-            Bits::B8 => 255,
-            Bits::B4 => 15,
-        }
+    /// 8-bit values.
+    pub const B8: Bits = Bits(8);
+    /// 4-bit values, two per byte.
+    pub const B4: Bits = Bits(4);
+
+    /// `n` bits, when the quantiser supports that width (2 to 8).
+    pub fn new(n: u32) -> Option<Bits> {
+        (2..=8).contains(&n).then_some(Bits(n as u8))
     }
 
-    /// Bytes of codes per group of `group` values.
+    /// Largest code.
+    fn max_code(self) -> u8 {
+        ((1u16 << self.0) - 1) as u8
+    }
+
+    /// Bytes of codes per group of `group` values (packed, the last byte padded).
     fn group_bytes(self, group: usize) -> usize {
-        match self {
-            Bits::B8 => group,
-            Bits::B4 => group / 2,
-        }
+        (group * self.0 as usize).div_ceil(8)
     }
 
     /// Number of bits.
     pub fn count(self) -> u32 {
-        match self {
-            Bits::B8 => 8,
-            Bits::B4 => 4,
+        u32::from(self.0)
+    }
+}
+
+/// Packs `codes` (each below `2^bits`) low bits first into `out` (appended, whole bytes).
+pub(crate) fn pack_codes(codes: &[u8], bits: Bits, out: &mut Vec<u8>) {
+    match bits.0 {
+        8 => out.extend_from_slice(codes),
+        4 => out.extend(
+            codes
+                .chunks(2)
+                .map(|p| p[0] | (p.get(1).copied().unwrap_or(0) << 4)),
+        ),
+        b => {
+            let (mut acc, mut filled) = (0u32, 0u32);
+            for &c in codes {
+                acc |= u32::from(c) << filled;
+                filled += u32::from(b);
+                while filled >= 8 {
+                    out.push(acc as u8);
+                    acc >>= 8;
+                    filled -= 8;
+                }
+            }
+            if filled > 0 {
+                out.push(acc as u8);
+            }
         }
     }
+}
+
+/// Code `i` of a group packed by [`pack_codes`].
+#[inline]
+pub(crate) fn code_at(packed: &[u8], bits: Bits, i: usize) -> u8 {
+    match bits.0 {
+        8 => packed[i],
+        4 => (packed[i / 2] >> ((i % 2) * 4)) & 15,
+        b => {
+            let bit = i * usize::from(b);
+            let (at, shift) = (bit / 8, bit % 8);
+            let lo = u16::from(packed[at]);
+            let hi = u16::from(packed.get(at + 1).copied().unwrap_or(0));
+            (((hi << 8) | lo) >> shift) as u8 & bits.max_code()
+        }
+    }
+}
+
+/// Affine parameters `[scale, minimum]` (f16) of `values` at `bits`, and their codes.
+pub(crate) fn quantise_group(values: &[f32], bits: Bits, codes: &mut Vec<u8>) -> [f16; 2] {
+    let top = f32::from(bits.max_code());
+    let (lo, hi) = values
+        .iter()
+        .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &x| {
+            (a.min(x), b.max(x))
+        });
+    let m = f16_down(lo);
+    let s = f16_up((hi - m.to_f32()) / top);
+    let (mf, sf) = (m.to_f32(), s.to_f32());
+    codes.clear();
+    codes.extend(values.iter().map(|&x| {
+        if sf > 0.0 {
+            ((x - mf) / sf).round().clamp(0.0, top) as u8
+        } else {
+            0
+        }
+    }));
+    [s, m]
 }
 
 /// The largest f16 not above `x` (finite `x`).
@@ -115,30 +176,11 @@ impl QuantRows {
         let gpr = self.groups_per_row();
         grow(&mut self.codes, n * gpr * gb);
         grow(&mut self.params, n * gpr);
-        let top = f32::from(self.bits.max_code());
+        let mut codes = Vec::with_capacity(self.group);
         for g in values.chunks_exact(self.group) {
-            let (lo, hi) = g
-                .iter()
-                .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &x| {
-                    (a.min(x), b.max(x))
-                });
-            let m = f16_down(lo);
-            let s = f16_up((hi - m.to_f32()) / top);
-            let (mf, sf) = (m.to_f32(), s.to_f32());
-            let code = |x: f32| -> u8 {
-                if sf > 0.0 {
-                    ((x - mf) / sf).round().clamp(0.0, top) as u8
-                } else {
-                    0
-                }
-            };
-            match self.bits {
-                Bits::B8 => self.codes.extend(g.iter().map(|&x| code(x))),
-                Bits::B4 => self
-                    .codes
-                    .extend(g.chunks_exact(2).map(|p| code(p[0]) | (code(p[1]) << 4))),
-            }
-            self.params.push([s, m]);
+            let p = quantise_group(g, self.bits, &mut codes);
+            pack_codes(&codes, self.bits, &mut self.codes);
+            self.params.push(p);
         }
         self.rows += n;
     }
@@ -178,6 +220,9 @@ impl QuantRows {
                         .iter()
                         .flat_map(|&b| [f32::from(b & 15) * s + m, f32::from(b >> 4) * s + m]),
                 ),
+                bits => {
+                    out.extend((0..self.group).map(|i| f32::from(code_at(codes, bits, i)) * s + m))
+                }
             }
         }
         out
@@ -336,7 +381,7 @@ mod tests {
 
     #[test]
     fn dequantised_values_are_within_half_a_step() {
-        for bits in [Bits::B8, Bits::B4] {
+        for bits in (2..=8).map(|b| Bits::new(b).unwrap()) {
             let width = 256;
             let x = values(width * 7, 3);
             let mut q = QuantRows::new(bits, width);
@@ -366,7 +411,7 @@ mod tests {
         let mut x = vec![1.5f32; 64];
         x.extend(vec![-3.25f32; 64]);
         x.extend((0..64).map(|i| if i == 0 { -1e4 } else { 1e4 }));
-        for bits in [Bits::B8, Bits::B4] {
+        for bits in (2..=8).map(|b| Bits::new(b).unwrap()) {
             let mut q = QuantRows::new(bits, width);
             q.push(&x);
             let y = q.dequantize(0, 3);
@@ -380,7 +425,13 @@ mod tests {
     fn truncate_drop_front_and_bytes() {
         let width = 128;
         let x = values(width * 10, 9);
-        for bits in [None, Some(Bits::B8), Some(Bits::B4)] {
+        for bits in [
+            None,
+            Some(Bits::B8),
+            Some(Bits::B4),
+            Bits::new(3),
+            Bits::new(2),
+        ] {
             let mut r = Rows::new(width, bits);
             r.push(&x);
             let all = r.read(0, 10);
@@ -395,8 +446,7 @@ mod tests {
             assert_eq!(r.read(4, 8), all[6 * width..]);
             let per_value = match bits {
                 None => 4.0,
-                Some(Bits::B8) => 1.0 + 4.0 / 64.0,
-                Some(Bits::B4) => 0.5 + 4.0 / 64.0,
+                Some(b) => f64::from(b.count()) / 8.0 + 4.0 / 64.0,
             };
             let used = (8 * width) as f64 * per_value;
             let held = r.nbytes() as f64;
@@ -405,5 +455,25 @@ mod tests {
                 "{bits:?}: {held} for {used}"
             );
         }
+    }
+
+    #[test]
+    fn packed_codes_come_back_for_every_width() {
+        for b in 2..=8 {
+            let bits = Bits::new(b).unwrap();
+            for n in [1, 7, 64, 65] {
+                let codes: Vec<u8> = (0..n).map(|i| ((i * 37 + 11) % (1 << b)) as u8).collect();
+                let mut packed = Vec::new();
+                pack_codes(&codes, bits, &mut packed);
+                assert_eq!(
+                    packed.len(),
+                    (n * b as usize).div_ceil(8),
+                    "{b} bits, {n} codes"
+                );
+                let back: Vec<u8> = (0..n).map(|i| code_at(&packed, bits, i)).collect();
+                assert_eq!(back, codes, "{b} bits");
+            }
+        }
+        assert!(Bits::new(1).is_none() && Bits::new(9).is_none());
     }
 }

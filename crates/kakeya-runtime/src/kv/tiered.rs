@@ -14,10 +14,16 @@ use kakeya_models::{
     CacheSpec, DeferredKv, KvPart, KvSegment, LayerCache, ModelError, Reach, SegmentKv,
 };
 
-use super::native::{RingCache, check_truncate, seq_slice};
+use super::channels::ChannelRows;
+use super::native::{KvDtype, RingCache, check_truncate, in_dtype, seq_slice};
 use super::policy::Evicted;
+use super::policy::QuantFormat;
 use super::restore::Restorer;
+use super::rotation::Rotation;
 use super::rows::{Bits, Rows};
+
+/// Seed of the rotation's signs: fixed, so a cache's contents never depend on the run.
+const ROTATION_SEED: u64 = 0x6b61_6b65_7961;
 use super::store::CompactStore;
 
 /// What a bounded layer reads besides its own tiers.
@@ -46,38 +52,70 @@ fn from_rows(rows: Vec<f32>, heads: usize, dim: usize, device: &Device) -> Tenso
     Tensor::<3>::from_data(TensorData::new(rows, [n, heads, dim]), device).swap_dims(0, 1)
 }
 
-/// Quantised K/V rows of positions `first..first + rows`.
+/// Quantised keys: per token (groups of 64 values) or per channel over blocks of positions.
+#[derive(Debug, Clone)]
+enum KeyRows {
+    Tokens(Rows),
+    Channels(ChannelRows),
+}
+
+/// Quantised K/V rows of positions `first..first + rows` (keys per channel: from the first
+/// complete block on), optionally rotated.
 #[derive(Debug, Clone)]
 struct QuantTier {
-    k: Rows,
+    k: KeyRows,
     v: Rows,
     first: usize,
+    rotation: Option<Rotation>,
 }
 
 impl QuantTier {
-    fn new(bits: Bits, width: usize, first: usize) -> Self {
+    /// A tier in `format` for rows `width` wide (heads `head_dim` wide, for the rotation)
+    /// whose first position is `first`.
+    fn new(format: QuantFormat, (width, head_dim): (usize, usize), first: usize) -> Self {
         Self {
-            k: Rows::new(width, Some(bits)),
-            v: Rows::new(width, Some(bits)),
+            k: if format.k_per_channel {
+                KeyRows::Channels(ChannelRows::new(format.k_bits, width, first))
+            } else {
+                KeyRows::Tokens(Rows::new(width, Some(format.k_bits)))
+            },
+            v: Rows::new(width, Some(format.v_bits)),
             first,
+            rotation: format
+                .rotate
+                .then(|| Rotation::new(head_dim, ROTATION_SEED))
+                .flatten(),
         }
     }
 
     /// Quantises and appends positions `end()..end() + T`.
     fn push(&mut self, k: &Tensor<3>, v: &Tensor<3>) -> kakeya_models::Result<()> {
-        self.k.push(&to_rows(k)?);
-        self.v.push(&to_rows(v)?);
+        let (mut k, mut v) = (to_rows(k)?, to_rows(v)?);
+        if let Some(r) = &self.rotation {
+            r.apply(&mut k);
+            r.apply(&mut v);
+        }
+        match &mut self.k {
+            KeyRows::Tokens(rows) => rows.push(&k),
+            KeyRows::Channels(rows) => rows.push(&k),
+        }
+        self.v.push(&v);
         Ok(())
     }
 
     /// Forgets rows of positions before `pos` (never read again).
     fn drop_before(&mut self, pos: usize) {
         // Compact in steps of 64 rows: a drain moves the whole buffer.
-        let dead = pos.saturating_sub(self.first).min(self.k.len());
+        let dead = pos.saturating_sub(self.first).min(self.v.len());
         if dead >= 64 {
-            self.k.drop_front(dead);
+            if let KeyRows::Tokens(rows) = &mut self.k {
+                rows.drop_front(dead);
+            }
             self.v.drop_front(dead);
             self.first += dead;
+        }
+        if let KeyRows::Channels(rows) = &mut self.k {
+            rows.drop_before(pos);
         }
     }
 
@@ -88,7 +126,10 @@ impl QuantTier {
                 self.first
             )));
         }
-        self.k.truncate(len - self.first);
+        match &mut self.k {
+            KeyRows::Tokens(rows) => rows.truncate(len - self.first),
+            KeyRows::Channels(rows) => rows.truncate(len)?,
+        }
         self.v.truncate(len - self.first);
         Ok(())
     }
@@ -101,18 +142,22 @@ impl QuantTier {
         (heads, dim): (usize, usize),
         device: &Device,
     ) -> kakeya_models::Result<(DeferredKv, usize)> {
-        if positions.start < self.first || positions.end > self.first + self.k.len() {
+        if positions.start < self.first || positions.end > self.first + self.v.len() {
             return Err(ModelError::Cache(format!(
                 "quantised tier holds positions {}..{}, asked for {positions:?}",
                 self.first,
-                self.first + self.k.len()
+                self.first + self.v.len()
             )));
         }
         let (a, b) = (positions.start - self.first, positions.end - self.first);
-        let rows = match part {
-            KvPart::K => self.k.read(a, b),
-            KvPart::V => self.v.read(a, b),
+        let mut rows = match (part, &self.k) {
+            (KvPart::K, KeyRows::Tokens(rows)) => rows.read(a, b),
+            (KvPart::K, KeyRows::Channels(rows)) => rows.read(positions.start, positions.end)?,
+            (KvPart::V, _) => self.v.read(a, b),
         };
+        if let Some(r) = &self.rotation {
+            r.undo(&mut rows);
+        }
         let bytes = rows.len() * 4;
         Ok((
             DeferredKv::Ready(from_rows(rows, heads, dim, device)),
@@ -121,7 +166,11 @@ impl QuantTier {
     }
 
     fn nbytes(&self) -> usize {
-        self.k.nbytes() + self.v.nbytes()
+        let k = match &self.k {
+            KeyRows::Tokens(rows) => rows.nbytes(),
+            KeyRows::Channels(rows) => rows.nbytes(),
+        };
+        k + self.v.nbytes()
     }
 }
 
@@ -143,14 +192,14 @@ pub struct TieredCache {
 }
 
 impl TieredCache {
-    /// Layer `layer` (declared `spec`) keeping `sink` + `window` positions exactly, with
-    /// `slack` positions of exact rollback; K/V rows are `width` wide.
+    /// Layer `layer` (declared `spec`) keeping `sink` + `window` positions exactly (stored as
+    /// `dtype`), with `slack` positions of exact rollback; K/V rows are `width` wide.
     pub fn new(
         layer: usize,
         spec: CacheSpec,
         (sink, window, slack): (usize, usize, usize),
-        evicted: Evicted,
-        width: usize,
+        (evicted, dtype): (Evicted, KvDtype),
+        (width, head_dim): (usize, usize),
     ) -> Self {
         Self {
             layer,
@@ -158,10 +207,10 @@ impl TieredCache {
             sink,
             window,
             evicted,
-            sinks: RingCache::new(sink + 1, 0),
-            ring: RingCache::starting_at(sink, window, slack),
+            sinks: RingCache::new(sink + 1, 0).with_dtype(dtype),
+            ring: RingCache::starting_at(sink, window, slack).with_dtype(dtype),
             quant: match evicted {
-                Evicted::Quantise(bits) => Some(QuantTier::new(bits, width, sink)),
+                Evicted::Quantise(format) => Some(QuantTier::new(format, (width, head_dim), sink)),
                 _ => None,
             },
             shape: (0, 0),
@@ -174,10 +223,29 @@ impl TieredCache {
         self.sinks.nbytes() + self.ring.nbytes()
     }
 
-    /// The quantised tier (inspection and tests): the position of its first row, K and V rows
-    /// (`kv_heads · head_dim` wide, keys after RoPE).
+    /// The quantised tier of per-token keys, unrotated (inspection and tests): the position
+    /// of its first row, K and V rows (`kv_heads · head_dim` wide, keys after RoPE).
     pub fn quantised(&self) -> Option<(usize, &Rows, &Rows)> {
-        self.quant.as_ref().map(|q| (q.first, &q.k, &q.v))
+        match self.quant.as_ref()? {
+            QuantTier {
+                k: KeyRows::Tokens(k),
+                v,
+                first,
+                rotation: None,
+            } => Some((*first, k, v)),
+            _ => None,
+        }
+    }
+
+    /// The quantised tier's K or V of `positions` as attention reads them (dequantised and
+    /// rotated back), rows `kv_heads · head_dim` wide (inspection and tests).
+    pub fn evicted_rows(&self, positions: Range<usize>, part: KvPart) -> Option<Vec<f32>> {
+        let q = self.quant.as_ref()?;
+        let (tile, _) = q.read(positions, part, self.shape, &Device::flex()).ok()?;
+        let DeferredKv::Ready(t) = tile else {
+            return None;
+        };
+        to_rows(&t).ok()
     }
 
     /// The exact recent window (inspection and tests).
@@ -217,7 +285,7 @@ impl TieredCache {
         let [heads, t, dim] = k.dims();
         self.shape = (heads, dim);
         let mut segs = Vec::with_capacity(4);
-        if let Some(h) = self.sinks.held() {
+        if let Some(h) = self.sinks.held_stored() {
             segs.push(KvSegment::ready(h.k, h.v, h.positions, Reach::Always));
         }
         let old = self.evicted_range(start, start + t);
@@ -231,7 +299,7 @@ impl TieredCache {
                 reach: Reach::AtLeast(self.window),
             });
         }
-        if let Some(h) = self.ring.held() {
+        if let Some(h) = self.ring.held_stored() {
             segs.push(KvSegment::ready(
                 h.k,
                 h.v,
@@ -239,9 +307,12 @@ impl TieredCache {
                 Reach::Younger(self.window),
             ));
         }
+        // The chunk's own keys as the exact tiers store them (the same precision a later
+        // query reads them at).
+        let dt = self.ring.stored_dtype(&k);
         segs.push(KvSegment::ready(
-            k.clone(),
-            v.clone(),
+            in_dtype(k.clone(), dt),
+            in_dtype(v.clone(), dt),
             (start..start + t).collect(),
             Reach::Always,
         ));
@@ -344,7 +415,7 @@ impl QuantAllCache {
     pub fn new(spec: CacheSpec, bits: Bits, width: usize) -> Self {
         Self {
             spec,
-            tier: QuantTier::new(bits, width, 0),
+            tier: QuantTier::new(QuantFormat::per_token(bits), (width, width), 0),
             shape: (0, 0),
             device: None,
             len: 0,

@@ -202,7 +202,9 @@ impl Proposer for NoisyReplay {
 pub fn oracle_restorer(v: &Gemma3Model, seq: &[u32]) -> kakeya_runtime::kv::OracleRestorer {
     let mut req = kakeya_models::ForwardRequest::new(seq, 0, kakeya_models::Logits::None);
     req.capture_attention = true;
-    let mut caches = kakeya_runtime::KvCache::for_specs(&v.cache_specs(), 0);
+    // f32 caches: the exact K/V of a reference forward.
+    let mut caches =
+        kakeya_runtime::KvCache::for_specs(&v.cache_specs(), 0, kakeya_runtime::KvDtype::F32);
     let out = v.forward(&req, &mut caches).unwrap();
     kakeya_runtime::kv::OracleRestorer {
         layers: out

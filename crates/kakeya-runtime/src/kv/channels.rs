@@ -1,0 +1,275 @@
+//! Keys quantised per channel (KIVI's layout): for every block of [`CHANNEL_BLOCK`] positions
+//! fixed by absolute position (block `b` holds positions `b·64..(b+1)·64`), each channel gets its
+//! own affine scale and minimum over the block's positions. Outlier channels — a few key
+//! channels carry values tens of times larger than the rest — then cost only their own
+//! precision, where a per-token group would stretch its step over them.
+//!
+//! A block is quantised once its last position is written; positions of the block still being
+//! filled are held exactly in f32 (with the last complete block's, so that a rollback into it
+//! rebuilds it from the same values). Because blocks are fixed by position and quantised from
+//! the same f32 values, a position comes back the same bits however its prompt was chunked.
+
+use half::f16;
+use kakeya_models::ModelError;
+
+use super::rows::{Bits, code_at, pack_codes, quantise_group};
+
+/// Positions per per-channel block.
+pub const CHANNEL_BLOCK: usize = 64;
+
+/// One complete block: positions `start..end`, codes per channel (`end − start` codes each,
+/// packed), `[scale, minimum]` per channel.
+#[derive(Debug, Clone)]
+struct Block {
+    start: usize,
+    end: usize,
+    codes: Vec<u8>,
+    params: Vec<[f16; 2]>,
+}
+
+/// Rows `width` wide quantised per channel over blocks of positions.
+#[derive(Debug, Clone)]
+pub struct ChannelRows {
+    bits: Bits,
+    width: usize,
+    /// First position ever held.
+    origin: usize,
+    blocks: std::collections::VecDeque<Block>,
+    /// Exact rows of positions `tail_from..len`: the last complete block's and the block
+    /// being filled.
+    tail: Vec<f32>,
+    tail_from: usize,
+    /// End of the last complete block (= `origin` before the first).
+    quantised_to: usize,
+    len: usize,
+}
+
+impl ChannelRows {
+    /// Empty rows of `width` values whose first position will be `origin`.
+    pub fn new(bits: Bits, width: usize, origin: usize) -> Self {
+        Self {
+            bits,
+            width,
+            origin,
+            blocks: Default::default(),
+            tail: Vec::new(),
+            tail_from: origin,
+            quantised_to: origin,
+            len: origin,
+        }
+    }
+
+    /// Next position to write.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True before the first position is written.
+    pub fn is_empty(&self) -> bool {
+        self.len == self.origin
+    }
+
+    /// End of the block holding `p` (exclusive).
+    fn block_end(p: usize) -> usize {
+        (p / CHANNEL_BLOCK + 1) * CHANNEL_BLOCK
+    }
+
+    /// Appends the rows of positions `len()..len() + n` (`values`: `n · width`); quantises
+    /// every block they complete.
+    pub fn push(&mut self, values: &[f32]) {
+        self.tail.extend_from_slice(values);
+        self.len += values.len() / self.width;
+        loop {
+            let end = Self::block_end(self.quantised_to);
+            if self.len < end {
+                break;
+            }
+            let start = self.quantised_to;
+            let rows = &self.tail[(start - self.tail_from) * self.width..];
+            let block = self.quantise(start, end, rows);
+            self.blocks.push_back(block);
+            // Keep the rows from this block's start on (a rollback may reopen it).
+            self.tail.drain(..(start - self.tail_from) * self.width);
+            self.tail_from = start;
+            self.quantised_to = end;
+        }
+    }
+
+    /// Quantises positions `start..end` (`rows` begins with `start`'s row).
+    fn quantise(&self, start: usize, end: usize, rows: &[f32]) -> Block {
+        let n = end - start;
+        let mut column = vec![0.0f32; n];
+        let (mut codes, mut packed) = (Vec::with_capacity(n), Vec::new());
+        let mut params = Vec::with_capacity(self.width);
+        for c in 0..self.width {
+            for (r, x) in column.iter_mut().enumerate() {
+                *x = rows[r * self.width + c];
+            }
+            params.push(quantise_group(&column, self.bits, &mut codes));
+            pack_codes(&codes, self.bits, &mut packed);
+        }
+        packed.shrink_to_fit();
+        Block {
+            start,
+            end,
+            codes: packed,
+            params,
+        }
+    }
+
+    /// Forgets positions `>= len`: a complete block that ends past `len` is reopened from its
+    /// exact rows; refused when those rows are gone (a rollback past the last complete block).
+    pub fn truncate(&mut self, len: usize) -> kakeya_models::Result<()> {
+        if len >= self.quantised_to {
+            self.tail
+                .truncate((len.min(self.len) - self.tail_from) * self.width);
+            self.len = len.min(self.len);
+            return Ok(());
+        }
+        let last_start = self.blocks.back().map_or(self.origin, |b| b.start);
+        if len < last_start || len < self.tail_from {
+            return Err(ModelError::Cache(format!(
+                "cannot roll back to {len}: positions up to {} are already quantised per channel",
+                self.quantised_to
+            )));
+        }
+        self.blocks.pop_back();
+        self.quantised_to = last_start;
+        self.tail.truncate((len - self.tail_from) * self.width);
+        self.len = len;
+        Ok(())
+    }
+
+    /// Forgets whole blocks before position `pos` (never read again).
+    pub fn drop_before(&mut self, pos: usize) {
+        while self.blocks.front().is_some_and(|b| b.end <= pos) {
+            self.blocks.pop_front();
+        }
+    }
+
+    /// Dequantised rows of positions `from..to` (row-major, `width` each); every position must
+    /// be in a complete block.
+    pub fn read(&self, from: usize, to: usize) -> kakeya_models::Result<Vec<f32>> {
+        let first = self.blocks.front().map_or(self.quantised_to, |b| b.start);
+        if from < first || to > self.quantised_to {
+            return Err(ModelError::Cache(format!(
+                "per-channel keys hold positions {first}..{}, asked for {from}..{to}",
+                self.quantised_to
+            )));
+        }
+        let mut out = vec![0.0f32; (to - from) * self.width];
+        let first_block = first / CHANNEL_BLOCK;
+        let mut p = from;
+        while p < to {
+            let b = &self.blocks[p / CHANNEL_BLOCK - first_block];
+            let upto = to.min(b.end);
+            let n = b.end - b.start;
+            let per_channel = (n * self.bits.count() as usize).div_ceil(8);
+            for c in 0..self.width {
+                let codes = &b.codes[c * per_channel..(c + 1) * per_channel];
+                let [s, m] = b.params[c];
+                let (s, m) = (s.to_f32(), m.to_f32());
+                for q in p..upto {
+                    let code = code_at(codes, self.bits, q - b.start);
+                    out[(q - from) * self.width + c] = f32::from(code) * s + m;
+                }
+            }
+            p = upto;
+        }
+        Ok(out)
+    }
+
+    /// Step (scale) of channel `c` at position `p` (error bounds in tests).
+    pub fn scale(&self, p: usize, c: usize) -> Option<f32> {
+        let first = self.blocks.front()?.start / CHANNEL_BLOCK;
+        let b = self.blocks.get((p / CHANNEL_BLOCK).checked_sub(first)?)?;
+        Some(b.params[c][0].to_f32())
+    }
+
+    /// Bytes allocated: codes, parameters and the exact tail.
+    pub fn nbytes(&self) -> usize {
+        self.blocks
+            .iter()
+            .map(|b| b.codes.capacity() + b.params.capacity() * 4 + std::mem::size_of::<Block>())
+            .sum::<usize>()
+            + self.tail.capacity() * 4
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(n: usize, width: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+        (0..n * width)
+            .map(|i| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                let u = (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                // Channel 3 is an outlier channel, as real keys have.
+                if i % width == 3 { 40.0 + u } else { u }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn values_come_back_within_half_a_channel_step_and_chunking_does_not_matter() {
+        let width = 16;
+        let x = values(300, width, 5);
+        for bits in (2..=8).map(|b| Bits::new(b).unwrap()) {
+            // From position 4 (after the sinks), in one chunk and in chunks of 1..=37.
+            let mut whole = ChannelRows::new(bits, width, 4);
+            whole.push(&x[..(300 - 4) * width]);
+            let mut parts = ChannelRows::new(bits, width, 4);
+            let (mut at, mut step) = (4, 1);
+            while at < 300 {
+                let n = step.min(300 - at);
+                parts.push(&x[(at - 4) * width..(at - 4 + n) * width]);
+                at += n;
+                step = step % 37 + 1;
+            }
+            // Complete blocks end at 256: positions 4..256 are quantised.
+            let a = whole.read(4, 256).unwrap();
+            assert_eq!(a, parts.read(4, 256).unwrap(), "{bits:?}: chunking");
+            for (i, (got, want)) in a.iter().zip(&x).enumerate() {
+                let (p, c) = (4 + i / width, i % width);
+                let s = whole.scale(p, c).unwrap();
+                assert!(
+                    (got - want).abs() <= s / 2.0 * (1.0 + 1e-3) + 1e-6,
+                    "{bits:?}: position {p} channel {c}: {want} came back {got} (step {s})"
+                );
+                // The outlier channel does not widen the others' steps (their range is < 1).
+                if c != 3 {
+                    let top = ((1u32 << bits.count()) - 1) as f32;
+                    assert!(s <= 1.01 / top, "{bits:?}: channel {c} step {s}");
+                }
+            }
+            assert!(
+                whole.read(4, 257).is_err(),
+                "an incomplete block is not read"
+            );
+        }
+    }
+
+    #[test]
+    fn a_rollback_into_the_last_block_rebuilds_it_from_the_same_values() {
+        let width = 8;
+        let x = values(200, width, 9);
+        let bits = Bits::new(3).unwrap();
+        let mut r = ChannelRows::new(bits, width, 0);
+        r.push(&x[..130 * width]); // blocks 0..64, 64..128 complete
+        r.truncate(120).unwrap(); // reopens 64..128
+        assert!(r.read(64, 65).is_err());
+        r.push(&x[120 * width..200 * width]);
+        let mut straight = ChannelRows::new(bits, width, 0);
+        straight.push(&x[..200 * width]);
+        assert_eq!(r.read(0, 192).unwrap(), straight.read(0, 192).unwrap());
+        // Two blocks back is refused: those rows are gone.
+        assert!(r.truncate(60).is_err());
+        r.drop_before(128);
+        assert!(r.read(0, 1).is_err());
+        assert_eq!(r.read(128, 192).unwrap(), straight.read(128, 192).unwrap());
+    }
+}

@@ -103,12 +103,23 @@ pub enum KvPart {
 }
 
 /// One tile of a deferred segment.
+// One value per tile, moved once: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone)]
 pub enum DeferredKv {
     /// As attention uses it, `[kv_heads, n, head_dim]` (keys after k_norm and RoPE).
     Ready(Tensor<3>),
     /// Raw k_proj / v_proj rows, `[n, kv_heads · head_dim]`: the layer applies k_norm and RoPE.
     Raw(Tensor<2>),
+    /// Values in a rotated basis, `[kv_heads, n, head_dim]`: attention sums them weighted as
+    /// they are and maps the sum back with `undo` (`[head_dim, head_dim]`, right-multiplied:
+    /// `x = y · undo` for a row `y`), once per query row instead of once per value row.
+    Rotated {
+        /// The rotated values.
+        v: Tensor<3>,
+        /// The inverse rotation.
+        undo: Tensor<2>,
+    },
 }
 
 /// One tier of keys/values attention reads.

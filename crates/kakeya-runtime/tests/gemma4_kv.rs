@@ -34,14 +34,6 @@ fn policy(mode: KvMode, sink: usize, window: usize) -> KvPolicy {
     }
 }
 
-/// `p` with f32 exact tiers.
-fn f32_kv(p: KvPolicy) -> KvPolicy {
-    KvPolicy {
-        dtype: kakeya_runtime::KvDtype::F32,
-        ..p
-    }
-}
-
 fn plain(v: &Gemma3Model, s: KvSetup<'_>, p: &[u32], n: usize) -> Generation {
     let mut session = Session::with_kv(v, s).unwrap();
     generate(
@@ -139,7 +131,7 @@ fn bytes_are_measured_per_layer_and_sharing_layers_hold_none() {
     // against 16-bit ones; what this checks is the accounting per layer.
     let full = plain(
         &v,
-        KvSetup::new(f32_kv(KvPolicy::new(KvMode::Full))),
+        KvSetup::new(common::f32_kv(KvPolicy::new(KvMode::Full))),
         &p,
         20,
     )
@@ -154,7 +146,8 @@ fn bytes_are_measured_per_layer_and_sharing_layers_hold_none() {
     let want_f16 = (len * w(2) + 3 * 4 * w(0)) * 2 * 2;
     assert_eq!(full.full_f16, want_f16);
     for mode in modes().filter(|&m| m != KvMode::Full) {
-        let mut session = Session::with_kv(&v, KvSetup::new(f32_kv(policy(mode, 2, 6)))).unwrap();
+        let mut session =
+            Session::with_kv(&v, KvSetup::new(common::f32_kv(policy(mode, 2, 6)))).unwrap();
         generate(
             &mut session,
             &p,
@@ -206,7 +199,7 @@ fn restored_with_an_oracle_restorer_equals_the_native_caches() {
         let v = gemma4(name);
         let p = tiny_prompt(3, 26);
         // f32 exact tiers: the oracle's K/V are the exact f32 values.
-        let native = KvSetup::new(f32_kv(KvPolicy::new(KvMode::Full)));
+        let native = KvSetup::new(common::f32_kv(KvPolicy::new(KvMode::Full)));
         let full = plain(&v, native, &p, 24);
         let mut seq = p.clone();
         seq.extend(&full.tokens);
@@ -215,7 +208,8 @@ fn restored_with_an_oracle_restorer_equals_the_native_caches() {
         // Window 3 is below the sliding layers' own 4: every layer with K/V of its own evicts
         // into the restored tier, and the sharing layers read their sources' rebuilt keys.
         for (sink, window) in [(2, 3), (0, 1), (1, 6)] {
-            let s = KvSetup::new(f32_kv(policy(KvMode::Restored, sink, window))).restorer(&o);
+            let s =
+                KvSetup::new(common::f32_kv(policy(KvMode::Restored, sink, window))).restorer(&o);
             assert_eq!(
                 plain(&v, s, &p, 24).tokens,
                 full.tokens,

@@ -48,14 +48,6 @@ fn policy(mode: KvMode, sink: usize, window: usize) -> KvPolicy {
     }
 }
 
-/// `p` with f32 exact tiers.
-fn f32_kv(p: KvPolicy) -> KvPolicy {
-    KvPolicy {
-        dtype: kakeya_runtime::KvDtype::F32,
-        ..p
-    }
-}
-
 fn setup<'m>(p: KvPolicy, d: &'m DFlashDrafter, r: &'m dyn Restorer) -> KvSetup<'m> {
     KvSetup::new(p).drafter(d).restorer(r)
 }
@@ -119,14 +111,15 @@ fn restored_with_an_oracle_restorer_equals_full() {
     for (i, len) in [(0, 37), (1, 60), (2, 420)] {
         let p = prompt(i, len);
         // f32 exact tiers: the oracle's K/V are the exact f32 values.
-        let native = KvSetup::new(f32_kv(KvPolicy::new(KvMode::Full)));
+        let native = KvSetup::new(common::f32_kv(KvPolicy::new(KvMode::Full)));
         let full = plain(&v, native, &p, 40);
         let mut seq = p.clone();
         seq.extend(&full.tokens);
         let o = oracle_restorer(&v, &seq);
         let reference = trace(&v, native, &p, &full.tokens);
         for (sink, window) in [(2, 4), (0, 1), (4, 9)] {
-            let s = KvSetup::new(f32_kv(policy(KvMode::Restored, sink, window))).restorer(&o);
+            let s =
+                KvSetup::new(common::f32_kv(policy(KvMode::Restored, sink, window))).restorer(&o);
             let got = plain(&v, s, &p, 40);
             assert_eq!(got.tokens, full.tokens, "sink {sink}, window {window}");
             let diff = max_diff(&trace(&v, s, &p, &full.tokens), &reference);
@@ -138,7 +131,7 @@ fn restored_with_an_oracle_restorer_equals_full() {
         // The same machinery with the tier dropped differs: the test can tell.
         let dropped = trace(
             &v,
-            KvSetup::new(f32_kv(policy(KvMode::SinkWindow, 2, 4))),
+            KvSetup::new(common::f32_kv(policy(KvMode::SinkWindow, 2, 4))),
             &p,
             &full.tokens,
         );

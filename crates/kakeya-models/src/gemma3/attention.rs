@@ -169,7 +169,7 @@ impl Attention {
         device: &Device,
     ) -> Tensor<3> {
         match (tile, part) {
-            (DeferredKv::Ready(x), _) => x,
+            (DeferredKv::Ready(x), _) | (DeferredKv::Rotated { v: x, .. }, _) => x,
             (DeferredKv::Raw(k), KvPart::K) => self.keys_from_raw(k, positions, device),
             (DeferredKv::Raw(v), KvPart::V) => self.values_from_raw(v),
         }
@@ -240,13 +240,36 @@ impl Attention {
         if let Some(v) = v_ready {
             add(p.clone(), v, &mut col);
         }
+        // Rotated values: their weighted sums apart, mapped back once at the end.
+        let mut rotated: Option<(Tensor<3>, Tensor<2>)> = None;
         for &tile in &tiles {
             let (a, b, s) = tile;
-            let v = caches.deferred(layer, range(tile), KvPart::V)?;
-            let v = self.ready_tile(v, &s.positions[a..b], KvPart::V, device);
-            add(p.clone(), v, &mut col);
+            match caches.deferred(layer, range(tile), KvPart::V)? {
+                DeferredKv::Rotated { v, undo } => {
+                    let n = v.dims()[1];
+                    let o = crate::gpu::matmul(p.clone().slice([0..kvh, 0..gt, col..col + n]), v);
+                    col += n;
+                    rotated = Some(match rotated.take() {
+                        Some((acc, u)) => (acc + o, u),
+                        None => (o, undo),
+                    });
+                }
+                v => {
+                    let v = self.ready_tile(v, &s.positions[a..b], KvPart::V, device);
+                    add(p.clone(), v, &mut col);
+                }
+            }
         }
         debug_assert_eq!(col, total);
+        let mut out = out;
+        if let Some((acc, undo)) = rotated {
+            let d = undo.dims()[0];
+            let back = crate::gpu::matmul(acc, undo.reshape([1, d, d]).repeat_dim(0, kvh));
+            out = Some(match out.take() {
+                Some(o) => o + back,
+                None => back,
+            });
+        }
         Ok(merge_heads(out.expect("at least one key"), self.heads))
     }
 

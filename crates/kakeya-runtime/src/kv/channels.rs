@@ -17,8 +17,8 @@ use super::rows::{Bits, code_at, pack_codes, quantise_group};
 /// Positions per per-channel block.
 pub const CHANNEL_BLOCK: usize = 64;
 
-/// One complete block: positions `start..end`, codes per channel (`end − start` codes each,
-/// packed), `[scale, minimum]` per channel.
+/// One complete block: positions `start..end`, each position's codes (one per channel, packed
+/// row by row so that a position is read in one pass), `[scale, minimum]` per channel.
 #[derive(Debug, Clone)]
 struct Block {
     start: usize,
@@ -93,28 +93,43 @@ impl ChannelRows {
             self.tail_from = start;
             self.quantised_to = end;
         }
+        // A long chunk leaves a large allocation behind: give back what two blocks don't use.
+        let keep = 2 * CHANNEL_BLOCK * self.width;
+        if self.tail.capacity() > keep.max(self.tail.len()) {
+            self.tail.shrink_to(keep.max(self.tail.len()));
+        }
     }
 
     /// Quantises positions `start..end` (`rows` begins with `start`'s row).
     fn quantise(&self, start: usize, end: usize, rows: &[f32]) -> Block {
-        let n = end - start;
+        let (n, w) = (end - start, self.width);
         let mut column = vec![0.0f32; n];
-        let (mut codes, mut packed) = (Vec::with_capacity(n), Vec::new());
-        let mut params = Vec::with_capacity(self.width);
-        for c in 0..self.width {
+        let mut codes = vec![0u8; n * w];
+        let (mut col_codes, mut params) = (Vec::with_capacity(n), Vec::with_capacity(w));
+        for c in 0..w {
             for (r, x) in column.iter_mut().enumerate() {
-                *x = rows[r * self.width + c];
+                *x = rows[r * w + c];
             }
-            params.push(quantise_group(&column, self.bits, &mut codes));
-            pack_codes(&codes, self.bits, &mut packed);
+            params.push(quantise_group(&column, self.bits, &mut col_codes));
+            for (r, &q) in col_codes.iter().enumerate() {
+                codes[r * w + c] = q;
+            }
         }
-        packed.shrink_to_fit();
+        let mut packed = Vec::with_capacity(n * self.row_bytes());
+        for row in codes.chunks_exact(w) {
+            pack_codes(row, self.bits, &mut packed);
+        }
         Block {
             start,
             end,
             codes: packed,
             params,
         }
+    }
+
+    /// Packed bytes of one position's codes.
+    fn row_bytes(&self) -> usize {
+        (self.width * self.bits.count() as usize).div_ceil(8)
     }
 
     /// Forgets positions `>= len`: a complete block that ends past `len` is reopened from its
@@ -157,22 +172,22 @@ impl ChannelRows {
                 self.quantised_to
             )));
         }
-        let mut out = vec![0.0f32; (to - from) * self.width];
+        let (w, rb) = (self.width, self.row_bytes());
+        let mut out = vec![0.0f32; (to - from) * w];
         let first_block = first / CHANNEL_BLOCK;
+        let (mut scale, mut min) = (vec![0.0f32; w], vec![0.0f32; w]);
         let mut p = from;
         while p < to {
             let b = &self.blocks[p / CHANNEL_BLOCK - first_block];
             let upto = to.min(b.end);
-            let n = b.end - b.start;
-            let per_channel = (n * self.bits.count() as usize).div_ceil(8);
-            for c in 0..self.width {
-                let codes = &b.codes[c * per_channel..(c + 1) * per_channel];
-                let [s, m] = b.params[c];
-                let (s, m) = (s.to_f32(), m.to_f32());
-                for q in p..upto {
-                    let code = code_at(codes, self.bits, q - b.start);
-                    out[(q - from) * self.width + c] = f32::from(code) * s + m;
-                }
+            for (c, [s, m]) in b.params.iter().enumerate() {
+                (scale[c], min[c]) = (s.to_f32(), m.to_f32());
+            }
+            for q in p..upto {
+                let r = q - b.start;
+                let codes = &b.codes[r * rb..(r + 1) * rb];
+                let o = &mut out[(q - from) * w..(q - from + 1) * w];
+                unpack_row(codes, self.bits, &scale, &min, o);
             }
             p = upto;
         }
@@ -193,6 +208,31 @@ impl ChannelRows {
             .map(|b| b.codes.capacity() + b.params.capacity() * 4 + std::mem::size_of::<Block>())
             .sum::<usize>()
             + self.tail.capacity() * 4
+    }
+}
+
+/// `out[c] = code_c · scale[c] + min[c]` for one packed row of codes.
+fn unpack_row(codes: &[u8], bits: Bits, scale: &[f32], min: &[f32], out: &mut [f32]) {
+    match bits {
+        Bits::B8 => {
+            for (((o, &q), s), m) in out.iter_mut().zip(codes).zip(scale).zip(min) {
+                *o = f32::from(q) * s + m;
+            }
+        }
+        Bits::B4 => {
+            for (i, &byte) in codes.iter().enumerate() {
+                let c = 2 * i;
+                out[c] = f32::from(byte & 15) * scale[c] + min[c];
+                if c + 1 < out.len() {
+                    out[c + 1] = f32::from(byte >> 4) * scale[c + 1] + min[c + 1];
+                }
+            }
+        }
+        _ => {
+            for (c, o) in out.iter_mut().enumerate() {
+                *o = f32::from(code_at(codes, bits, c)) * scale[c] + min[c];
+            }
+        }
     }
 }
 

@@ -26,7 +26,7 @@ pub use policy::{
 pub use restore::{FThetaRestorer, OracleRestorer, Restorer};
 pub use rows::{Bits, QuantRows, Rows};
 pub use store::CompactStore;
-pub use tiered::{QuantAllCache, Shared, TieredCache};
+pub use tiered::{QuantAllCache, Shared, SharedUndo, TieredCache};
 
 /// One layer's cache under a policy.
 // One value per layer, held in a Vec: the variants' sizes do not matter.
@@ -95,6 +95,8 @@ pub struct KvBytes {
 pub struct SequenceKv<'r> {
     specs: Vec<CacheSpec>,
     kv_widths: Vec<usize>,
+    /// The inverse rotations the layers' quantised tiers share (one per head width).
+    undo: Vec<SharedUndo>,
     layers: Vec<LayerKv>,
     store: Option<CompactStore>,
     restorer: Option<&'r dyn Restorer>,
@@ -115,6 +117,7 @@ impl<'r> SequenceKv<'r> {
         store: Option<CompactStore>,
         restorer: Option<&'r dyn Restorer>,
     ) -> Self {
+        let mut undo: std::collections::BTreeMap<usize, SharedUndo> = Default::default();
         let layers = specs
             .iter()
             .enumerate()
@@ -129,7 +132,11 @@ impl<'r> SequenceKv<'r> {
                     i,
                     spec,
                     (sink, window, slack),
-                    (evicted, policy.dtype),
+                    (
+                        evicted,
+                        policy.dtype,
+                        undo.entry(head_dims[i]).or_default().clone(),
+                    ),
                     (kv_widths[i], head_dims[i]),
                 )),
                 LayerPlan::QuantAll(bits) => {
@@ -140,6 +147,7 @@ impl<'r> SequenceKv<'r> {
         Self {
             specs: specs.to_vec(),
             kv_widths: kv_widths.to_vec(),
+            undo: undo.into_values().collect(),
             layers,
             store,
             restorer,
@@ -217,6 +225,13 @@ impl<'r> SequenceKv<'r> {
             .iter()
             .map(LayerKv::bytes)
             .fold((0, 0), |(a, b), (x, y)| (a + x, b + y));
+        let quantised = quantised
+            + self
+                .undo
+                .iter()
+                .filter_map(|u| u.get())
+                .map(|m| m.shape().num_elements() * 4)
+                .sum::<usize>();
         let store = self.store.as_ref().map_or(0, CompactStore::nbytes);
         let transient_peak = self
             .transient_peak

@@ -46,7 +46,7 @@ pub enum KvMode {
     /// The bounded presets `bounded-k{k}v{v}`: sliding layers keep sink + window and drop
     /// what they evict; global layers keep sink + [`GLOBAL_WINDOW`] positions in 16-bit and
     /// the rest quantised, keys `k`-bit per channel over blocks of 64 positions, values
-    /// `v`-bit per token (groups of 64), both rotated.
+    /// `v`-bit per token (groups of 64) after a rotation.
     Bounded {
         /// Key bits.
         k: Bits,
@@ -216,7 +216,8 @@ pub struct QuantFormat {
     /// Keys grouped per channel over blocks of 64 positions (else per token, groups of 64
     /// values, as values always are).
     pub k_per_channel: bool,
-    /// Keys and values rotated before quantisation ([`super::rotation::Rotation`]).
+    /// What is grouped per token (values, and keys grouped per token) rotated before
+    /// quantisation ([`super::rotation::Rotation`]).
     pub rotate: bool,
 }
 
@@ -301,7 +302,7 @@ pub struct LayerRule {
     pub v_bits: Option<u32>,
     /// Key groups: `channel` (per channel over blocks of 64 positions) or `token`.
     pub k_groups: Option<KeyGroups>,
-    /// Rotate keys and values before quantising them.
+    /// Rotate what is grouped per token (values; keys grouped per token) before quantising.
     pub rotate: Option<bool>,
 }
 

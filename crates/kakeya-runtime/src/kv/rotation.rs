@@ -62,6 +62,20 @@ impl Rotation {
     }
 }
 
+impl Rotation {
+    /// [`Self::undo`] as a `[head_dim, head_dim]` matrix `M` with `x = y · M` for a rotated
+    /// head row `y` (row `i` of `M` is the undone `i`-th unit row).
+    pub fn undo_matrix(&self, device: &burn::tensor::Device) -> burn::tensor::Tensor<2> {
+        let d = self.head_dim();
+        let mut m = vec![0.0f32; d * d];
+        for (i, row) in m.chunks_exact_mut(d).enumerate() {
+            row[i] = 1.0;
+            self.undo(row);
+        }
+        burn::tensor::Tensor::from_data(burn::tensor::TensorData::new(m, [d, d]), device)
+    }
+}
+
 /// The unnormalised Walsh–Hadamard transform of `x` (length a power of two), in place.
 fn fwht(x: &mut [f32]) {
     let n = x.len();
@@ -111,5 +125,22 @@ mod tests {
         r.apply(&mut spike);
         assert!(spike.iter().all(|v| (v.abs() - 8.0).abs() < 1e-4));
         assert!(Rotation::new(48, 0).is_none());
+    }
+
+    #[test]
+    fn the_undo_matrix_undoes_a_rotated_row() {
+        let r = Rotation::new(16, 3).unwrap();
+        let x: Vec<f32> = (0..16).map(|i| (i as f32 - 7.5) / 3.0).collect();
+        let mut y = x.clone();
+        r.apply(&mut y);
+        let m: Vec<f32> = r
+            .undo_matrix(&burn::tensor::Device::flex())
+            .into_data()
+            .try_into_vec()
+            .unwrap();
+        for (j, want) in x.iter().enumerate() {
+            let got: f32 = (0..16).map(|i| y[i] * m[i * 16 + j]).sum();
+            assert!((got - want).abs() < 1e-5, "column {j}: {got} vs {want}");
+        }
     }
 }

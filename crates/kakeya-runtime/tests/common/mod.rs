@@ -235,3 +235,11 @@ pub fn random_f_theta_restorer(
     let f = kakeya_models::FTheta::from_checkpoint(&ck, v.device()).unwrap();
     kakeya_runtime::kv::FThetaRestorer::new(&f, d.num_layers(), d.context_width()).unwrap()
 }
+
+/// `p` with f32 exact tiers (equivalences against exact f32 K/V).
+pub fn f32_kv(p: kakeya_runtime::KvPolicy) -> kakeya_runtime::KvPolicy {
+    kakeya_runtime::KvPolicy {
+        dtype: kakeya_runtime::KvDtype::F32,
+        ..p
+    }
+}

@@ -196,7 +196,7 @@ pub fn report(settings: &Settings, results: &[ItemResult]) -> Report {
     }
     Report {
         schema_version: SCHEMA_VERSION,
-        full_cache_dtype: "f32",
+        full_cache_dtype: kakeya_runtime::KvDtype::default().name(),
         ratio_reference: "the model's native cache layout (global layers every position, sliding layers their window) at the same length in 16-bit floats",
         settings: settings.clone(),
         modes,

@@ -21,6 +21,10 @@ impl Bits {
     pub const B8: Bits = Bits(8);
     /// 4-bit values, two per byte.
     pub const B4: Bits = Bits(4);
+    /// 3-bit values.
+    pub const B3: Bits = Bits(3);
+    /// 2-bit values.
+    pub const B2: Bits = Bits(2);
 
     /// `n` bits, when the quantiser supports that width (2 to 8).
     pub fn new(n: u32) -> Option<Bits> {

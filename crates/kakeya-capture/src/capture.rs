@@ -154,8 +154,9 @@ pub fn capture_tokens(
         });
     }
     // One pass over the whole sequence, chunked, into fresh caches.
-    let mut caches =
-        KvCache::for_specs(&model.cache_specs(), 0, kakeya_runtime::KvDtype::default());
+    // f32 caches: the captured attention outputs are targets that f_θ's loss recomputes in
+    // f32 from the captured raw Q/K/V.
+    let mut caches = KvCache::for_specs(&model.cache_specs(), 0, kakeya_runtime::KvDtype::F32);
     let mut columns: Vec<Option<HostMatrix>> = vec![None; n_v + sel.aux_layers.len()];
     let mut drafter_aux: Vec<Tensor<2>> = Vec::new();
     let drafter_targets: Vec<usize> = drafter

@@ -117,8 +117,7 @@ fn gemma4_capture_reads_back_what_the_model_computes() {
         // One forward of the whole sequence (at most 16 rows: every row is computed as a
         // decode step would compute it, so chunking does not change a bit).
         assert!(b.token.len() <= 16);
-        let mut caches =
-            KvCache::for_specs(&v.cache_specs(), 0, kakeya_runtime::KvDtype::default());
+        let mut caches = KvCache::for_specs(&v.cache_specs(), 0, kakeya_runtime::KvDtype::F32);
         let mut req = ForwardRequest::new(&b.token, 0, Logits::None);
         let aux = [1, 3];
         req.hidden_after = &aux;

@@ -175,8 +175,7 @@ fn values_read_back_equal_what_the_models_produce() {
         for b in &got {
             // Recompute the sequence in one pass and compare every column.
             let toks = &b.token;
-            let mut caches =
-                KvCache::for_specs(&v.cache_specs(), 0, kakeya_runtime::KvDtype::default());
+            let mut caches = KvCache::for_specs(&v.cache_specs(), 0, kakeya_runtime::KvDtype::F32);
             let mut req = ForwardRequest::new(toks, 0, Logits::None);
             let aux_layers = [1, 3];
             req.hidden_after = &aux_layers;
@@ -198,7 +197,7 @@ fn values_read_back_equal_what_the_models_produce() {
                 .iter()
                 .map(|&l| {
                     let mut c2 =
-                        KvCache::for_specs(&v.cache_specs(), 0, kakeya_runtime::KvDtype::default());
+                        KvCache::for_specs(&v.cache_specs(), 0, kakeya_runtime::KvDtype::F32);
                     let mut r = ForwardRequest::new(toks, 0, Logits::None);
                     let la = [l];
                     r.hidden_after = &la;

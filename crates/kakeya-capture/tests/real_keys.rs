@@ -12,7 +12,7 @@ use kakeya_capture::config::Dtype;
 use kakeya_capture::schema::ModelInfo;
 use kakeya_capture::{CaptureConfig, Dataset, Models, Query, RunOptions};
 use kakeya_models::Gemma3Model;
-use kakeya_runtime::Session;
+use kakeya_runtime::{KvDtype, KvPolicy, KvSetup, Session};
 use kakeya_weights::{Checkpoint, Tokenizer};
 
 /// f32 capture vs the runtime: the capture pass runs in chunks of 256, the session in one
@@ -89,7 +89,12 @@ fn captured_raw_keys_become_the_runtime_keys() {
         .unwrap();
     let n = b.token.len();
     assert!(n > 520, "sequence of {n} tokens crosses the window");
-    let mut s = Session::new(&v, 0);
+    // The capture's f32 keys against f32 caches (the default 16-bit caches round them).
+    let policy = KvPolicy {
+        dtype: KvDtype::F32,
+        ..KvPolicy::default()
+    };
+    let mut s = Session::with_kv(&v, KvSetup::new(policy)).unwrap();
     s.prefill(&b.token, 512).unwrap();
     let device = Device::flex();
     let mut worst = 0.0f32;

@@ -418,7 +418,7 @@ fn convert_writes_the_folder_transformers_loads() {
         );
     }
     // And Kakeya reading that folder gives transformers' logits for it. Same tolerance as the
-    // golden tests (f32 on the same weights; only summation order differs).
+    // golden tests (f32 on the same weights and K/V; only summation order differs).
     let ck = Checkpoint::load(&out).unwrap();
     assert_eq!(
         ck.config,
@@ -428,7 +428,13 @@ fn convert_writes_the_folder_transformers_loads() {
     let model = Gemma3Model::from_checkpoint(ck, &burn::tensor::Device::flex()).unwrap();
     for case in fixture["cases"].as_array().unwrap() {
         let ids: Vec<u32> = serde_json::from_value(case["prompt_ids"].clone()).unwrap();
-        let logits = kakeya_runtime::Session::new(&model, 0)
+        // f32 K/V, as the golden tests' 1e-3 comparison (the default 16-bit caches round them).
+        let policy = kakeya_runtime::KvPolicy {
+            dtype: kakeya_runtime::KvDtype::F32,
+            ..Default::default()
+        };
+        let logits = kakeya_runtime::Session::with_kv(&model, kakeya_runtime::KvSetup::new(policy))
+            .unwrap()
             .prefill(&ids, 512)
             .unwrap();
         let top: Vec<usize> = serde_json::from_value(case["top_ids"].clone()).unwrap();

@@ -398,7 +398,7 @@ fn eval_niah_reports_resumes_and_refuses_other_settings() {
     let a: Vec<&str> = a.iter().map(String::as_str).collect();
     let rep = json(&run_ok(&a));
     assert_eq!(rep["schema_version"], 1);
-    assert_eq!(rep["full_cache_dtype"], "f32");
+    assert_eq!(rep["full_cache_dtype"], "f16");
     let modes: Vec<&str> = rep["modes"]
         .as_array()
         .unwrap()

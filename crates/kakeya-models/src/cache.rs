@@ -168,6 +168,33 @@ pub struct InPlace {
     pub modulus: usize,
 }
 
+/// A deferred segment's K/V read on the CPU straight from the cache's own storage
+/// (quantised codes), a tile of positions at a time, by the row loops of
+/// [`crate::host_attention`]: no tensor is built for them.
+pub trait HostTier: Sync {
+    /// Head `head` of `part` at absolute `positions` (inside the deferred segment) as f32 rows
+    /// `[positions.len, head_dim]`, written into `out` (exactly that long). Keys come back as
+    /// attention reads them; values in the basis [`HostTier::undo_values`] maps back from.
+    fn read_head(
+        &self,
+        part: KvPart,
+        head: usize,
+        positions: Range<usize>,
+        out: &mut [f32],
+    ) -> Result<()>;
+
+    /// Whether the values come back rotated: attention sums them as they are, then maps each
+    /// head's sum back with [`HostTier::undo_values`].
+    fn values_rotated(&self) -> bool {
+        false
+    }
+
+    /// Maps one head's weighted sum of rotated values (`head_dim`) back, in place.
+    fn undo_values(&self, row: &mut [f32]) {
+        let _ = row;
+    }
+}
+
 /// One layer's KV store, owned by the caller.
 pub trait LayerCache: Send {
     /// Records the K/V of positions `start..start + T` (the chunk being computed) and returns
@@ -215,6 +242,13 @@ pub trait LayerCache: Send {
             "this cache has no deferred K/V (asked for positions {positions:?})"
         )))
     }
+
+    /// The [`SegmentKv::Deferred`] segment the last [`LayerCache::update`] returned, as a
+    /// [`HostTier`] when the cache can hand its storage to the CPU row loops (`None`, the
+    /// default: attention reads it through [`LayerCache::deferred`]).
+    fn host_tier(&mut self) -> Option<&dyn HostTier> {
+        None
+    }
 }
 
 /// The caches of every layer of a model, as one forward sees them.
@@ -242,6 +276,12 @@ pub trait KvLayers: Send {
     /// [`LayerCache::in_place`] of layer `layer` (`None`: no such layer, or it cannot).
     fn in_place(&mut self, layer: usize, start: usize, like: &Tensor<3>) -> Option<InPlace> {
         let _ = (layer, start, like);
+        None
+    }
+
+    /// [`LayerCache::host_tier`] of layer `layer`.
+    fn host_tier(&mut self, layer: usize) -> Option<&dyn HostTier> {
+        let _ = layer;
         None
     }
 
@@ -273,6 +313,10 @@ impl<C: LayerCache> KvLayers for [C] {
         self.get_mut(layer)?.in_place(start, like)
     }
 
+    fn host_tier(&mut self, layer: usize) -> Option<&dyn HostTier> {
+        self.get_mut(layer)?.host_tier()
+    }
+
     fn truncate(&mut self, len: usize) -> Result<()> {
         self.iter_mut().try_for_each(|c| c.truncate(len))
     }
@@ -299,6 +343,10 @@ impl<C: LayerCache> KvLayers for Vec<C> {
 
     fn in_place(&mut self, layer: usize, start: usize, like: &Tensor<3>) -> Option<InPlace> {
         self.as_mut_slice().in_place(layer, start, like)
+    }
+
+    fn host_tier(&mut self, layer: usize) -> Option<&dyn HostTier> {
+        self.as_mut_slice().host_tier(layer)
     }
 
     fn truncate(&mut self, len: usize) -> Result<()> {

@@ -9,6 +9,9 @@ use burn::backend::{BackendTensor, DispatchTensorKind};
 use burn::tensor::Tensor;
 use kakeya_weights::rowops;
 
+use crate::cache::{HostTier, KvPart};
+use crate::error::Result;
+
 /// Keys per tile of a row's sums: a tile of 16-bit keys (or values) is widened to f32 into a
 /// scratch buffer that stays in cache (64 rows of 256 values: 64 KiB) before its products.
 pub const KEY_TILE: usize = 64;
@@ -73,32 +76,41 @@ impl HostView {
     pub fn rows<'a>(&'a self, h: usize, keys: &[usize], buf: &'a mut Vec<f32>) -> &'a [f32] {
         let dim = self.dims[2];
         let run = keys.windows(2).all(|w| w[1] == w[0] + 1) && self.row_stride == dim;
+        if let (false, true, Some(&first)) = (self.half, run, keys.first()) {
+            let at = self.offset + h * self.head_stride + first * self.row_stride;
+            return &self.tensor.storage::<f32>()[at..at + keys.len() * dim];
+        }
+        buf.resize(keys.len() * dim, 0.0);
+        self.rows_into(h, keys, buf);
+        buf
+    }
+
+    /// Rows `keys` of head `h` as f32 into `out` (`[keys.len(), dim]`; f16 widened).
+    pub fn rows_into(&self, h: usize, keys: &[usize], out: &mut [f32]) {
+        let dim = self.dims[2];
+        let run = keys.windows(2).all(|w| w[1] == w[0] + 1) && self.row_stride == dim;
         let at = |j: usize| self.offset + h * self.head_stride + j * self.row_stride;
+        let out = &mut out[..keys.len() * dim];
         if self.half {
             use half::slice::HalfFloatSliceExt;
             let src = self.tensor.storage::<half::f16>();
-            buf.resize(keys.len() * dim, 0.0);
             match keys.first() {
                 Some(&first) if run => {
                     let a = at(first);
-                    src[a..a + keys.len() * dim].convert_to_f32_slice(buf);
+                    src[a..a + keys.len() * dim].convert_to_f32_slice(out);
                 }
                 _ => {
-                    for (o, &j) in buf.chunks_exact_mut(dim).zip(keys) {
+                    for (o, &j) in out.chunks_exact_mut(dim).zip(keys) {
                         src[at(j)..at(j) + dim].convert_to_f32_slice(o);
                     }
                 }
             }
-            return buf;
+            return;
         }
-        if let (true, Some(&first)) = (run, keys.first()) {
-            return &self.tensor.storage::<f32>()[at(first)..at(first) + keys.len() * dim];
+        let src = self.tensor.storage::<f32>();
+        for (o, &j) in out.chunks_exact_mut(dim).zip(keys) {
+            o.copy_from_slice(&src[at(j)..at(j) + dim]);
         }
-        buf.clear();
-        for &j in keys {
-            buf.extend_from_slice(self.row(h, j));
-        }
-        buf
     }
 
     /// Row `r` of head `h` (`dim` values) of an f32 view (queries).
@@ -112,36 +124,126 @@ impl HostView {
     }
 }
 
+/// Where the keys and values of one segment are read on the CPU.
+pub enum RowSource<'a> {
+    /// Buffers viewed in place (a cache's, or the chunk's own K/V), rows by index.
+    View {
+        /// Keys, `[kv_heads, n, dim]`.
+        k: HostView,
+        /// Values, `[kv_heads, n, dim]`.
+        v: HostView,
+    },
+    /// A cache's own storage (quantised codes), rows by absolute position.
+    Tier(&'a dyn HostTier),
+}
+
+/// One key a query row reads: the source it lives in and its row there (an index into a
+/// view, an absolute position in a tier).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SourcedKey {
+    /// Index into the sources.
+    pub source: usize,
+    /// Row in that source.
+    pub row: usize,
+}
+
+/// Head `h` of `part` for `keys` (in order) as f32 rows `[keys.len(), dim]`: in place when they
+/// are one run of adjacent f32 rows of one view, else gathered (f16 widened, codes
+/// dequantised) into `buf`.
+fn tile_rows<'b>(
+    sources: &'b [RowSource<'_>],
+    part: KvPart,
+    (h, dim): (usize, usize),
+    keys: &[SourcedKey],
+    rows: &mut Vec<usize>,
+    buf: &'b mut Vec<f32>,
+) -> Result<&'b [f32]> {
+    let view = |s: &'b RowSource<'_>| match (s, part) {
+        (RowSource::View { k, .. }, KvPart::K) => Some(k),
+        (RowSource::View { v, .. }, KvPart::V) => Some(v),
+        (RowSource::Tier(_), _) => None,
+    };
+    let first = keys[0].source;
+    if keys.iter().all(|k| k.source == first)
+        && let Some(view) = view(&sources[first])
+    {
+        rows.clear();
+        rows.extend(keys.iter().map(|k| k.row));
+        return Ok(view.rows(h, rows, buf));
+    }
+    buf.resize(keys.len() * dim, 0.0);
+    let mut a = 0;
+    while a < keys.len() {
+        let s = keys[a].source;
+        match &sources[s] {
+            RowSource::View { .. } => {
+                let b = a + keys[a..].iter().take_while(|k| k.source == s).count();
+                rows.clear();
+                rows.extend(keys[a..b].iter().map(|k| k.row));
+                let at = a * dim..b * dim;
+                view(&sources[s])
+                    .expect("a view")
+                    .rows_into(h, rows, &mut buf[at]);
+                a = b;
+            }
+            RowSource::Tier(tier) => {
+                let p = keys[a].row;
+                let b = a + keys[a..]
+                    .iter()
+                    .enumerate()
+                    .take_while(|(j, k)| k.source == s && k.row == p + j)
+                    .count();
+                let at = a * dim..b * dim;
+                tier.read_head(part, h, p..p + (b - a), &mut buf[at])?;
+                a = b;
+            }
+        }
+    }
+    Ok(&buf[..keys.len() * dim])
+}
+
 /// One query position's attention: for every query head `h` (reading key/value head
-/// `h / (heads / kv_heads)`), `softmax(scale · q_h·k_j) · v_j` over the keys `keys` (indices
-/// into the cached rows, in the order their sums run). Writes `out` (`heads · dim`, heads
+/// `h / (heads / kv_heads)`), `softmax(scale · q_h·k_j) · v_j` over `keys` (in position order,
+/// the order their sums run), read from `sources`. Writes `out` (`heads · dim`, heads
 /// concatenated). The products are [`kakeya_weights::rowops`]'s fixed-order sums, run over
-/// tiles of [`KEY_TILE`] keys (f16 keys and values widened to f32 a tile at a time); the
-/// tiling changes no sum's order, so f32 and f16-rounded inputs take the same arithmetic.
+/// tiles of [`KEY_TILE`] keys counted from the row's first key (f16 keys and values widened,
+/// quantised ones dequantised, a tile at a time); the tiling changes no sum's order, so a row
+/// reads the same bits however its keys are split into segments, and f32 and f16-rounded
+/// inputs take the same arithmetic. Values a tier holds rotated are summed apart and mapped
+/// back once per head.
 ///
 /// # Shapes
-/// - `q`: `[heads, T, dim]` (row `i` is read, f32); `k`, `v`: `[kv_heads, S, dim]` (f32 or f16)
+/// - `q`: `[heads, T, dim]` (row `i` is read, f32); the sources' keys and values
+///   `[kv_heads, ·, dim]`
 pub fn attend_row(
     q: &HostView,
-    i: usize,
-    k: &HostView,
-    v: &HostView,
-    keys: &[usize],
+    (i, kv_heads): (usize, usize),
+    sources: &[RowSource<'_>],
+    keys: &[SourcedKey],
     scale: f32,
     out: &mut [f32],
-) {
+) -> Result<()> {
     let [heads, _, dim] = q.dims();
-    let group = heads / k.dims()[0];
+    let group = heads / kv_heads;
     let n = keys.len();
+    let rotated: Vec<bool> = sources
+        .iter()
+        .map(|s| matches!(s, RowSource::Tier(t) if t.values_rotated()))
+        .collect();
+    let undo = sources.iter().zip(&rotated).find_map(|(s, &r)| match s {
+        RowSource::Tier(t) if r => Some(*t),
+        _ => None,
+    });
     let mut qg = vec![0.0f32; group * dim];
     let mut s = vec![0.0f32; n * group];
-    let (mut kbuf, mut vbuf) = (Vec::new(), Vec::new());
-    for kvh in 0..k.dims()[0] {
+    let mut back = vec![0.0f32; if undo.is_some() { group * dim } else { 0 }];
+    let (mut buf, mut rows) = (Vec::new(), Vec::new());
+    for kvh in 0..kv_heads {
         for g in 0..group {
             qg[g * dim..(g + 1) * dim].copy_from_slice(q.row(kvh * group + g, i));
         }
         for (c, tile) in keys.chunks(KEY_TILE).enumerate() {
-            let ks = k.rows(kvh, tile, &mut kbuf);
+            let ks = tile_rows(sources, KvPart::K, (kvh, dim), tile, &mut rows, &mut buf)?;
             let at = c * KEY_TILE * group;
             rowops::row_dots(ks, tile.len(), &qg, group, dim, &mut s[at..]);
         }
@@ -164,18 +266,47 @@ pub fn attend_row(
         }
         let o = &mut out[kvh * group * dim..(kvh + 1) * group * dim];
         o.fill(0.0);
+        back.fill(0.0);
         for (c, tile) in keys.chunks(KEY_TILE).enumerate() {
-            let vs = v.rows(kvh, tile, &mut vbuf);
-            let at = c * KEY_TILE * group;
-            rowops::weighted_sum(&s[at..], vs, tile.len(), group, dim, o);
+            // Runs of rotated and plain values go to their own sums.
+            let mut a = 0;
+            while a < tile.len() {
+                let r = rotated[tile[a].source];
+                let b = a + tile[a..]
+                    .iter()
+                    .take_while(|k| rotated[k.source] == r)
+                    .count();
+                let run = &tile[a..b];
+                let vs = tile_rows(sources, KvPart::V, (kvh, dim), run, &mut rows, &mut buf)?;
+                let at = (c * KEY_TILE + a) * group;
+                let acc = if r { &mut back[..] } else { &mut o[..] };
+                rowops::weighted_sum(&s[at..], vs, run.len(), group, dim, acc);
+                a = b;
+            }
+        }
+        if let Some(t) = undo {
+            for (o, b) in o.chunks_exact_mut(dim).zip(back.chunks_exact_mut(dim)) {
+                t.undo_values(b);
+                for (x, y) in o.iter_mut().zip(b.iter()) {
+                    *x += y;
+                }
+            }
         }
     }
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use burn::tensor::{Device, TensorData};
+
+    /// Keys of the one source 0.
+    fn sourced(rows: &[usize]) -> Vec<SourcedKey> {
+        rows.iter()
+            .map(|&row| SourcedKey { source: 0, row })
+            .collect()
+    }
 
     fn tensor(dims: [usize; 3], seed: u32) -> Tensor<3> {
         let mut z = seed.wrapping_mul(2_654_435_761).wrapping_add(7);
@@ -206,7 +337,15 @@ mod tests {
         let keys: Vec<usize> = (0..s).filter(|j| j % 5 != 2).collect();
         let scale = 0.125f32;
         let mut out = vec![0.0f32; heads * d];
-        attend_row(&qv, 1, &kv, &vv, &keys, scale, &mut out);
+        attend_row(
+            &qv,
+            (1, kvh),
+            &[RowSource::View { k: kv, v: vv }],
+            &sourced(&keys),
+            scale,
+            &mut out,
+        )
+        .unwrap();
         // Reference: Burn's ops over the same keys.
         let ids: Vec<i64> = keys.iter().map(|&j| j as i64).collect();
         let ids = Tensor::<1, burn::tensor::Int>::from_data(
@@ -252,8 +391,17 @@ mod tests {
         ] {
             let run = |k: &Tensor<3>, v: &Tensor<3>| {
                 let mut out = vec![0.0f32; heads * d];
-                let (kv, vv) = (HostView::of(k).unwrap(), HostView::of(v).unwrap());
-                attend_row(&qv, 1, &kv, &vv, &keys, scale, &mut out);
+                let (k, v) = (HostView::of(k).unwrap(), HostView::of(v).unwrap());
+                let keys = sourced(&keys);
+                attend_row(
+                    &qv,
+                    (1, kvh),
+                    &[RowSource::View { k, v }],
+                    &keys,
+                    scale,
+                    &mut out,
+                )
+                .unwrap();
                 out
             };
             let (half, rounded, exact) = (run(&k16, &v16), run(&kr, &vr), run(&k, &v));
@@ -268,6 +416,106 @@ mod tests {
                 .fold(0.0f32, f32::max);
             // Inputs in [-1, 1] rounded to f16 (relative error ≤ 2^-11): a few 1e-3 at most.
             assert!(worst < 5e-3, "max |Δ| against unrounded f32 {worst}");
+        }
+    }
+
+    /// Rows held by position from `first` (one KV head), values optionally held as
+    /// `−reverse(v)` (an orthogonal map whose inverse changes no bit).
+    struct Tier {
+        k: Vec<f32>,
+        v: Vec<f32>,
+        first: usize,
+        dim: usize,
+        rotated: bool,
+    }
+
+    impl HostTier for Tier {
+        fn read_head(
+            &self,
+            part: KvPart,
+            _head: usize,
+            positions: std::ops::Range<usize>,
+            out: &mut [f32],
+        ) -> Result<()> {
+            let d = self.dim;
+            let src = if part == KvPart::K { &self.k } else { &self.v };
+            let rows = &src[(positions.start - self.first) * d..(positions.end - self.first) * d];
+            out.copy_from_slice(rows);
+            if part == KvPart::V && self.rotated {
+                for r in out.chunks_exact_mut(d) {
+                    r.reverse();
+                    r.iter_mut().for_each(|x| *x = -*x);
+                }
+            }
+            Ok(())
+        }
+
+        fn values_rotated(&self) -> bool {
+            self.rotated
+        }
+
+        fn undo_values(&self, row: &mut [f32]) {
+            row.reverse();
+            row.iter_mut().for_each(|x| *x = -*x);
+        }
+    }
+
+    #[test]
+    fn keys_split_over_views_and_a_tier_give_the_bits_of_one_view() {
+        // 150 keys: rows 0..40 and 100..150 from views, 40..100 from a tier (a tile boundary
+        // falls inside it), rotated or not.
+        let (heads, s, d) = (4, 150, 72);
+        let q = tensor([heads, 2, d], 7);
+        let (k, v) = (tensor([1, s, d], 8), tensor([1, s, d], 9));
+        let qv = HostView::of(&q).unwrap();
+        let whole: Vec<f32> = {
+            let mut out = vec![0.0f32; heads * d];
+            let src = [RowSource::View {
+                k: HostView::of(&k).unwrap(),
+                v: HostView::of(&v).unwrap(),
+            }];
+            let keys: Vec<usize> = (0..s).collect();
+            attend_row(&qv, (1, 1), &src, &sourced(&keys), 0.1, &mut out).unwrap();
+            out
+        };
+        let host = |t: &Tensor<3>, r: std::ops::Range<usize>| -> Vec<f32> {
+            t.clone()
+                .slice([0..1, r, 0..d])
+                .into_data()
+                .try_to_vec::<f32>()
+                .unwrap()
+        };
+        for rotated in [false, true] {
+            let tier = Tier {
+                k: host(&k, 40..100),
+                v: host(&v, 40..100),
+                first: 40,
+                dim: d,
+                rotated,
+            };
+            let view = |r: std::ops::Range<usize>| RowSource::View {
+                k: HostView::of(&k.clone().slice([0..1, r.clone(), 0..d])).unwrap(),
+                v: HostView::of(&v.clone().slice([0..1, r, 0..d])).unwrap(),
+            };
+            let src = [view(0..40), RowSource::Tier(&tier), view(100..s)];
+            let keys: Vec<SourcedKey> = (0..40)
+                .map(|row| SourcedKey { source: 0, row })
+                .chain((40..100).map(|row| SourcedKey { source: 1, row }))
+                .chain((0..50).map(|row| SourcedKey { source: 2, row }))
+                .collect();
+            let mut out = vec![0.0f32; heads * d];
+            attend_row(&qv, (1, 1), &src, &keys, 0.1, &mut out).unwrap();
+            if rotated {
+                // The rotated values' sum is added to the others' once at the end.
+                let worst = out
+                    .iter()
+                    .zip(&whole)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0f32, f32::max);
+                assert!(worst < 1e-5, "rotated tier: max |Δ| {worst}");
+            } else {
+                assert_eq!(out, whole, "split over sources");
+            }
         }
     }
 }

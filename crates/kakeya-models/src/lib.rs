@@ -18,8 +18,8 @@ pub mod sdpa;
 pub mod testing;
 
 pub use cache::{
-    CacheSpec, DeferredKv, DraftContext, InPlace, KvLayers, KvPart, KvSegment, LayerCache, Reach,
-    SegmentKv,
+    CacheSpec, DeferredKv, DraftContext, HostTier, InPlace, KvLayers, KvPart, KvSegment,
+    LayerCache, Reach, SegmentKv,
 };
 pub use dflash::{DFlashDrafter, DraftOutput, DraftRequest};
 pub use draw::Draw;

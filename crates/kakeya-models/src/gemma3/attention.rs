@@ -7,7 +7,7 @@ use rayon::prelude::*;
 
 use crate::cache::{DeferredKv, KvLayers, KvPart, KvSegment, Reach, SegmentKv};
 use crate::error::{ModelError, Result};
-use crate::host_attention::{self, HostView};
+use crate::host_attention::{self, HostView, RowSource, SourcedKey};
 use crate::linear::{Linear, QUANT_MAX_ROWS};
 use crate::norm::RmsNorm;
 use crate::rope::Rope;
@@ -455,32 +455,131 @@ impl Attention {
         device: &Device,
     ) -> Result<Tensor<2>> {
         let t = q.dims()[1];
-        let (deferred, ready): (Vec<KvSegment>, Vec<KvSegment>) = segments
-            .into_iter()
-            .filter(|s| !s.is_empty())
-            .partition(|s| matches!(s.kv, SegmentKv::Deferred));
-        if !deferred.is_empty() {
-            return self.tiled_attention(q, start, &ready, &deferred, (caches, layer), device);
-        }
-        let (ks, vs): (Vec<_>, Vec<_>) = ready.iter().map(|s| self.ready(s, device)).unzip();
-        if ks.is_empty() {
+        let segments: Vec<KvSegment> = segments.into_iter().filter(|s| !s.is_empty()).collect();
+        if segments.is_empty() {
             return Err(ModelError::Cache(format!(
                 "layer {layer}: the cache returned no keys for positions {start}..{}",
                 start + t
             )));
         }
+        // On the CPU, at any length: each row's loops read the caches' buffers and quantised
+        // tiers in place, over exactly the keys the row sees (a causal prompt chunk costs
+        // half the square a masked product computes, and a prompt row's bits are those of the
+        // same row decoded alone).
+        if let Some(out) = self.attend_on_host(&q, start, &segments, (caches, layer), device)? {
+            return Ok(out);
+        }
+        let (deferred, ready): (Vec<KvSegment>, Vec<KvSegment>) = segments
+            .into_iter()
+            .partition(|s| matches!(s.kv, SegmentKv::Deferred));
+        if !deferred.is_empty() {
+            return self.tiled_attention(q, start, &ready, &deferred, (caches, layer), device);
+        }
+        let (ks, vs): (Vec<_>, Vec<_>) = ready.iter().map(|s| self.ready(s, device)).unzip();
         let (k, v) = (cat_keys(ks), cat_keys(vs));
-        // Row by row wherever the rows' host loops read the buffers (f32 on the CPU), at any
-        // length: each row reads only the keys it sees, so a causal prompt chunk costs half
-        // the square a masked product computes (pp512 +14–25 %, pp4096 4.5×), and a prompt
-        // row's bits are those of the same row decoded alone. Elsewhere (a GPU, autodiff),
-        // long chunks take one masked product.
-        if t <= QUANT_MAX_ROWS || HostView::of(&q).is_some() {
+        // Row by row for short chunks (a row's bits do not depend on the other rows); long
+        // chunks elsewhere (a GPU, autodiff) take one masked product.
+        if t <= QUANT_MAX_ROWS {
             return Ok(self.attend_rows(q, start, &ready, k, v, device));
         }
         let groups = self.heads / self.kv_heads;
         let mask = self.mask(start, t, &ready, groups, device);
         Ok(grouped_attention(q, as_f32(k), as_f32(v), self.scale, mask))
+    }
+
+    /// [`Self::attend`] on the CPU: `None` when `q` or a segment does not live in CPU memory
+    /// (a GPU, autodiff), or a deferred segment is read by a chunk of more than
+    /// [`QUANT_MAX_ROWS`] rows or its cache has no [`crate::HostTier`].
+    ///
+    /// # Shapes
+    /// - `q`: `[heads, T, head_dim]` → `[T, heads · head_dim]`
+    fn attend_on_host(
+        &self,
+        q: &Tensor<3>,
+        start: usize,
+        segments: &[KvSegment],
+        (caches, layer): (&mut dyn KvLayers, usize),
+        device: &Device,
+    ) -> Result<Option<Tensor<2>>> {
+        let Some(qh) = HostView::of(q) else {
+            return Ok(None);
+        };
+        // Each row dequantises what it reads of a tier: right for decode steps and verify
+        // blocks, not for a prompt chunk of hundreds of rows (the tile-by-tile tensor path
+        // dequantises each tile once for all of them).
+        let deferred = segments.iter().any(|s| matches!(s.kv, SegmentKv::Deferred));
+        if deferred && q.dims()[1] > QUANT_MAX_ROWS {
+            return Ok(None);
+        }
+        let tier = if deferred {
+            match caches.host_tier(layer) {
+                Some(t) => Some(t),
+                None => return Ok(None),
+            }
+        } else {
+            None
+        };
+        let mut sources = Vec::with_capacity(segments.len());
+        for s in segments {
+            sources.push(match (&s.kv, tier) {
+                (SegmentKv::Deferred, Some(t)) => RowSource::Tier(t),
+                (SegmentKv::Deferred, None) => return Ok(None),
+                _ => {
+                    let (k, v) = self.ready(s, device);
+                    match (HostView::of(&k), HostView::of(&v)) {
+                        (Some(k), Some(v)) => RowSource::View { k, v },
+                        _ => return Ok(None),
+                    }
+                }
+            });
+        }
+        let [heads, t, d] = q.dims();
+        // Per row, the keys it sees in position order: tier rows by position, view rows by
+        // index.
+        let seen = |i: usize| -> Vec<SourcedKey> {
+            let mut keys: Vec<(usize, SourcedKey)> = segments
+                .iter()
+                .enumerate()
+                .flat_map(|(source, s)| {
+                    let tier = matches!(s.kv, SegmentKv::Deferred);
+                    s.positions
+                        .iter()
+                        .enumerate()
+                        .filter(move |&(_, &p)| self.sees(start + i, (p, s.reach)))
+                        .map(move |(j, &p)| {
+                            let row = if tier { p } else { j };
+                            (p, SourcedKey { source, row })
+                        })
+                })
+                .collect();
+            keys.sort_unstable_by_key(|&(p, _)| p);
+            keys.into_iter().map(|(_, k)| k).collect()
+        };
+        let width = heads * d;
+        let mut out = vec![0.0f32; t * width];
+        let scale = self.scale as f32;
+        let row = |i: usize, o: &mut [f32]| {
+            let keys = seen(i);
+            if keys.is_empty() {
+                return Err(ModelError::Cache(format!(
+                    "layer {layer}: no key for the query at {}",
+                    start + i
+                )));
+            }
+            host_attention::attend_row(&qh, (i, self.kv_heads), &sources, &keys, scale, o)
+        };
+        // The rows in parallel (a row's bits do not depend on the thread or the other rows).
+        if t > 1 {
+            out.par_chunks_mut(width)
+                .enumerate()
+                .try_for_each(|(i, o)| row(i, o))?;
+        } else {
+            row(0, &mut out)?;
+        }
+        Ok(Some(Tensor::from_data(
+            TensorData::new(out, [t, width]),
+            device,
+        )))
     }
 
     /// Each query row alone, over exactly the keys it sees in position order: a row's result
@@ -542,28 +641,6 @@ impl Attention {
             if let Some(out) = crate::gpu::attention_rows(&q, &k, &v, self.scale, keys) {
                 return out;
             }
-        }
-        // On the CPU: each row's loops straight over the caches' buffers, the rows in
-        // parallel (a row's bits do not depend on the thread or the other rows).
-        if let (Some(qh), Some(kh), Some(vh)) =
-            (HostView::of(&q), HostView::of(&k), HostView::of(&v))
-        {
-            let width = heads * d;
-            let mut out = vec![0.0f32; t * width];
-            let scale = self.scale as f32;
-            let row = |i: usize, seen: &[(usize, usize)], o: &mut [f32]| {
-                let keys: Vec<usize> = seen.iter().map(|&(_, j)| j).collect();
-                host_attention::attend_row(&qh, i, &kh, &vh, &keys, scale, o);
-            };
-            if t > 1 {
-                seen.par_iter()
-                    .zip(out.par_chunks_mut(width))
-                    .enumerate()
-                    .for_each(|(i, (s, o))| row(i, s, o));
-            } else {
-                row(0, &seen[0], &mut out);
-            }
-            return Tensor::from_data(TensorData::new(out, [t, width]), device);
         }
         // The rows in parallel (each row's bits do not depend on the thread).
         let (k, v) = (as_f32(k), as_f32(v));

@@ -12,7 +12,7 @@
 use half::f16;
 use kakeya_models::ModelError;
 
-use super::rows::{Bits, code_at, pack_codes, quantise_group};
+use super::rows::{Bits, pack_codes, quantise_group, unpack_codes};
 
 /// Positions per per-channel block.
 pub const CHANNEL_BLOCK: usize = 64;
@@ -165,6 +165,13 @@ impl ChannelRows {
     /// Dequantised rows of positions `from..to` (row-major, `width` each); every position must
     /// be in a complete block.
     pub fn read(&self, from: usize, to: usize) -> kakeya_models::Result<Vec<f32>> {
+        let mut out = vec![0.0f32; to.saturating_sub(from) * self.width];
+        self.read_into(from, to, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`Self::read`] into `out` (`(to − from) · width` long).
+    pub fn read_into(&self, from: usize, to: usize, out: &mut [f32]) -> kakeya_models::Result<()> {
         let first = self.blocks.front().map_or(self.quantised_to, |b| b.start);
         if from < first || to > self.quantised_to {
             return Err(ModelError::Cache(format!(
@@ -173,9 +180,9 @@ impl ChannelRows {
             )));
         }
         let (w, rb) = (self.width, self.row_bytes());
-        let mut out = vec![0.0f32; (to - from) * w];
         let first_block = first / CHANNEL_BLOCK;
         let (mut scale, mut min) = (vec![0.0f32; w], vec![0.0f32; w]);
+        let mut codes = vec![0u8; w];
         let mut p = from;
         while p < to {
             let b = &self.blocks[p / CHANNEL_BLOCK - first_block];
@@ -185,13 +192,15 @@ impl ChannelRows {
             }
             for q in p..upto {
                 let r = q - b.start;
-                let codes = &b.codes[r * rb..(r + 1) * rb];
+                unpack_codes(&b.codes[r * rb..(r + 1) * rb], self.bits, &mut codes);
                 let o = &mut out[(q - from) * w..(q - from + 1) * w];
-                unpack_row(codes, self.bits, &scale, &min, o);
+                for (((o, &q), s), m) in o.iter_mut().zip(&codes).zip(&scale).zip(&min) {
+                    *o = f32::from(q) * s + m;
+                }
             }
             p = upto;
         }
-        Ok(out)
+        Ok(())
     }
 
     /// Step (scale) of channel `c` at position `p` (error bounds in tests).
@@ -208,31 +217,6 @@ impl ChannelRows {
             .map(|b| b.codes.capacity() + b.params.capacity() * 4 + std::mem::size_of::<Block>())
             .sum::<usize>()
             + self.tail.capacity() * 4
-    }
-}
-
-/// `out[c] = code_c · scale[c] + min[c]` for one packed row of codes.
-fn unpack_row(codes: &[u8], bits: Bits, scale: &[f32], min: &[f32], out: &mut [f32]) {
-    match bits {
-        Bits::B8 => {
-            for (((o, &q), s), m) in out.iter_mut().zip(codes).zip(scale).zip(min) {
-                *o = f32::from(q) * s + m;
-            }
-        }
-        Bits::B4 => {
-            for (i, &byte) in codes.iter().enumerate() {
-                let c = 2 * i;
-                out[c] = f32::from(byte & 15) * scale[c] + min[c];
-                if c + 1 < out.len() {
-                    out[c + 1] = f32::from(byte >> 4) * scale[c + 1] + min[c + 1];
-                }
-            }
-        }
-        _ => {
-            for (c, o) in out.iter_mut().enumerate() {
-                *o = f32::from(code_at(codes, bits, c)) * scale[c] + min[c];
-            }
-        }
     }
 }
 

@@ -14,8 +14,9 @@ pub mod tiered;
 use std::ops::Range;
 
 use burn::tensor::{Device, Tensor};
+use kakeya_models::host_attention::KEY_TILE;
 use kakeya_models::{
-    CacheSpec, DeferredKv, InPlace, KvLayers, KvPart, KvSegment, LayerCache, ModelError,
+    CacheSpec, DeferredKv, HostTier, InPlace, KvLayers, KvPart, KvSegment, LayerCache, ModelError,
 };
 use serde::{Deserialize, Serialize};
 
@@ -302,6 +303,18 @@ impl KvLayers for SequenceKv<'_> {
 
     fn truncate(&mut self, len: usize) -> kakeya_models::Result<()> {
         SequenceKv::truncate(self, len)
+    }
+
+    fn host_tier(&mut self, layer: usize) -> Option<&dyn HostTier> {
+        let tier = match self.layers.get(layer)? {
+            LayerKv::Tiered(c) => c.host_tier()?,
+            LayerKv::QuantAll(c) => c as &dyn HostTier,
+            LayerKv::Native(_) => return None,
+        };
+        // The row loops hold one tile of K or V of a head, widened to f32, per row.
+        let width = self.kv_widths.get(layer).copied().unwrap_or(0);
+        self.transient_peak = self.transient_peak.max(KEY_TILE * width * 4);
+        Some(tier)
     }
 
     fn deferred(

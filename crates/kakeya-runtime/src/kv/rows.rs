@@ -76,7 +76,7 @@ pub(crate) fn pack_codes(codes: &[u8], bits: Bits, out: &mut Vec<u8>) {
 
 /// Code `i` of a group packed by [`pack_codes`].
 #[inline]
-pub(crate) fn code_at(packed: &[u8], bits: Bits, i: usize) -> u8 {
+fn code_at(packed: &[u8], bits: Bits, i: usize) -> u8 {
     match bits.0 {
         8 => packed[i],
         4 => (packed[i / 2] >> ((i % 2) * 4)) & 15,
@@ -86,6 +86,48 @@ pub(crate) fn code_at(packed: &[u8], bits: Bits, i: usize) -> u8 {
             let lo = u16::from(packed[at]);
             let hi = u16::from(packed.get(at + 1).copied().unwrap_or(0));
             (((hi << 8) | lo) >> shift) as u8 & bits.max_code()
+        }
+    }
+}
+
+/// Unpacks the first `out.len()` codes of a run packed by [`pack_codes`] (whole groups of
+/// eight codes take `bits` bytes, read at once).
+pub(crate) fn unpack_codes(packed: &[u8], bits: Bits, out: &mut [u8]) {
+    let b = usize::from(bits.0);
+    match b {
+        8 => out.copy_from_slice(&packed[..out.len()]),
+        4 => {
+            for (pair, &byte) in out.chunks_mut(2).zip(packed) {
+                pair[0] = byte & 15;
+                if let Some(hi) = pair.get_mut(1) {
+                    *hi = byte >> 4;
+                }
+            }
+        }
+        2 => {
+            for (quad, &byte) in out.chunks_mut(4).zip(packed) {
+                for (j, o) in quad.iter_mut().enumerate() {
+                    *o = (byte >> (2 * j)) & 3;
+                }
+            }
+        }
+        _ => {
+            let mask = u64::from(bits.max_code());
+            let whole = out.len() / 8;
+            for (eight, bytes) in out[..whole * 8]
+                .chunks_exact_mut(8)
+                .zip(packed.chunks_exact(b))
+            {
+                let mut word = [0u8; 8];
+                word[..b].copy_from_slice(bytes);
+                let w = u64::from_le_bytes(word);
+                for (j, o) in eight.iter_mut().enumerate() {
+                    *o = ((w >> (j * b)) & mask) as u8;
+                }
+            }
+            for i in whole * 8..out.len() {
+                out[i] = code_at(packed, bits, i);
+            }
         }
     }
 }
@@ -210,26 +252,25 @@ impl QuantRows {
 
     /// Dequantised rows `from..to`, row-major.
     pub fn dequantize(&self, from: usize, to: usize) -> Vec<f32> {
+        let mut out = vec![0.0f32; (to - from) * self.width];
+        self.dequantize_into(from, to, &mut out);
+        out
+    }
+
+    /// Dequantised rows `from..to`, row-major, into `out` (`(to − from) · width` long).
+    pub fn dequantize_into(&self, from: usize, to: usize, out: &mut [f32]) {
         let gpr = self.groups_per_row();
         let gb = self.bits.group_bytes(self.group);
-        let mut out = Vec::with_capacity((to - from) * self.width);
-        for g in from * gpr..to * gpr {
+        let mut codes = [0u8; GROUP];
+        let codes = &mut codes[..self.group];
+        for (g, o) in (from * gpr..to * gpr).zip(out.chunks_exact_mut(self.group)) {
             let [s, m] = self.params[g];
             let (s, m) = (s.to_f32(), m.to_f32());
-            let codes = &self.codes[g * gb..(g + 1) * gb];
-            match self.bits {
-                Bits::B8 => out.extend(codes.iter().map(|&q| f32::from(q) * s + m)),
-                Bits::B4 => out.extend(
-                    codes
-                        .iter()
-                        .flat_map(|&b| [f32::from(b & 15) * s + m, f32::from(b >> 4) * s + m]),
-                ),
-                bits => {
-                    out.extend((0..self.group).map(|i| f32::from(code_at(codes, bits, i)) * s + m))
-                }
+            unpack_codes(&self.codes[g * gb..(g + 1) * gb], self.bits, codes);
+            for (o, &q) in o.iter_mut().zip(codes.iter()) {
+                *o = f32::from(q) * s + m;
             }
         }
-        out
     }
 
     /// Scale of group `g` of row `row` (for error bounds).
@@ -357,6 +398,14 @@ impl Rows {
         }
     }
 
+    /// [`Self::read`] into `out` (`(to − from) · width` long).
+    pub fn read_into(&self, from: usize, to: usize, out: &mut [f32]) {
+        match self {
+            Rows::F32 { width, data } => out.copy_from_slice(&data[from * width..to * width]),
+            Rows::Quant(q) => q.dequantize_into(from, to, out),
+        }
+    }
+
     /// Bytes allocated.
     pub fn nbytes(&self) -> usize {
         match self {
@@ -465,7 +514,7 @@ mod tests {
     fn packed_codes_come_back_for_every_width() {
         for b in 2..=8 {
             let bits = Bits::new(b).unwrap();
-            for n in [1, 7, 64, 65] {
+            for n in [1, 7, 8, 64, 65, 256] {
                 let codes: Vec<u8> = (0..n).map(|i| ((i * 37 + 11) % (1 << b)) as u8).collect();
                 let mut packed = Vec::new();
                 pack_codes(&codes, bits, &mut packed);
@@ -476,6 +525,9 @@ mod tests {
                 );
                 let back: Vec<u8> = (0..n).map(|i| code_at(&packed, bits, i)).collect();
                 assert_eq!(back, codes, "{b} bits");
+                let mut run = vec![0u8; n];
+                unpack_codes(&packed, bits, &mut run);
+                assert_eq!(run, codes, "{b} bits, unpacked as a run");
             }
         }
         assert!(Bits::new(1).is_none() && Bits::new(9).is_none());

@@ -11,7 +11,7 @@ use std::ops::Range;
 
 use burn::tensor::{Device, Tensor, TensorData};
 use kakeya_models::{
-    CacheSpec, DeferredKv, KvPart, KvSegment, LayerCache, ModelError, Reach, SegmentKv,
+    CacheSpec, DeferredKv, HostTier, KvPart, KvSegment, LayerCache, ModelError, Reach, SegmentKv,
 };
 
 use super::channels::ChannelRows;
@@ -187,6 +187,50 @@ impl QuantTier {
             DeferredKv::Ready(from_rows(rows, heads, dim, device)),
             bytes,
         ))
+    }
+
+    /// Head `head` of K or V of `positions` into `out` (`[n, head_dim]`), as
+    /// [`HostTier::read_head`] hands it to the CPU row loops: rotated per-token keys rotated
+    /// back, values left rotated.
+    fn read_head(
+        &self,
+        part: KvPart,
+        head: usize,
+        positions: Range<usize>,
+        (heads, dim): (usize, usize),
+        out: &mut [f32],
+    ) -> kakeya_models::Result<()> {
+        if positions.start < self.first || positions.end > self.first + self.v.len() {
+            return Err(ModelError::Cache(format!(
+                "quantised tier holds positions {}..{}, asked for {positions:?}",
+                self.first,
+                self.first + self.v.len()
+            )));
+        }
+        let (a, b) = (positions.start - self.first, positions.end - self.first);
+        let mut all = Vec::new();
+        let rows: &mut [f32] = if heads == 1 {
+            &mut *out
+        } else {
+            all.resize((b - a) * heads * dim, 0.0);
+            &mut all
+        };
+        match (part, &self.k) {
+            (KvPart::K, KeyRows::Tokens(k)) => k.read_into(a, b, rows),
+            (KvPart::K, KeyRows::Channels(k)) => {
+                k.read_into(positions.start, positions.end, rows)?
+            }
+            (KvPart::V, _) => self.v.read_into(a, b, rows),
+        }
+        if let (Some(r), KvPart::K, KeyRows::Tokens(_)) = (&self.rotation, part, &self.k) {
+            r.undo(rows);
+        }
+        if heads > 1 {
+            for (o, row) in out.chunks_exact_mut(dim).zip(all.chunks_exact(heads * dim)) {
+                o.copy_from_slice(&row[head * dim..(head + 1) * dim]);
+            }
+        }
+        Ok(())
     }
 
     fn nbytes(&self) -> usize {
@@ -399,7 +443,39 @@ impl TieredCache {
     }
 }
 
+impl HostTier for TieredCache {
+    fn read_head(
+        &self,
+        part: KvPart,
+        head: usize,
+        positions: Range<usize>,
+        out: &mut [f32],
+    ) -> kakeya_models::Result<()> {
+        let q = self
+            .quant
+            .as_ref()
+            .ok_or_else(|| ModelError::Cache(format!("layer {}: no quantised tier", self.layer)))?;
+        q.read_head(part, head, positions, self.shape, out)
+    }
+
+    fn values_rotated(&self) -> bool {
+        self.quant.as_ref().is_some_and(|q| q.rotation.is_some())
+    }
+
+    fn undo_values(&self, row: &mut [f32]) {
+        if let Some(r) = self.quant.as_ref().and_then(|q| q.rotation.as_ref()) {
+            r.undo(row);
+        }
+    }
+}
+
 impl TieredCache {
+    /// The quantised tier as the CPU row loops read it (`None` when evicted positions are
+    /// dropped or restored).
+    pub fn host_tier(&self) -> Option<&dyn HostTier> {
+        self.quant.as_ref().map(|_| self as &dyn HostTier)
+    }
+
     /// Positions recorded.
     pub fn len(&self) -> usize {
         self.len
@@ -483,6 +559,18 @@ impl QuantAllCache {
     }
 }
 
+impl HostTier for QuantAllCache {
+    fn read_head(
+        &self,
+        part: KvPart,
+        head: usize,
+        positions: Range<usize>,
+        out: &mut [f32],
+    ) -> kakeya_models::Result<()> {
+        self.tier.read_head(part, head, positions, self.shape, out)
+    }
+}
+
 impl LayerCache for QuantAllCache {
     fn update(
         &mut self,
@@ -517,6 +605,10 @@ impl LayerCache for QuantAllCache {
     ) -> kakeya_models::Result<DeferredKv> {
         let device = self.device.clone().unwrap_or_else(Device::flex);
         Ok(self.deferred_counted(positions, part, &device)?.0)
+    }
+
+    fn host_tier(&mut self) -> Option<&dyn HostTier> {
+        Some(self)
     }
 
     fn len(&self) -> usize {

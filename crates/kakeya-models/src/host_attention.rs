@@ -125,6 +125,8 @@ impl HostView {
 }
 
 /// Where the keys and values of one segment are read on the CPU.
+// A few per layer and forward, in a Vec: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
 pub enum RowSource<'a> {
     /// Buffers viewed in place (a cache's, or the chunk's own K/V), rows by index.
     View {

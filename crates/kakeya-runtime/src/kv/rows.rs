@@ -125,8 +125,8 @@ pub(crate) fn unpack_codes(packed: &[u8], bits: Bits, out: &mut [u8]) {
                     *o = ((w >> (j * b)) & mask) as u8;
                 }
             }
-            for i in whole * 8..out.len() {
-                out[i] = code_at(packed, bits, i);
+            for (i, o) in out.iter_mut().enumerate().skip(whole * 8) {
+                *o = code_at(packed, bits, i);
             }
         }
     }

@@ -150,54 +150,12 @@ impl QuantTier {
         Ok(())
     }
 
-    /// Dequantised K or V of `positions`, `[kv_heads, n, head_dim]`, and its bytes.
-    fn read(
+    /// K or V rows of `positions` (`[n, kv_heads · head_dim]`) into `out`: dequantised,
+    /// rotated per-token keys rotated back, values left as stored (rotated or not).
+    fn read_rows_into(
         &self,
         positions: Range<usize>,
         part: KvPart,
-        (heads, dim): (usize, usize),
-        device: &Device,
-    ) -> kakeya_models::Result<(DeferredKv, usize)> {
-        if positions.start < self.first || positions.end > self.first + self.v.len() {
-            return Err(ModelError::Cache(format!(
-                "quantised tier holds positions {}..{}, asked for {positions:?}",
-                self.first,
-                self.first + self.v.len()
-            )));
-        }
-        let (a, b) = (positions.start - self.first, positions.end - self.first);
-        let mut rows = match (part, &self.k) {
-            (KvPart::K, KeyRows::Tokens(rows)) => rows.read(a, b),
-            (KvPart::K, KeyRows::Channels(rows)) => rows.read(positions.start, positions.end)?,
-            (KvPart::V, _) => self.v.read(a, b),
-        };
-        // Rotated values go to attention as they are, with the inverse rotation (applied to
-        // their weighted sum); rotated per-token keys are rotated back here.
-        if let (Some(r), KvPart::V) = (&self.rotation, part) {
-            let bytes = rows.len() * 4;
-            let undo = self.undo.get_or_init(|| r.undo_matrix(device)).clone();
-            let v = from_rows(rows, heads, dim, device);
-            return Ok((DeferredKv::Rotated { v, undo }, bytes));
-        }
-        if let (Some(r), KeyRows::Tokens(_)) = (&self.rotation, &self.k) {
-            r.undo(&mut rows);
-        }
-        let bytes = rows.len() * 4;
-        Ok((
-            DeferredKv::Ready(from_rows(rows, heads, dim, device)),
-            bytes,
-        ))
-    }
-
-    /// Head `head` of K or V of `positions` into `out` (`[n, head_dim]`), as
-    /// [`HostTier::read_head`] hands it to the CPU row loops: rotated per-token keys rotated
-    /// back, values left rotated.
-    fn read_head(
-        &self,
-        part: KvPart,
-        head: usize,
-        positions: Range<usize>,
-        (heads, dim): (usize, usize),
         out: &mut [f32],
     ) -> kakeya_models::Result<()> {
         if positions.start < self.first || positions.end > self.first + self.v.len() {
@@ -208,27 +166,60 @@ impl QuantTier {
             )));
         }
         let (a, b) = (positions.start - self.first, positions.end - self.first);
-        let mut all = Vec::new();
-        let rows: &mut [f32] = if heads == 1 {
-            &mut *out
-        } else {
-            all.resize((b - a) * heads * dim, 0.0);
-            &mut all
-        };
         match (part, &self.k) {
-            (KvPart::K, KeyRows::Tokens(k)) => k.read_into(a, b, rows),
-            (KvPart::K, KeyRows::Channels(k)) => {
-                k.read_into(positions.start, positions.end, rows)?
+            (KvPart::K, KeyRows::Tokens(rows)) => rows.read_into(a, b, out),
+            (KvPart::K, KeyRows::Channels(rows)) => {
+                rows.read_into(positions.start, positions.end, out)?
             }
-            (KvPart::V, _) => self.v.read_into(a, b, rows),
+            (KvPart::V, _) => self.v.read_into(a, b, out),
         }
         if let (Some(r), KvPart::K, KeyRows::Tokens(_)) = (&self.rotation, part, &self.k) {
-            r.undo(rows);
+            r.undo(out);
         }
-        if heads > 1 {
-            for (o, row) in out.chunks_exact_mut(dim).zip(all.chunks_exact(heads * dim)) {
-                o.copy_from_slice(&row[head * dim..(head + 1) * dim]);
-            }
+        Ok(())
+    }
+
+    /// Dequantised K or V of `positions`, `[kv_heads, n, head_dim]`, and its bytes.
+    fn read(
+        &self,
+        positions: Range<usize>,
+        part: KvPart,
+        (heads, dim): (usize, usize),
+        device: &Device,
+    ) -> kakeya_models::Result<(DeferredKv, usize)> {
+        let mut rows = vec![0.0f32; positions.len() * heads * dim];
+        self.read_rows_into(positions, part, &mut rows)?;
+        let bytes = rows.len() * 4;
+        // Rotated values go to attention as they are, with the inverse rotation (applied to
+        // their weighted sum).
+        if let (Some(r), KvPart::V) = (&self.rotation, part) {
+            let undo = self.undo.get_or_init(|| r.undo_matrix(device)).clone();
+            let v = from_rows(rows, heads, dim, device);
+            return Ok((DeferredKv::Rotated { v, undo }, bytes));
+        }
+        Ok((
+            DeferredKv::Ready(from_rows(rows, heads, dim, device)),
+            bytes,
+        ))
+    }
+
+    /// Head `head` of K or V of `positions` into `out` (`[n, head_dim]`), as
+    /// [`HostTier::read_head`] hands it to the CPU row loops.
+    fn read_head(
+        &self,
+        part: KvPart,
+        head: usize,
+        positions: Range<usize>,
+        (heads, dim): (usize, usize),
+        out: &mut [f32],
+    ) -> kakeya_models::Result<()> {
+        if heads == 1 {
+            return self.read_rows_into(positions, part, out);
+        }
+        let mut all = vec![0.0f32; positions.len() * heads * dim];
+        self.read_rows_into(positions, part, &mut all)?;
+        for (o, row) in out.chunks_exact_mut(dim).zip(all.chunks_exact(heads * dim)) {
+            o.copy_from_slice(&row[head * dim..(head + 1) * dim]);
         }
         Ok(())
     }

@@ -15,7 +15,7 @@
 //! instructions and three float ones for sixteen rows and one input. A row's result depends
 //! only on its own input row — the rounding is per row and the float steps run in one fixed
 //! order — so it is the same however many rows run together (batch-invariant, what lossless
-//! speculation needs), and the portable path computes the same bits (tested).
+//! speculation needs), and the AVX2 and portable paths compute the same bits (tested).
 //!
 //! The numbers are not the exact kernel's: the input rounding moves a product by ≈ 1 % of the
 //! outputs' RMS (0.8–1.2 % on the random matrices of the tests below), and the default model's
@@ -23,6 +23,9 @@
 //! differ from the f32 model's at near-ties. Hence the exact kernel stays the default.
 
 use rayon::prelude::*;
+
+#[cfg(target_arch = "x86_64")]
+mod x86;
 
 use crate::kernel::TILE;
 use crate::quant::QuantMatrix;
@@ -238,16 +241,13 @@ impl Panels {
     /// The products of the panels from `p0` (as many as `out` holds, `[panel][t][PANEL]`)
     /// against the `t` rounded inputs, on the calling thread.
     pub(crate) fn panel_products(&self, xr: &Rounded, t: usize, p0: usize, out: &mut [f32]) {
-        let vnni = simd_available();
         for (i, o) in out.chunks_exact_mut(t * PANEL).enumerate() {
             let p = p0 + i;
             let mut j0 = 0;
             while j0 < t {
                 let xn = (t - j0).min(MAX_X);
                 let res = &mut o[j0 * PANEL..(j0 + xn) * PANEL];
-                if vnni {
-                    simd_panel(self, p, xr, j0, xn, res);
-                } else {
+                if !simd_panel(self, p, xr, j0, xn, res) {
                     self.panel_portable(p, xr, j0, xn, res);
                 }
                 j0 += xn;
@@ -285,156 +285,24 @@ impl Panels {
     }
 }
 
-/// Whether this machine has AVX-512 VNNI (Zen 4, Sapphire Rapids and later), which the fast
-/// path needs; elsewhere the portable path computes the same bits.
-#[cfg(target_arch = "x86_64")]
+/// Whether this machine has AVX-512 VNNI (Zen 4, Sapphire Rapids and later), the int8
+/// kernel's fastest path; AVX2 comes next, then the portable path, all giving the same bits.
 pub(crate) fn simd_available() -> bool {
-    static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *OK.get_or_init(|| {
-        is_x86_feature_detected!("avx512f")
-            && is_x86_feature_detected!("avx512bw")
-            && is_x86_feature_detected!("avx512vnni")
-            && is_x86_feature_detected!("fma")
-    })
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-pub(crate) fn simd_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return x86::vnni_available();
+    #[cfg(not(target_arch = "x86_64"))]
     false
 }
 
-#[cfg(not(target_arch = "x86_64"))]
-fn simd_panel(m: &Panels, p: usize, xr: &Rounded, j0: usize, xn: usize, out: &mut [f32]) {
-    m.panel_portable(p, xr, j0, xn, out)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[allow(unsafe_code)]
-fn simd_panel(m: &Panels, p: usize, xr: &Rounded, j0: usize, xn: usize, out: &mut [f32]) {
-    assert!(
-        (p + 1) * m.gpr * block(m.group, m.asym) <= m.data.len()
-            && (j0 + xn) * m.cols <= xr.q.len()
-            && out.len() >= xn * PANEL
-            && matches!(m.group, 16 | 32)
-            && simd_available(),
-        "int8::simd_panel: bad inputs"
-    );
-    // SAFETY: the features are available and the slices were checked above.
-    unsafe {
-        match (m.group, m.asym) {
-            (32, false) => by_inputs::<32, false>(m, p, xr, j0, xn, out),
-            (32, true) => by_inputs::<32, true>(m, p, xr, j0, xn, out),
-            (16, false) => by_inputs::<16, false>(m, p, xr, j0, xn, out),
-            _ => by_inputs::<16, true>(m, p, xr, j0, xn, out),
-        }
-    }
-}
-
-/// [`vnni`] for `xn` inputs.
-///
-/// # Safety
-/// The CPU has AVX-512 VNNI and the slices were checked by [`simd_panel`].
-#[cfg(target_arch = "x86_64")]
-#[allow(unsafe_code)]
-unsafe fn by_inputs<const G: usize, const ASYM: bool>(
-    m: &Panels,
-    p: usize,
-    xr: &Rounded,
-    j0: usize,
-    xn: usize,
-    out: &mut [f32],
-) {
-    // SAFETY (every arm): the caller's guarantees.
-    unsafe {
-        match xn {
-            1 => vnni::<1, 4, G, ASYM>(m, p, xr, j0, out),
-            2 => vnni::<2, 4, G, ASYM>(m, p, xr, j0, out),
-            3 => vnni::<3, 2, G, ASYM>(m, p, xr, j0, out),
-            4 => vnni::<4, 2, G, ASYM>(m, p, xr, j0, out),
-            5 => vnni::<5, 1, G, ASYM>(m, p, xr, j0, out),
-            6 => vnni::<6, 1, G, ASYM>(m, p, xr, j0, out),
-            7 => vnni::<7, 1, G, ASYM>(m, p, xr, j0, out),
-            8 => vnni::<8, 1, G, ASYM>(m, p, xr, j0, out),
-            9 => vnni::<9, 1, G, ASYM>(m, p, xr, j0, out),
-            10 => vnni::<10, 1, G, ASYM>(m, p, xr, j0, out),
-            11 => vnni::<11, 1, G, ASYM>(m, p, xr, j0, out),
-            12 => vnni::<12, 1, G, ASYM>(m, p, xr, j0, out),
-            13 => vnni::<13, 1, G, ASYM>(m, p, xr, j0, out),
-            14 => vnni::<14, 1, G, ASYM>(m, p, xr, j0, out),
-            15 => vnni::<15, 1, G, ASYM>(m, p, xr, j0, out),
-            _ => vnni::<MAX_X, 1, G, ASYM>(m, p, xr, j0, out),
-        }
-    }
-}
-
-/// Panel `p` against `X` inputs from `j0`: lane `r` of `acc[j]` accumulates row `16p + r`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma")]
-#[allow(unsafe_code, clippy::needless_range_loop)]
-unsafe fn vnni<const X: usize, const A: usize, const G: usize, const ASYM: bool>(
-    m: &Panels,
-    p: usize,
-    xr: &Rounded,
-    j0: usize,
-    out: &mut [f32],
-) {
-    use std::arch::x86_64::{
-        __m512i, _mm512_add_epi32, _mm512_cvtepi32_ps, _mm512_dpbusd_epi32, _mm512_fmadd_ps,
-        _mm512_loadu_ps, _mm512_loadu_si512, _mm512_mul_ps, _mm512_set1_epi32, _mm512_set1_ps,
-        _mm512_setzero_ps, _mm512_setzero_si512, _mm512_storeu_ps,
-    };
-    let (cols, gpr) = (m.cols, m.gpr);
-    let mut acc = [_mm512_setzero_ps(); X];
-    let (hdr, bb) = (header(ASYM), block(G, ASYM));
-    // SAFETY: the caller checked that panel `p` and inputs `j0..j0 + X` exist.
-    let pp = unsafe { m.data.as_ptr().add(p * gpr * bb) };
-    for g in 0..gpr {
-        // SAFETY: block `g` of the panel holds the header and `G/4` runs of 64 bytes; input
-        // `j0 + j` holds `cols` values and `gpr` group figures.
-        unsafe {
-            let b = pp.add(g * bb);
-            crate::kernel::prefetch_ahead(b, bb);
-            // `A` independent chains per input (few inputs: a `vpdpbusd` would otherwise wait
-            // on the last one's result), summed after: integer sums, so the same bits.
-            let mut ai = [[_mm512_setzero_si512(); A]; X];
-            for (j, a) in ai.iter_mut().enumerate() {
-                a[0] = _mm512_set1_epi32(*xr.start.get_unchecked((j0 + j) * gpr + g));
-            }
-            for k in 0..G / 4 {
-                let wk = _mm512_loadu_si512(b.add(hdr + 64 * k).cast::<__m512i>());
-                for (j, a) in ai.iter_mut().enumerate() {
-                    let x4 =
-                        xr.q.as_ptr()
-                            .add((j0 + j) * cols + g * G + 4 * k)
-                            .cast::<i32>()
-                            .read_unaligned();
-                    a[k % A] = _mm512_dpbusd_epi32(a[k % A], wk, _mm512_set1_epi32(x4));
-                }
-            }
-            let ai: [__m512i; X] = std::array::from_fn(|j| {
-                let mut v = ai[j][0];
-                for c in &ai[j][1..] {
-                    v = _mm512_add_epi32(v, *c);
-                }
-                v
-            });
-            let sv = _mm512_loadu_ps(b.cast::<f32>());
-            for (j, a) in acc.iter_mut().enumerate() {
-                let d = _mm512_set1_ps(*xr.d.get_unchecked((j0 + j) * gpr + g));
-                *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[j]), _mm512_mul_ps(sv, d), *a);
-            }
-            if ASYM {
-                let ov = _mm512_loadu_ps(b.add(4 * PANEL).cast::<f32>());
-                for (j, a) in acc.iter_mut().enumerate() {
-                    let sum = _mm512_set1_ps(*xr.sum.get_unchecked((j0 + j) * gpr + g));
-                    *a = _mm512_fmadd_ps(ov, sum, *a);
-                }
-            }
-        }
-    }
-    for (j, a) in acc.iter().enumerate() {
-        // SAFETY: `out` holds `X · PANEL` values (checked by the caller).
-        unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(j * PANEL), *a) };
+/// Panel `p` against inputs `j0..j0 + xn` on the fastest SIMD path this machine has; `false`
+/// (nothing written) where it has none.
+fn simd_panel(m: &Panels, p: usize, xr: &Rounded, j0: usize, xn: usize, out: &mut [f32]) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return x86::panel(m, p, xr, j0, xn, out);
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (m, p, xr, j0, xn, out);
+        false
     }
 }
 
@@ -490,6 +358,14 @@ mod tests {
             for panel in 0..rows.div_ceil(PANEL) {
                 let mut a = vec![0.0f32; 8 * PANEL];
                 p.panel_portable(panel, &xr, 8, 8, &mut a);
+                // The AVX2 path too, where the machine has it (whether or not it has VNNI).
+                #[cfg(target_arch = "x86_64")]
+                let avx2 = {
+                    let mut b = vec![f32::NAN; 8 * PANEL];
+                    x86::avx2_panel(&p, panel, &xr, 8, 8, &mut b).then_some(b)
+                };
+                #[cfg(not(target_arch = "x86_64"))]
+                let avx2: Option<Vec<f32>> = None;
                 let n = (rows - panel * PANEL).min(PANEL);
                 for j in 0..8 {
                     for r in 0..n {
@@ -499,6 +375,13 @@ mod tests {
                             v.to_bits(),
                             "{ty:?} panel {panel}"
                         );
+                        if let Some(b) = &avx2 {
+                            assert_eq!(
+                                b[j * PANEL + r].to_bits(),
+                                v.to_bits(),
+                                "{ty:?} panel {panel}, AVX2"
+                            );
+                        }
                     }
                 }
             }

@@ -92,16 +92,16 @@ impl HostView {
         let at = |j: usize| self.offset + h * self.head_stride + j * self.row_stride;
         let out = &mut out[..keys.len() * dim];
         if self.half {
-            use half::slice::HalfFloatSliceExt;
+            use kakeya_weights::rowops::widen_f16;
             let src = self.tensor.storage::<half::f16>();
             match keys.first() {
                 Some(&first) if run => {
                     let a = at(first);
-                    src[a..a + keys.len() * dim].convert_to_f32_slice(out);
+                    widen_f16(&src[a..a + keys.len() * dim], out);
                 }
                 _ => {
                     for (o, &j) in out.chunks_exact_mut(dim).zip(keys) {
-                        src[at(j)..at(j) + dim].convert_to_f32_slice(o);
+                        widen_f16(&src[at(j)..at(j) + dim], o);
                     }
                 }
             }

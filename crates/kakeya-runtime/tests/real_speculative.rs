@@ -218,32 +218,6 @@ fn loop_guard_on_real_token_streams() {
 #[ignore = "needs the fetched Gemma 3 270M (scripts/fetch_default_model.py)"]
 fn trained_drafters_are_lossless_and_get_drafts_accepted() {
     let (v, tok) = load();
-    // The default drafter (10x data) and the first one (the committed f_θ's).
-    for (name, d, floor) in [
-        ("default", default_drafter(&v), 1.45),
-        ("first", trained_drafter(&v), 1.1),
-    ] {
-        drafter_is_lossless(&v, &tok, name, &d, floor);
-    }
-    // The int8 kernel: speculation against plain decoding with the same kernel.
-    let mut v8 = v.clone();
-    assert!(v8.set_kernel(kakeya_models::linear::Kernel::Int8) > 0);
-    drafter_is_lossless(
-        &v8,
-        &tok,
-        "default, int8 kernel",
-        &default_drafter(&v8),
-        1.45,
-    );
-}
-
-fn drafter_is_lossless(
-    v: &Gemma3Model,
-    tok: &Tokenizer,
-    name: &str,
-    d: &DFlashDrafter,
-    floor: f64,
-) {
     let mut prompts: Vec<Vec<u32>> = SHORT
         .iter()
         .map(|t| {
@@ -256,6 +230,30 @@ fn drafter_is_lossless(
     ids.extend(tok.encode(&long_prompt(0)).unwrap());
     assert!(ids.len() > v.config.sliding_window, "{} tokens", ids.len());
     prompts.push(ids);
+    // The other drafter and the other kernel on every third short prompt and the long one.
+    let some: Vec<Vec<u32>> = prompts
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| i % 3 == 0 || *i == prompts.len() - 1)
+        .map(|(_, p)| p.clone())
+        .collect();
+    // The default drafter (10x data) and the first one (the committed f_θ's).
+    drafter_is_lossless(&v, "default", &default_drafter(&v), &prompts, 1.45);
+    drafter_is_lossless(&v, "first", &trained_drafter(&v), &some, 1.1);
+    // The int8 kernel: speculation against plain decoding with the same kernel.
+    let mut v8 = v.clone();
+    assert!(v8.set_kernel(kakeya_models::linear::Kernel::Int8) > 0);
+    let d8 = default_drafter(&v8);
+    drafter_is_lossless(&v8, "default, int8 kernel", &d8, &some, 1.45);
+}
+
+fn drafter_is_lossless(
+    v: &Gemma3Model,
+    name: &str,
+    d: &DFlashDrafter,
+    prompts: &[Vec<u32>],
+    floor: f64,
+) {
     let max_tokens = 40;
     let (mut committed, mut blocks) = (0usize, 0usize);
     for (i, p) in prompts.iter().enumerate() {
@@ -321,9 +319,10 @@ fn drafter_is_lossless(
             );
         }
     }
-    // A trained drafter must actually draft: a random one commits 1.00 token per block; the
-    // first one commits 1.41 per block on these prompts, the default one 1.61 (2026-11-25):
-    // the default's floor is above what the first reaches.
+    // A trained drafter must actually draft: a random one commits 1.00 token per block. The
+    // default one commits 1.61 per block on all 19 prompts (1.67 with the int8 kernel on the
+    // seven of the subset), the first one 1.41 on all, 1.38 on the subset: the default's floor
+    // is above what the first reaches.
     let mean = committed as f64 / blocks as f64;
     eprintln!(
         "{name} drafter, block 8: {mean:.2} tokens per block over {} prompts",

@@ -64,6 +64,18 @@ fn long_prompt(seed: usize) -> String {
     s
 }
 
+/// [`SHORT`] tokenised, each after BOS.
+fn short_prompts(tok: &Tokenizer) -> Vec<Vec<u32>> {
+    SHORT
+        .iter()
+        .map(|t| {
+            let mut ids = vec![tok.bos];
+            ids.extend(tok.encode(t).unwrap());
+            ids
+        })
+        .collect()
+}
+
 fn cfg(max_tokens: usize) -> GenerationConfig {
     GenerationConfig {
         max_tokens,
@@ -95,14 +107,7 @@ fn divergence(v: &Gemma3Model, p: &[u32], want: &[u32], got: &[u32]) -> String {
 #[ignore = "needs the fetched Gemma 3 270M (scripts/fetch_default_model.py)"]
 fn speculative_equals_greedy_on_gemma3_270m() {
     let (v, tok) = load();
-    let mut prompts: Vec<Vec<u32>> = SHORT
-        .iter()
-        .map(|t| {
-            let mut ids = vec![tok.bos];
-            ids.extend(tok.encode(t).unwrap());
-            ids
-        })
-        .collect();
+    let mut prompts = short_prompts(&tok);
     for seed in 0..2 {
         let mut ids = vec![tok.bos];
         ids.extend(tok.encode(&long_prompt(seed)).unwrap());
@@ -218,14 +223,7 @@ fn loop_guard_on_real_token_streams() {
 #[ignore = "needs the fetched Gemma 3 270M (scripts/fetch_default_model.py)"]
 fn trained_drafters_are_lossless_and_get_drafts_accepted() {
     let (v, tok) = load();
-    let mut prompts: Vec<Vec<u32>> = SHORT
-        .iter()
-        .map(|t| {
-            let mut ids = vec![tok.bos];
-            ids.extend(tok.encode(t).unwrap());
-            ids
-        })
-        .collect();
+    let mut prompts = short_prompts(&tok);
     let mut ids = vec![tok.bos];
     ids.extend(tok.encode(&long_prompt(0)).unwrap());
     assert!(ids.len() > v.config.sliding_window, "{} tokens", ids.len());

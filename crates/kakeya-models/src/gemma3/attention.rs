@@ -13,9 +13,22 @@ use crate::norm::RmsNorm;
 use crate::rope::Rope;
 use crate::sdpa::{group_queries, grouped_attention, merge_heads, scores};
 
-/// Positions per tile of a deferred segment: the most dequantised or restored K (or V) of one
-/// layer held at once.
+/// Positions per tile of a deferred segment on a GPU: the most dequantised or restored K (or
+/// V) of one layer held at once.
 pub const DEFERRED_TILE: usize = 256;
+
+/// Positions per tile of a deferred segment on the CPU: a quarter of [`DEFERRED_TILE`], so that
+/// what a prompt chunk materialises stays small beside the quantised tiers it reads.
+pub const HOST_DEFERRED_TILE: usize = 64;
+
+/// The deferred tile for `device`.
+pub fn deferred_tile(device: &Device) -> usize {
+    if *device == Device::flex() {
+        HOST_DEFERRED_TILE
+    } else {
+        DEFERRED_TILE
+    }
+}
 
 /// What one layer's attention produced, for capture.
 #[derive(Debug, Clone)]
@@ -204,12 +217,13 @@ impl Attention {
             parts.push(scores(qg.clone(), as_f32(cat_keys(ks)), self.scale));
             v_ready = Some(as_f32(cat_keys(vs)));
         }
+        let tile_len = deferred_tile(device);
         let tiles: Vec<(usize, usize, &KvSegment)> = deferred
             .iter()
             .flat_map(|s| {
                 (0..s.len())
-                    .step_by(DEFERRED_TILE)
-                    .map(move |a| (a, (a + DEFERRED_TILE).min(s.len()), s))
+                    .step_by(tile_len)
+                    .map(move |a| (a, (a + tile_len).min(s.len()), s))
             })
             .collect();
         let range =

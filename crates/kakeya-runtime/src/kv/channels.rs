@@ -5,9 +5,10 @@
 //! precision, where a per-token group would stretch its step over them.
 //!
 //! A block is quantised once its last position is written; positions of the block still being
-//! filled are held exactly in f32 (with the last complete block's, so that a rollback into it
-//! rebuilds it from the same values). Because blocks are fixed by position and quantised from
-//! the same f32 values, a position comes back the same bits however its prompt was chunked.
+//! filled are held in f16, as the exact tiers hold them (with the last complete block's, so
+//! that a rollback into it rebuilds it from the same values). Because blocks are fixed by
+//! position and quantised from the same f16 values, a position comes back the same bits
+//! however its prompt was chunked.
 
 use half::f16;
 use kakeya_models::ModelError;
@@ -35,9 +36,9 @@ pub struct ChannelRows {
     /// First position ever held.
     origin: usize,
     blocks: std::collections::VecDeque<Block>,
-    /// Exact rows of positions `tail_from..len`: the last complete block's and the block
+    /// Rows of positions `tail_from..len` in f16: the last complete block's and the block
     /// being filled.
-    tail: Vec<f32>,
+    tail: Vec<f16>,
     tail_from: usize,
     /// End of the last complete block (= `origin` before the first).
     quantised_to: usize,
@@ -77,7 +78,7 @@ impl ChannelRows {
     /// Appends the rows of positions `len()..len() + n` (`values`: `n · width`); quantises
     /// every block they complete.
     pub fn push(&mut self, values: &[f32]) {
-        self.tail.extend_from_slice(values);
+        self.tail.extend(values.iter().map(|&x| f16::from_f32(x)));
         self.len += values.len() / self.width;
         loop {
             let end = Self::block_end(self.quantised_to);
@@ -101,14 +102,14 @@ impl ChannelRows {
     }
 
     /// Quantises positions `start..end` (`rows` begins with `start`'s row).
-    fn quantise(&self, start: usize, end: usize, rows: &[f32]) -> Block {
+    fn quantise(&self, start: usize, end: usize, rows: &[f16]) -> Block {
         let (n, w) = (end - start, self.width);
         let mut column = vec![0.0f32; n];
         let mut codes = vec![0u8; n * w];
         let (mut col_codes, mut params) = (Vec::with_capacity(n), Vec::with_capacity(w));
         for c in 0..w {
             for (r, x) in column.iter_mut().enumerate() {
-                *x = rows[r * w + c];
+                *x = rows[r * w + c].to_f32();
             }
             params.push(quantise_group(&column, self.bits, &mut col_codes));
             for (r, &q) in col_codes.iter().enumerate() {
@@ -133,7 +134,7 @@ impl ChannelRows {
     }
 
     /// Forgets positions `>= len`: a complete block that ends past `len` is reopened from its
-    /// exact rows; refused when those rows are gone (a rollback past the last complete block).
+    /// f16 rows; refused when those rows are gone (a rollback past the last complete block).
     pub fn truncate(&mut self, len: usize) -> kakeya_models::Result<()> {
         if len >= self.quantised_to {
             self.tail
@@ -210,13 +211,13 @@ impl ChannelRows {
         Some(b.params[c][0].to_f32())
     }
 
-    /// Bytes allocated: codes, parameters and the exact tail.
+    /// Bytes allocated: codes, parameters and the f16 tail.
     pub fn nbytes(&self) -> usize {
         self.blocks
             .iter()
             .map(|b| b.codes.capacity() + b.params.capacity() * 4 + std::mem::size_of::<Block>())
             .sum::<usize>()
-            + self.tail.capacity() * 4
+            + self.tail.capacity() * 2
     }
 }
 
@@ -258,6 +259,8 @@ mod tests {
             let a = whole.read(4, 256).unwrap();
             assert_eq!(a, parts.read(4, 256).unwrap(), "{bits:?}: chunking");
             for (i, (got, want)) in a.iter().zip(&x).enumerate() {
+                // Blocks are quantised from the f16 values the tail holds.
+                let want = f16::from_f32(*want).to_f32();
                 let (p, c) = (4 + i / width, i % width);
                 let s = whole.scale(p, c).unwrap();
                 assert!(

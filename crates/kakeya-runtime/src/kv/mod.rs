@@ -78,7 +78,8 @@ pub struct KvBytes {
     pub quantised: usize,
     /// The compact store (the drafter's per-position context K/V).
     pub store: usize,
-    /// The most bytes of evicted K/V materialised at once: one tile (up to 256 positions) of a
+    /// The most bytes of evicted K/V materialised at once: one tile (up to 64 positions on the
+    /// CPU, 256 on a GPU) of a
     /// layer's dequantised K or V, or of its restored K or V with its attention form (f32); or
     /// the most store rows read at once (restoration reads a tile; the drafter reads them all).
     pub transient_peak: usize,

@@ -12,6 +12,9 @@ use half::f16;
 /// Values per quantisation group.
 pub const GROUP: usize = 64;
 
+/// The largest group [`QuantRows::with_group`] takes (a head of Gemma's widest layers).
+pub const MAX_GROUP: usize = 512;
+
 /// Bits per quantised value: 2 to 8.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
 pub struct Bits(u8);
@@ -175,6 +178,17 @@ fn f16_up(x: f32) -> f16 {
     -f16_down(-x)
 }
 
+/// Rows per page of [`QuantRows`]: storage is allocated a page at a time (each page exactly
+/// its size), so what is held stays within a page at each end of what the rows use.
+pub const PAGE_ROWS: usize = 64;
+
+/// Up to [`PAGE_ROWS`] rows' codes and group parameters.
+#[derive(Debug, Clone)]
+struct Page {
+    codes: Vec<u8>,
+    params: Vec<[f16; 2]>,
+}
+
 /// Rows of `width` values, quantised group by group: groups of [`GROUP`] values, or of the
 /// largest even divisor of `width` below it when `width` is not a multiple (tiny test models).
 #[derive(Debug, Clone)]
@@ -182,26 +196,41 @@ pub struct QuantRows {
     bits: Bits,
     width: usize,
     group: usize,
-    codes: Vec<u8>,
-    /// Per group: scale and minimum.
-    params: Vec<[f16; 2]>,
+    pages: std::collections::VecDeque<Page>,
+    /// Rows dropped from the front of the first page (freed with the page).
+    skip: usize,
     rows: usize,
 }
 
 impl QuantRows {
-    /// Empty rows of `width` values.
+    /// Empty rows of `width` values, in groups of [`GROUP`] (or the largest even divisor of
+    /// `width` below it).
     pub fn new(bits: Bits, width: usize) -> Self {
         let group = (2..=GROUP)
             .rev()
             .step_by(2)
             .find(|g| width.is_multiple_of(*g))
             .unwrap_or_else(|| panic!("row width {width} has no even group size"));
+        Self::with_group(bits, width, group)
+    }
+
+    /// Empty rows of `width` values in groups of `group` values (even, at most [`MAX_GROUP`],
+    /// dividing `width`): e.g. one group per head for rotated rows, whose channels a rotation
+    /// has made alike.
+    pub fn with_group(bits: Bits, width: usize, group: usize) -> Self {
+        assert!(
+            group > 0
+                && group.is_multiple_of(2)
+                && group <= MAX_GROUP
+                && width.is_multiple_of(group),
+            "group of {group} values for rows of {width}"
+        );
         Self {
             bits,
             width,
             group,
-            codes: Vec::new(),
-            params: Vec::new(),
+            pages: Default::default(),
+            skip: 0,
             rows: 0,
         }
     }
@@ -215,39 +244,73 @@ impl QuantRows {
         self.group
     }
 
+    /// The page holding row `row` and the index of the row's first group in it.
+    fn locate(&self, row: usize) -> (&Page, usize) {
+        let p = self.skip + row;
+        (
+            &self.pages[p / PAGE_ROWS],
+            (p % PAGE_ROWS) * self.groups_per_row(),
+        )
+    }
+
     /// Quantises and appends rows (`values.len()` a multiple of the width).
     pub fn push(&mut self, values: &[f32]) {
-        let n = values.len() / self.width;
         let gb = self.bits.group_bytes(self.group);
         let gpr = self.groups_per_row();
-        grow(&mut self.codes, n * gpr * gb);
-        grow(&mut self.params, n * gpr);
         let mut codes = Vec::with_capacity(self.group);
-        for g in values.chunks_exact(self.group) {
-            let p = quantise_group(g, self.bits, &mut codes);
-            pack_codes(&codes, self.bits, &mut self.codes);
-            self.params.push(p);
+        for row in values.chunks_exact(self.width) {
+            if self
+                .pages
+                .back()
+                .is_none_or(|p| p.params.len() == PAGE_ROWS * gpr)
+            {
+                self.pages.push_back(Page {
+                    codes: Vec::with_capacity(PAGE_ROWS * gpr * gb),
+                    params: Vec::with_capacity(PAGE_ROWS * gpr),
+                });
+            }
+            let page = self.pages.back_mut().expect("a page with room");
+            for g in row.chunks_exact(self.group) {
+                let p = quantise_group(g, self.bits, &mut codes);
+                pack_codes(&codes, self.bits, &mut page.codes);
+                page.params.push(p);
+            }
+            self.rows += 1;
         }
-        self.rows += n;
     }
 
     /// Keeps the first `rows` rows.
     pub fn truncate(&mut self, rows: usize) {
-        let g = rows.min(self.rows) * self.groups_per_row();
-        self.codes.truncate(g * self.bits.group_bytes(self.group));
-        self.params.truncate(g);
         self.rows = rows.min(self.rows);
+        if self.rows == 0 {
+            self.pages.clear();
+            self.skip = 0;
+            return;
+        }
+        let end = self.skip + self.rows;
+        self.pages.truncate(end.div_ceil(PAGE_ROWS));
+        let in_last = end - (self.pages.len() - 1) * PAGE_ROWS;
+        let g = in_last * self.groups_per_row();
+        let gb = self.bits.group_bytes(self.group);
+        let last = self.pages.back_mut().expect("a page holds the kept rows");
+        last.codes.truncate(g * gb);
+        last.params.truncate(g);
     }
 
     /// Drops the first `rows` rows.
     pub fn drop_front(&mut self, rows: usize) {
         let rows = rows.min(self.rows);
-        let g = rows * self.groups_per_row();
-        self.codes.drain(..g * self.bits.group_bytes(self.group));
-        self.params.drain(..g);
         self.rows -= rows;
-        shrink(&mut self.codes);
-        shrink(&mut self.params);
+        self.skip += rows;
+        if self.rows == 0 {
+            self.pages.clear();
+            self.skip = 0;
+            return;
+        }
+        while self.skip >= PAGE_ROWS {
+            self.pages.pop_front();
+            self.skip -= PAGE_ROWS;
+        }
     }
 
     /// Dequantised rows `from..to`, row-major.
@@ -259,23 +322,26 @@ impl QuantRows {
 
     /// Dequantised rows `from..to`, row-major, into `out` (`(to − from) · width` long).
     pub fn dequantize_into(&self, from: usize, to: usize, out: &mut [f32]) {
-        let gpr = self.groups_per_row();
         let gb = self.bits.group_bytes(self.group);
-        let mut codes = [0u8; GROUP];
+        let mut codes = [0u8; MAX_GROUP];
         let codes = &mut codes[..self.group];
-        for (g, o) in (from * gpr..to * gpr).zip(out.chunks_exact_mut(self.group)) {
-            let [s, m] = self.params[g];
-            let (s, m) = (s.to_f32(), m.to_f32());
-            unpack_codes(&self.codes[g * gb..(g + 1) * gb], self.bits, codes);
-            for (o, &q) in o.iter_mut().zip(codes.iter()) {
-                *o = f32::from(q) * s + m;
+        for (r, o) in (from..to).zip(out.chunks_exact_mut(self.width)) {
+            let (page, first) = self.locate(r);
+            for (g, o) in (first..).zip(o.chunks_exact_mut(self.group)) {
+                let [s, m] = page.params[g];
+                let (s, m) = (s.to_f32(), m.to_f32());
+                unpack_codes(&page.codes[g * gb..(g + 1) * gb], self.bits, codes);
+                for (o, &q) in o.iter_mut().zip(codes.iter()) {
+                    *o = f32::from(q) * s + m;
+                }
             }
         }
     }
 
     /// Scale of group `g` of row `row` (for error bounds).
     pub fn scale(&self, row: usize, g: usize) -> f32 {
-        self.params[row * self.groups_per_row() + g][0].to_f32()
+        let (page, first) = self.locate(row);
+        page.params[first + g][0].to_f32()
     }
 
     /// Rows held.
@@ -288,9 +354,13 @@ impl QuantRows {
         self.rows == 0
     }
 
-    /// Bytes allocated (codes and group parameters).
+    /// Bytes allocated (codes and group parameters, page by page, and the page list).
     pub fn nbytes(&self) -> usize {
-        self.codes.capacity() + self.params.capacity() * std::mem::size_of::<[f16; 2]>()
+        self.pages
+            .iter()
+            .map(|p| p.codes.capacity() + p.params.capacity() * std::mem::size_of::<[f16; 2]>())
+            .sum::<usize>()
+            + self.pages.capacity() * std::mem::size_of::<Page>()
     }
 }
 
@@ -503,11 +573,53 @@ mod tests {
             };
             let used = (8 * width) as f64 * per_value;
             let held = r.nbytes() as f64;
+            // f32 rows grow by an eighth; quantised rows hold whole pages (here one).
+            let most = match bits {
+                None => used * 1.5,
+                Some(_) => (PAGE_ROWS * width) as f64 * per_value,
+            };
             assert!(
-                held >= used && held <= used * 1.5 + 1024.0,
+                held >= used && held <= most + 1024.0,
                 "{bits:?}: {held} for {used}"
             );
         }
+    }
+
+    #[test]
+    fn pages_keep_what_is_held_within_a_page_at_each_end() {
+        let width = 64;
+        let x = values(width * 1000, 11);
+        let mut whole = QuantRows::new(Bits::B4, width);
+        whole.push(&x);
+        let mut r = QuantRows::new(Bits::B4, width);
+        for row in x.chunks_exact(width * 7) {
+            r.push(row);
+        }
+        r.push(&x[width * 994..]);
+        assert_eq!(r.len(), 1000);
+        assert_eq!(r.dequantize(0, 1000), whole.dequantize(0, 1000));
+        let row_bytes = width / 2 + 4;
+        let page = PAGE_ROWS * row_bytes;
+        for (drop, keep) in [(0, 1000), (130, 800), (1, 799), (64, 700), (0, 1), (700, 0)] {
+            r.drop_front(drop);
+            r.truncate(keep);
+            let held = r.nbytes() - r.pages.capacity() * std::mem::size_of::<Page>();
+            assert!(held >= r.len() * row_bytes, "{held} for {} rows", r.len());
+            assert!(
+                held <= r.len() * row_bytes + 2 * page,
+                "{held} for {} rows",
+                r.len()
+            );
+        }
+        assert!(r.is_empty());
+        // Refilled after emptying, rows come back as the first time.
+        r.push(&x[..width * 100]);
+        assert_eq!(r.dequantize(0, 100), whole.dequantize(0, 100));
+        let mut s = QuantRows::new(Bits::B4, width);
+        s.push(&x[..width * 300]);
+        s.drop_front(70);
+        assert_eq!(s.dequantize(0, 230), whole.dequantize(70, 300));
+        assert_eq!(s.scale(5, 0), whole.scale(75, 0));
     }
 
     #[test]

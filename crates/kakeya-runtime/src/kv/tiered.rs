@@ -20,7 +20,7 @@ use super::policy::Evicted;
 use super::policy::QuantFormat;
 use super::restore::Restorer;
 use super::rotation::Rotation;
-use super::rows::{Bits, Rows};
+use super::rows::{Bits, MAX_GROUP, QuantRows, Rows};
 
 /// Seed of the rotation's signs: fixed, so a cache's contents never depend on the run.
 const ROTATION_SEED: u64 = 0x6b61_6b65_7961;
@@ -86,18 +86,28 @@ impl QuantTier {
         first: usize,
         undo: SharedUndo,
     ) -> Self {
+        let rotation = format
+            .rotate
+            .then(|| Rotation::new(head_dim, ROTATION_SEED))
+            .flatten();
+        // Rotated rows: one group per head (the rotation spreads every channel's range over
+        // all of the head's, so one scale serves them; a quarter of the parameters of groups
+        // of 64 at 256-wide heads).
+        let tokens = |bits| match &rotation {
+            Some(_) if head_dim <= MAX_GROUP => {
+                Rows::Quant(QuantRows::with_group(bits, width, head_dim))
+            }
+            _ => Rows::new(width, Some(bits)),
+        };
         Self {
             k: if format.k_per_channel {
                 KeyRows::Channels(ChannelRows::new(format.k_bits, width, first))
             } else {
-                KeyRows::Tokens(Rows::new(width, Some(format.k_bits)))
+                KeyRows::Tokens(tokens(format.k_bits))
             },
-            v: Rows::new(width, Some(format.v_bits)),
+            v: tokens(format.v_bits),
             first,
-            rotation: format
-                .rotate
-                .then(|| Rotation::new(head_dim, ROTATION_SEED))
-                .flatten(),
+            rotation,
             undo,
         }
     }
@@ -190,9 +200,17 @@ impl QuantTier {
         let mut rows = vec![0.0f32; positions.len() * heads * dim];
         self.read_rows_into(positions, part, &mut rows)?;
         let bytes = rows.len() * 4;
-        // Rotated values go to attention as they are, with the inverse rotation (applied to
-        // their weighted sum).
+        // Rotated values: on the CPU rotated back row by row here (a fast transform, no
+        // matrix held); elsewhere they go to attention as they are, with the inverse rotation
+        // as a matrix applied to their weighted sum.
         if let (Some(r), KvPart::V) = (&self.rotation, part) {
+            if *device == Device::flex() {
+                r.undo(&mut rows);
+                return Ok((
+                    DeferredKv::Ready(from_rows(rows, heads, dim, device)),
+                    bytes,
+                ));
+            }
             let undo = self.undo.get_or_init(|| r.undo_matrix(device)).clone();
             let v = from_rows(rows, heads, dim, device);
             return Ok((DeferredKv::Rotated { v, undo }, bytes));

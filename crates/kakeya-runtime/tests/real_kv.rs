@@ -3,8 +3,9 @@
 //! `restored` and `quant4` modes and the recommended bounded preset on four prompts longer than
 //! 600 tokens, and the quantised
 //! modes' dequantised K/V within the format's bound (against the exact copies the same
-//! session still holds in its window). Marked #[ignore] (minutes on 2 cores); CI
-//! runs them with --include-ignored.
+//! session still holds in its window); the formats' errors on the global layers, and f_θ's
+//! quantised residuals against quantising the same K/V directly. Marked #[ignore] (minutes on
+//! 2 cores); CI runs them with --include-ignored.
 
 mod common;
 
@@ -184,26 +185,38 @@ fn quantised_formats_on_the_real_models_global_layers() {
         let (k, val) = (&k[..n * width], &val[..n * width]);
         for bits in [2, 3, 4, 8] {
             let b = Bits::new(bits).unwrap();
-            for (name, per_channel, rotate, x) in [
-                ("K channel", true, false, k),
-                ("K channel rotated", true, true, k),
-                ("K token", false, false, k),
-                ("K token rotated", false, true, k),
-                ("V token", false, false, val),
-                ("V token rotated", false, true, val),
+            // Groups: "channel" per channel over 64 positions; "token" per token, 64 values;
+            // "head" per token, one group per head.
+            for (name, groups, rotate, x) in [
+                ("K channel", "channel", false, k),
+                ("K channel rotated", "channel", true, k),
+                ("K token", "token", false, k),
+                ("K token rotated", "token", true, k),
+                ("K head rotated", "head", true, k),
+                ("V token", "token", false, val),
+                ("V token rotated", "token", true, val),
+                ("V head rotated", "head", true, val),
             ] {
                 let mut y = x.to_vec();
                 if rotate {
                     rot.apply(&mut y);
                 }
-                let mut back = if per_channel {
-                    let mut c = ChannelRows::new(b, width, 0);
-                    c.push(&y);
-                    c.read(0, n).unwrap()
-                } else {
-                    let mut r = Rows::new(width, Some(b));
-                    r.push(&y);
-                    r.read(0, n)
+                let mut back = match groups {
+                    "channel" => {
+                        let mut c = ChannelRows::new(b, width, 0);
+                        c.push(&y);
+                        c.read(0, n).unwrap()
+                    }
+                    "token" => {
+                        let mut r = Rows::new(width, Some(b));
+                        r.push(&y);
+                        r.read(0, n)
+                    }
+                    _ => {
+                        let mut r = kakeya_runtime::kv::QuantRows::with_group(b, width, head_dim);
+                        r.push(&y);
+                        r.dequantize(0, n)
+                    }
                 };
                 if rotate {
                     rot.undo(&mut back);
@@ -225,5 +238,100 @@ fn quantised_formats_on_the_real_models_global_layers() {
             worst[&("K channel", bits)] < worst[&("K token", bits)],
             "{bits}-bit: per-channel keys are no better than per-token ones"
         );
+    }
+}
+
+/// f_θ as a predictor whose residual is quantised (as AQUA-KV does), against quantising the
+/// same K/V directly, on the real model's global layers over a 640-token prompt, in the space
+/// f_θ predicts (the raw k_proj / v_proj outputs, before k_norm and RoPE). Printed per layer,
+/// K and V, 2 to 4 bits: f_θ's own relative error (Frobenius), the error of direct
+/// quantisation (rotated, one group per head, and keys per channel), the error of the
+/// quantised residual, and the bytes per position of the compact store the prediction reads.
+/// Asserted: f_θ predicts better than nothing (relative error under 1), and a residual
+/// quantised at b bits comes back within the format's bound (its error is below the
+/// prediction's).
+#[test]
+#[ignore = "real model: run with --include-ignored"]
+fn f_theta_residuals_against_direct_quantisation_on_the_global_layers() {
+    use kakeya_models::{DraftContext, KvPart};
+    use kakeya_runtime::kv::channels::ChannelRows;
+    use kakeya_runtime::kv::rotation::Rotation;
+    use kakeya_runtime::kv::{Bits, QuantRows, Restorer};
+    let (v, tok) = load();
+    let d = trained_drafter(&v);
+    let ck = FThetaCheckpoint::read_dir(&root().join("checkpoints/f-theta-gemma3-270m"))
+        .expect("committed f_θ");
+    let f = FTheta::from_checkpoint(&ck, v.device()).unwrap();
+    let r = FThetaRestorer::new(&f, d.num_layers(), d.context_width()).unwrap();
+    let p = &long_prompts(&tok)[1];
+    let setup = KvSetup::new(KvPolicy::new(KvMode::Restored))
+        .drafter(&d)
+        .restorer(&r);
+    let mut s = Session::with_kv(&v, setup).unwrap();
+    s.prefill(p, 256).unwrap();
+    let store = s.store_mut().unwrap().expect("a compact store").clone();
+    let n = store.len() / 64 * 64;
+    let oracle = common::oracle_restorer(&v, p);
+    let (width, head_dim) = (v.config.kv_width_of(0), v.config.head_dim);
+    let rot = Rotation::new(head_dim, 1).unwrap();
+    let host = |t: burn::tensor::Tensor<2>| t.into_data().try_into_vec::<f32>().unwrap();
+    let rel = |a: &[f32], b: &[f32]| {
+        let num: f32 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+        let den: f32 = a.iter().map(|x| x * x).sum();
+        (num / den).sqrt()
+    };
+    // Rotated, one group per head (the presets' values).
+    let rotated = |x: &[f32], b: Bits| {
+        let mut y = x.to_vec();
+        rot.apply(&mut y);
+        let mut q = QuantRows::with_group(b, width, head_dim);
+        q.push(&y);
+        let mut back = q.dequantize(0, n);
+        rot.undo(&mut back);
+        back
+    };
+    // Per channel over blocks of 64 positions (the presets' keys).
+    let channels = |x: &[f32], b: Bits| {
+        let mut c = ChannelRows::new(b, width, 0);
+        c.push(x);
+        c.read(0, n).unwrap()
+    };
+    eprintln!(
+        "compact store: {} bytes per position (f32, the drafter's {} layers)",
+        store.nbytes() / store.len(),
+        d.num_layers()
+    );
+    for l in (0..v.layers.len()).filter(|&l| v.cache_specs()[l] == kakeya_models::CacheSpec::Full) {
+        for part in [KvPart::K, KvPart::V] {
+            let x = host(oracle.restore(l, 0..n, part, None).unwrap());
+            let pred = host(r.restore(l, 0..n, part, Some(&store)).unwrap());
+            let e_pred = rel(&x, &pred);
+            assert!(e_pred < 1.0, "layer {l} {part:?}: f_θ's error {e_pred}");
+            let resid: Vec<f32> = x.iter().zip(&pred).map(|(a, b)| a - b).collect();
+            for bits in [2, 3, 4] {
+                let b = Bits::new(bits).unwrap();
+                let direct = rel(&x, &rotated(&x, b));
+                let direct_ch = rel(&x, &channels(&x, b));
+                let back: Vec<f32> = rotated(&resid, b)
+                    .iter()
+                    .zip(&pred)
+                    .map(|(e, p)| e + p)
+                    .collect();
+                let residual = rel(&x, &back);
+                let back_ch: Vec<f32> = channels(&resid, b)
+                    .iter()
+                    .zip(&pred)
+                    .map(|(e, p)| e + p)
+                    .collect();
+                let residual_ch = rel(&x, &back_ch);
+                assert!(
+                    residual < e_pred && residual_ch < e_pred,
+                    "layer {l} {part:?} {bits}-bit: quantised residual {residual} / {residual_ch} against f_θ's {e_pred}"
+                );
+                eprintln!(
+                    "layer {l:>2} {part:?} {bits}-bit: f_θ alone {e_pred:.3}; direct rotated {direct:.3}, per channel {direct_ch:.3}; residual rotated {residual:.3}, per channel {residual_ch:.3}"
+                );
+            }
+        }
     }
 }

@@ -60,7 +60,7 @@ pub enum KvMode {
 pub const GLOBAL_WINDOW: usize = 128;
 
 /// The named `bounded-*` presets (any `bounded-k{2..8}v{2..8}` parses).
-pub const BOUNDED_PRESETS: [(u32, u32); 5] = [(8, 4), (4, 4), (4, 2), (3, 2), (2, 2)];
+pub const BOUNDED_PRESETS: [(u32, u32); 6] = [(8, 4), (4, 4), (4, 3), (4, 2), (3, 2), (2, 2)];
 
 impl KvMode {
     /// The bounded mode the docs recommend (docs/kv-modes.md has the measurements).

@@ -66,7 +66,7 @@ impl KvMode {
     /// The bounded mode the docs recommend (docs/kv-modes.md has the measurements).
     pub const RECOMMENDED: KvMode = KvMode::Bounded {
         k: Bits::B4,
-        v: Bits::B4,
+        v: Bits::B3,
     };
 
     /// Every mode of `--modes all`, `full` first: the fixed modes, then the `bounded-*`

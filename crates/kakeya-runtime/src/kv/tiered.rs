@@ -72,8 +72,9 @@ struct QuantTier {
     v: Rows,
     first: usize,
     rotation: Option<Rotation>,
-    /// The rotation's inverse as a `[head_dim, head_dim]` matrix, made at the first read and
-    /// shared by the sequence's layers of this head width (counted once, by the sequence).
+    /// The rotation's inverse as a `[head_dim, head_dim]` matrix, made at the first read off
+    /// the CPU (a GPU's tensor path) and shared by the sequence's layers of this head width
+    /// (counted once, by the sequence).
     undo: SharedUndo,
 }
 

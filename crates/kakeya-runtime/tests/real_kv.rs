@@ -312,18 +312,13 @@ fn f_theta_residuals_against_direct_quantisation_on_the_global_layers() {
                 let b = Bits::new(bits).unwrap();
                 let direct = rel(&x, &rotated(&x, b));
                 let direct_ch = rel(&x, &channels(&x, b));
-                let back: Vec<f32> = rotated(&resid, b)
-                    .iter()
-                    .zip(&pred)
-                    .map(|(e, p)| e + p)
-                    .collect();
-                let residual = rel(&x, &back);
-                let back_ch: Vec<f32> = channels(&resid, b)
-                    .iter()
-                    .zip(&pred)
-                    .map(|(e, p)| e + p)
-                    .collect();
-                let residual_ch = rel(&x, &back_ch);
+                // The prediction plus the dequantised residual, against the truth.
+                let with_pred = |e: Vec<f32>| -> f32 {
+                    let back: Vec<f32> = e.iter().zip(&pred).map(|(e, p)| e + p).collect();
+                    rel(&x, &back)
+                };
+                let residual = with_pred(rotated(&resid, b));
+                let residual_ch = with_pred(channels(&resid, b));
                 assert!(
                     residual < e_pred && residual_ch < e_pred,
                     "layer {l} {part:?} {bits}-bit: quantised residual {residual} / {residual_ch} against f_θ's {e_pred}"

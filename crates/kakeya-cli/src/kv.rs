@@ -31,8 +31,14 @@ pub struct KvArgs {
     /// Attention computes in f32 either way; on a GPU the caches stay f32.
     #[arg(long, default_value = "f16")]
     pub kv_dtype: KvDtype,
-    /// A TOML policy file (`mode`, optional `sink`, `window`, `dtype`) instead of the flags.
-    #[arg(long, conflicts_with_all = ["kv_mode", "kv_sink", "kv_window", "kv_dtype"])]
+    /// Most recent positions the drafter's compact store keeps and drafts read (with the
+    /// first 4); a window as long as the context keeps every position. The restored modes
+    /// keep every position.
+    #[arg(long, default_value_t = kakeya_runtime::DraftReach::DEFAULT.window)]
+    pub draft_window: usize,
+    /// A TOML policy file (`mode`, optional `sink`, `window`, `dtype`, `draft_window`, and
+    /// `[global]`/`[sliding]` tables) instead of the flags.
+    #[arg(long, conflicts_with_all = ["kv_mode", "kv_sink", "kv_window", "kv_dtype", "draft_window"])]
     pub kv_policy: Option<PathBuf>,
     /// An exported f_θ folder for the restored modes (default: checkpoints/f-theta-gemma3-270m
     /// with the default model and drafter).
@@ -50,6 +56,7 @@ impl KvArgs {
                 sink: self.kv_sink,
                 window: self.kv_window,
                 dtype: self.kv_dtype,
+                draft_window: self.draft_window,
                 ..KvPolicy::new(self.kv_mode)
             }),
         }

@@ -378,6 +378,17 @@ pub trait DraftContext {
     /// - returns `k`, `v`: `[positions.len, drafter_layers · kv_heads · head_dim]`
     fn read(&self, positions: Range<usize>) -> Result<(Tensor<2>, Tensor<2>)>;
 
+    /// The rows a draft attends to, with their positions in order: every position held (the
+    /// default), or what a store that keeps only part of the context gives drafts.
+    ///
+    /// # Shapes
+    /// - returns positions `P`, `k`, `v`: `[P, drafter_layers · kv_heads · head_dim]`
+    fn read_reach(&self) -> Result<(Vec<usize>, Tensor<2>, Tensor<2>)> {
+        let len = self.len();
+        let (k, v) = self.read(0..len)?;
+        Ok(((0..len).collect(), k, v))
+    }
+
     /// The whole K and V buffers where the rows live on a GPU, positions in order from 0:
     /// rows `len()..` are spare (zeros or stale). A recorded draft reads these and masks
     /// what is past the length it is given. `None` (the default) where the rows are held

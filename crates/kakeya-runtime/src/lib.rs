@@ -18,8 +18,9 @@ pub use generate::{
 };
 pub use guard::RunawayGuard;
 pub use kv::{
-    BOUNDED_PRESETS, CompactStore, FThetaRestorer, FullCache, GLOBAL_WINDOW, KvBytes, KvCache,
-    KvDtype, KvMode, KvPolicy, OracleRestorer, Restorer, RingCache, SequenceKv,
+    BOUNDED_PRESETS, CompactStore, DraftReach, FThetaRestorer, FullCache, GLOBAL_WINDOW, KvBytes,
+    KvCache, KvDtype, KvMode, KvPolicy, OracleRestorer, Restorer, RingCache, SequenceKv,
+    StoreFormat,
 };
 pub use prefix::{PrefixCache, PrefixStats};
 pub use sampler::{Sampler, Sampling, Scores};

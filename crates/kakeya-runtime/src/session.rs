@@ -14,7 +14,7 @@ use kakeya_models::{
 };
 
 use crate::error::{Result, RuntimeError};
-use crate::kv::{CompactStore, KvBytes, KvPolicy, Restorer, SequenceKv};
+use crate::kv::{CompactStore, KvBytes, KvPolicy, Restorer, SequenceKv, StoreFormat};
 use crate::sampler::{Sampler, Sampling, Scores};
 
 /// Copies one row of logits `[1, vocab]` to the host.
@@ -156,9 +156,21 @@ impl<'m> Session<'m> {
                 )));
             }
         }
-        let store = setup
-            .drafter
-            .map(|d| CompactStore::new(d.context_width(), mode.store_bits(), model.device()));
+        // Restoration reads every row as it was trained on (f32, or the mode's bits); drafts
+        // read a sink and a recent window, held in f16.
+        let format = match (mode.restores(), mode.store_bits()) {
+            (true, Some(b)) => StoreFormat::Quant(b),
+            (true, None) => StoreFormat::F32,
+            (false, _) => StoreFormat::F16,
+        };
+        let store = setup.drafter.map(|d| {
+            CompactStore::with_reach(
+                d.context_width(),
+                format,
+                setup.policy.draft_reach(),
+                model.device(),
+            )
+        });
         Ok(Self {
             model,
             policy: setup.policy,

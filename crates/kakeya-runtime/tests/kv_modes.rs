@@ -434,3 +434,28 @@ fn per_layer_rules_shape_the_plan() {
     );
     assert_eq!(ruled.plan(sliding), LayerPlan::Native);
 }
+
+#[test]
+fn drafts_from_a_short_window_decode_as_plain_decoding_and_the_store_stays_bounded() {
+    let v = verifier();
+    let d = drafter(&v, 8);
+    let p = prompt(3, 200);
+    for mode in [KvMode::Full, KvMode::RECOMMENDED] {
+        let store_of = |draft_window| {
+            let s = KvSetup::new(KvPolicy {
+                draft_window,
+                ..policy(mode, 2, 16)
+            })
+            .drafter(&d);
+            let want = plain(&v, s, &p, 40);
+            let got = spec(&v, s, &mut DFlashProposer::new(&d), &p, 40, 8);
+            assert_eq!(got.tokens, want.tokens, "{mode}, draft window {draft_window}");
+            got.stats.kv.store
+        };
+        let whole = store_of(10_000);
+        for window in [1, 8, 40] {
+            let store = store_of(window);
+            assert!(store < whole, "{mode}, window {window}: {store} vs {whole}");
+        }
+    }
+}

@@ -231,7 +231,8 @@ impl DFlashDrafter {
     }
 
     /// Drafts one block: appends the new context rows (if any) to `store` and returns the
-    /// block's hidden states, attending over every position the store holds.
+    /// block's hidden states, attending over the positions the store gives drafts
+    /// ([`DraftContext::read_reach`]: every one, or a sink and a recent window).
     ///
     /// # Shapes
     /// - `req.context`: `[n, targets · hidden]`, positions `L..L+n` where `L = store.len()`
@@ -267,11 +268,10 @@ impl DFlashDrafter {
                 "a draft needs context: the store is empty and no rows were given".into(),
             ));
         }
-        let (ck, cv) = store.read(0..len)?;
-        let ctx_pos: Vec<usize> = (0..len).collect();
+        let (ctx_pos, ck, cv) = store.read_reach()?;
         let blk_pos: Vec<usize> = (len..len + b).collect();
         let group = BlockGroup {
-            context: 0..len,
+            context: 0..ctx_pos.len(),
             rows: 0..b,
             mask: None,
         };

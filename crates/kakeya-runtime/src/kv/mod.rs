@@ -26,7 +26,7 @@ pub use policy::{
 };
 pub use restore::{FThetaRestorer, OracleRestorer, Restorer};
 pub use rows::{Bits, QuantRows, Rows};
-pub use store::CompactStore;
+pub use store::{CompactStore, DraftReach, StoreFormat};
 pub use tiered::{QuantAllCache, Shared, SharedUndo, TieredCache};
 
 /// One layer's cache under a policy.
@@ -76,12 +76,13 @@ pub struct KvBytes {
     pub exact: usize,
     /// Quantised K/V tiers.
     pub quantised: usize,
-    /// The compact store (the drafter's per-position context K/V).
+    /// The compact store (the drafter's per-position context K/V, and the hidden states
+    /// waiting for their rows).
     pub store: usize,
     /// The most bytes of evicted K/V materialised at once: one tile (up to 64 positions on the
-    /// CPU, 256 on a GPU) of a
-    /// layer's dequantised K or V, or of its restored K or V with its attention form (f32); or
-    /// the most store rows read at once (restoration reads a tile; the drafter reads them all).
+    /// CPU, 256 on a GPU) of a layer's dequantised K or V, or of its restored K or V with its
+    /// attention form (f32); or the most store rows read at once as f32 (restoration reads a
+    /// tile; a draft reads the store's sink and window).
     pub transient_peak: usize,
     /// `exact + quantised + store + transient_peak`.
     pub total: usize,

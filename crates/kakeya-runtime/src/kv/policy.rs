@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 use super::channels::CHANNEL_BLOCK;
 use super::native::KvDtype;
 use super::rows::Bits;
+use super::store::DraftReach;
 use crate::error::{Result, RuntimeError};
 
 /// The KV modes.
@@ -283,6 +284,15 @@ pub struct KvPolicy {
     /// What sliding-window layers keep, over the mode's plan.
     #[serde(default)]
     pub sliding: Option<LayerRule>,
+    /// Most recent positions the drafter's compact store keeps for drafts (with the first
+    /// [`DraftReach::DEFAULT`]`.sink`); a window as long as the context keeps every position.
+    /// The restored modes keep every position whatever this says (restoration reads them).
+    #[serde(default = "default_draft_window")]
+    pub draft_window: usize,
+}
+
+fn default_draft_window() -> usize {
+    DraftReach::DEFAULT.window
 }
 
 /// What one kind of layer keeps (a policy file's `[global]` or `[sliding]` table); every
@@ -352,7 +362,17 @@ impl KvPolicy {
             dtype: KvDtype::default(),
             global: None,
             sliding: None,
+            draft_window: default_draft_window(),
         }
+    }
+
+    /// What the drafter's compact store keeps under this policy: `None` (every position) in
+    /// the restored modes.
+    pub fn draft_reach(&self) -> Option<DraftReach> {
+        (!self.mode.restores()).then_some(DraftReach {
+            window: self.draft_window,
+            ..DraftReach::DEFAULT
+        })
     }
 
     /// Reads a policy file (TOML: `mode`, optional `sink`, `window`, `dtype`, and `[global]` /

@@ -1,6 +1,7 @@
-//! Host-side row storage for K/V tiers and the compact store: f32 rows, or rows affine-quantised
-//! in groups of 64 values (2 to 8 bits; like llama.cpp's `q8_1`/`q4_1` and mlx-lm's
-//! `--kv-bits`, one scale and one minimum per group, held as f16; codes packed low bits first).
+//! Host-side row storage for K/V tiers and the compact store: f32 or f16 rows, or rows
+//! affine-quantised in groups of 64 values (2 to 8 bits; like llama.cpp's `q8_1`/`q4_1` and
+//! mlx-lm's `--kv-bits`, one scale and one minimum per group, held as f16; codes packed low
+//! bits first).
 //!
 //! Quantisation of a group `x[0..64]`: `m` = f16 of `min x` rounded down, `s` = f16 of
 //! `(max x − m) / (2^bits − 1)` rounded up, `q = clamp(round((x − m) / s), 0, 2^bits − 1)`,
@@ -8,6 +9,7 @@
 //! back within `s / 2` (plus f32 rounding) — the bound the tests check.
 
 use half::f16;
+use half::slice::HalfFloatSliceExt;
 
 /// Values per quantisation group.
 pub const GROUP: usize = 64;
@@ -382,7 +384,7 @@ fn shrink<T>(v: &mut Vec<T>) {
     }
 }
 
-/// Rows of `width` values, as f32 or quantised.
+/// Rows of `width` values, as f32, f16 or quantised.
 #[derive(Debug, Clone)]
 pub enum Rows {
     /// Exact f32 rows.
@@ -391,6 +393,13 @@ pub enum Rows {
         width: usize,
         /// Values, row-major.
         data: Vec<f32>,
+    },
+    /// f16 rows (each value rounded to nearest), read back as f32.
+    F16 {
+        /// Row width.
+        width: usize,
+        /// Values, row-major.
+        data: Vec<f16>,
     },
     /// Affine-quantised rows.
     Quant(QuantRows),
@@ -408,10 +417,18 @@ impl Rows {
         }
     }
 
+    /// Empty f16 rows of `width` values.
+    pub fn f16(width: usize) -> Self {
+        Rows::F16 {
+            width,
+            data: Vec::new(),
+        }
+    }
+
     /// Row width.
     pub fn width(&self) -> usize {
         match self {
-            Rows::F32 { width, .. } => *width,
+            Rows::F32 { width, .. } | Rows::F16 { width, .. } => *width,
             Rows::Quant(q) => q.width,
         }
     }
@@ -420,6 +437,7 @@ impl Rows {
     pub fn len(&self) -> usize {
         match self {
             Rows::F32 { width, data } => data.len() / width,
+            Rows::F16 { width, data } => data.len() / width,
             Rows::Quant(q) => q.rows,
         }
     }
@@ -437,6 +455,12 @@ impl Rows {
                 grow(data, values.len());
                 data.extend_from_slice(values);
             }
+            Rows::F16 { data, .. } => {
+                grow(data, values.len());
+                let at = data.len();
+                data.resize(at + values.len(), f16::ZERO);
+                data[at..].convert_from_f32_slice(values);
+            }
             Rows::Quant(q) => q.push(values),
         }
     }
@@ -445,6 +469,7 @@ impl Rows {
     pub fn truncate(&mut self, rows: usize) {
         match self {
             Rows::F32 { width, data } => data.truncate(rows * *width),
+            Rows::F16 { width, data } => data.truncate(rows * *width),
             Rows::Quant(q) => q.truncate(rows),
         }
     }
@@ -456,6 +481,10 @@ impl Rows {
                 data.drain(..(rows * *width).min(data.len()));
                 shrink(data);
             }
+            Rows::F16 { width, data } => {
+                data.drain(..(rows * *width).min(data.len()));
+                shrink(data);
+            }
             Rows::Quant(q) => q.drop_front(rows),
         }
     }
@@ -464,6 +493,7 @@ impl Rows {
     pub fn read(&self, from: usize, to: usize) -> Vec<f32> {
         match self {
             Rows::F32 { width, data } => data[from * width..to * width].to_vec(),
+            Rows::F16 { width, data } => data[from * width..to * width].to_f32_vec(),
             Rows::Quant(q) => q.dequantize(from, to),
         }
     }
@@ -472,6 +502,9 @@ impl Rows {
     pub fn read_into(&self, from: usize, to: usize, out: &mut [f32]) {
         match self {
             Rows::F32 { width, data } => out.copy_from_slice(&data[from * width..to * width]),
+            Rows::F16 { width, data } => {
+                data[from * width..to * width].convert_to_f32_slice(out);
+            }
             Rows::Quant(q) => q.dequantize_into(from, to, out),
         }
     }
@@ -480,6 +513,7 @@ impl Rows {
     pub fn nbytes(&self) -> usize {
         match self {
             Rows::F32 { data, .. } => data.capacity() * 4,
+            Rows::F16 { data, .. } => data.capacity() * 2,
             Rows::Quant(q) => q.nbytes(),
         }
     }

@@ -8,6 +8,7 @@
 use burn::backend::{BackendTensor, DispatchTensorKind};
 use burn::tensor::Tensor;
 use kakeya_weights::rowops;
+use rayon::prelude::*;
 
 use crate::cache::{HostTier, KvPart};
 use crate::error::Result;
@@ -204,15 +205,112 @@ fn tile_rows<'b>(
     Ok(&buf[..keys.len() * dim])
 }
 
+/// Keys per span of a row: a row over more keys than this splits them into spans of this many
+/// (counted from its first key), each span's scores, softmax terms and value sums run on one
+/// thread, and the spans' partial results merge in span order. The split depends only on the
+/// row's key count, never on the threads or the other rows, so a row's bits do not either.
+pub const KEY_SPAN: usize = 1024;
+
+/// One span's share of a row over one key/value head: per query head of the group, the
+/// span's largest scaled score, the sum of `exp(score − max)`, and those weights' sums of the
+/// plain and of the rotated values.
+struct Partial {
+    max: Vec<f32>,
+    sum: Vec<f32>,
+    plain: Vec<f32>,
+    rotated: Vec<f32>,
+}
+
+/// What every span of a row reads: the sources, which of them hold rotated values, the
+/// key/value head and the group's queries.
+struct RowInputs<'s, 'a> {
+    sources: &'s [RowSource<'a>],
+    rotated: &'s [bool],
+    any_rotated: bool,
+    kvh: usize,
+    dim: usize,
+    group: usize,
+    qg: &'s [f32],
+    scale: f32,
+}
+
+impl RowInputs<'_, '_> {
+    /// The span `keys`' partial result.
+    fn partial(&self, keys: &[SourcedKey]) -> Result<Partial> {
+        let (n, group, dim) = (keys.len(), self.group, self.dim);
+        let mut s = vec![0.0f32; n * group];
+        let (mut buf, mut rows) = (Vec::new(), Vec::new());
+        for (c, tile) in keys.chunks(KEY_TILE).enumerate() {
+            let ks = tile_rows(
+                self.sources,
+                KvPart::K,
+                (self.kvh, dim),
+                tile,
+                &mut rows,
+                &mut buf,
+            )?;
+            let at = c * KEY_TILE * group;
+            rowops::row_dots(ks, tile.len(), self.qg, group, dim, &mut s[at..]);
+        }
+        // Softmax terms over the span, per query head (`s` is `[n, group]`).
+        let (mut max, mut sum) = (vec![f32::NEG_INFINITY; group], vec![0.0f32; group]);
+        for g in 0..group {
+            for j in 0..n {
+                s[j * group + g] *= self.scale;
+                max[g] = max[g].max(s[j * group + g]);
+            }
+            for j in 0..n {
+                let e = (s[j * group + g] - max[g]).exp();
+                s[j * group + g] = e;
+                sum[g] += e;
+            }
+        }
+        let mut plain = vec![0.0f32; group * dim];
+        let mut rotated = vec![0.0f32; if self.any_rotated { group * dim } else { 0 }];
+        for (c, tile) in keys.chunks(KEY_TILE).enumerate() {
+            // Runs of rotated and plain values go to their own sums.
+            let mut a = 0;
+            while a < tile.len() {
+                let r = self.rotated[tile[a].source];
+                let b = a + tile[a..]
+                    .iter()
+                    .take_while(|k| self.rotated[k.source] == r)
+                    .count();
+                let run = &tile[a..b];
+                let vs = tile_rows(
+                    self.sources,
+                    KvPart::V,
+                    (self.kvh, dim),
+                    run,
+                    &mut rows,
+                    &mut buf,
+                )?;
+                let at = (c * KEY_TILE + a) * group;
+                let acc = if r { &mut rotated[..] } else { &mut plain[..] };
+                rowops::weighted_sum(&s[at..], vs, run.len(), group, dim, acc);
+                a = b;
+            }
+        }
+        Ok(Partial {
+            max,
+            sum,
+            plain,
+            rotated,
+        })
+    }
+}
+
 /// One query position's attention: for every query head `h` (reading key/value head
 /// `h / (heads / kv_heads)`), `softmax(scale · q_h·k_j) · v_j` over `keys` (in position order,
 /// the order their sums run), read from `sources`. Writes `out` (`heads · dim`, heads
-/// concatenated). The products are [`kakeya_weights::rowops`]'s fixed-order sums, run over
-/// tiles of [`KEY_TILE`] keys counted from the row's first key (f16 keys and values widened,
-/// quantised ones dequantised, a tile at a time); the tiling changes no sum's order, so a row
-/// reads the same bits however its keys are split into segments, and f32 and f16-rounded
-/// inputs take the same arithmetic. Values a tier holds rotated are summed apart and mapped
-/// back once per head.
+/// concatenated). The keys split into spans of [`KEY_SPAN`] (in parallel when there are
+/// several), each span's products [`kakeya_weights::rowops`]'s fixed-order sums over tiles of
+/// [`KEY_TILE`] keys counted from the row's first key (f16 keys and values widened, quantised
+/// ones dequantised, a tile at a time); the spans merge in order, rescaled to the row's
+/// largest score. Neither the tiling nor the split depends on how the keys are divided into
+/// segments or on the threads, so a row reads the same bits either way, and f32 and
+/// f16-rounded inputs take the same arithmetic. Values a tier holds rotated are summed apart
+/// and mapped back once per head.
 ///
 /// # Shapes
 /// - `q`: `[heads, T, dim]` (row `i` is read, f32); the sources' keys and values
@@ -227,7 +325,6 @@ pub fn attend_row(
 ) -> Result<()> {
     let [heads, _, dim] = q.dims();
     let group = heads / kv_heads;
-    let n = keys.len();
     let rotated: Vec<bool> = sources
         .iter()
         .map(|s| matches!(s, RowSource::Tier(t) if t.values_rotated()))
@@ -237,287 +334,77 @@ pub fn attend_row(
         _ => None,
     });
     let mut qg = vec![0.0f32; group * dim];
-    let mut s = vec![0.0f32; n * group];
-    let mut back = vec![0.0f32; if undo.is_some() { group * dim } else { 0 }];
-    let (mut buf, mut rows) = (Vec::new(), Vec::new());
     for kvh in 0..kv_heads {
         for g in 0..group {
             qg[g * dim..(g + 1) * dim].copy_from_slice(q.row(kvh * group + g, i));
         }
-        for (c, tile) in keys.chunks(KEY_TILE).enumerate() {
-            let ks = tile_rows(sources, KvPart::K, (kvh, dim), tile, &mut rows, &mut buf)?;
-            let at = c * KEY_TILE * group;
-            rowops::row_dots(ks, tile.len(), &qg, group, dim, &mut s[at..]);
-        }
-        // Softmax over the keys, per query head (`s` is `[n, group]`).
-        for g in 0..group {
-            let mut max = f32::NEG_INFINITY;
-            for j in 0..n {
-                s[j * group + g] *= scale;
-                max = max.max(s[j * group + g]);
-            }
-            let mut sum = 0.0f32;
-            for j in 0..n {
-                let e = (s[j * group + g] - max).exp();
-                s[j * group + g] = e;
-                sum += e;
-            }
-            for j in 0..n {
-                s[j * group + g] /= sum;
-            }
-        }
+        let inputs = RowInputs {
+            sources,
+            rotated: &rotated,
+            any_rotated: undo.is_some(),
+            kvh,
+            dim,
+            group,
+            qg: &qg,
+            scale,
+        };
+        let parts: Vec<Partial> = if keys.len() > KEY_SPAN {
+            keys.par_chunks(KEY_SPAN)
+                .map(|span| inputs.partial(span))
+                .collect::<Result<_>>()?
+        } else {
+            vec![inputs.partial(keys)?]
+        };
         let o = &mut out[kvh * group * dim..(kvh + 1) * group * dim];
-        o.fill(0.0);
-        back.fill(0.0);
-        for (c, tile) in keys.chunks(KEY_TILE).enumerate() {
-            // Runs of rotated and plain values go to their own sums.
-            let mut a = 0;
-            while a < tile.len() {
-                let r = rotated[tile[a].source];
-                let b = a + tile[a..]
-                    .iter()
-                    .take_while(|k| rotated[k.source] == r)
-                    .count();
-                let run = &tile[a..b];
-                let vs = tile_rows(sources, KvPart::V, (kvh, dim), run, &mut rows, &mut buf)?;
-                let at = (c * KEY_TILE + a) * group;
-                let acc = if r { &mut back[..] } else { &mut o[..] };
-                rowops::weighted_sum(&s[at..], vs, run.len(), group, dim, acc);
-                a = b;
-            }
-        }
-        if let Some(t) = undo {
-            for (o, b) in o.chunks_exact_mut(dim).zip(back.chunks_exact_mut(dim)) {
-                t.undo_values(b);
-                for (x, y) in o.iter_mut().zip(b.iter()) {
-                    *x += y;
-                }
-            }
-        }
+        merge_spans(&parts, group, dim, undo, o);
     }
     Ok(())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use burn::tensor::{Device, TensorData};
-
-    /// Keys of the one source 0.
-    fn sourced(rows: &[usize]) -> Vec<SourcedKey> {
-        rows.iter()
-            .map(|&row| SourcedKey { source: 0, row })
-            .collect()
-    }
-
-    fn tensor(dims: [usize; 3], seed: u32) -> Tensor<3> {
-        let mut z = seed.wrapping_mul(2_654_435_761).wrapping_add(7);
-        let vals: Vec<f32> = (0..dims.iter().product::<usize>())
-            .map(|_| {
-                z = z.wrapping_mul(1_103_515_245).wrapping_add(12345);
-                ((z >> 8) & 0xffff) as f32 / 32768.0 - 1.0
-            })
-            .collect();
-        Tensor::from_data(TensorData::new(vals, dims), &Device::flex())
-    }
-
-    #[test]
-    fn a_row_matches_the_tensor_ops_reference() {
-        // Four query heads over one key/value head (Gemma 3 270M's grouping), odd sizes.
-        let (heads, kvh, s, d) = (4, 1, 37, 72);
-        let q = tensor([heads, 3, d], 1);
-        // Keys as a view into a larger cache (offset and stride), as the caches hand them out.
-        let k_all = tensor([kvh, s + 9, d], 2);
-        let v_all = tensor([kvh, s + 9, d], 3);
-        let k = k_all.slice([0..kvh, 4..4 + s, 0..d]);
-        let v = v_all.slice([0..kvh, 4..4 + s, 0..d]);
-        let (qv, kv, vv) = (
-            HostView::of(&q).unwrap(),
-            HostView::of(&k).unwrap(),
-            HostView::of(&v).unwrap(),
-        );
-        let keys: Vec<usize> = (0..s).filter(|j| j % 5 != 2).collect();
-        let scale = 0.125f32;
-        let mut out = vec![0.0f32; heads * d];
-        attend_row(
-            &qv,
-            (1, kvh),
-            &[RowSource::View { k: kv, v: vv }],
-            &sourced(&keys),
-            scale,
-            &mut out,
-        )
-        .unwrap();
-        // Reference: Burn's ops over the same keys.
-        let ids: Vec<i64> = keys.iter().map(|&j| j as i64).collect();
-        let ids = Tensor::<1, burn::tensor::Int>::from_data(
-            TensorData::new(ids, [keys.len()]),
-            &Device::flex(),
-        );
-        let want = crate::sdpa::grouped_attention(
-            q.slice([0..heads, 1..2, 0..d]),
-            k.clone().select(1, ids.clone()),
-            v.clone().select(1, ids),
-            f64::from(scale),
-            None,
-        );
-        let want: Vec<f32> = want.into_data().try_to_vec().unwrap();
-        let worst = out
+/// The row's result for one key/value head from its spans' partials (`o`: `[group, dim]`):
+/// each span's sums rescaled to the largest score over all spans, added in span order,
+/// divided by the softmax's total; the rotated values' share mapped back by `undo`.
+fn merge_spans(
+    parts: &[Partial],
+    group: usize,
+    dim: usize,
+    undo: Option<&dyn HostTier>,
+    o: &mut [f32],
+) {
+    let mut back = vec![0.0f32; dim];
+    for g in 0..group {
+        let max = parts
             .iter()
-            .zip(&want)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, f32::max);
-        assert!(worst < 1e-5, "max |Δ| {worst}");
-    }
-
-    #[test]
-    fn f16_keys_and_values_take_the_f32_arithmetic_of_their_rounded_values() {
-        // More keys than one tile, a gathered (non-run) key list, and a run.
-        let (heads, kvh, s, d) = (4, 1, 150, 72);
-        let q = tensor([heads, 2, d], 4);
-        let (k, v) = (tensor([kvh, s, d], 5), tensor([kvh, s, d], 6));
-        let (k16, v16) = (
-            k.clone().cast(burn::tensor::DType::F16),
-            v.clone().cast(burn::tensor::DType::F16),
-        );
-        // The rounded values, held as f32.
-        let (kr, vr) = (
-            k16.clone().cast(burn::tensor::DType::F32),
-            v16.clone().cast(burn::tensor::DType::F32),
-        );
-        let qv = HostView::of(&q).unwrap();
-        let scale = 0.1f32;
-        for keys in [
-            (0..s).collect::<Vec<_>>(),
-            (0..s).filter(|j| j % 3 != 1).collect(),
-        ] {
-            let run = |k: &Tensor<3>, v: &Tensor<3>| {
-                let mut out = vec![0.0f32; heads * d];
-                let (k, v) = (HostView::of(k).unwrap(), HostView::of(v).unwrap());
-                let keys = sourced(&keys);
-                attend_row(
-                    &qv,
-                    (1, kvh),
-                    &[RowSource::View { k, v }],
-                    &keys,
-                    scale,
-                    &mut out,
-                )
-                .unwrap();
-                out
-            };
-            let (half, rounded, exact) = (run(&k16, &v16), run(&kr, &vr), run(&k, &v));
-            assert_eq!(
-                half, rounded,
-                "the same bits as f32 rows of the rounded values"
-            );
-            let worst = half
-                .iter()
-                .zip(&exact)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0f32, f32::max);
-            // Inputs in [-1, 1] rounded to f16 (relative error ≤ 2^-11): a few 1e-3 at most.
-            assert!(worst < 5e-3, "max |Δ| against unrounded f32 {worst}");
-        }
-    }
-
-    /// Rows held by position from `first` (one KV head), values optionally held as
-    /// `−reverse(v)` (an orthogonal map whose inverse changes no bit).
-    struct Tier {
-        k: Vec<f32>,
-        v: Vec<f32>,
-        first: usize,
-        dim: usize,
-        rotated: bool,
-    }
-
-    impl HostTier for Tier {
-        fn read_head(
-            &self,
-            part: KvPart,
-            _head: usize,
-            positions: std::ops::Range<usize>,
-            out: &mut [f32],
-        ) -> Result<()> {
-            let d = self.dim;
-            let src = if part == KvPart::K { &self.k } else { &self.v };
-            let rows = &src[(positions.start - self.first) * d..(positions.end - self.first) * d];
-            out.copy_from_slice(rows);
-            if part == KvPart::V && self.rotated {
-                for r in out.chunks_exact_mut(d) {
-                    r.reverse();
-                    r.iter_mut().for_each(|x| *x = -*x);
+            .map(|p| p.max[g])
+            .fold(f32::NEG_INFINITY, f32::max);
+        let o = &mut o[g * dim..(g + 1) * dim];
+        o.fill(0.0);
+        back.fill(0.0);
+        let mut total = 0.0f32;
+        for p in parts {
+            let w = (p.max[g] - max).exp();
+            total += p.sum[g] * w;
+            for (x, y) in o.iter_mut().zip(&p.plain[g * dim..(g + 1) * dim]) {
+                *x = w.mul_add(*y, *x);
+            }
+            if let Some(r) = p.rotated.get(g * dim..(g + 1) * dim) {
+                for (x, y) in back.iter_mut().zip(r) {
+                    *x = w.mul_add(*y, *x);
                 }
             }
-            Ok(())
         }
-
-        fn values_rotated(&self) -> bool {
-            self.rotated
-        }
-
-        fn undo_values(&self, row: &mut [f32]) {
-            row.reverse();
-            row.iter_mut().for_each(|x| *x = -*x);
-        }
-    }
-
-    #[test]
-    fn keys_split_over_views_and_a_tier_give_the_bits_of_one_view() {
-        // 150 keys: rows 0..40 and 100..150 from views, 40..100 from a tier (a tile boundary
-        // falls inside it), rotated or not.
-        let (heads, s, d) = (4, 150, 72);
-        let q = tensor([heads, 2, d], 7);
-        let (k, v) = (tensor([1, s, d], 8), tensor([1, s, d], 9));
-        let qv = HostView::of(&q).unwrap();
-        let whole: Vec<f32> = {
-            let mut out = vec![0.0f32; heads * d];
-            let src = [RowSource::View {
-                k: HostView::of(&k).unwrap(),
-                v: HostView::of(&v).unwrap(),
-            }];
-            let keys: Vec<usize> = (0..s).collect();
-            attend_row(&qv, (1, 1), &src, &sourced(&keys), 0.1, &mut out).unwrap();
-            out
-        };
-        let host = |t: &Tensor<3>, r: std::ops::Range<usize>| -> Vec<f32> {
-            t.clone()
-                .slice([0..1, r, 0..d])
-                .into_data()
-                .try_to_vec::<f32>()
-                .unwrap()
-        };
-        for rotated in [false, true] {
-            let tier = Tier {
-                k: host(&k, 40..100),
-                v: host(&v, 40..100),
-                first: 40,
-                dim: d,
-                rotated,
-            };
-            let view = |r: std::ops::Range<usize>| RowSource::View {
-                k: HostView::of(&k.clone().slice([0..1, r.clone(), 0..d])).unwrap(),
-                v: HostView::of(&v.clone().slice([0..1, r, 0..d])).unwrap(),
-            };
-            let src = [view(0..40), RowSource::Tier(&tier), view(100..s)];
-            let keys: Vec<SourcedKey> = (0..40)
-                .map(|row| SourcedKey { source: 0, row })
-                .chain((40..100).map(|row| SourcedKey { source: 1, row }))
-                .chain((0..50).map(|row| SourcedKey { source: 2, row }))
-                .collect();
-            let mut out = vec![0.0f32; heads * d];
-            attend_row(&qv, (1, 1), &src, &keys, 0.1, &mut out).unwrap();
-            if rotated {
-                // The rotated values' sum is added to the others' once at the end.
-                let worst = out
-                    .iter()
-                    .zip(&whole)
-                    .map(|(a, b)| (a - b).abs())
-                    .fold(0.0f32, f32::max);
-                assert!(worst < 1e-5, "rotated tier: max |Δ| {worst}");
-            } else {
-                assert_eq!(out, whole, "split over sources");
+        let inv = 1.0 / total;
+        o.iter_mut().for_each(|x| *x *= inv);
+        if let Some(t) = undo {
+            back.iter_mut().for_each(|x| *x *= inv);
+            t.undo_values(&mut back);
+            for (x, y) in o.iter_mut().zip(&back) {
+                *x += y;
             }
         }
     }
 }
+
+#[cfg(test)]
+#[path = "host_attention_tests.rs"]
+mod tests;

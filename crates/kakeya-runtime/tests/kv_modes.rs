@@ -449,7 +449,10 @@ fn drafts_from_a_short_window_decode_as_plain_decoding_and_the_store_stays_bound
             .drafter(&d);
             let want = plain(&v, s, &p, 40);
             let got = spec(&v, s, &mut DFlashProposer::new(&d), &p, 40, 8);
-            assert_eq!(got.tokens, want.tokens, "{mode}, draft window {draft_window}");
+            assert_eq!(
+                got.tokens, want.tokens,
+                "{mode}, draft window {draft_window}"
+            );
             got.stats.kv.store
         };
         let whole = store_of(10_000);

@@ -170,7 +170,10 @@ impl CompactStore {
         self.read_peak.set(self.read_peak.get().max(n * w * 4));
         let mut out = vec![0.0; n * w];
         self.gather(&[positions], part, &mut out);
-        Ok(Tensor::from_data(TensorData::new(out, [n, w]), &self.device))
+        Ok(Tensor::from_data(
+            TensorData::new(out, [n, w]),
+            &self.device,
+        ))
     }
 
     /// Positions `0..sink` held in the head, `start..len` in the tail: the gap between them
@@ -219,7 +222,10 @@ impl CompactStore {
     fn reach_ranges(&self, reach: DraftReach) -> [Range<usize>; 2] {
         let len = self.len();
         let head = 0..self.head.0.len();
-        let recent = len.saturating_sub(reach.window).max(self.start).max(head.end);
+        let recent = len
+            .saturating_sub(reach.window)
+            .max(self.start)
+            .max(head.end);
         [head, recent.min(len)..len]
     }
 

@@ -43,7 +43,10 @@ fn reads_as_whole(store: &CompactStore, whole: &CompactStore, reach: DraftReach)
 
 #[test]
 fn a_reach_keeps_the_sink_and_the_window_and_reads_them_as_the_whole_store_does() {
-    let reach = DraftReach { sink: 3, window: 40 };
+    let reach = DraftReach {
+        sink: 3,
+        window: 40,
+    };
     let cap = |rows: usize| 2 * 4 * (rows * W + rows * W / 8 + 64);
     for chunks in [vec![1; 400], vec![2, 7, 64, 129, 100, 1, 1, 96], vec![400]] {
         let mut whole = CompactStore::new(W, None, &Device::flex());

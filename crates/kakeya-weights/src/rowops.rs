@@ -64,10 +64,11 @@ mod simd {
     /// Outputs summed together: their accumulators stay in registers while the rows stream.
     const OUTS: usize = 4;
 
-    /// [`super::weighted_sum`]; the caller checked AVX2/FMA and the lengths. The rows stream
-    /// once, in order (each row's eight values loaded once for up to [`OUTS`] outputs, which
-    /// stay in L1); every output element takes its FMAs in ascending row order, as the
-    /// portable loop.
+    /// [`super::weighted_sum`]; the caller checked AVX2/FMA and the lengths. Columns go in
+    /// blocks of 16 (then 8): a block's accumulators for up to [`OUTS`] outputs stay in
+    /// registers while all `n` rows stream through, so each output is loaded and stored once
+    /// per call, not once per row. Every output element still takes its FMAs in ascending row
+    /// order, as the portable loop: the same bits.
     pub(super) fn weighted_sum(
         p: &[f32],
         rows: &[f32],
@@ -77,20 +78,85 @@ mod simd {
         out: &mut [f32],
     ) {
         let body = dim / 8 * 8;
+        let pairs = dim / 16 * 16;
         for j0 in (0..t).step_by(OUTS) {
             let m = (t - j0).min(OUTS);
+            let o = &mut out[j0 * dim..(j0 + m) * dim];
+            let cols = Cols {
+                p,
+                t,
+                j0,
+                m,
+                n,
+                dim,
+            };
+            let mut c = 0;
+            while c < pairs {
+                // SAFETY: AVX2 and FMA are available (checked by the caller); columns
+                // `c..c + 16` lie within every row and output.
+                unsafe { cols.block::<2>(rows, c, o) };
+                c += 16;
+            }
+            if c < body {
+                // SAFETY: as above, columns `c..c + 8`.
+                unsafe { cols.block::<1>(rows, c, o) };
+            }
             for r in 0..n {
-                let mut w = [0.0f32; OUTS];
-                w[..m].copy_from_slice(&p[r * t + j0..r * t + j0 + m]);
-                let row = &rows[r * dim..(r + 1) * dim];
-                let o = &mut out[j0 * dim..(j0 + m) * dim];
-                // SAFETY: AVX2 and FMA are available (checked by the caller); `row` holds
-                // `dim` values and `o` `m` rows of `dim`.
-                unsafe { row_into(&w, m, row, body, dim, o) };
-                for (k, &wk) in w.iter().enumerate().take(m) {
+                for k in 0..m {
+                    let wk = p[r * t + j0 + k];
                     for c in body..dim {
-                        o[k * dim + c] = wk.mul_add(row[c], o[k * dim + c]);
+                        o[k * dim + c] = wk.mul_add(rows[r * dim + c], o[k * dim + c]);
                     }
+                }
+            }
+        }
+    }
+
+    /// One pass of [`weighted_sum`]: outputs `j0..j0 + m` of `t`, over `n` rows of `dim`.
+    struct Cols<'a> {
+        p: &'a [f32],
+        t: usize,
+        j0: usize,
+        m: usize,
+        n: usize,
+        dim: usize,
+    }
+
+    impl Cols<'_> {
+        /// Columns `c..c + 8·B` of the `m` outputs in `o` (`[m, dim]`), summed over every row.
+        ///
+        /// # Safety
+        /// AVX2 and FMA are available; `c + 8·B <= dim`; `rows` holds `n` rows of `dim`.
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn block<const B: usize>(&self, rows: &[f32], c: usize, o: &mut [f32]) {
+            use std::arch::x86_64::{__m256, _mm256_setzero_ps};
+            let (dim, m) = (self.dim, self.m);
+            let (pr, po) = (rows.as_ptr(), o.as_mut_ptr());
+            let mut acc = [[_mm256_setzero_ps(); B]; OUTS];
+            for (k, a) in acc.iter_mut().enumerate().take(m) {
+                for (b, v) in a.iter_mut().enumerate() {
+                    // SAFETY: output k < m, columns within `dim`.
+                    *v = unsafe { _mm256_loadu_ps(po.add(k * dim + c + 8 * b)) };
+                }
+            }
+            for r in 0..self.n {
+                let mut v: [__m256; B] = [_mm256_setzero_ps(); B];
+                for (b, x) in v.iter_mut().enumerate() {
+                    // SAFETY: row r < n, columns within `dim`.
+                    *x = unsafe { _mm256_loadu_ps(pr.add(r * dim + c + 8 * b)) };
+                }
+                let w = &self.p[r * self.t + self.j0..r * self.t + self.j0 + m];
+                for (a, &wk) in acc.iter_mut().zip(w) {
+                    let wv = _mm256_set1_ps(wk);
+                    for (x, y) in a.iter_mut().zip(&v) {
+                        *x = _mm256_fmadd_ps(wv, *y, *x);
+                    }
+                }
+            }
+            for (k, a) in acc.iter().enumerate().take(m) {
+                for (b, v) in a.iter().enumerate() {
+                    // SAFETY: as the loads.
+                    unsafe { _mm256_storeu_ps(po.add(k * dim + c + 8 * b), *v) };
                 }
             }
         }
@@ -122,35 +188,6 @@ mod simd {
         }
         for (o, v) in out[body..src.len()].iter_mut().zip(&src[body..]) {
             *o = v.to_f32();
-        }
-    }
-
-    /// `o_k[c] = fma(w_k, row[c], o_k[c])` for `k < m`, columns `0..body`.
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn row_into(
-        w: &[f32; OUTS],
-        m: usize,
-        row: &[f32],
-        body: usize,
-        dim: usize,
-        o: &mut [f32],
-    ) {
-        let (pr, po) = (row.as_ptr(), o.as_mut_ptr());
-        let mut wv = [_mm256_set1_ps(0.0); OUTS];
-        for (v, &x) in wv.iter_mut().zip(w) {
-            *v = _mm256_set1_ps(x);
-        }
-        let mut c = 0;
-        while c < body {
-            // SAFETY: c + 8 <= body <= dim; output k < m rows of `dim`.
-            unsafe {
-                let v = _mm256_loadu_ps(pr.add(c));
-                for (k, wk) in wv.iter().enumerate().take(m) {
-                    let at = po.add(k * dim + c);
-                    _mm256_storeu_ps(at, _mm256_fmadd_ps(*wk, v, _mm256_loadu_ps(at)));
-                }
-            }
-            c += 8;
         }
     }
 }

@@ -4,6 +4,7 @@
 
 pub mod argmax;
 pub mod checkpoint;
+pub mod codes;
 pub mod config;
 pub mod dense;
 pub mod dequant;

@@ -13,7 +13,9 @@
 use half::f16;
 use kakeya_models::ModelError;
 
-use super::rows::{Bits, pack_codes, quantise_group, unpack_codes};
+use kakeya_weights::codes::{Affine, dequantize_codes};
+
+use super::rows::{Bits, pack_codes, quantise_group};
 
 /// Positions per per-channel block.
 pub const CHANNEL_BLOCK: usize = 64;
@@ -183,7 +185,6 @@ impl ChannelRows {
         let (w, rb) = (self.width, self.row_bytes());
         let first_block = first / CHANNEL_BLOCK;
         let (mut scale, mut min) = (vec![0.0f32; w], vec![0.0f32; w]);
-        let mut codes = vec![0u8; w];
         let mut p = from;
         while p < to {
             let b = &self.blocks[p / CHANNEL_BLOCK - first_block];
@@ -193,11 +194,12 @@ impl ChannelRows {
             }
             for q in p..upto {
                 let r = q - b.start;
-                unpack_codes(&b.codes[r * rb..(r + 1) * rb], self.bits, &mut codes);
                 let o = &mut out[(q - from) * w..(q - from + 1) * w];
-                for (((o, &q), s), m) in o.iter_mut().zip(&codes).zip(&scale).zip(&min) {
-                    *o = f32::from(q) * s + m;
-                }
+                let affine = Affine::PerCode {
+                    scale: &scale,
+                    min: &min,
+                };
+                dequantize_codes(&b.codes[r * rb..(r + 1) * rb], self.bits.count(), affine, o);
             }
             p = upto;
         }

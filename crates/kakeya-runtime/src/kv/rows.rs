@@ -10,6 +10,7 @@
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
+use kakeya_weights::codes::{Affine, dequantize_codes};
 
 /// Values per quantisation group.
 pub const GROUP: usize = 64;
@@ -74,64 +75,6 @@ pub(crate) fn pack_codes(codes: &[u8], bits: Bits, out: &mut Vec<u8>) {
             }
             if filled > 0 {
                 out.push(acc as u8);
-            }
-        }
-    }
-}
-
-/// Code `i` of a group packed by [`pack_codes`].
-#[inline]
-fn code_at(packed: &[u8], bits: Bits, i: usize) -> u8 {
-    match bits.0 {
-        8 => packed[i],
-        4 => (packed[i / 2] >> ((i % 2) * 4)) & 15,
-        b => {
-            let bit = i * usize::from(b);
-            let (at, shift) = (bit / 8, bit % 8);
-            let lo = u16::from(packed[at]);
-            let hi = u16::from(packed.get(at + 1).copied().unwrap_or(0));
-            (((hi << 8) | lo) >> shift) as u8 & bits.max_code()
-        }
-    }
-}
-
-/// Unpacks the first `out.len()` codes of a run packed by [`pack_codes`] (whole groups of
-/// eight codes take `bits` bytes, read at once).
-pub(crate) fn unpack_codes(packed: &[u8], bits: Bits, out: &mut [u8]) {
-    let b = usize::from(bits.0);
-    match b {
-        8 => out.copy_from_slice(&packed[..out.len()]),
-        4 => {
-            for (pair, &byte) in out.chunks_mut(2).zip(packed) {
-                pair[0] = byte & 15;
-                if let Some(hi) = pair.get_mut(1) {
-                    *hi = byte >> 4;
-                }
-            }
-        }
-        2 => {
-            for (quad, &byte) in out.chunks_mut(4).zip(packed) {
-                for (j, o) in quad.iter_mut().enumerate() {
-                    *o = (byte >> (2 * j)) & 3;
-                }
-            }
-        }
-        _ => {
-            let mask = u64::from(bits.max_code());
-            let whole = out.len() / 8;
-            for (eight, bytes) in out[..whole * 8]
-                .chunks_exact_mut(8)
-                .zip(packed.chunks_exact(b))
-            {
-                let mut word = [0u8; 8];
-                word[..b].copy_from_slice(bytes);
-                let w = u64::from_le_bytes(word);
-                for (j, o) in eight.iter_mut().enumerate() {
-                    *o = ((w >> (j * b)) & mask) as u8;
-                }
-            }
-            for (i, o) in out.iter_mut().enumerate().skip(whole * 8) {
-                *o = code_at(packed, bits, i);
             }
         }
     }
@@ -325,17 +268,16 @@ impl QuantRows {
     /// Dequantised rows `from..to`, row-major, into `out` (`(to − from) · width` long).
     pub fn dequantize_into(&self, from: usize, to: usize, out: &mut [f32]) {
         let gb = self.bits.group_bytes(self.group);
-        let mut codes = [0u8; MAX_GROUP];
-        let codes = &mut codes[..self.group];
         for (r, o) in (from..to).zip(out.chunks_exact_mut(self.width)) {
             let (page, first) = self.locate(r);
             for (g, o) in (first..).zip(o.chunks_exact_mut(self.group)) {
                 let [s, m] = page.params[g];
-                let (s, m) = (s.to_f32(), m.to_f32());
-                unpack_codes(&page.codes[g * gb..(g + 1) * gb], self.bits, codes);
-                for (o, &q) in o.iter_mut().zip(codes.iter()) {
-                    *o = f32::from(q) * s + m;
-                }
+                let affine = Affine::Group {
+                    scale: s.to_f32(),
+                    min: m.to_f32(),
+                };
+                let codes = &page.codes[g * gb..(g + 1) * gb];
+                dequantize_codes(codes, self.bits.count(), affine, o);
             }
         }
     }

@@ -148,11 +148,19 @@ fn packed_codes_come_back_for_every_width() {
                 (n * b as usize).div_ceil(8),
                 "{b} bits, {n} codes"
             );
-            let back: Vec<u8> = (0..n).map(|i| code_at(&packed, bits, i)).collect();
+            // The reader of every quantised tier: codes back, then as values.
+            let back: Vec<u8> = (0..n)
+                .map(|i| kakeya_weights::codes::code_at(&packed, b, i))
+                .collect();
             assert_eq!(back, codes, "{b} bits");
-            let mut run = vec![0u8; n];
-            unpack_codes(&packed, bits, &mut run);
-            assert_eq!(run, codes, "{b} bits, unpacked as a run");
+            let mut run = vec![0.0f32; n];
+            let affine = kakeya_weights::codes::Affine::Group {
+                scale: 1.0,
+                min: 0.0,
+            };
+            kakeya_weights::codes::dequantize_codes(&packed, b, affine, &mut run);
+            let want: Vec<f32> = codes.iter().map(|&c| f32::from(c)).collect();
+            assert_eq!(run, want, "{b} bits, read as a run");
         }
     }
     assert!(Bits::new(1).is_none() && Bits::new(9).is_none());

@@ -1,0 +1,194 @@
+//! Packed integer codes back to values: the quantised KV tiers keep codes of 2 to 8 bits packed
+//! low bits first (code `i` at bits `i·b .. (i+1)·b` of the little-endian run), with an affine
+//! map per group (one scale and minimum) or per code (one per channel). This is the read side
+//! of every decode step over a quantised tier, so it runs eight codes at a time with AVX2
+//! where the CPU has it; each value is `code · scale + minimum` (a product, then a sum, not
+//! fused), the same bits on every path.
+
+/// How codes map to values.
+#[derive(Debug, Clone, Copy)]
+pub enum Affine<'a> {
+    /// One scale and minimum for every code.
+    Group {
+        /// Step between codes.
+        scale: f32,
+        /// Value of code 0.
+        min: f32,
+    },
+    /// Code `i`'s own scale and minimum (`scale[i]`, `min[i]`).
+    PerCode {
+        /// Steps, one per code.
+        scale: &'a [f32],
+        /// Values of code 0, one per code.
+        min: &'a [f32],
+    },
+}
+
+impl Affine<'_> {
+    #[inline]
+    fn at(&self, i: usize) -> (f32, f32) {
+        match *self {
+            Affine::Group { scale, min } => (scale, min),
+            Affine::PerCode { scale, min } => (scale[i], min[i]),
+        }
+    }
+}
+
+/// Code `i` of a run of `bits`-bit codes packed low bits first.
+#[inline]
+pub fn code_at(packed: &[u8], bits: u32, i: usize) -> u8 {
+    let bit = i * bits as usize;
+    let (at, shift) = (bit / 8, bit % 8);
+    let lo = u16::from(packed[at]);
+    let hi = u16::from(packed.get(at + 1).copied().unwrap_or(0));
+    ((((hi << 8) | lo) >> shift) & ((1u16 << bits) - 1)) as u8
+}
+
+/// `out[i] = code_i · scale_i + min_i` for the first `out.len()` codes of `packed`
+/// (`bits` from 2 to 8).
+///
+/// # Panics
+/// When `packed` holds fewer than `out.len()` codes, a per-code map is shorter than `out`, or
+/// `bits` is outside 2..=8.
+#[allow(unsafe_code)]
+pub fn dequantize_codes(packed: &[u8], bits: u32, affine: Affine<'_>, out: &mut [f32]) {
+    assert!((2..=8).contains(&bits), "codes of {bits} bits");
+    assert!(
+        packed.len() * 8 >= out.len() * bits as usize,
+        "dequantize_codes: {} codes asked of {} bytes",
+        out.len(),
+        packed.len()
+    );
+    if let Affine::PerCode { scale, min } = affine {
+        assert!(scale.len() >= out.len() && min.len() >= out.len());
+    }
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if crate::kernel::simd_available() && matches!(bits, 2 | 3 | 4 | 8) {
+        // SAFETY: AVX2 is available; the lengths were checked above.
+        done = unsafe { simd::eights(packed, bits, affine, out) };
+    }
+    for (i, o) in out.iter_mut().enumerate().skip(done) {
+        let (s, m) = affine.at(i);
+        *o = f32::from(code_at(packed, bits, i)) * s + m;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+mod simd {
+    use std::arch::x86_64::{
+        __m128i, _mm_loadl_epi64, _mm256_add_ps, _mm256_and_si256, _mm256_cvtepi32_ps,
+        _mm256_cvtepu8_epi32, _mm256_loadu_ps, _mm256_mul_ps, _mm256_set1_epi32, _mm256_set1_ps,
+        _mm256_setr_epi32, _mm256_srlv_epi32, _mm256_storeu_ps,
+    };
+
+    use super::Affine;
+
+    /// Codes `0..8k` of `out`'s length rounded down to eights; returns `8k`. Eight codes of
+    /// `bits` bits are `bits` whole bytes.
+    ///
+    /// # Safety
+    /// AVX2 is available; `packed` holds `out.len()` codes, a per-code map `out.len()` values;
+    /// `bits` is 2, 3, 4 or 8.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn eights(
+        packed: &[u8],
+        bits: u32,
+        affine: Affine<'_>,
+        out: &mut [f32],
+    ) -> usize {
+        let n = out.len() / 8 * 8;
+        let b = bits as usize;
+        let shifts = _mm256_setr_epi32(
+            0,
+            bits as i32,
+            2 * bits as i32,
+            3 * bits as i32,
+            4 * bits as i32,
+            5 * bits as i32,
+            6 * bits as i32,
+            7 * bits as i32,
+        );
+        let mask = _mm256_set1_epi32((1i32 << bits) - 1);
+        let po = out.as_mut_ptr();
+        let mut i = 0;
+        while i < n {
+            let bytes = &packed[i / 8 * b..i / 8 * b + b];
+            let codes = if bits == 8 {
+                // SAFETY: `bytes` holds 8 bytes.
+                _mm256_cvtepu8_epi32(unsafe { _mm_loadl_epi64(bytes.as_ptr().cast::<__m128i>()) })
+            } else {
+                let mut word = [0u8; 4];
+                word[..b].copy_from_slice(bytes);
+                let w = _mm256_set1_epi32(i32::from_le_bytes(word));
+                _mm256_and_si256(_mm256_srlv_epi32(w, shifts), mask)
+            };
+            let q = _mm256_cvtepi32_ps(codes);
+            let (s, m) = match affine {
+                Affine::Group { scale, min } => (_mm256_set1_ps(scale), _mm256_set1_ps(min)),
+                // SAFETY: the maps hold `out.len()` values, `i + 8 <= n`.
+                Affine::PerCode { scale, min } => unsafe {
+                    (
+                        _mm256_loadu_ps(scale.as_ptr().add(i)),
+                        _mm256_loadu_ps(min.as_ptr().add(i)),
+                    )
+                },
+            };
+            // SAFETY: `i + 8 <= n <= out.len()`.
+            unsafe { _mm256_storeu_ps(po.add(i), _mm256_add_ps(_mm256_mul_ps(q, s), m)) };
+            i += 8;
+        }
+        n
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Codes packed low bits first, as the tiers write them.
+    fn pack(codes: &[u8], bits: u32) -> Vec<u8> {
+        let mut out = vec![0u8; (codes.len() * bits as usize).div_ceil(8)];
+        for (i, &c) in codes.iter().enumerate() {
+            for j in 0..bits as usize {
+                let bit = i * bits as usize + j;
+                out[bit / 8] |= ((c >> j) & 1) << (bit % 8);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn every_path_gives_the_product_then_the_sum_bit_for_bit() {
+        for bits in 2..=8u32 {
+            for n in [0, 5, 8, 64, 77, 256] {
+                let codes: Vec<u8> = (0..n)
+                    .map(|i| ((i * 37 + 11) % (1 << bits)) as u8)
+                    .collect();
+                let packed = pack(&codes, bits);
+                let scale: Vec<f32> = (0..n).map(|i| 0.013 * (i as f32 + 1.0).sqrt()).collect();
+                let min: Vec<f32> = (0..n).map(|i| -0.7 + (i as f32 * 0.31).sin()).collect();
+                for affine in [
+                    Affine::Group {
+                        scale: 0.0371,
+                        min: -1.23,
+                    },
+                    Affine::PerCode {
+                        scale: &scale,
+                        min: &min,
+                    },
+                ] {
+                    let mut out = vec![f32::NAN; n];
+                    dequantize_codes(&packed, bits, affine, &mut out);
+                    for (i, (&o, &c)) in out.iter().zip(&codes).enumerate() {
+                        assert_eq!(code_at(&packed, bits, i), c, "{bits} bits, code {i}");
+                        let (s, m) = affine.at(i);
+                        let want = f32::from(c) * s + m;
+                        assert_eq!(o.to_bits(), want.to_bits(), "{bits} bits, n {n}, {i}");
+                    }
+                }
+            }
+        }
+    }
+}

@@ -235,20 +235,23 @@ struct RowInputs<'s, 'a> {
 }
 
 impl RowInputs<'_, '_> {
+    /// Head `kvh`'s `part` rows of `keys` as f32 ([`tile_rows`] over these sources).
+    fn tile<'b>(
+        &'b self,
+        part: KvPart,
+        keys: &[SourcedKey],
+        (rows, buf): (&mut Vec<usize>, &'b mut Vec<f32>),
+    ) -> Result<&'b [f32]> {
+        tile_rows(self.sources, part, (self.kvh, self.dim), keys, rows, buf)
+    }
+
     /// The span `keys`' partial result.
     fn partial(&self, keys: &[SourcedKey]) -> Result<Partial> {
         let (n, group, dim) = (keys.len(), self.group, self.dim);
         let mut s = vec![0.0f32; n * group];
         let (mut buf, mut rows) = (Vec::new(), Vec::new());
         for (c, tile) in keys.chunks(KEY_TILE).enumerate() {
-            let ks = tile_rows(
-                self.sources,
-                KvPart::K,
-                (self.kvh, dim),
-                tile,
-                &mut rows,
-                &mut buf,
-            )?;
+            let ks = self.tile(KvPart::K, tile, (&mut rows, &mut buf))?;
             let at = c * KEY_TILE * group;
             rowops::row_dots(ks, tile.len(), self.qg, group, dim, &mut s[at..]);
         }
@@ -277,14 +280,7 @@ impl RowInputs<'_, '_> {
                     .take_while(|k| self.rotated[k.source] == r)
                     .count();
                 let run = &tile[a..b];
-                let vs = tile_rows(
-                    self.sources,
-                    KvPart::V,
-                    (self.kvh, dim),
-                    run,
-                    &mut rows,
-                    &mut buf,
-                )?;
+                let vs = self.tile(KvPart::V, run, (&mut rows, &mut buf))?;
                 let at = (c * KEY_TILE + a) * group;
                 let acc = if r { &mut rotated[..] } else { &mut plain[..] };
                 rowops::weighted_sum(&s[at..], vs, run.len(), group, dim, acc);

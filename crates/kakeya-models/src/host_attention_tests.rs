@@ -19,6 +19,36 @@ fn tensor(dims: [usize; 3], seed: u32) -> Tensor<3> {
     Tensor::from_data(TensorData::new(vals, dims), &Device::flex())
 }
 
+/// Burn's tensor ops over the same keys: query row `[heads, 1, dim]` against rows `keys` of
+/// `k`/`v`, as `[heads · dim]`.
+fn reference(
+    q: Tensor<3>,
+    (k, v): (&Tensor<3>, &Tensor<3>),
+    keys: &[usize],
+    scale: f32,
+) -> Vec<f32> {
+    let ids: Vec<i64> = keys.iter().map(|&j| j as i64).collect();
+    let ids = Tensor::<1, burn::tensor::Int>::from_data(
+        TensorData::new(ids, [keys.len()]),
+        &Device::flex(),
+    );
+    let want = crate::sdpa::grouped_attention(
+        q,
+        k.clone().select(1, ids.clone()),
+        v.clone().select(1, ids),
+        f64::from(scale),
+        None,
+    );
+    want.into_data().try_to_vec().unwrap()
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max)
+}
+
 #[test]
 fn a_row_matches_the_tensor_ops_reference() {
     // Four query heads over one key/value head (Gemma 3 270M's grouping), odd sizes.
@@ -46,25 +76,8 @@ fn a_row_matches_the_tensor_ops_reference() {
         &mut out,
     )
     .unwrap();
-    // Reference: Burn's ops over the same keys.
-    let ids: Vec<i64> = keys.iter().map(|&j| j as i64).collect();
-    let ids = Tensor::<1, burn::tensor::Int>::from_data(
-        TensorData::new(ids, [keys.len()]),
-        &Device::flex(),
-    );
-    let want = crate::sdpa::grouped_attention(
-        q.slice([0..heads, 1..2, 0..d]),
-        k.clone().select(1, ids.clone()),
-        v.clone().select(1, ids),
-        f64::from(scale),
-        None,
-    );
-    let want: Vec<f32> = want.into_data().try_to_vec().unwrap();
-    let worst = out
-        .iter()
-        .zip(&want)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0f32, f32::max);
+    let want = reference(q.slice([0..heads, 1..2, 0..d]), (&k, &v), &keys, scale);
+    let worst = max_abs_diff(&out, &want);
     assert!(worst < 1e-5, "max |Δ| {worst}");
 }
 
@@ -109,11 +122,7 @@ fn f16_keys_and_values_take_the_f32_arithmetic_of_their_rounded_values() {
             half, rounded,
             "the same bits as f32 rows of the rounded values"
         );
-        let worst = half
-            .iter()
-            .zip(&exact)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, f32::max);
+        let worst = max_abs_diff(&half, &exact);
         // Inputs in [-1, 1] rounded to f16 (relative error ≤ 2^-11): a few 1e-3 at most.
         assert!(worst < 5e-3, "max |Δ| against unrounded f32 {worst}");
     }
@@ -144,24 +153,7 @@ fn a_long_row_splits_into_spans_whose_bits_do_not_depend_on_the_threads() {
         .unwrap()
         .install(run);
     assert_eq!(many, one, "one thread or several");
-    let ids: Vec<i64> = keys.iter().map(|&j| j as i64).collect();
-    let ids = Tensor::<1, burn::tensor::Int>::from_data(
-        TensorData::new(ids, [keys.len()]),
-        &Device::flex(),
-    );
-    let want = crate::sdpa::grouped_attention(
-        q.clone(),
-        k.clone().select(1, ids.clone()),
-        v.clone().select(1, ids),
-        0.3,
-        None,
-    );
-    let want: Vec<f32> = want.into_data().try_to_vec().unwrap();
-    let worst = many
-        .iter()
-        .zip(&want)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0f32, f32::max);
+    let worst = max_abs_diff(&many, &reference(q.clone(), (&k, &v), &keys, 0.3));
     assert!(worst < 1e-5, "max |Δ| {worst}");
 }
 
@@ -253,11 +245,7 @@ fn keys_split_over_views_and_a_tier_give_the_bits_of_one_view() {
         attend_row(&qv, (1, 1), &src, &keys, 0.1, &mut out).unwrap();
         if rotated {
             // The rotated values' sum is added to the others' once at the end.
-            let worst = out
-                .iter()
-                .zip(&whole)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0f32, f32::max);
+            let worst = max_abs_diff(&out, &whole);
             assert!(worst < 1e-5, "rotated tier: max |Δ| {worst}");
         } else {
             assert_eq!(out, whole, "split over sources");

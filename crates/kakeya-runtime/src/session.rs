@@ -14,7 +14,7 @@ use kakeya_models::{
 };
 
 use crate::error::{Result, RuntimeError};
-use crate::kv::{CompactStore, KvBytes, KvDtype, KvPolicy, Restorer, SequenceKv, StoreFormat};
+use crate::kv::{CompactStore, KvBytes, KvPolicy, Restorer, SequenceKv};
 use crate::sampler::{Sampler, Sampling, Scores};
 
 /// Copies one row of logits `[1, vocab]` to the host.
@@ -156,17 +156,10 @@ impl<'m> Session<'m> {
                 )));
             }
         }
-        // Restoration reads every row as it was trained on (f32, or the mode's bits); drafts
-        // read a sink and a recent window, held in the exact tiers' dtype.
-        let format = match (mode.restores(), mode.store_bits(), setup.policy.dtype) {
-            (true, Some(b), _) => StoreFormat::Quant(b),
-            (true, None, _) | (false, _, KvDtype::F32) => StoreFormat::F32,
-            (false, _, KvDtype::F16) => StoreFormat::F16,
-        };
         let store = setup.drafter.map(|d| {
             CompactStore::with_reach(
                 d.context_width(),
-                format,
+                setup.policy.store_format(),
                 setup.policy.draft_reach(),
                 model.device(),
             )

@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use super::channels::CHANNEL_BLOCK;
 use super::native::KvDtype;
 use super::rows::Bits;
-use super::store::DraftReach;
+use super::store::{DraftReach, StoreFormat};
 use crate::error::{Result, RuntimeError};
 
 /// The KV modes.
@@ -366,6 +366,17 @@ impl KvPolicy {
         }
     }
 
+    /// How the drafter's compact store holds its rows under this policy: restoration reads
+    /// every row as f_θ was trained on them (f32, or the mode's bits); drafts read rows held in
+    /// the exact tiers' dtype.
+    pub fn store_format(&self) -> StoreFormat {
+        match (self.mode.restores(), self.mode.store_bits(), self.dtype) {
+            (true, Some(b), _) => StoreFormat::Quant(b),
+            (true, None, _) | (false, _, KvDtype::F32) => StoreFormat::F32,
+            (false, _, KvDtype::F16) => StoreFormat::F16,
+        }
+    }
+
     /// What the drafter's compact store keeps under this policy: `None` (every position) in
     /// the restored modes.
     pub fn draft_reach(&self) -> Option<DraftReach> {
@@ -375,8 +386,9 @@ impl KvPolicy {
         })
     }
 
-    /// Reads a policy file (TOML: `mode`, optional `sink`, `window`, `dtype`, and `[global]` /
-    /// `[sliding]` tables of [`LayerRule`]; nothing else), checking every bit width.
+    /// Reads a policy file (TOML: `mode`, optional `sink`, `window`, `dtype`, `draft_window`,
+    /// and `[global]` / `[sliding]` tables of [`LayerRule`]; nothing else), checking every bit
+    /// width.
     pub fn from_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| RuntimeError::Input(format!("{}: {e}", path.display())))?;

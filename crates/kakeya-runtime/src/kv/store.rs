@@ -13,9 +13,9 @@ use kakeya_models::{DraftContext, KvPart, ModelError};
 use super::rows::{Bits, Rows};
 
 /// How far back drafts read the store: its first `sink` positions and its `window` most recent
-/// ones. Older rows are dropped as new ones arrive (a few block's worth later, so that rolling
-/// back a rejected block never needs one), so the store holds at most
-/// `sink + window + DROP_STEP` rows however long the sequence.
+/// ones. Older rows are dropped as new ones arrive ([`DROP_STEP`] rows later, so that a
+/// rollback of up to that many positions never needs one), so the store holds fewer than
+/// `sink + window + 2 · DROP_STEP` rows however long the sequence.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DraftReach {
     /// First positions always read.
@@ -104,11 +104,6 @@ impl CompactStore {
             device: device.clone(),
             read_peak: Cell::new(0),
         }
-    }
-
-    /// What drafts read, when the store keeps only that.
-    pub fn reach(&self) -> Option<DraftReach> {
-        self.reach
     }
 
     /// Row width.

@@ -16,7 +16,10 @@ the build turns on the AVX/AVX2/FMA/F16C/AVX-512 (F, VBMI, VNNI, BF16)/AVX-VNNI 
 `/proc/cpuinfo` is missing (macOS), `GGML_NATIVE=ON`.
 
 Usage: python3 scripts/bench_llama_cpp.py [--model models/gemma-3-270m/gemma-3-270m-q4_k_m.gguf]
-       [--threads 2] [--reps 5]
+       [--threads 2] [--reps 5] [--prompt 512] [--gen 128] [--depth 0] [--cache-type f16]
+       [--flash-attn]
+(`--depth D`: both tests after D context tokens, llama-bench's `-d`; `--cache-type q8_0`: the
+KV cache's type, `-ctk`/`-ctv`; `--prompt 0` or `--gen 0` leaves that test out.)
 """
 
 from __future__ import annotations
@@ -146,6 +149,11 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=ROOT / "models/gemma-3-270m/gemma-3-270m-q4_k_m.gguf")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--prompt", type=int, default=512, help="prompt tokens of the pp test (0: none)")
+    ap.add_argument("--gen", type=int, default=128, help="tokens of the tg test (0: none)")
+    ap.add_argument("--depth", type=int, default=0, help="context tokens before the tests (-d)")
+    ap.add_argument("--cache-type", default="f16", help="KV cache type, -ctk and -ctv (f16, q8_0, q4_0)")
+    ap.add_argument("--flash-attn", action="store_true", help="flash attention (-fa 1)")
     ap.add_argument("--build-only", action="store_true")
     ap.add_argument("--json", type=Path, help="also write llama-bench's JSON records here")
     args = ap.parse_args()
@@ -153,8 +161,14 @@ def main() -> None:
     if args.build_only:
         print(exe)
         return
-    cmd = [str(exe), "-m", str(args.model), "-t", str(args.threads), "-p", "512", "-n", "128",
-           "-r", str(args.reps)]
+    cmd = [str(exe), "-m", str(args.model), "-t", str(args.threads), "-p", str(args.prompt),
+           "-n", str(args.gen), "-r", str(args.reps)]
+    if args.depth:
+        cmd += ["-d", str(args.depth)]
+    if args.cache_type != "f16":
+        cmd += ["-ctk", args.cache_type, "-ctv", args.cache_type]
+    if args.flash_attn:
+        cmd += ["-fa", "1"]
     if args.json is None:
         subprocess.run([*cmd, "-o", "md"], check=True)
         return
@@ -168,6 +182,8 @@ def main() -> None:
     print("|---|---|")
     for r in records:
         test = f"pp{r['n_prompt']}" if r["n_gen"] == 0 else f"tg{r['n_gen']}"
+        if r.get("n_depth"):
+            test += f" @ d{r['n_depth']}"
         print(f"| {test} | {r['avg_ts']:.2f} ± {r['stddev_ts']:.2f} |")
 
 

@@ -9,11 +9,25 @@
 # and cmake (fetched from PyPI by scripts/bench_llama_cpp.py when missing). llama.cpp is built
 # with explicit ISA options, AMX off (see scripts/bench_llama_cpp.py).
 #
-# Usage: scripts/bench_side_by_side.sh [--runs N]   (default 5; N runs per figure)
+# Then, at each depth of --depths (default "4096 16384"; "" for none), pp512 and tg32 after that
+# many context tokens: llama-bench with flash attention and f16, q8_0 and q4_0 KV caches beside
+# `kakeya bench --depth` with `full` and the recommended bounded mode, and the prefill of the
+# deepest context (llama-bench pp<depth> against the depth context's own prefill in Kakeya).
+#
+# Usage: scripts/bench_side_by_side.sh [--runs N] [--depths "4096 16384"]
+#        (N runs per figure, default 5; 3 at depth)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runs=5
-if [[ "${1:-}" == "--runs" ]]; then runs="$2"; fi
+depths="4096 16384"
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --runs) runs="$2"; shift 2 ;;
+    --depths) depths="$2"; shift 2 ;;
+    *) echo "bench_side_by_side: unknown option $1" >&2; exit 2 ;;
+  esac
+done
+bounded=bounded-k4v3
 model=models/gemma-3-270m/gemma-3-270m-q4_k_m.gguf
 drafter=checkpoints/drafter-gemma3-270m-v3
 table=checkpoints/ngram-gemma3-270m.bin
@@ -71,4 +85,54 @@ print(f"| speculative decode (20 prompts, 128 tokens; AR {spec['ar_decode_tok_s'
       f"{spec['speedup']:.2f}× own AR, acceptance {spec['mean_acceptance_length']:.2f}, "
       f"identical {spec['all_identical']}) | {spec['spec_decode_tok_s']:.1f} | "
       f"{before['tg']:.1f} / {after['tg']:.1f} (tg128) | {spec['spec_decode_tok_s'] / mean:.2f}× |")
+PY
+
+# Depth: the same tests after a long context.
+deep=0
+for d in $depths; do
+  echo "## depth $d: llama-bench -fa 1 (f16, q8_0, q4_0 KV), kakeya bench (full, $bounded)"
+  for ct in f16 q8_0 q4_0; do
+    python3 scripts/bench_llama_cpp.py --model "$model" --threads 2 --reps 3 --prompt 512 --gen 32 \
+      --depth "$d" --cache-type "$ct" --flash-attn --json "$out/llama-d$d-$ct.json"
+  done
+  for mode in full "$bounded"; do
+    RAYON_NUM_THREADS=2 "$kakeya" bench --model "$model" --depth "$d" --prompt-tokens 512 \
+      --gen-tokens 32 --runs 3 --warmup 1 --kv-mode "$mode" --json > "$out/kakeya-d$d-$mode.json.tmp"
+    mv "$out/kakeya-d$d-$mode.json.tmp" "$out/kakeya-d$d-$mode.json"
+  done
+  deep="$d"
+done
+if [[ "$deep" != 0 ]]; then
+  echo "## prefill of a $deep-token prompt: llama-bench pp$deep -fa 1"
+  python3 scripts/bench_llama_cpp.py --model "$model" --threads 2 --reps 1 --prompt "$deep" --gen 0 \
+    --flash-attn --json "$out/llama-pp$deep.json"
+fi
+
+python3 - "$out" "$bounded" "$deep" $depths <<'PY'
+import json, sys
+from pathlib import Path
+out, bounded, deep, depths = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4:]
+if not depths:
+    sys.exit()
+def llama(name):
+    recs = json.loads((out / name).read_text())
+    return {("pp" if r["n_gen"] == 0 else "tg"): r["avg_ts"] for r in recs}
+def kakeya(name):
+    res = json.loads((out / name).read_text())["results"]
+    return {f["test"].split()[0][:2] if "depth context" not in f["test"] else "ctx": f["median_tok_s"]
+            for f in res}
+print()
+print("| depth | test | kakeya full | kakeya " + bounded + " | llama.cpp f16 | q8_0 | q4_0 | full / f16 | " + bounded + " / q4_0 |")
+print("|---|---|---|---|---|---|---|---|---|")
+for d in depths:
+    l = {ct: llama(f"llama-d{d}-{ct}.json") for ct in ("f16", "q8_0", "q4_0")}
+    k = {m: kakeya(f"kakeya-d{d}-{m}.json") for m in ("full", bounded)}
+    for test, name in (("pp", "pp512"), ("tg", "tg32")):
+        print(f"| {d} | {name} | {k['full'][test]:.1f} | {k[bounded][test]:.1f} | {l['f16'][test]:.1f} | "
+              f"{l['q8_0'][test]:.1f} | {l['q4_0'][test]:.1f} | {k['full'][test] / l['f16'][test]:.2f}× | "
+              f"{k[bounded][test] / l['q4_0'][test]:.2f}× |")
+if deep:
+    lp = llama(f"llama-pp{deep}.json")["pp"]
+    kp = kakeya(f"kakeya-d{deep}-full.json")["ctx"]
+    print(f"| — | pp{deep} (a {deep}-token prompt) | {kp:.1f} | — | {lp:.1f} | — | — | {kp / lp:.2f}× | — |")
 PY

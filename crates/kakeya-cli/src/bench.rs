@@ -51,7 +51,8 @@ pub struct BenchArgs {
     /// Prompts for the speculative comparison, JSON lines `{"text": ...}` (default: 20 built-in).
     #[arg(long)]
     pub prompts: Option<std::path::PathBuf>,
-    /// Tokens in the context before the decode test (llama-bench's `-d`): tg runs at this depth.
+    /// Tokens in the context before the tests (llama-bench's `-d`): pp and tg run at this
+    /// depth, from a copy of one prefilled context; its own prefill is reported too.
     #[arg(long, default_value_t = 0)]
     pub depth: usize,
     /// Sequences decoded together in the tg test (llama-batched-bench's `-npl`): each step is
@@ -123,7 +124,27 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     let kv = KvRun::prepare(&a.kv, &a.model, &model, None, None)?;
     let prompt = synthetic_prompt(a.prompt_tokens, model.config.vocab_size, tok.bos);
-    let context = synthetic_prompt(a.depth.max(1), model.config.vocab_size, tok.bos);
+    let picker = Sampler::new(sampling.clone());
+    // The depth context is prefilled once (timed: a prompt of `depth` tokens from empty
+    // caches); every run's pp and tg tests start from a copy of it, as llama-bench's `-d`
+    // does (a copy shares the buffers until it writes them).
+    let base = if a.depth > 0 {
+        let context = synthetic_prompt(a.depth, model.config.vocab_size, tok.bos);
+        let mut s = Session::with_kv(&model, kv.setup())?;
+        let t = Instant::now();
+        let first = picker.pick_scores(&s.prefill_for(&context, 512, &picker)?, context.len());
+        let rate = a.depth as f64 / t.elapsed().as_secs_f64();
+        tracing::info!(depth = a.depth, rate, "depth context prefilled");
+        Some((s, first, rate))
+    } else {
+        None
+    };
+    let fresh = || -> Result<(Session<'_>, u32)> {
+        Ok(match &base {
+            Some((s, first, _)) => (s.clone(), *first),
+            None => (Session::with_kv(&model, kv.setup())?, tok.bos),
+        })
+    };
     let mut pp = Vec::new();
     let mut tg = Vec::new();
     let bar = indicatif::ProgressBar::new((a.warmup + a.runs) as u64);
@@ -134,28 +155,29 @@ pub fn run(a: BenchArgs) -> Result<()> {
     );
     bar.set_prefix("bench");
     for i in 0..a.warmup + a.runs {
-        // Prefill: the whole prompt into empty caches.
-        let mut s = Session::with_kv(&model, kv.setup())?;
+        // Prefill: the whole prompt after the depth context (if any).
+        let (mut s, _) = fresh()?;
         let t = Instant::now();
         s.prefill(&prompt, a.prompt_tokens)?;
         let pp_rate = a.prompt_tokens as f64 / t.elapsed().as_secs_f64();
-        // Decode: gen_tokens steps of `batch` sequences (one token each) after `depth`
-        // context tokens, greedy unless sampling was asked for. Batched sequences each
-        // continue one of the built-in prompts (after the depth context), as concurrent
-        // requests would.
-        let picker = Sampler::new(sampling.clone());
+        drop(s);
+        // Decode: gen_tokens steps of `batch` sequences (one token each) after the depth
+        // context, greedy unless sampling was asked for. Batched sequences each continue
+        // one of the built-in prompts, as concurrent requests would.
         let mut seqs = Vec::with_capacity(a.batch);
         let mut next = Vec::with_capacity(a.batch);
         for b in 0..a.batch {
-            let mut s = Session::with_kv(&model, kv.setup())?;
-            let mut first = tok.bos;
-            if a.depth > 0 || a.batch > 1 {
-                let mut ctx = context.clone();
-                if a.batch > 1 {
-                    let prompts = &crate::bench_spec::DEFAULT_PROMPTS;
-                    ctx.extend(tok.encode(prompts[b % prompts.len()])?);
-                }
-                first = picker.pick_scores(&s.prefill_for(&ctx, 512, &picker)?, ctx.len());
+            let (mut s, mut first) = fresh()?;
+            if a.batch > 1 {
+                let prompts = &crate::bench_spec::DEFAULT_PROMPTS;
+                let ctx = tok.encode(prompts[b % prompts.len()])?;
+                let ctx = if base.is_some() {
+                    ctx
+                } else {
+                    [vec![tok.bos], ctx].concat()
+                };
+                let end = s.len() + ctx.len();
+                first = picker.pick_scores(&s.prefill_for(&ctx, 512, &picker)?, end);
             }
             seqs.push(s);
             next.push(first);
@@ -187,22 +209,22 @@ pub fn run(a: BenchArgs) -> Result<()> {
         bar.inc(1);
     }
     bar.finish_and_clear();
-    let figures = [
+    let at_depth = if a.depth > 0 {
+        format!(" @ d{}", a.depth)
+    } else {
+        String::new()
+    };
+    let mut figures = vec![
         Figure {
-            test: format!("pp{}", a.prompt_tokens),
+            test: format!("pp{}{at_depth}", a.prompt_tokens),
             tokens: a.prompt_tokens,
             median_tok_s: median(pp.clone()),
             runs_tok_s: pp,
         },
         Figure {
             test: format!(
-                "tg{}{}{}{}",
+                "tg{}{at_depth}{}{}",
                 a.gen_tokens,
-                if a.depth > 0 {
-                    format!(" @ d{}", a.depth)
-                } else {
-                    String::new()
-                },
                 if a.batch > 1 {
                     format!(" × {} sequences (aggregate)", a.batch)
                 } else {
@@ -223,6 +245,15 @@ pub fn run(a: BenchArgs) -> Result<()> {
             runs_tok_s: tg,
         },
     ];
+    if let Some((_, _, rate)) = base {
+        // The depth context itself: a prompt of `depth` tokens from empty caches (one run).
+        figures.push(Figure {
+            test: format!("pp{} (the depth context, one run)", a.depth),
+            tokens: a.depth,
+            median_tok_s: rate,
+            runs_tok_s: vec![rate],
+        });
+    }
     if a.json {
         println!(
             "{}",

@@ -221,8 +221,9 @@ struct Partial {
     rotated: Vec<f32>,
 }
 
-/// What every span of a row reads: the sources, which of them hold rotated values, the
-/// key/value head and the group's queries.
+/// What every span of a block of rows reads: the sources, which of them hold rotated values,
+/// the key/value head, and per row the group's queries.
+#[derive(Clone)]
 struct RowInputs<'s, 'a> {
     sources: &'s [RowSource<'a>],
     rotated: &'s [bool],
@@ -230,7 +231,8 @@ struct RowInputs<'s, 'a> {
     kvh: usize,
     dim: usize,
     group: usize,
-    qg: &'s [f32],
+    /// Per row, `[group, dim]`.
+    qg: Vec<&'s [f32]>,
     scale: f32,
 }
 
@@ -245,55 +247,97 @@ impl RowInputs<'_, '_> {
         tile_rows(self.sources, part, (self.kvh, self.dim), keys, rows, buf)
     }
 
-    /// The span `keys`' partial result.
-    fn partial(&self, keys: &[SourcedKey]) -> Result<Partial> {
-        let (n, group, dim) = (keys.len(), self.group, self.dim);
-        let mut s = vec![0.0f32; n * group];
+    /// Each row's partial result over its first `lens[r]` keys of the span `keys` (every
+    /// `lens[r]` at least 1): a tile of keys or values is read (widened, dequantised) once for
+    /// all the rows, and each row runs on it exactly the products it runs alone.
+    fn partials(&self, keys: &[SourcedKey], lens: &[usize]) -> Result<Vec<Partial>> {
+        let (group, dim) = (self.group, self.dim);
+        let mut s: Vec<Vec<f32>> = lens.iter().map(|&n| vec![0.0f32; n * group]).collect();
         let (mut buf, mut rows) = (Vec::new(), Vec::new());
+        // Keys within a tile that row `r` reads, from `from` on.
+        let reads = |r: usize, from: usize, len: usize| lens[r].saturating_sub(from).min(len);
         for (c, tile) in keys.chunks(KEY_TILE).enumerate() {
-            let ks = self.tile(KvPart::K, tile, (&mut rows, &mut buf))?;
-            let at = c * KEY_TILE * group;
-            rowops::row_dots(ks, tile.len(), self.qg, group, dim, &mut s[at..]);
-        }
-        // Softmax terms over the span, per query head (`s` is `[n, group]`).
-        let (mut max, mut sum) = (vec![f32::NEG_INFINITY; group], vec![0.0f32; group]);
-        for g in 0..group {
-            for j in 0..n {
-                s[j * group + g] *= self.scale;
-                max[g] = max[g].max(s[j * group + g]);
+            let from = c * KEY_TILE;
+            let needed = (0..lens.len()).map(|r| reads(r, from, tile.len())).max();
+            let needed = needed.unwrap_or(0);
+            if needed == 0 {
+                break;
             }
-            for j in 0..n {
-                let e = (s[j * group + g] - max[g]).exp();
-                s[j * group + g] = e;
-                sum[g] += e;
+            let ks = self.tile(KvPart::K, &tile[..needed], (&mut rows, &mut buf))?;
+            for (r, (q, s)) in self.qg.iter().zip(&mut s).enumerate() {
+                let n = reads(r, from, tile.len());
+                if n > 0 {
+                    rowops::row_dots(ks, n, q, group, dim, &mut s[from * group..]);
+                }
             }
         }
-        let mut plain = vec![0.0f32; group * dim];
-        let mut rotated = vec![0.0f32; if self.any_rotated { group * dim } else { 0 }];
+        let terms: Vec<(Vec<f32>, Vec<f32>)> = s
+            .iter_mut()
+            .map(|s| softmax_terms(s, group, self.scale))
+            .collect();
+        let width = if self.any_rotated { group * dim } else { 0 };
+        let mut plain = vec![vec![0.0f32; group * dim]; lens.len()];
+        let mut rotated = vec![vec![0.0f32; width]; lens.len()];
         for (c, tile) in keys.chunks(KEY_TILE).enumerate() {
             // Runs of rotated and plain values go to their own sums.
             let mut a = 0;
             while a < tile.len() {
+                let from = c * KEY_TILE + a;
                 let r = self.rotated[tile[a].source];
                 let b = a + tile[a..]
                     .iter()
                     .take_while(|k| self.rotated[k.source] == r)
                     .count();
-                let run = &tile[a..b];
-                let vs = self.tile(KvPart::V, run, (&mut rows, &mut buf))?;
-                let at = (c * KEY_TILE + a) * group;
-                let acc = if r { &mut rotated[..] } else { &mut plain[..] };
-                rowops::weighted_sum(&s[at..], vs, run.len(), group, dim, acc);
+                let needed = (0..lens.len()).map(|j| reads(j, from, b - a)).max();
+                let needed = needed.unwrap_or(0);
+                if needed == 0 {
+                    break;
+                }
+                let vs = self.tile(KvPart::V, &tile[a..a + needed], (&mut rows, &mut buf))?;
+                for j in 0..lens.len() {
+                    let n = reads(j, from, b - a);
+                    if n > 0 {
+                        let acc = if r {
+                            &mut rotated[j][..]
+                        } else {
+                            &mut plain[j][..]
+                        };
+                        rowops::weighted_sum(&s[j][from * group..], vs, n, group, dim, acc);
+                    }
+                }
                 a = b;
             }
         }
-        Ok(Partial {
-            max,
-            sum,
-            plain,
-            rotated,
-        })
+        Ok(terms
+            .into_iter()
+            .zip(plain.into_iter().zip(rotated))
+            .map(|((max, sum), (plain, rotated))| Partial {
+                max,
+                sum,
+                plain,
+                rotated,
+            })
+            .collect())
     }
+}
+
+/// Softmax terms of one row's span in place: `s` (`[n, group]`, raw scores) becomes
+/// `exp(scale · s − max)` per query head; returns each head's `max` and sum of the terms.
+fn softmax_terms(s: &mut [f32], group: usize, scale: f32) -> (Vec<f32>, Vec<f32>) {
+    let n = s.len() / group;
+    let (mut max, mut sum) = (vec![f32::NEG_INFINITY; group], vec![0.0f32; group]);
+    for g in 0..group {
+        for j in 0..n {
+            s[j * group + g] *= scale;
+            max[g] = max[g].max(s[j * group + g]);
+        }
+        for j in 0..n {
+            let e = (s[j * group + g] - max[g]).exp();
+            s[j * group + g] = e;
+            sum[g] += e;
+        }
+    }
+    (max, sum)
 }
 
 /// One query position's attention: for every query head `h` (reading key/value head
@@ -319,8 +363,31 @@ pub fn attend_row(
     scale: f32,
     out: &mut [f32],
 ) -> Result<()> {
+    attend_rows(q, (i, kv_heads), sources, (keys, &[keys.len()]), scale, out)
+}
+
+/// Rows `i..i + lens.len()` of `q` at once, row `i + r` over the first `lens[r]` of `keys`:
+/// each row's result is bit for bit [`attend_row`]'s over those keys, while every tile of
+/// keys and values is read once for all the rows (a prompt chunk's rows at depth share
+/// nearly all their keys). Writes `out` (`[lens.len(), heads · dim]`).
+///
+/// # Shapes
+/// - `q`: `[heads, T, dim]` (rows `i..i + lens.len()` are read, f32); the sources' keys and
+///   values `[kv_heads, ·, dim]`
+pub fn attend_rows(
+    q: &HostView,
+    (i, kv_heads): (usize, usize),
+    sources: &[RowSource<'_>],
+    (keys, lens): (&[SourcedKey], &[usize]),
+    scale: f32,
+    out: &mut [f32],
+) -> Result<()> {
     let [heads, _, dim] = q.dims();
     let group = heads / kv_heads;
+    assert!(
+        lens.iter().all(|&n| n > 0 && n <= keys.len()),
+        "attend_rows: every row reads at least one of the keys"
+    );
     let rotated: Vec<bool> = sources
         .iter()
         .map(|s| matches!(s, RowSource::Tier(t) if t.values_rotated()))
@@ -329,10 +396,13 @@ pub fn attend_row(
         RowSource::Tier(t) if r => Some(*t),
         _ => None,
     });
-    let mut qg = vec![0.0f32; group * dim];
+    let width = heads * dim;
+    let mut qg = vec![0.0f32; lens.len() * group * dim];
     for kvh in 0..kv_heads {
-        for g in 0..group {
-            qg[g * dim..(g + 1) * dim].copy_from_slice(q.row(kvh * group + g, i));
+        for (r, q_r) in qg.chunks_exact_mut(group * dim).enumerate() {
+            for g in 0..group {
+                q_r[g * dim..(g + 1) * dim].copy_from_slice(q.row(kvh * group + g, i + r));
+            }
         }
         let inputs = RowInputs {
             sources,
@@ -341,18 +411,45 @@ pub fn attend_row(
             kvh,
             dim,
             group,
-            qg: &qg,
+            qg: qg.chunks_exact(group * dim).collect(),
             scale,
         };
-        let parts: Vec<Partial> = if keys.len() > KEY_SPAN {
+        // Span `k` of every row that reaches it, each row over its own share.
+        let span = |(k, span): (usize, &[SourcedKey])| -> Result<Vec<Partial>> {
+            let from = k * KEY_SPAN;
+            let (rows, span_lens): (Vec<usize>, Vec<usize>) = lens
+                .iter()
+                .enumerate()
+                .filter(|&(_, &n)| n > from)
+                .map(|(r, &n)| (r, (n - from).min(KEY_SPAN)))
+                .unzip();
+            let inputs = RowInputs {
+                qg: rows.iter().map(|&r| inputs.qg[r]).collect(),
+                ..inputs.clone()
+            };
+            inputs.partials(span, &span_lens)
+        };
+        let spans: Vec<Vec<Partial>> = if keys.len() > KEY_SPAN {
             keys.par_chunks(KEY_SPAN)
-                .map(|span| inputs.partial(span))
+                .enumerate()
+                .map(span)
                 .collect::<Result<_>>()?
         } else {
-            vec![inputs.partial(keys)?]
+            vec![span((0, keys))?]
         };
-        let o = &mut out[kvh * group * dim..(kvh + 1) * group * dim];
-        merge_spans(&parts, group, dim, undo, o);
+        // Each row's partials in span order (row r reaches spans 0..ceil(lens[r] / KEY_SPAN)).
+        let mut taken = vec![0usize; spans.len()];
+        for (r, &n) in lens.iter().enumerate() {
+            let mine: Vec<&Partial> = (0..n.div_ceil(KEY_SPAN))
+                .map(|k| {
+                    let p = &spans[k][taken[k]];
+                    taken[k] += 1;
+                    p
+                })
+                .collect();
+            let o = &mut out[r * width + kvh * group * dim..r * width + (kvh + 1) * group * dim];
+            merge_spans(&mine, group, dim, undo, o);
+        }
     }
     Ok(())
 }
@@ -361,7 +458,7 @@ pub fn attend_row(
 /// each span's sums rescaled to the largest score over all spans, added in span order,
 /// divided by the softmax's total; the rotated values' share mapped back by `undo`.
 fn merge_spans(
-    parts: &[Partial],
+    parts: &[&Partial],
     group: usize,
     dim: usize,
     undo: Option<&dyn HostTier>,

@@ -252,3 +252,69 @@ fn keys_split_over_views_and_a_tier_give_the_bits_of_one_view() {
         }
     }
 }
+
+#[test]
+fn rows_run_together_give_each_row_its_bits_alone() {
+    // Keys over 2.3 spans from an f16 view, a rotated tier and an f32 view; rows ending at
+    // tile and span boundaries and between them, two KV heads.
+    let (heads, kvh, d) = (4, 2, 40);
+    let s = KEY_SPAN * 2 + 300;
+    let lens = [
+        1,
+        63,
+        64,
+        65,
+        700,
+        KEY_SPAN,
+        KEY_SPAN + 1,
+        2 * KEY_SPAN + 5,
+        s,
+    ];
+    let q = tensor([heads, lens.len() + 2, d], 21);
+    let (k, v) = (tensor([kvh, s, d], 22), tensor([kvh, s, d], 23));
+    let host = |t: &Tensor<3>, h: usize, r: std::ops::Range<usize>| -> Vec<f32> {
+        t.clone()
+            .slice([h..h + 1, r, 0..d])
+            .into_data()
+            .try_to_vec::<f32>()
+            .unwrap()
+    };
+    // The test tier ignores the head: both KV heads read head 0's rows there.
+    let tier = Tier {
+        k: host(&k, 0, 900..1500),
+        v: host(&v, 0, 900..1500),
+        first: 900,
+        dim: d,
+        rotated: true,
+    };
+    let half = |t: Tensor<3>| t.cast(burn::tensor::DType::F16);
+    let src = [
+        RowSource::View {
+            k: HostView::of(&half(k.clone().slice([0..kvh, 0..900, 0..d]))).unwrap(),
+            v: HostView::of(&half(v.clone().slice([0..kvh, 0..900, 0..d]))).unwrap(),
+        },
+        RowSource::Tier(&tier),
+        RowSource::View {
+            k: HostView::of(&k.clone().slice([0..kvh, 1500..s, 0..d])).unwrap(),
+            v: HostView::of(&v.clone().slice([0..kvh, 1500..s, 0..d])).unwrap(),
+        },
+    ];
+    let keys: Vec<SourcedKey> = (0..900)
+        .map(|row| SourcedKey { source: 0, row })
+        .chain((900..1500).map(|row| SourcedKey { source: 1, row }))
+        .chain((0..s - 1500).map(|row| SourcedKey { source: 2, row }))
+        .collect();
+    let qv = HostView::of(&q).unwrap();
+    let width = heads * d;
+    let mut together = vec![0.0f32; lens.len() * width];
+    attend_rows(&qv, (2, kvh), &src, (&keys, &lens), 0.2, &mut together).unwrap();
+    for (r, &n) in lens.iter().enumerate() {
+        let mut alone = vec![0.0f32; width];
+        attend_row(&qv, (2 + r, kvh), &src, &keys[..n], 0.2, &mut alone).unwrap();
+        assert_eq!(
+            &together[r * width..(r + 1) * width],
+            &alone[..],
+            "row {r} over {n} keys"
+        );
+    }
+}

@@ -376,7 +376,7 @@ fn bounded_presets_decode_speculatively_as_they_do_plainly() {
 /// A preset's plan per kind of layer, and `[global]` / `[sliding]` rules over it.
 #[test]
 fn per_layer_rules_shape_the_plan() {
-    use kakeya_runtime::kv::{Evicted, LayerPlan, QuantFormat};
+    use kakeya_runtime::kv::{Evicted, LayerPlan, QuantFormat, Ranges};
     let bounded = KvMode::Bounded {
         k: Bits::B4,
         v: Bits::new(2).unwrap(),
@@ -392,6 +392,7 @@ fn per_layer_rules_shape_the_plan() {
                 v_bits: Bits::new(2).unwrap(),
                 k_per_channel: true,
                 rotate: true,
+                ranges: Ranges::Fitted,
             }),
             sink: 4,
             window: 128,
@@ -410,6 +411,7 @@ fn per_layer_rules_shape_the_plan() {
             k_bits: Some(8),
             k_groups: Some(kakeya_runtime::kv::policy::KeyGroups::Token),
             rotate: Some(false),
+            ranges: Some(Ranges::MinMax),
             window: Some(256),
             ..LayerRule::default()
         }),
@@ -427,6 +429,7 @@ fn per_layer_rules_shape_the_plan() {
                 v_bits: Bits::new(2).unwrap(),
                 k_per_channel: false,
                 rotate: false,
+                ranges: Ranges::MinMax,
             }),
             sink: 4,
             window: 256,

@@ -155,7 +155,7 @@ fn quantised_kv_of_the_real_model_is_within_half_a_step() {
 /// The real model's K/V of the global layers over a 640-token prompt, quantised in each
 /// format the bounded tiers offer: the relative error of keys and values (Frobenius), printed
 /// per format. Asserted: per-channel keys beat per-token keys at 2, 3 and 4 bits (the outlier
-/// channels this layout is for).
+/// channels this layout is for), and fitted ranges err no more than min–max ones.
 #[test]
 #[ignore = "real model: run with --include-ignored"]
 fn quantised_formats_on_the_real_models_global_layers() {
@@ -186,7 +186,8 @@ fn quantised_formats_on_the_real_models_global_layers() {
         for bits in [2, 3, 4, 8] {
             let b = Bits::new(bits).unwrap();
             // Groups: "channel" per channel over 64 positions; "token" per token, 64 values;
-            // "head" per token, one group per head.
+            // "head" per token, one group per head; "fitted": ranges fitted for least squared
+            // error instead of min–max.
             for (name, groups, rotate, x) in [
                 ("K channel", "channel", false, k),
                 ("K channel rotated", "channel", true, k),
@@ -196,14 +197,19 @@ fn quantised_formats_on_the_real_models_global_layers() {
                 ("V token", "token", false, val),
                 ("V token rotated", "token", true, val),
                 ("V head rotated", "head", true, val),
+                ("V head rotated fitted", "head fitted", true, val),
+                ("K channel fitted", "channel fitted", false, k),
             ] {
                 let mut y = x.to_vec();
                 if rotate {
                     rot.apply(&mut y);
                 }
                 let mut back = match groups {
-                    "channel" => {
+                    "channel" | "channel fitted" => {
                         let mut c = ChannelRows::new(b, width, 0);
+                        if groups == "channel fitted" {
+                            c = c.fitted();
+                        }
                         c.push(&y);
                         c.read(0, n).unwrap()
                     }
@@ -214,6 +220,9 @@ fn quantised_formats_on_the_real_models_global_layers() {
                     }
                     _ => {
                         let mut r = kakeya_runtime::kv::QuantRows::with_group(b, width, head_dim);
+                        if groups == "head fitted" {
+                            r = r.fitted();
+                        }
                         r.push(&y);
                         r.dequantize(0, n)
                     }
@@ -238,6 +247,15 @@ fn quantised_formats_on_the_real_models_global_layers() {
             worst[&("K channel", bits)] < worst[&("K token", bits)],
             "{bits}-bit: per-channel keys are no better than per-token ones"
         );
+        for (fitted, plain) in [
+            ("K channel fitted", "K channel"),
+            ("V head rotated fitted", "V head rotated"),
+        ] {
+            assert!(
+                worst[&(fitted, bits)] <= worst[&(plain, bits)],
+                "{bits}-bit: {fitted} errs more than min–max ranges"
+            );
+        }
     }
 }
 

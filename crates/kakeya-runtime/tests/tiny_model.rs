@@ -278,6 +278,43 @@ fn a_blocks_rows_equal_single_steps_bit_for_bit() {
     }
 }
 
+/// Past `KEY_SPAN` keys the rows of a verify block (and of a prompt chunk) that share their
+/// keys run together, each tile of keys and values read once for them all: a block's rows are
+/// still bit for bit single steps; a 40-row chunk (whose weight products run as one GEMM, not
+/// row by row) within 1e-4 of them.
+#[test]
+fn rows_sharing_keys_at_depth_equal_single_steps() {
+    let mut config = tiny_config(64);
+    config.max_position_embeddings = 2048;
+    let m = Gemma3Model::from_checkpoint(random_checkpoint(&config, 13), &Device::flex()).unwrap();
+    let depth = kakeya_models::host_attention::KEY_SPAN as u32 + 100;
+    common::assert_blocks_equal_steps_after(&m, "dense, at depth", depth, 256);
+    // A prompt chunk's rows (three blocks of shared keys) against the same positions decoded
+    // one by one.
+    let toks: Vec<u32> = (0..depth + 40).map(|j| (j * 11 + 3) % 90).collect();
+    let mut chunked = kakeya_runtime::Session::new(&m, 0);
+    chunked.prefill(&toks[..depth as usize], 256).unwrap();
+    let rows = chunked
+        .forward(&toks[depth as usize..], kakeya_models::Logits::All, &[])
+        .unwrap()
+        .logits
+        .unwrap()
+        .into_data()
+        .try_into_vec::<f32>()
+        .unwrap();
+    let mut steps = kakeya_runtime::Session::new(&m, 0);
+    steps.prefill(&toks[..depth as usize], 256).unwrap();
+    let vocab = config.vocab_size;
+    for (i, &t) in toks[depth as usize..].iter().enumerate() {
+        let want = steps.step(t).unwrap();
+        assert_close(
+            &rows[i * vocab..(i + 1) * vocab],
+            &want,
+            &format!("row {i} of a 40-row chunk"),
+        );
+    }
+}
+
 /// The int8 kernel (`--kernel int8`) rounds each input row on its own, so a verify block's
 /// rows stay bit for bit single steps, and speculation with it commits exactly what plain
 /// decoding with it commits (drafts replayed from that decoding, some corrupted) — while its

@@ -21,6 +21,10 @@ pub const DEFERRED_TILE: usize = 256;
 /// what a prompt chunk materialises stays small beside the quantised tiers it reads.
 pub const HOST_DEFERRED_TILE: usize = 64;
 
+/// Query rows attended together on the CPU when they share most of their keys (a prompt
+/// chunk or verify block at depth): each tile of keys and values is read once for them all.
+pub const SHARED_ROWS: usize = 16;
+
 /// The deferred tile for `device`.
 pub fn deferred_tile(device: &Device) -> usize {
     if *device == Device::flex() {
@@ -548,10 +552,12 @@ impl Attention {
             });
         }
         let [heads, t, d] = q.dims();
-        // Per row, the keys it sees in position order: tier rows by position, view rows by
-        // index.
-        let seen = |i: usize| -> Vec<SourcedKey> {
-            let mut keys: Vec<(usize, SourcedKey)> = segments
+        // May row `i` read key position `p` of segment `src`?
+        let sees = |i: usize, src: usize, p: usize| self.sees(start + i, (p, segments[src].reach));
+        // Per row, the keys it sees in position order (with their positions and segments):
+        // tier rows by position, view rows by index.
+        let seen = |i: usize| -> Vec<(usize, usize, SourcedKey)> {
+            let mut keys: Vec<(usize, usize, SourcedKey)> = segments
                 .iter()
                 .enumerate()
                 .flat_map(|(source, s)| {
@@ -559,21 +565,21 @@ impl Attention {
                     s.positions
                         .iter()
                         .enumerate()
-                        .filter(move |&(_, &p)| self.sees(start + i, (p, s.reach)))
+                        .filter(move |&(_, &p)| sees(i, source, p))
                         .map(move |(j, &p)| {
                             let row = if tier { p } else { j };
-                            (p, SourcedKey { source, row })
+                            (p, source, SourcedKey { source, row })
                         })
                 })
                 .collect();
-            keys.sort_unstable_by_key(|&(p, _)| p);
-            keys.into_iter().map(|(_, k)| k).collect()
+            keys.sort_unstable_by_key(|&(p, _, _)| p);
+            keys
         };
         let width = heads * d;
         let mut out = vec![0.0f32; t * width];
         let scale = self.scale as f32;
         let row = |i: usize, o: &mut [f32]| {
-            let keys = seen(i);
+            let keys: Vec<SourcedKey> = seen(i).into_iter().map(|k| k.2).collect();
             if keys.is_empty() {
                 return Err(ModelError::Cache(format!(
                     "layer {layer}: no key for the query at {}",
@@ -582,11 +588,49 @@ impl Attention {
             }
             host_attention::attend_row(&qh, (i, self.kv_heads), &sources, &keys, scale, o)
         };
-        // The rows in parallel (a row's bits do not depend on the thread or the other rows).
+        // Rows over many keys in blocks: when every row of a block sees a prefix of what its
+        // last row sees (a causal chunk over a global layer), the block runs at once, each
+        // tile of keys and values read once for all its rows (the same bits per row).
+        let block = |rows: std::ops::Range<usize>, o: &mut [f32]| -> Result<bool> {
+            let keyed = seen(rows.end - 1);
+            if keyed.len() <= host_attention::KEY_SPAN {
+                return Ok(false);
+            }
+            let mut lens = Vec::with_capacity(rows.len());
+            for i in rows.clone() {
+                let n = keyed.iter().take_while(|k| sees(i, k.1, k.0)).count();
+                let all: usize = (0..segments.len())
+                    .map(|src| {
+                        let ps = &segments[src].positions;
+                        ps.iter().filter(|&&p| sees(i, src, p)).count()
+                    })
+                    .sum();
+                if n == 0 || all != n {
+                    return Ok(false);
+                }
+                lens.push(n);
+            }
+            let keys: Vec<SourcedKey> = keyed.into_iter().map(|k| k.2).collect();
+            let first = (rows.start, self.kv_heads);
+            host_attention::attend_rows(&qh, first, &sources, (&keys, &lens), scale, o)?;
+            Ok(true)
+        };
+        let rows_of = |b: usize| b * SHARED_ROWS..((b + 1) * SHARED_ROWS).min(t);
+        let run = |(b, o): (usize, &mut [f32])| -> Result<()> {
+            let rows = rows_of(b);
+            if rows.len() > 1 && block(rows.clone(), o)? {
+                return Ok(());
+            }
+            // Row by row, in parallel (a row's bits do not depend on the thread or the
+            // other rows).
+            o.par_chunks_mut(width)
+                .zip(rows)
+                .try_for_each(|(o, i)| row(i, o))
+        };
         if t > 1 {
-            out.par_chunks_mut(width)
+            out.par_chunks_mut(width * SHARED_ROWS)
                 .enumerate()
-                .try_for_each(|(i, o)| row(i, o))?;
+                .try_for_each(run)?;
         } else {
             row(0, &mut out)?;
         }

@@ -15,7 +15,7 @@ use kakeya_models::ModelError;
 
 use kakeya_weights::codes::{Affine, dequantize_codes};
 
-use super::rows::{Bits, pack_codes, quantise_group};
+use super::rows::{Bits, pack_codes, quantise_group, quantise_group_fitted};
 
 /// Positions per per-channel block.
 pub const CHANNEL_BLOCK: usize = 64;
@@ -35,6 +35,8 @@ struct Block {
 pub struct ChannelRows {
     bits: Bits,
     width: usize,
+    /// Each channel's range fitted for least squared error (else min–max).
+    fitted: bool,
     /// First position ever held.
     origin: usize,
     blocks: std::collections::VecDeque<Block>,
@@ -53,12 +55,22 @@ impl ChannelRows {
         Self {
             bits,
             width,
+            fitted: false,
             origin,
             blocks: Default::default(),
             tail: Vec::new(),
             tail_from: origin,
             quantised_to: origin,
             len: origin,
+        }
+    }
+
+    /// The same rows with each channel's range per block fitted for least squared error
+    /// (`quantise_group_fitted` in [`super::rows`]).
+    pub fn fitted(self) -> Self {
+        Self {
+            fitted: true,
+            ..self
         }
     }
 
@@ -113,7 +125,11 @@ impl ChannelRows {
             for (r, x) in column.iter_mut().enumerate() {
                 *x = rows[r * w + c].to_f32();
             }
-            params.push(quantise_group(&column, self.bits, &mut col_codes));
+            params.push(if self.fitted {
+                quantise_group_fitted(&column, self.bits, &mut col_codes)
+            } else {
+                quantise_group(&column, self.bits, &mut col_codes)
+            });
             for (r, &q) in col_codes.iter().enumerate() {
                 codes[r * w + c] = q;
             }
@@ -279,6 +295,41 @@ mod tests {
                 whole.read(4, 257).is_err(),
                 "an incomplete block is not read"
             );
+        }
+    }
+
+    #[test]
+    fn fitted_channels_err_less_and_chunking_does_not_matter() {
+        let width = 16;
+        let x = values(300, width, 7);
+        for bits in (2..=8).map(|b| Bits::new(b).unwrap()) {
+            let mut plain = ChannelRows::new(bits, width, 0);
+            plain.push(&x);
+            let mut whole = ChannelRows::new(bits, width, 0).fitted();
+            whole.push(&x);
+            let mut parts = ChannelRows::new(bits, width, 0).fitted();
+            for chunk in x.chunks(width * 23) {
+                parts.push(chunk);
+            }
+            let (a, b) = (plain.read(0, 256).unwrap(), whole.read(0, 256).unwrap());
+            assert_eq!(b, parts.read(0, 256).unwrap(), "{bits:?}: chunking");
+            // Per block and channel, the fitted range errs no more than min–max.
+            for block in 0..4 {
+                for c in 0..width {
+                    let err = |y: &[f32]| -> f64 {
+                        (block * 64..(block + 1) * 64)
+                            .map(|p| {
+                                let want = f16::from_f32(x[p * width + c]).to_f32();
+                                f64::from(y[p * width + c] - want).powi(2)
+                            })
+                            .sum()
+                    };
+                    assert!(
+                        err(&b) <= err(&a) * (1.0 + 1e-4) + 1e-9,
+                        "{bits:?}: block {block} channel {c}"
+                    );
+                }
+            }
         }
     }
 

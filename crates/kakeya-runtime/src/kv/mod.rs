@@ -23,6 +23,7 @@ use serde::{Deserialize, Serialize};
 pub use native::{FullCache, HeldKv, KV_BLOCK, KvCache, KvDtype, RingCache};
 pub use policy::{
     BOUNDED_PRESETS, Evicted, GLOBAL_WINDOW, KvMode, KvPolicy, LayerPlan, LayerRule, QuantFormat,
+    Ranges,
 };
 pub use restore::{FThetaRestorer, OracleRestorer, Restorer};
 pub use rows::{Bits, QuantRows, Rows};

@@ -220,6 +220,18 @@ pub struct QuantFormat {
     /// What is grouped per token (values, and keys grouped per token) rotated before
     /// quantisation ([`super::rotation::Rotation`]).
     pub rotate: bool,
+    /// How each group's range is chosen.
+    pub ranges: Ranges,
+}
+
+/// How a quantised group's range is chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Ranges {
+    /// From the group's minimum to its maximum: every value within half a step.
+    MinMax,
+    /// Fitted for the least squared error (ends may be clipped: see [`super::rows`]).
+    Fitted,
 }
 
 impl QuantFormat {
@@ -230,6 +242,7 @@ impl QuantFormat {
             v_bits: bits,
             k_per_channel: false,
             rotate: false,
+            ranges: Ranges::MinMax,
         }
     }
 }
@@ -314,6 +327,8 @@ pub struct LayerRule {
     pub k_groups: Option<KeyGroups>,
     /// Rotate what is grouped per token (values; keys grouped per token) before quantising.
     pub rotate: Option<bool>,
+    /// Group ranges: `min-max` or `fitted` (least squared error).
+    pub ranges: Option<Ranges>,
 }
 
 /// What a layer does with what falls out of its exact tiers.
@@ -459,6 +474,7 @@ impl KvPolicy {
                     v_bits: v,
                     k_per_channel: true,
                     rotate: true,
+                    ranges: Ranges::Fitted,
                 }),
                 sink: self.sink,
                 window: self.window.max(GLOBAL_WINDOW),
@@ -542,6 +558,7 @@ impl LayerRule {
                 .k_groups
                 .map_or(fmt.k_per_channel, |g| g == KeyGroups::Channel),
             rotate: self.rotate.unwrap_or(fmt.rotate),
+            ranges: self.ranges.unwrap_or(fmt.ranges),
         };
         let evicted = match (self.keep, evicted) {
             (Some(Keep::Native), _) => return LayerPlan::Native,

@@ -7,6 +7,12 @@
 //! `(max x − m) / (2^bits − 1)` rounded up, `q = clamp(round((x − m) / s), 0, 2^bits − 1)`,
 //! dequantised `q·s + m`. Because `[m, m + (2^bits − 1)·s]` covers the group, every value comes
 //! back within `s / 2` (plus f32 rounding) — the bound the tests check.
+//!
+//! Rows made [`QuantRows::fitted`] (rotated rows, whose values a rotation has made near-Gaussian)
+//! instead fit the range: of sixteen ranges shrunk towards the group's mean, and the least-squares
+//! refit of the best one's codes, the one whose dequantised values err least (squared error) is
+//! kept. Values inside `[m, m + (2^bits − 1)·s]` come back within `s / 2`, values outside within
+//! their distance to it. At 2 bits this cuts the error of a Gaussian group by about a third.
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
@@ -102,6 +108,89 @@ pub(crate) fn quantise_group(values: &[f32], bits: Bits, codes: &mut Vec<u8>) ->
     [s, m]
 }
 
+/// Candidate ranges [`quantise_group_fitted`] tries: the group's range shrunk towards its mean
+/// by `1 − i / 32` for `i` in `0..16`.
+const FIT_CANDIDATES: usize = 16;
+
+/// Squared error of `values` quantised with step `s` from `m` at `top` (f32 as dequantised).
+fn affine_error(values: &[f32], m: f32, s: f32, top: f32) -> f32 {
+    values
+        .iter()
+        .map(|&x| {
+            let q = if s > 0.0 {
+                ((x - m) / s).round().clamp(0.0, top)
+            } else {
+                0.0
+            };
+            let e = x - (q * s + m);
+            e * e
+        })
+        .sum()
+}
+
+/// Affine parameters `[scale, minimum]` (f16) of `values` at `bits` whose dequantised values
+/// err least (squared error, over [`FIT_CANDIDATES`] shrunk ranges and a least-squares refit),
+/// and their codes. Deterministic: ties keep the wider range.
+pub(crate) fn quantise_group_fitted(values: &[f32], bits: Bits, codes: &mut Vec<u8>) -> [f16; 2] {
+    let top = f32::from(bits.max_code());
+    let n = values.len() as f32;
+    let (lo, hi) = values
+        .iter()
+        .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &x| {
+            (a.min(x), b.max(x))
+        });
+    let mean = values.iter().sum::<f32>() / n;
+    // Candidates as f16 `[scale, minimum]`; the first is the min–max range.
+    let min_max = {
+        let m = f16_down(lo);
+        [f16_up((hi - m.to_f32()) / top), m]
+    };
+    let error = |p: [f16; 2]| affine_error(values, p[1].to_f32(), p[0].to_f32(), top);
+    let mut best = (min_max, error(min_max));
+    let consider = |p: [f16; 2], best: &mut ([f16; 2], f32)| {
+        let e = error(p);
+        if e < best.1 {
+            *best = (p, e);
+        }
+    };
+    for i in 1..FIT_CANDIDATES {
+        let c = 1.0 - i as f32 / 32.0;
+        let (a, b) = (mean + c * (lo - mean), mean + c * (hi - mean));
+        consider([f16::from_f32((b - a) / top), f16::from_f32(a)], &mut best);
+    }
+    // Least-squares refit of the best candidate's codes q: x ≈ m + s·q.
+    let (s0, m0) = (best.0[0].to_f32(), best.0[1].to_f32());
+    if s0 > 0.0 {
+        let q = |x: f32| ((x - m0) / s0).round().clamp(0.0, top);
+        let (mut sq, mut sqq, mut sx, mut sqx) = (0.0f32, 0.0f32, 0.0f32, 0.0f32);
+        for &x in values {
+            let c = q(x);
+            (sq, sqq, sx, sqx) = (sq + c, sqq + c * c, sx + x, sqx + c * x);
+        }
+        let det = n * sqq - sq * sq;
+        if det > 0.0 {
+            let s = (n * sqx - sq * sx) / det;
+            if s > 0.0 {
+                consider(
+                    [f16::from_f32(s), f16::from_f32((sx - s * sq) / n)],
+                    &mut best,
+                );
+            }
+        }
+    }
+    let best = best.0;
+    let (s, m) = (best[0].to_f32(), best[1].to_f32());
+    codes.clear();
+    codes.extend(values.iter().map(|&x| {
+        if s > 0.0 {
+            ((x - m) / s).round().clamp(0.0, top) as u8
+        } else {
+            0
+        }
+    }));
+    best
+}
+
 /// The largest f16 not above `x` (finite `x`).
 fn f16_down(x: f32) -> f16 {
     let h = f16::from_f32(x);
@@ -141,6 +230,8 @@ pub struct QuantRows {
     bits: Bits,
     width: usize,
     group: usize,
+    /// Ranges fitted for least squared error ([`quantise_group_fitted`]) instead of min–max.
+    fitted: bool,
     pages: std::collections::VecDeque<Page>,
     /// Rows dropped from the front of the first page (freed with the page).
     skip: usize,
@@ -174,10 +265,25 @@ impl QuantRows {
             bits,
             width,
             group,
+            fitted: false,
             pages: Default::default(),
             skip: 0,
             rows: 0,
         }
+    }
+
+    /// The same rows with each group's range fitted for least squared error (for rotated
+    /// rows, whose near-Gaussian values a min–max range spreads too thin).
+    pub fn fitted(self) -> Self {
+        Self {
+            fitted: true,
+            ..self
+        }
+    }
+
+    /// Whether group ranges are fitted ([`Self::fitted`]).
+    pub fn is_fitted(&self) -> bool {
+        self.fitted
     }
 
     fn groups_per_row(&self) -> usize {
@@ -216,7 +322,11 @@ impl QuantRows {
             }
             let page = self.pages.back_mut().expect("a page with room");
             for g in row.chunks_exact(self.group) {
-                let p = quantise_group(g, self.bits, &mut codes);
+                let p = if self.fitted {
+                    quantise_group_fitted(g, self.bits, &mut codes)
+                } else {
+                    quantise_group(g, self.bits, &mut codes)
+                };
                 pack_codes(&codes, self.bits, &mut page.codes);
                 page.params.push(p);
             }
@@ -284,8 +394,14 @@ impl QuantRows {
 
     /// Scale of group `g` of row `row` (for error bounds).
     pub fn scale(&self, row: usize, g: usize) -> f32 {
+        self.params(row, g)[0]
+    }
+
+    /// `[scale, minimum]` of group `g` of row `row` (for error bounds).
+    pub fn params(&self, row: usize, g: usize) -> [f32; 2] {
         let (page, first) = self.locate(row);
-        page.params[first + g][0].to_f32()
+        let [s, m] = page.params[first + g];
+        [s.to_f32(), m.to_f32()]
     }
 
     /// Rows held.

@@ -165,3 +165,62 @@ fn packed_codes_come_back_for_every_width() {
     }
     assert!(Bits::new(1).is_none() && Bits::new(9).is_none());
 }
+
+/// Near-Gaussian values (each the sum of four uniforms), as rotated rows are.
+fn bell(n: usize, seed: u64) -> Vec<f32> {
+    let u = values(4 * n, seed);
+    u.chunks_exact(4)
+        .map(|c| c.iter().map(|x| x.min(4.0)).sum::<f32>())
+        .collect()
+}
+
+#[test]
+fn fitted_ranges_err_less_than_min_max_and_keep_their_stated_bound() {
+    let (width, rows) = (256, 24);
+    let x = bell(width * rows, 17);
+    for bits in (2..=8).map(|b| Bits::new(b).unwrap()) {
+        let mut plain = QuantRows::with_group(bits, width, width);
+        let mut fit = QuantRows::with_group(bits, width, width).fitted();
+        assert!(fit.is_fitted() && !plain.is_fitted());
+        plain.push(&x);
+        fit.push(&x);
+        let (a, b) = (plain.dequantize(0, rows), fit.dequantize(0, rows));
+        let sq = |y: &[f32], x: &[f32]| -> f64 {
+            y.iter().zip(x).map(|(y, x)| f64::from(y - x).powi(2)).sum()
+        };
+        let top = f32::from(bits.max_code());
+        let (mut total_plain, mut total_fit) = (0.0, 0.0);
+        for r in 0..rows {
+            let span = r * width..(r + 1) * width;
+            let (ep, ef) = (
+                sq(&a[span.clone()], &x[span.clone()]),
+                sq(&b[span.clone()], &x[span.clone()]),
+            );
+            assert!(
+                ef <= ep * (1.0 + 1e-4) + 1e-9,
+                "{bits:?} row {r}: fitted {ef} > min–max {ep}"
+            );
+            (total_plain, total_fit) = (total_plain + ep, total_fit + ef);
+            // Inside [m, m + top·s] within half a step; outside, within the distance to it.
+            let [s, m] = fit.params(r, 0);
+            for (x, y) in x[span.clone()].iter().zip(&b[span]) {
+                let bound = (s / 2.0).max(m - x).max(x - (m + top * s));
+                assert!(
+                    (x - y).abs() <= bound * (1.0 + 1e-3) + 1e-5,
+                    "{bits:?} row {r}: {x} came back {y} (step {s}, minimum {m})"
+                );
+            }
+        }
+        if bits.count() <= 3 {
+            // A min–max range spreads few levels over the rare tails of a bell.
+            assert!(
+                total_fit < 0.8 * total_plain,
+                "{bits:?}: fitted {total_fit} against min–max {total_plain}"
+            );
+        }
+    }
+    // Constant groups stay exact.
+    let mut c = QuantRows::with_group(Bits::B2, 64, 64).fitted();
+    c.push(&[1.5f32; 64]);
+    assert_eq!(c.dequantize(0, 1), vec![1.5f32; 64]);
+}

@@ -17,7 +17,7 @@ use kakeya_models::{
 use super::channels::ChannelRows;
 use super::native::{KvDtype, RingCache, check_truncate, in_dtype, seq_slice};
 use super::policy::Evicted;
-use super::policy::QuantFormat;
+use super::policy::{QuantFormat, Ranges};
 use super::restore::Restorer;
 use super::rotation::Rotation;
 use super::rows::{Bits, MAX_GROUP, QuantRows, Rows};
@@ -94,15 +94,18 @@ impl QuantTier {
         // Rotated rows: one group per head (the rotation spreads every channel's range over
         // all of the head's, so one scale serves them; a quarter of the parameters of groups
         // of 64 at 256-wide heads).
-        let tokens = |bits| match &rotation {
-            Some(_) if head_dim <= MAX_GROUP => {
-                Rows::Quant(QuantRows::with_group(bits, width, head_dim))
-            }
-            _ => Rows::new(width, Some(bits)),
+        let fitted = format.ranges == Ranges::Fitted;
+        let tokens = |bits| {
+            let rows = match &rotation {
+                Some(_) if head_dim <= MAX_GROUP => QuantRows::with_group(bits, width, head_dim),
+                _ => QuantRows::new(bits, width),
+            };
+            Rows::Quant(if fitted { rows.fitted() } else { rows })
         };
         Self {
             k: if format.k_per_channel {
-                KeyRows::Channels(ChannelRows::new(format.k_bits, width, first))
+                let rows = ChannelRows::new(format.k_bits, width, first);
+                KeyRows::Channels(if fitted { rows.fitted() } else { rows })
             } else {
                 KeyRows::Tokens(tokens(format.k_bits))
             },

@@ -118,14 +118,20 @@ pub fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
 /// the same tokens (blocks of 2, 4, 8 and 16 after a 9-token prompt), the property lossless
 /// speculation rests on; `what` names the model in messages. Token ids are below 90.
 pub fn assert_blocks_equal_steps(m: &Gemma3Model, what: &str) {
-    let prompt: Vec<u32> = (0..9u32).map(|j| (j * 37 + 5) % 90).collect();
+    assert_blocks_equal_steps_after(m, what, 9, 4);
+}
+
+/// [`assert_blocks_equal_steps`] after a prompt of `len` positions prefilled in chunks of
+/// `chunk`.
+pub fn assert_blocks_equal_steps_after(m: &Gemma3Model, what: &str, len: u32, chunk: usize) {
+    let prompt: Vec<u32> = (0..len).map(|j| (j * 37 + 5) % 90).collect();
     let block: Vec<u32> = (0..16u32).map(|j| (j * 29 + 11) % 90).collect();
     let mut steps = kakeya_runtime::Session::new(m, 0);
-    steps.prefill(&prompt, 4).unwrap();
+    steps.prefill(&prompt, chunk).unwrap();
     let single: Vec<Vec<f32>> = block.iter().map(|&t| steps.step(t).unwrap()).collect();
     for t in [2, 4, 8, 16] {
         let mut s = kakeya_runtime::Session::new(m, 0);
-        s.prefill(&prompt, 4).unwrap();
+        s.prefill(&prompt, chunk).unwrap();
         let out = s
             .forward(&block[..t], kakeya_models::Logits::All, &[])
             .unwrap();

@@ -112,32 +112,50 @@ mod simd {
         );
         let mask = _mm256_set1_epi32((1i32 << bits) - 1);
         let po = out.as_mut_ptr();
-        let mut i = 0;
-        while i < n {
-            let bytes = &packed[i / 8 * b..i / 8 * b + b];
-            let codes = if bits == 8 {
+        // Codes `i..i + 8` as f32: their `b` bytes (four read at once where the run has them,
+        // the bytes past the eighth code masked off).
+        let codes = |i: usize| {
+            let at = i / 8 * b;
+            let c = if bits == 8 {
+                let bytes: &[u8; 8] = packed[at..at + 8].try_into().expect("eight bytes");
                 // SAFETY: `bytes` holds 8 bytes.
                 _mm256_cvtepu8_epi32(unsafe { _mm_loadl_epi64(bytes.as_ptr().cast::<__m128i>()) })
             } else {
-                let mut word = [0u8; 4];
-                word[..b].copy_from_slice(bytes);
-                let w = _mm256_set1_epi32(i32::from_le_bytes(word));
-                _mm256_and_si256(_mm256_srlv_epi32(w, shifts), mask)
+                let word = match packed.get(at..at + 4) {
+                    Some(w) => i32::from_le_bytes(w.try_into().expect("four bytes")),
+                    None => {
+                        let mut word = [0u8; 4];
+                        word[..b].copy_from_slice(&packed[at..at + b]);
+                        i32::from_le_bytes(word)
+                    }
+                };
+                _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), mask)
             };
-            let q = _mm256_cvtepi32_ps(codes);
-            let (s, m) = match affine {
-                Affine::Group { scale, min } => (_mm256_set1_ps(scale), _mm256_set1_ps(min)),
-                // SAFETY: the maps hold `out.len()` values, `i + 8 <= n`.
-                Affine::PerCode { scale, min } => unsafe {
-                    (
-                        _mm256_loadu_ps(scale.as_ptr().add(i)),
-                        _mm256_loadu_ps(min.as_ptr().add(i)),
-                    )
-                },
-            };
-            // SAFETY: `i + 8 <= n <= out.len()`.
-            unsafe { _mm256_storeu_ps(po.add(i), _mm256_add_ps(_mm256_mul_ps(q, s), m)) };
-            i += 8;
+            _mm256_cvtepi32_ps(c)
+        };
+        let mut i = 0;
+        match affine {
+            Affine::Group { scale, min } => {
+                let (s, m) = (_mm256_set1_ps(scale), _mm256_set1_ps(min));
+                while i < n {
+                    // SAFETY: `i + 8 <= n <= out.len()`.
+                    unsafe {
+                        _mm256_storeu_ps(po.add(i), _mm256_add_ps(_mm256_mul_ps(codes(i), s), m))
+                    };
+                    i += 8;
+                }
+            }
+            Affine::PerCode { scale, min } => {
+                while i < n {
+                    // SAFETY: the maps and `out` hold at least `n` values, `i + 8 <= n`.
+                    unsafe {
+                        let s = _mm256_loadu_ps(scale.as_ptr().add(i));
+                        let m = _mm256_loadu_ps(min.as_ptr().add(i));
+                        _mm256_storeu_ps(po.add(i), _mm256_add_ps(_mm256_mul_ps(codes(i), s), m));
+                    }
+                    i += 8;
+                }
+            }
         }
         n
     }

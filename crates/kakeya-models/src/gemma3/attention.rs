@@ -7,11 +7,13 @@ use rayon::prelude::*;
 
 use crate::cache::{DeferredKv, KvLayers, KvPart, KvSegment, Reach, SegmentKv};
 use crate::error::{ModelError, Result};
-use crate::host_attention::{self, HostView, RowSource, SourcedKey};
 use crate::linear::{Linear, QUANT_MAX_ROWS};
 use crate::norm::RmsNorm;
 use crate::rope::Rope;
-use crate::sdpa::{group_queries, grouped_attention, merge_heads, scores};
+use crate::sdpa::grouped_attention;
+
+mod host;
+mod tiled;
 
 /// Positions per tile of a deferred segment on a GPU: the most dequantised or restored K (or
 /// V) of one layer held at once.
@@ -190,105 +192,6 @@ impl Attention {
             (DeferredKv::Raw(k), KvPart::K) => self.keys_from_raw(k, positions, device),
             (DeferredKv::Raw(v), KvPart::V) => self.values_from_raw(v),
         }
-    }
-
-    /// Attention over ready segments and deferred ones read tile by tile: the scores of every
-    /// key (one softmax over the whole row, as [`grouped_attention`]), then the values of each
-    /// tile. Only one tile of deferred K or V is held at a time.
-    ///
-    /// # Shapes
-    /// - `q`: `[heads, T, head_dim]` → `[T, heads · head_dim]`
-    #[allow(clippy::too_many_arguments)]
-    fn tiled_attention(
-        &self,
-        q: Tensor<3>,
-        start: usize,
-        ready: &[KvSegment],
-        deferred: &[KvSegment],
-        kv: (&mut dyn KvLayers, usize),
-        device: &Device,
-    ) -> Result<Tensor<2>> {
-        let (caches, layer) = kv;
-        let t = q.dims()[1];
-        let groups = self.heads / self.kv_heads;
-        let order: Vec<KvSegment> = ready.iter().chain(deferred).cloned().collect();
-        let mask = self.mask(start, t, &order, groups, device);
-        let qg = group_queries(q, self.kv_heads);
-        let mut parts = Vec::new();
-        let mut v_ready = None;
-        if !ready.is_empty() {
-            let (ks, vs): (Vec<_>, Vec<_>) = ready.iter().map(|s| self.ready(s, device)).unzip();
-            parts.push(scores(qg.clone(), as_f32(cat_keys(ks)), self.scale));
-            v_ready = Some(as_f32(cat_keys(vs)));
-        }
-        let tile_len = deferred_tile(device);
-        let tiles: Vec<(usize, usize, &KvSegment)> = deferred
-            .iter()
-            .flat_map(|s| {
-                (0..s.len())
-                    .step_by(tile_len)
-                    .map(move |a| (a, (a + tile_len).min(s.len()), s))
-            })
-            .collect();
-        let range =
-            |(a, b, s): (usize, usize, &KvSegment)| s.positions[a]..s.positions[a] + (b - a);
-        for &tile in &tiles {
-            let (a, b, s) = tile;
-            let k = caches.deferred(layer, range(tile), KvPart::K)?;
-            let k = self.ready_tile(k, &s.positions[a..b], KvPart::K, device);
-            parts.push(scores(qg.clone(), k, self.scale));
-        }
-        let mut sc = Tensor::cat(parts, 2);
-        if let Some(m) = mask {
-            sc = sc + m;
-        }
-        let p = burn::tensor::activation::softmax(sc, 2);
-        let [kvh, gt, total] = p.dims();
-        let mut col = 0;
-        let mut out = None;
-        let mut add = |w: Tensor<3>, v: Tensor<3>, col: &mut usize| {
-            let n = v.dims()[1];
-            let o = crate::gpu::matmul(w.slice([0..kvh, 0..gt, *col..*col + n]), v);
-            *col += n;
-            out = Some(match out.take() {
-                Some(acc) => acc + o,
-                None => o,
-            });
-        };
-        if let Some(v) = v_ready {
-            add(p.clone(), v, &mut col);
-        }
-        // Rotated values: their weighted sums apart, mapped back once at the end.
-        let mut rotated: Option<(Tensor<3>, Tensor<2>)> = None;
-        for &tile in &tiles {
-            let (a, b, s) = tile;
-            match caches.deferred(layer, range(tile), KvPart::V)? {
-                DeferredKv::Rotated { v, undo } => {
-                    let n = v.dims()[1];
-                    let o = crate::gpu::matmul(p.clone().slice([0..kvh, 0..gt, col..col + n]), v);
-                    col += n;
-                    rotated = Some(match rotated.take() {
-                        Some((acc, u)) => (acc + o, u),
-                        None => (o, undo),
-                    });
-                }
-                v => {
-                    let v = self.ready_tile(v, &s.positions[a..b], KvPart::V, device);
-                    add(p.clone(), v, &mut col);
-                }
-            }
-        }
-        debug_assert_eq!(col, total);
-        let mut out = out;
-        if let Some((acc, undo)) = rotated {
-            let d = undo.dims()[0];
-            let back = crate::gpu::matmul(acc, undo.reshape([1, d, d]).repeat_dim(0, kvh));
-            out = Some(match out.take() {
-                Some(o) => o + back,
-                None => back,
-            });
-        }
-        Ok(merge_heads(out.expect("at least one key"), self.heads))
     }
 
     /// Attends chunks of several sequences stacked row-wise: the projections, norms and RoPE
@@ -503,141 +406,6 @@ impl Attention {
         let groups = self.heads / self.kv_heads;
         let mask = self.mask(start, t, &ready, groups, device);
         Ok(grouped_attention(q, as_f32(k), as_f32(v), self.scale, mask))
-    }
-
-    /// [`Self::attend`] on the CPU: `None` when `q` or a segment does not live in CPU memory
-    /// (a GPU, autodiff), or a deferred segment is read by a chunk of more than
-    /// [`QUANT_MAX_ROWS`] rows or its cache has no [`crate::HostTier`].
-    ///
-    /// # Shapes
-    /// - `q`: `[heads, T, head_dim]` → `[T, heads · head_dim]`
-    fn attend_on_host(
-        &self,
-        q: &Tensor<3>,
-        start: usize,
-        segments: &[KvSegment],
-        (caches, layer): (&mut dyn KvLayers, usize),
-        device: &Device,
-    ) -> Result<Option<Tensor<2>>> {
-        let Some(qh) = HostView::of(q) else {
-            return Ok(None);
-        };
-        // Each row dequantises what it reads of a tier: right for decode steps and verify
-        // blocks, not for a prompt chunk of hundreds of rows (the tile-by-tile tensor path
-        // dequantises each tile once for all of them).
-        let deferred = segments.iter().any(|s| matches!(s.kv, SegmentKv::Deferred));
-        if deferred && q.dims()[1] > QUANT_MAX_ROWS {
-            return Ok(None);
-        }
-        let tier = if deferred {
-            match caches.host_tier(layer) {
-                Some(t) => Some(t),
-                None => return Ok(None),
-            }
-        } else {
-            None
-        };
-        let mut sources = Vec::with_capacity(segments.len());
-        for s in segments {
-            sources.push(match (&s.kv, tier) {
-                (SegmentKv::Deferred, Some(t)) => RowSource::Tier(t),
-                (SegmentKv::Deferred, None) => return Ok(None),
-                _ => {
-                    let (k, v) = self.ready(s, device);
-                    match (HostView::of(&k), HostView::of(&v)) {
-                        (Some(k), Some(v)) => RowSource::View { k, v },
-                        _ => return Ok(None),
-                    }
-                }
-            });
-        }
-        let [heads, t, d] = q.dims();
-        // May row `i` read key position `p` of segment `src`?
-        let sees = |i: usize, src: usize, p: usize| self.sees(start + i, (p, segments[src].reach));
-        // Per row, the keys it sees in position order (with their positions and segments):
-        // tier rows by position, view rows by index.
-        let seen = |i: usize| -> Vec<(usize, usize, SourcedKey)> {
-            let mut keys: Vec<(usize, usize, SourcedKey)> = segments
-                .iter()
-                .enumerate()
-                .flat_map(|(source, s)| {
-                    let tier = matches!(s.kv, SegmentKv::Deferred);
-                    s.positions
-                        .iter()
-                        .enumerate()
-                        .filter(move |&(_, &p)| sees(i, source, p))
-                        .map(move |(j, &p)| {
-                            let row = if tier { p } else { j };
-                            (p, source, SourcedKey { source, row })
-                        })
-                })
-                .collect();
-            keys.sort_unstable_by_key(|&(p, _, _)| p);
-            keys
-        };
-        let width = heads * d;
-        let mut out = vec![0.0f32; t * width];
-        let scale = self.scale as f32;
-        let row = |i: usize, o: &mut [f32]| {
-            let keys: Vec<SourcedKey> = seen(i).into_iter().map(|k| k.2).collect();
-            if keys.is_empty() {
-                return Err(ModelError::Cache(format!(
-                    "layer {layer}: no key for the query at {}",
-                    start + i
-                )));
-            }
-            host_attention::attend_row(&qh, (i, self.kv_heads), &sources, &keys, scale, o)
-        };
-        // Rows over many keys in blocks: when every row of a block sees a prefix of what its
-        // last row sees (a causal chunk over a global layer), the block runs at once, each
-        // tile of keys and values read once for all its rows (the same bits per row).
-        let block = |rows: std::ops::Range<usize>, o: &mut [f32]| -> Result<bool> {
-            let keyed = seen(rows.end - 1);
-            if keyed.len() <= host_attention::KEY_SPAN {
-                return Ok(false);
-            }
-            let mut lens = Vec::with_capacity(rows.len());
-            for i in rows.clone() {
-                let n = keyed.iter().take_while(|k| sees(i, k.1, k.0)).count();
-                let all: usize = (0..segments.len())
-                    .map(|src| {
-                        let ps = &segments[src].positions;
-                        ps.iter().filter(|&&p| sees(i, src, p)).count()
-                    })
-                    .sum();
-                if n == 0 || all != n {
-                    return Ok(false);
-                }
-                lens.push(n);
-            }
-            let keys: Vec<SourcedKey> = keyed.into_iter().map(|k| k.2).collect();
-            let first = (rows.start, self.kv_heads);
-            host_attention::attend_rows(&qh, first, &sources, (&keys, &lens), scale, o)?;
-            Ok(true)
-        };
-        let rows_of = |b: usize| b * SHARED_ROWS..((b + 1) * SHARED_ROWS).min(t);
-        let run = |(b, o): (usize, &mut [f32])| -> Result<()> {
-            let rows = rows_of(b);
-            if rows.len() > 1 && block(rows.clone(), o)? {
-                return Ok(());
-            }
-            // Row by row, in parallel (a row's bits do not depend on the thread or the
-            // other rows).
-            o.par_chunks_mut(width)
-                .zip(rows)
-                .try_for_each(|(o, i)| row(i, o))
-        };
-        if t > 1 {
-            out.par_chunks_mut(width * SHARED_ROWS)
-                .enumerate()
-                .try_for_each(run)?;
-        } else {
-            row(0, &mut out)?;
-        }
-        Ok(Some(Tensor::from_data(
-            TensorData::new(out, [t, width]),
-            device,
-        )))
     }
 
     /// Each query row alone, over exactly the keys it sees in position order: a row's result

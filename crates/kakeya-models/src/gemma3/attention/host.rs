@@ -53,9 +53,10 @@ impl HostChunk<'_, '_> {
         keys
     }
 
-    /// Row `i` alone into `out` (`heads · head_dim`).
-    fn row(&self, i: usize, out: &mut [f32]) -> Result<()> {
-        let keys: Vec<SourcedKey> = self.seen(i).into_iter().map(|k| k.2).collect();
+    /// Row `i` alone into `out` (`heads · head_dim`), over `keyed` (what [`Self::seen`]
+    /// gives for it).
+    fn row(&self, i: usize, keyed: Vec<Keyed>, out: &mut [f32]) -> Result<()> {
+        let keys: Vec<SourcedKey> = keyed.into_iter().map(|k| k.2).collect();
         if keys.is_empty() {
             return Err(ModelError::Cache(format!(
                 "layer {}: no key for the query at {}",
@@ -96,6 +97,7 @@ impl HostChunk<'_, '_> {
     /// their keys ([`host_attention::attend_rows`]: each tile read once for all of them, the
     /// same bits per row), else row by row in parallel.
     fn rows(&self, rows: std::ops::Range<usize>, out: &mut [f32]) -> Result<()> {
+        // The last row's keys: every row's when the rows share them, else its own.
         let keyed = self.seen(rows.end - 1);
         if let Some(lens) = self.shared_prefixes(rows.clone(), &keyed) {
             let keys: Vec<SourcedKey> = keyed.into_iter().map(|k| k.2).collect();
@@ -111,10 +113,19 @@ impl HostChunk<'_, '_> {
             );
         }
         let width = out.len() / rows.len();
+        let (before, o_last) = out.split_at_mut(out.len() - width);
+        let rest = rows.start..rows.end - 1;
         // A row's bits do not depend on the thread or the other rows.
-        out.par_chunks_mut(width)
-            .zip(rows)
-            .try_for_each(|(o, i)| self.row(i, o))
+        let (a, b) = rayon::join(
+            || {
+                before
+                    .par_chunks_mut(width)
+                    .zip(rest)
+                    .try_for_each(|(o, i)| self.row(i, self.seen(i), o))
+            },
+            || self.row(rows.end - 1, keyed, o_last),
+        );
+        a.and(b)
     }
 }
 

@@ -17,8 +17,9 @@ pub const DEFAULT_F_THETA: &str = "checkpoints/f-theta-gemma3-270m";
 #[derive(Args, Debug, Clone)]
 pub struct KvArgs {
     /// KV mode: full, sink-window, exact-global, restored, restored-sliding, quant8, quant4,
-    /// quant8-all, quant4-all, restored-q8, restored-q4, or a bounded preset
-    /// bounded-k<K>v<V> (e.g. bounded-k4v2; see docs/kv-modes.md).
+    /// quant8-all, quant4-all, restored-q8, restored-q4, a bounded preset bounded-k<K>v<V>
+    /// (e.g. bounded-k4v3, the recommended one), or residual-k<K>v<V> (f_θ's prediction plus
+    /// a quantised residual; see docs/kv-modes.md).
     #[arg(long, default_value = "full")]
     pub kv_mode: KvMode,
     /// First positions every bounded layer keeps exactly.
@@ -40,8 +41,8 @@ pub struct KvArgs {
     /// `[global]`/`[sliding]` tables) instead of the flags.
     #[arg(long, conflicts_with_all = ["kv_mode", "kv_sink", "kv_window", "kv_dtype", "draft_window"])]
     pub kv_policy: Option<PathBuf>,
-    /// An exported f_θ folder for the restored modes (default: checkpoints/f-theta-gemma3-270m
-    /// with the default model and drafter).
+    /// An exported f_θ folder for the restored and residual modes (default:
+    /// checkpoints/f-theta-gemma3-270m with the default model and drafter).
     #[arg(long)]
     pub f_theta: Option<PathBuf>,
 }
@@ -78,7 +79,7 @@ pub fn f_theta_dir(explicit: Option<&PathBuf>, default_pair: bool) -> Result<Pat
         return Ok(d);
     }
     bail!(
-        "the restored KV modes need an f_θ: pass --f-theta DIR (one trained for this model and drafter by `kakeya train f-theta`)"
+        "the restored and residual KV modes need an f_θ: pass --f-theta DIR (one trained for this model and drafter by `kakeya train f-theta`)"
     )
 }
 

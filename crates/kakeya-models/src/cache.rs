@@ -273,6 +273,30 @@ pub trait KvLayers: Send {
         part: KvPart,
     ) -> Result<DeferredKv>;
 
+    /// Whether layer `layer` keeps something of the raw K/V (k_proj / v_proj outputs, before
+    /// k_norm and RoPE): then each forward hands them to [`Self::record_raw`] before its
+    /// [`Self::update`].
+    fn wants_raw(&self, layer: usize) -> bool {
+        let _ = layer;
+        false
+    }
+
+    /// The raw K/V of the positions `start..start + n` the next [`Self::update`] of layer
+    /// `layer` writes.
+    ///
+    /// # Shapes
+    /// - `k_raw`, `v_raw`: `[n, kv_heads · head_dim]`
+    fn record_raw(
+        &mut self,
+        layer: usize,
+        k_raw: Tensor<2>,
+        v_raw: Tensor<2>,
+        start: usize,
+    ) -> Result<()> {
+        let _ = (layer, k_raw, v_raw, start);
+        Ok(())
+    }
+
     /// [`LayerCache::in_place`] of layer `layer` (`None`: no such layer, or it cannot).
     fn in_place(&mut self, layer: usize, start: usize, like: &Tensor<3>) -> Option<InPlace> {
         let _ = (layer, start, like);

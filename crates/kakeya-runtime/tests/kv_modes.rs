@@ -1,9 +1,10 @@
 //! The KV modes on tiny random models: a window covering the whole context equals `full`;
-//! `restored` with an oracle restorer (the verifier's own K/V) equals `full`; speculative
+//! `restored` with an oracle restorer (the verifier's own K/V) equals `full`, and so do the
+//! residual modes with it as their predictor; speculative
 //! decoding equals plain greedy decoding in the same mode, for every mode and blocks 4/8/16 with
 //! windows wrapping mid-block; rollback under random accept counts never needs a demoted
-//! position; the `bounded-*` presets (per-channel keys, rotation) decode speculatively as
-//! plainly; per-layer rules shape the plan; the byte accounting adds up; bad settings are
+//! position; the `bounded-*` and `residual-*` presets (per-channel keys, rotation) decode
+//! speculatively as plainly; per-layer rules shape the plan; the byte accounting adds up; bad settings are
 //! refused.
 
 mod common;
@@ -12,7 +13,7 @@ use burn::tensor::Device;
 use common::{NoisyReplay, max_diff, oracle_restorer, random_f_theta_restorer, tiny_prompt};
 use kakeya_models::testing::{drafter_config, random_checkpoint, random_drafter, tiny_config};
 use kakeya_models::{DFlashDrafter, Gemma3Model};
-use kakeya_runtime::kv::{Bits, KvMode, KvPolicy, LayerRule, Restorer};
+use kakeya_runtime::kv::{Bits, Keep, KvMode, KvPolicy, LayerRule, Restorer};
 use kakeya_runtime::{
     DFlashProposer, Generation, GenerationConfig, KvSetup, Proposer, Session, SpecConfig, Verifier,
     generate, speculative_generate,
@@ -136,6 +137,58 @@ fn restored_with_an_oracle_restorer_equals_full() {
             &full.tokens,
         );
         assert!(max_diff(&dropped, &reference) > 1e-2);
+    }
+}
+
+/// `residual-k2v2` with every layer's evicted K/V held as residuals (global layers' window
+/// 64, the least per-channel keys allow; sliding layers per token).
+fn residual_everywhere(sink: usize, window: usize) -> KvPolicy {
+    let mode = KvMode::Residual {
+        k: Bits::B2,
+        v: Bits::B2,
+    };
+    KvPolicy {
+        global: Some(LayerRule {
+            window: Some(64),
+            ..LayerRule::default()
+        }),
+        sliding: Some(LayerRule {
+            keep: Some(Keep::Residual),
+            ..LayerRule::default()
+        }),
+        ..common::f32_kv(policy(mode, sink, window))
+    }
+}
+
+#[test]
+fn residual_with_a_perfect_predictor_equals_full() {
+    let v = verifier();
+    let d = drafter(&v, 4);
+    let random = random_f_theta_restorer(&v, &d);
+    for (i, len) in [(0, 37), (1, 90), (2, 420)] {
+        let p = prompt(i, len);
+        let native = KvSetup::new(common::f32_kv(KvPolicy::new(KvMode::Full)));
+        let full = plain(&v, native, &p, 40);
+        let mut seq = p.clone();
+        seq.extend(&full.tokens);
+        let o = oracle_restorer(&v, &seq);
+        let reference = trace(&v, native, &p, &full.tokens);
+        for (sink, window) in [(2, 4), (0, 1), (4, 9)] {
+            // The oracle predicts every position exactly: the 2-bit residuals are of
+            // (nearly) nothing.
+            let s = KvSetup::new(residual_everywhere(sink, window)).restorer(&o);
+            let got = plain(&v, s, &p, 40);
+            assert_eq!(got.tokens, full.tokens, "sink {sink}, window {window}");
+            let diff = max_diff(&trace(&v, s, &p, &full.tokens), &reference);
+            assert!(
+                diff <= 1e-5,
+                "sink {sink}, window {window}: max |Δlogit| {diff}"
+            );
+            // A poor predictor leaves 2-bit residuals of the whole signal: the test can tell.
+            let s = setup(residual_everywhere(sink, window), &d, &random);
+            let diff = max_diff(&trace(&v, s, &p, &full.tokens), &reference);
+            assert!(diff > 1e-3, "sink {sink}, window {window}: {diff}");
+        }
     }
 }
 
@@ -266,6 +319,7 @@ fn bytes_are_measured_and_bounded_modes_hold_less() {
                 | KvMode::Quant8All
                 | KvMode::Quant4All
                 | KvMode::Bounded { .. }
+                | KvMode::Residual { .. }
         );
         assert_eq!(kv.quantised > 0, quantises, "{mode}: quantised tier");
         assert!(
@@ -302,6 +356,22 @@ fn bad_settings_are_refused() {
         1,
     );
     assert!(e.contains("needs the drafter"), "{e}");
+    // The residual modes need f_θ and the drafter's store as the restored ones do; a policy
+    // file's residual rule needs a residual mode.
+    let residual = "residual-k4v3".parse::<KvMode>().unwrap();
+    let e = err(KvSetup::new(policy(residual, 4, 16)), 1);
+    assert!(e.contains("needs an f_θ"), "{e}");
+    let e = err(KvSetup::new(policy(residual, 4, 16)).restorer(&r), 1);
+    assert!(e.contains("needs the drafter"), "{e}");
+    let rule = KvPolicy {
+        global: Some(LayerRule {
+            keep: Some(Keep::Residual),
+            ..LayerRule::default()
+        }),
+        ..policy(KvMode::RECOMMENDED, 4, 16)
+    };
+    let e = err(setup(rule, &d, &r), 1);
+    assert!(e.contains("keep residuals of f_θ's prediction"), "{e}");
     assert!(
         "quant3"
             .parse::<KvMode>()
@@ -314,6 +384,8 @@ fn bad_settings_are_refused() {
         ("bounded-k4v1", "unsupported value bit width 1"),
         ("bounded-k4", "expected k<K>v<V>"),
         ("bounded-kxv2", "not a number"),
+        ("residual-k9v2", "unsupported key bit width 9"),
+        ("residual-k3", "expected k<K>v<V>"),
     ] {
         let e = name.parse::<KvMode>().unwrap_err().to_string();
         assert!(e.contains(why) && e.contains(name), "{name}: {e}");
@@ -336,21 +408,31 @@ fn bad_settings_are_refused() {
     assert!(e.contains("over the 64-position slack"), "{e}");
 }
 
-/// Every `bounded-*` preset over positions far past its 128-position global window: the
+/// Every `bounded-*` and `residual-*` preset over positions far past its 128-position global
+/// window: the
 /// per-channel key blocks complete inside verified blocks and rollbacks reopen them; plain
 /// and speculative decoding (blocks 4/8/16, random accept counts) give the same tokens, and
 /// the quantised tier is read (the logits differ from `full`).
 #[test]
-fn bounded_presets_decode_speculatively_as_they_do_plainly() {
+fn bounded_and_residual_presets_decode_speculatively_as_they_do_plainly() {
     let v = verifier();
     let d = drafter(&v, 16);
     let r = random_f_theta_restorer(&v, &d);
     let mut seed = 40u64;
-    for (k, vb) in kakeya_runtime::BOUNDED_PRESETS {
-        let mode = KvMode::Bounded {
-            k: Bits::new(k).unwrap(),
-            v: Bits::new(vb).unwrap(),
-        };
+    let bits = |n| Bits::new(n).unwrap();
+    let presets = kakeya_runtime::BOUNDED_PRESETS
+        .map(|(k, v)| KvMode::Bounded {
+            k: bits(k),
+            v: bits(v),
+        })
+        .into_iter()
+        .chain(
+            kakeya_runtime::RESIDUAL_PRESETS.map(|(k, v)| KvMode::Residual {
+                k: bits(k),
+                v: bits(v),
+            }),
+        );
+    for mode in presets {
         let s = setup(policy(mode, 2, 16), &d, &r);
         let p = prompt(seed as usize, 170);
         let want = plain(&v, s, &p, 60);

@@ -260,7 +260,14 @@ impl Attention {
          -> Result<(Tensor<2>, Option<Vec<KvSegment>>)> {
             let r = &span.rows;
             let (segments, read_layer, mine) = match (&own, self.kv_source) {
-                (Some((_, _, k, v)), _) => {
+                (Some((k_raw, v_raw, k, v)), _) => {
+                    if caches.wants_raw(layer) {
+                        let raw_rows = |t: &Tensor<2>| {
+                            let w = t.dims()[1];
+                            t.clone().slice([r.clone(), 0..w])
+                        };
+                        caches.record_raw(layer, raw_rows(k_raw), raw_rows(v_raw), span.start)?;
+                    }
                     let segs = caches.update(layer, rows_of(k, r), rows_of(v, r), span.start)?;
                     let mine = self.shares_kv.then(|| segs.clone());
                     (segs, layer, mine)

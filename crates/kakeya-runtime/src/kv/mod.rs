@@ -5,6 +5,8 @@
 pub mod channels;
 pub mod native;
 pub mod policy;
+mod quant_tier;
+mod residual;
 pub mod restore;
 pub mod rotation;
 pub mod rows;
@@ -22,13 +24,14 @@ use serde::{Deserialize, Serialize};
 
 pub use native::{FullCache, HeldKv, KV_BLOCK, KvCache, KvDtype, RingCache};
 pub use policy::{
-    BOUNDED_PRESETS, Evicted, GLOBAL_WINDOW, KvMode, KvPolicy, LayerPlan, LayerRule, QuantFormat,
-    Ranges,
+    BOUNDED_PRESETS, Evicted, GLOBAL_WINDOW, Keep, KvMode, KvPolicy, LayerPlan, LayerRule,
+    QuantFormat, RESIDUAL_PRESETS, Ranges,
 };
+pub use quant_tier::SharedUndo;
 pub use restore::{FThetaRestorer, OracleRestorer, Restorer};
 pub use rows::{Bits, QuantRows, Rows};
 pub use store::{CompactStore, DraftReach, StoreFormat};
-pub use tiered::{QuantAllCache, Shared, SharedUndo, TieredCache};
+pub use tiered::{QuantAllCache, Shared, TieredCache};
 
 /// One layer's cache under a policy.
 // One value per layer, held in a Vec: the variants' sizes do not matter.
@@ -286,10 +289,35 @@ impl KvLayers for SequenceKv<'_> {
         start: usize,
     ) -> kakeya_models::Result<Vec<KvSegment>> {
         self.device = Some(k.device());
-        match self.layer_mut(layer)? {
+        let shared = Shared {
+            store: self.store.as_ref(),
+            restorer: self.restorer,
+        };
+        let cache = self
+            .layers
+            .get_mut(layer)
+            .ok_or_else(|| ModelError::Cache(format!("no cache for layer {layer}")))?;
+        match cache {
             LayerKv::Native(c) => c.update(k, v, start),
-            LayerKv::Tiered(c) => c.update(k, v, start),
+            LayerKv::Tiered(c) => c.update((k, v), start, shared),
             LayerKv::QuantAll(c) => c.update(k, v, start),
+        }
+    }
+
+    fn wants_raw(&self, layer: usize) -> bool {
+        matches!(self.layers.get(layer), Some(LayerKv::Tiered(c)) if c.wants_raw())
+    }
+
+    fn record_raw(
+        &mut self,
+        layer: usize,
+        k_raw: Tensor<2>,
+        v_raw: Tensor<2>,
+        start: usize,
+    ) -> kakeya_models::Result<()> {
+        match self.layer_mut(layer)? {
+            LayerKv::Tiered(c) => c.record_raw(k_raw, v_raw, start),
+            _ => Ok(()),
         }
     }
 

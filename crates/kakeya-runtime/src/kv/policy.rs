@@ -54,6 +54,16 @@ pub enum KvMode {
         /// Value bits.
         v: Bits,
     },
+    /// The residual modes `residual-k{k}v{v}`: as `bounded-k{k}v{v}`, but the global layers'
+    /// evicted K/V are held as the quantised difference between the raw K/V (k_proj / v_proj
+    /// outputs) and f_θ's prediction of them from the drafter's compact store, which is kept
+    /// whole (its bytes count): a position is read back as prediction + residual.
+    Residual {
+        /// Key bits (of the residual).
+        k: Bits,
+        /// Value bits (of the residual).
+        v: Bits,
+    },
 }
 
 /// Exact recent positions the global layers of the `bounded-*` presets keep (at least two
@@ -63,6 +73,9 @@ pub const GLOBAL_WINDOW: usize = 128;
 /// The named `bounded-*` presets (any `bounded-k{2..8}v{2..8}` parses).
 pub const BOUNDED_PRESETS: [(u32, u32); 6] = [(8, 4), (4, 4), (4, 3), (4, 2), (3, 2), (2, 2)];
 
+/// The named `residual-*` presets (any `residual-k{2..8}v{2..8}` parses).
+pub const RESIDUAL_PRESETS: [(u32, u32); 2] = [(4, 3), (3, 2)];
+
 impl KvMode {
     /// The bounded mode the docs recommend (docs/kv-modes.md has the measurements).
     pub const RECOMMENDED: KvMode = KvMode::Bounded {
@@ -70,13 +83,18 @@ impl KvMode {
         v: Bits::B3,
     };
 
-    /// Every mode of `--modes all`, `full` first: the fixed modes, then the `bounded-*`
-    /// presets.
+    /// Every mode of `--modes all`, `full` first: the fixed modes, then the `bounded-*` and
+    /// `residual-*` presets.
     pub fn all() -> Vec<KvMode> {
+        let bits = |n| Bits::new(n).expect("preset bits");
         let mut out = Self::FIXED.to_vec();
         out.extend(BOUNDED_PRESETS.map(|(k, v)| KvMode::Bounded {
-            k: Bits::new(k).expect("preset bits"),
-            v: Bits::new(v).expect("preset bits"),
+            k: bits(k),
+            v: bits(v),
+        }));
+        out.extend(RESIDUAL_PRESETS.map(|(k, v)| KvMode::Residual {
+            k: bits(k),
+            v: bits(v),
         }));
         out
     }
@@ -100,6 +118,7 @@ impl KvMode {
     pub fn name(self) -> String {
         match self {
             KvMode::Bounded { k, v } => format!("bounded-k{}v{}", k.count(), v.count()),
+            KvMode::Residual { k, v } => format!("residual-k{}v{}", k.count(), v.count()),
             fixed => fixed.fixed_name().to_string(),
         }
     }
@@ -107,6 +126,7 @@ impl KvMode {
     fn fixed_name(self) -> &'static str {
         match self {
             KvMode::Bounded { .. } => "bounded",
+            KvMode::Residual { .. } => "residual",
             KvMode::Full => "full",
             KvMode::SinkWindow => "sink-window",
             KvMode::ExactGlobal => "exact-global",
@@ -121,11 +141,16 @@ impl KvMode {
         }
     }
 
-    /// Whether evicted K/V are rebuilt by a restorer.
+    /// Whether evicted K/V are rebuilt by a restorer (alone, or as the prediction a residual
+    /// is added to): the mode needs f_θ and keeps the whole compact store.
     pub fn restores(self) -> bool {
         matches!(
             self,
-            KvMode::Restored | KvMode::RestoredSliding | KvMode::RestoredQ8 | KvMode::RestoredQ4
+            KvMode::Restored
+                | KvMode::RestoredSliding
+                | KvMode::RestoredQ8
+                | KvMode::RestoredQ4
+                | KvMode::Residual { .. }
         )
     }
 
@@ -166,10 +191,10 @@ impl TryFrom<String> for KvMode {
 }
 
 /// `k{K}v{V}` → the two bit widths, each checked.
-fn parse_kv_bits(s: &str, whole: &str) -> Result<(Bits, Bits)> {
+fn parse_kv_bits(s: &str, whole: &str, family: &str) -> Result<(Bits, Bits)> {
     let bad = |why: String| {
         RuntimeError::Input(format!(
-            "KV mode {whole:?}: {why}; the bounded presets are named bounded-k<K>v<V> with K and V from 2 to 8 bits (e.g. bounded-k4v2)"
+            "KV mode {whole:?}: {why}; the {family} modes are named {family}-k<K>v<V> with K and V from 2 to 8 bits (e.g. {family}-k4v2)"
         ))
     };
     let rest = s
@@ -192,15 +217,19 @@ impl FromStr for KvMode {
 
     fn from_str(s: &str) -> Result<Self> {
         if let Some(kv) = s.strip_prefix("bounded-") {
-            let (k, v) = parse_kv_bits(kv, s)?;
+            let (k, v) = parse_kv_bits(kv, s, "bounded")?;
             return Ok(KvMode::Bounded { k, v });
+        }
+        if let Some(kv) = s.strip_prefix("residual-") {
+            let (k, v) = parse_kv_bits(kv, s, "residual")?;
+            return Ok(KvMode::Residual { k, v });
         }
         KvMode::FIXED
             .into_iter()
             .find(|m| m.fixed_name() == s)
             .ok_or_else(|| {
                 RuntimeError::Input(format!(
-                    "unknown KV mode {s:?}; the modes are {}, and bounded-k<K>v<V> (K, V from 2 to 8 bits)",
+                    "unknown KV mode {s:?}; the modes are {}, and bounded-k<K>v<V> and residual-k<K>v<V> (K, V from 2 to 8 bits)",
                     KvMode::all().into_iter().map(KvMode::name).collect::<Vec<_>>().join(", ")
                 ))
             })
@@ -245,6 +274,18 @@ impl QuantFormat {
             ranges: Ranges::MinMax,
         }
     }
+
+    /// The presets' format: keys `k`-bit per channel, values `v`-bit per head after a
+    /// rotation, ranges fitted.
+    pub fn preset(k: Bits, v: Bits) -> Self {
+        Self {
+            k_bits: k,
+            v_bits: v,
+            k_per_channel: true,
+            rotate: true,
+            ranges: Ranges::Fitted,
+        }
+    }
 }
 
 /// What happens to a position a bounded layer evicts.
@@ -256,6 +297,19 @@ pub enum Evicted {
     Quantise(QuantFormat),
     /// Rebuilt by the restorer.
     Restore,
+    /// Kept as the quantised difference from the restorer's prediction (raw K/V space).
+    Residual(QuantFormat),
+}
+
+impl Evicted {
+    /// The quantised format, when evicted positions are quantised (as they are or as a
+    /// residual).
+    pub fn format(self) -> Option<QuantFormat> {
+        match self {
+            Evicted::Quantise(f) | Evicted::Residual(f) => Some(f),
+            Evicted::Drop | Evicted::Restore => None,
+        }
+    }
 }
 
 /// What one layer keeps.
@@ -313,7 +367,7 @@ fn default_draft_window() -> usize {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LayerRule {
-    /// `native` (the model's cache), `drop` or `quantise` (evicted positions).
+    /// `native` (the model's cache), `drop`, `quantise` or `residual` (evicted positions).
     pub keep: Option<Keep>,
     /// First positions kept exactly.
     pub sink: Option<usize>,
@@ -341,6 +395,9 @@ pub enum Keep {
     Drop,
     /// Evicted positions quantised.
     Quantise,
+    /// Evicted positions quantised as the residual of f_θ's prediction (the mode must be
+    /// one that restores: it provides f_θ and the whole compact store).
+    Residual,
 }
 
 /// How quantised keys are grouped.
@@ -385,7 +442,14 @@ impl KvPolicy {
     /// every row as f_θ was trained on them (f32, or the mode's bits); drafts read rows held in
     /// the exact tiers' dtype.
     pub fn store_format(&self) -> StoreFormat {
-        match (self.mode.restores(), self.mode.store_bits(), self.dtype) {
+        // A residual is taken against the prediction from the rows as stored, so the store
+        // may be held in the exact tiers' dtype.
+        let residual = matches!(self.mode, KvMode::Residual { .. });
+        match (
+            self.mode.restores() && !residual,
+            self.mode.store_bits(),
+            self.dtype,
+        ) {
             (true, Some(b), _) => StoreFormat::Quant(b),
             (true, None, _) | (false, _, KvDtype::F32) => StoreFormat::F32,
             (false, _, KvDtype::F16) => StoreFormat::F16,
@@ -469,17 +533,16 @@ impl KvPolicy {
             KvMode::Quant8All => LayerPlan::QuantAll(Bits::B8),
             KvMode::Quant4All => LayerPlan::QuantAll(Bits::B4),
             KvMode::Bounded { k, v } if global => LayerPlan::Bounded {
-                evicted: Evicted::Quantise(QuantFormat {
-                    k_bits: k,
-                    v_bits: v,
-                    k_per_channel: true,
-                    rotate: true,
-                    ranges: Ranges::Fitted,
-                }),
+                evicted: Evicted::Quantise(QuantFormat::preset(k, v)),
                 sink: self.sink,
                 window: self.window.max(GLOBAL_WINDOW),
             },
-            KvMode::Bounded { .. } => bounded(Evicted::Drop),
+            KvMode::Residual { k, v } if global => LayerPlan::Bounded {
+                evicted: Evicted::Residual(QuantFormat::preset(k, v)),
+                sink: self.sink,
+                window: self.window.max(GLOBAL_WINDOW),
+            },
+            KvMode::Bounded { .. } | KvMode::Residual { .. } => bounded(Evicted::Drop),
         }
     }
 
@@ -500,6 +563,11 @@ impl KvPolicy {
                 continue;
             };
             let mode = &self.mode;
+            if matches!(evicted, Evicted::Residual(_)) && !mode.restores() {
+                return Err(RuntimeError::Input(format!(
+                    "KV mode {mode}: the {kind} layers keep residuals of f_θ's prediction, which needs a mode that loads f_θ and keeps the drafter's whole store: use mode = \"residual-k<K>v<V>\""
+                )));
+            }
             if window == 0 {
                 return Err(RuntimeError::Input(format!(
                     "KV mode {mode}: the {kind} layers' window must keep at least 1 position"
@@ -515,7 +583,7 @@ impl KvPolicy {
                     "KV mode {mode}: block size {block} is larger than the {kind} layers' exact window of {window}: a verified block would read its own keys exactly where plain decoding reads evicted copies; use a block of at most {window} or a larger window"
                 )));
             }
-            if let Evicted::Quantise(f) = evicted
+            if let Some(f) = evicted.format()
                 && f.k_per_channel
             {
                 let b = CHANNEL_BLOCK;
@@ -547,10 +615,9 @@ impl LayerRule {
             } => (Some(evicted), sink, window),
             LayerPlan::Native | LayerPlan::QuantAll(_) => (None, sink, window),
         };
-        let fmt = match evicted {
-            Some(Evicted::Quantise(f)) => f,
-            _ => QuantFormat::per_token(Bits::B8),
-        };
+        let fmt = evicted
+            .and_then(Evicted::format)
+            .unwrap_or(QuantFormat::per_token(Bits::B8));
         let fmt = QuantFormat {
             k_bits: self.k_bits.and_then(Bits::new).unwrap_or(fmt.k_bits),
             v_bits: self.v_bits.and_then(Bits::new).unwrap_or(fmt.v_bits),
@@ -565,6 +632,9 @@ impl LayerRule {
             (Some(Keep::Drop), _) => Evicted::Drop,
             (Some(Keep::Quantise), _) | (None, Some(Evicted::Quantise(_))) => {
                 Evicted::Quantise(fmt)
+            }
+            (Some(Keep::Residual), _) | (None, Some(Evicted::Residual(_))) => {
+                Evicted::Residual(fmt)
             }
             (None, Some(e)) => e,
             (None, None) => return plan,

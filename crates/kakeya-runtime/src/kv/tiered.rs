@@ -9,21 +9,17 @@
 
 use std::ops::Range;
 
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{Device, Tensor};
 use kakeya_models::{
     CacheSpec, DeferredKv, HostTier, KvPart, KvSegment, LayerCache, ModelError, Reach, SegmentKv,
 };
 
-use super::channels::ChannelRows;
 use super::native::{KvDtype, RingCache, check_truncate, in_dtype, seq_slice};
-use super::policy::Evicted;
-use super::policy::{QuantFormat, Ranges};
+use super::policy::{Evicted, QuantFormat};
+use super::quant_tier::{KeyRows, QuantTier, SharedUndo, to_rows};
+use super::residual::ResidualTier;
 use super::restore::Restorer;
-use super::rotation::Rotation;
-use super::rows::{Bits, MAX_GROUP, QuantRows, Rows};
-
-/// Seed of the rotation's signs: fixed, so a cache's contents never depend on the run.
-const ROTATION_SEED: u64 = 0x6b61_6b65_7961;
+use super::rows::{Bits, Rows};
 use super::store::CompactStore;
 
 /// What a bounded layer reads besides its own tiers.
@@ -33,226 +29,6 @@ pub struct Shared<'a> {
     pub store: Option<&'a CompactStore>,
     /// The restorer, when the mode restores.
     pub restorer: Option<&'a dyn Restorer>,
-}
-
-/// `[kv_heads, T, head_dim]` → host rows `[T, kv_heads · head_dim]`.
-fn to_rows(t: &Tensor<3>) -> kakeya_models::Result<Vec<f32>> {
-    let [h, n, d] = t.dims();
-    t.clone()
-        .swap_dims(0, 1)
-        .reshape([n, h * d])
-        .into_data()
-        .try_into_vec::<f32>()
-        .map_err(|e| ModelError::Cache(format!("K/V rows: {e:?}")))
-}
-
-/// Host rows `[n, kv_heads · head_dim]` → `[kv_heads, n, head_dim]`.
-fn from_rows(rows: Vec<f32>, heads: usize, dim: usize, device: &Device) -> Tensor<3> {
-    let n = rows.len() / (heads * dim);
-    Tensor::<3>::from_data(TensorData::new(rows, [n, heads, dim]), device).swap_dims(0, 1)
-}
-
-/// The inverse rotation of a head width, made once and shared by a sequence's layers.
-pub type SharedUndo = std::sync::Arc<std::sync::OnceLock<Tensor<2>>>;
-
-/// Quantised keys: per token (groups of 64 values) or per channel over blocks of positions.
-#[derive(Debug, Clone)]
-enum KeyRows {
-    Tokens(Rows),
-    Channels(ChannelRows),
-}
-
-/// Quantised K/V rows of positions `first..first + rows` (keys per channel: from the first
-/// complete block on). With a rotation, what is grouped per token is rotated: values, and keys
-/// when they are grouped per token (per-channel groups already give each channel its own step:
-/// on the default model's global layers a rotation changes their error by under 1 %).
-#[derive(Debug, Clone)]
-struct QuantTier {
-    k: KeyRows,
-    v: Rows,
-    first: usize,
-    rotation: Option<Rotation>,
-    /// The rotation's inverse as a `[head_dim, head_dim]` matrix, made at the first read off
-    /// the CPU (a GPU's tensor path) and shared by the sequence's layers of this head width
-    /// (counted once, by the sequence).
-    undo: SharedUndo,
-}
-
-impl QuantTier {
-    /// A tier in `format` for rows `width` wide (heads `head_dim` wide, for the rotation)
-    /// whose first position is `first`.
-    fn new(
-        format: QuantFormat,
-        (width, head_dim): (usize, usize),
-        first: usize,
-        undo: SharedUndo,
-    ) -> Self {
-        let rotation = format
-            .rotate
-            .then(|| Rotation::new(head_dim, ROTATION_SEED))
-            .flatten();
-        // Rotated rows: one group per head (the rotation spreads every channel's range over
-        // all of the head's, so one scale serves them; a quarter of the parameters of groups
-        // of 64 at 256-wide heads).
-        let fitted = format.ranges == Ranges::Fitted;
-        let tokens = |bits| {
-            let rows = match &rotation {
-                Some(_) if head_dim <= MAX_GROUP => QuantRows::with_group(bits, width, head_dim),
-                _ => QuantRows::new(bits, width),
-            };
-            Rows::Quant(if fitted { rows.fitted() } else { rows })
-        };
-        Self {
-            k: if format.k_per_channel {
-                let rows = ChannelRows::new(format.k_bits, width, first);
-                KeyRows::Channels(if fitted { rows.fitted() } else { rows })
-            } else {
-                KeyRows::Tokens(tokens(format.k_bits))
-            },
-            v: tokens(format.v_bits),
-            first,
-            rotation,
-            undo,
-        }
-    }
-
-    /// Quantises and appends positions `end()..end() + T`.
-    fn push(&mut self, k: &Tensor<3>, v: &Tensor<3>) -> kakeya_models::Result<()> {
-        let (mut k, mut v) = (to_rows(k)?, to_rows(v)?);
-        if let Some(r) = &self.rotation {
-            if matches!(self.k, KeyRows::Tokens(_)) {
-                r.apply(&mut k);
-            }
-            r.apply(&mut v);
-        }
-        match &mut self.k {
-            KeyRows::Tokens(rows) => rows.push(&k),
-            KeyRows::Channels(rows) => rows.push(&k),
-        }
-        self.v.push(&v);
-        Ok(())
-    }
-
-    /// Forgets rows of positions before `pos` (never read again).
-    fn drop_before(&mut self, pos: usize) {
-        // Compact in steps of 64 rows: a drain moves the whole buffer.
-        let dead = pos.saturating_sub(self.first).min(self.v.len());
-        if dead >= 64 {
-            if let KeyRows::Tokens(rows) = &mut self.k {
-                rows.drop_front(dead);
-            }
-            self.v.drop_front(dead);
-            self.first += dead;
-        }
-        if let KeyRows::Channels(rows) = &mut self.k {
-            rows.drop_before(pos);
-        }
-    }
-
-    fn truncate(&mut self, len: usize) -> kakeya_models::Result<()> {
-        if len < self.first {
-            return Err(ModelError::Cache(format!(
-                "cannot roll back to {len}: quantised positions before {} were already dropped",
-                self.first
-            )));
-        }
-        match &mut self.k {
-            KeyRows::Tokens(rows) => rows.truncate(len - self.first),
-            KeyRows::Channels(rows) => rows.truncate(len)?,
-        }
-        self.v.truncate(len - self.first);
-        Ok(())
-    }
-
-    /// K or V rows of `positions` (`[n, kv_heads · head_dim]`) into `out`: dequantised,
-    /// rotated per-token keys rotated back, values left as stored (rotated or not).
-    fn read_rows_into(
-        &self,
-        positions: Range<usize>,
-        part: KvPart,
-        out: &mut [f32],
-    ) -> kakeya_models::Result<()> {
-        if positions.start < self.first || positions.end > self.first + self.v.len() {
-            return Err(ModelError::Cache(format!(
-                "quantised tier holds positions {}..{}, asked for {positions:?}",
-                self.first,
-                self.first + self.v.len()
-            )));
-        }
-        let (a, b) = (positions.start - self.first, positions.end - self.first);
-        match (part, &self.k) {
-            (KvPart::K, KeyRows::Tokens(rows)) => rows.read_into(a, b, out),
-            (KvPart::K, KeyRows::Channels(rows)) => {
-                rows.read_into(positions.start, positions.end, out)?
-            }
-            (KvPart::V, _) => self.v.read_into(a, b, out),
-        }
-        if let (Some(r), KvPart::K, KeyRows::Tokens(_)) = (&self.rotation, part, &self.k) {
-            r.undo(out);
-        }
-        Ok(())
-    }
-
-    /// Dequantised K or V of `positions`, `[kv_heads, n, head_dim]`, and its bytes.
-    fn read(
-        &self,
-        positions: Range<usize>,
-        part: KvPart,
-        (heads, dim): (usize, usize),
-        device: &Device,
-    ) -> kakeya_models::Result<(DeferredKv, usize)> {
-        let mut rows = vec![0.0f32; positions.len() * heads * dim];
-        self.read_rows_into(positions, part, &mut rows)?;
-        let bytes = rows.len() * 4;
-        // Rotated values: on the CPU rotated back row by row here (a fast transform, no
-        // matrix held); elsewhere they go to attention as they are, with the inverse rotation
-        // as a matrix applied to their weighted sum.
-        if let (Some(r), KvPart::V) = (&self.rotation, part) {
-            if *device == Device::flex() {
-                r.undo(&mut rows);
-                return Ok((
-                    DeferredKv::Ready(from_rows(rows, heads, dim, device)),
-                    bytes,
-                ));
-            }
-            let undo = self.undo.get_or_init(|| r.undo_matrix(device)).clone();
-            let v = from_rows(rows, heads, dim, device);
-            return Ok((DeferredKv::Rotated { v, undo }, bytes));
-        }
-        Ok((
-            DeferredKv::Ready(from_rows(rows, heads, dim, device)),
-            bytes,
-        ))
-    }
-
-    /// Head `head` of K or V of `positions` into `out` (`[n, head_dim]`), as
-    /// [`HostTier::read_head`] hands it to the CPU row loops.
-    fn read_head(
-        &self,
-        part: KvPart,
-        head: usize,
-        positions: Range<usize>,
-        (heads, dim): (usize, usize),
-        out: &mut [f32],
-    ) -> kakeya_models::Result<()> {
-        if heads == 1 {
-            return self.read_rows_into(positions, part, out);
-        }
-        let mut all = vec![0.0f32; positions.len() * heads * dim];
-        self.read_rows_into(positions, part, &mut all)?;
-        for (o, row) in out.chunks_exact_mut(dim).zip(all.chunks_exact(heads * dim)) {
-            o.copy_from_slice(&row[head * dim..(head + 1) * dim]);
-        }
-        Ok(())
-    }
-
-    fn nbytes(&self) -> usize {
-        let k = match &self.k {
-            KeyRows::Tokens(rows) => rows.nbytes(),
-            KeyRows::Channels(rows) => rows.nbytes(),
-        };
-        k + self.v.nbytes()
-    }
 }
 
 /// Exact sink + window, evicted positions per the policy.
@@ -267,6 +43,7 @@ pub struct TieredCache {
     sinks: RingCache,
     ring: RingCache,
     quant: Option<QuantTier>,
+    residual: Option<ResidualTier>,
     /// `(kv_heads, head_dim)`, known from the first write.
     shape: (usize, usize),
     len: usize,
@@ -283,6 +60,7 @@ impl TieredCache {
         (evicted, dtype, undo): (Evicted, KvDtype, SharedUndo),
         (width, head_dim): (usize, usize),
     ) -> Self {
+        let undo_residual = undo.clone();
         Self {
             layer,
             spec,
@@ -292,13 +70,52 @@ impl TieredCache {
             sinks: RingCache::new(sink + 1, 0).with_dtype(dtype),
             ring: RingCache::starting_at(sink, window, slack).with_dtype(dtype),
             quant: match evicted {
-                Evicted::Quantise(format) => {
-                    Some(QuantTier::new(format, (width, head_dim), sink, undo))
-                }
+                Evicted::Quantise(format) => Some(QuantTier::new(
+                    format,
+                    (width, head_dim),
+                    sink,
+                    undo.clone(),
+                )),
+                _ => None,
+            },
+            residual: match evicted {
+                Evicted::Residual(format) => Some(ResidualTier::new(
+                    format,
+                    (width, head_dim),
+                    sink,
+                    undo_residual,
+                )),
                 _ => None,
             },
             shape: (0, 0),
             len: 0,
+        }
+    }
+
+    /// Whether the layer keeps residuals of raw K/V (and so wants each forward's raw rows).
+    pub fn wants_raw(&self) -> bool {
+        self.residual.is_some()
+    }
+
+    /// The raw K/V of the positions the next [`Self::update`] writes (residual tiers).
+    ///
+    /// # Shapes
+    /// - `k_raw`, `v_raw`: `[T, kv_heads · head_dim]`
+    pub fn record_raw(
+        &mut self,
+        k_raw: Tensor<2>,
+        v_raw: Tensor<2>,
+        start: usize,
+    ) -> kakeya_models::Result<()> {
+        if start != self.len {
+            return Err(ModelError::Cache(format!(
+                "layer {}: raw K/V at position {start} but the cache is at {}",
+                self.layer, self.len
+            )));
+        }
+        match &mut self.residual {
+            Some(r) => r.record(k_raw, v_raw, start),
+            None => Ok(()),
         }
     }
 
@@ -346,6 +163,7 @@ impl TieredCache {
     /// Bytes of quantised K/V.
     pub fn quantised_bytes(&self) -> usize {
         self.quant.as_ref().map_or(0, QuantTier::nbytes)
+            + self.residual.as_ref().map_or(0, ResidualTier::nbytes)
     }
 
     /// Positions of the evicted tier the queries `start..end` read.
@@ -360,17 +178,22 @@ impl TieredCache {
     ///
     /// # Shapes
     /// - `k`, `v`: `[kv_heads, T, head_dim]`
+    /// `shared` gives a residual tier its predictor.
     pub fn update(
         &mut self,
-        k: Tensor<3>,
-        v: Tensor<3>,
+        (k, v): (Tensor<3>, Tensor<3>),
         start: usize,
+        shared: Shared<'_>,
     ) -> kakeya_models::Result<Vec<KvSegment>> {
         if start != self.len {
             return Err(ModelError::Cache(format!(
                 "layer {}: write at position {start} but the cache is at {}",
                 self.layer, self.len
             )));
+        }
+        if let Some(r) = &mut self.residual {
+            r.drop_before(self.spec.oldest_needed(start).max(self.sink));
+            r.settle(self.layer, shared)?;
         }
         let [heads, t, dim] = k.dims();
         self.shape = (heads, dim);
@@ -443,6 +266,12 @@ impl TieredCache {
                 .as_ref()
                 .expect("quantised tier")
                 .read(positions, part, self.shape, device),
+            Evicted::Residual(_) => self.residual.as_ref().expect("residual tier").read(
+                (self.layer, positions),
+                part,
+                shared,
+                device,
+            ),
             Evicted::Restore => {
                 let r = shared.restorer.ok_or_else(|| {
                     ModelError::Cache(format!("layer {}: no restorer", self.layer))
@@ -510,6 +339,9 @@ impl TieredCache {
         }
         if let Some(q) = &mut self.quant {
             q.truncate(len.max(self.sink))?;
+        }
+        if let Some(r) = &mut self.residual {
+            r.truncate(len.max(self.sink))?;
         }
         self.len = len;
         Ok(())

@@ -95,6 +95,7 @@ fn infer_reports_the_mode_and_its_bytes() {
         "quant8-all",
         "restored",
         "restored-q4",
+        "residual-k4v3",
     ] {
         let mut args = base.to_vec();
         args.extend(mode_args(mode, &d, &f));
@@ -114,7 +115,7 @@ fn infer_reports_the_mode_and_its_bytes() {
         assert!(st["weights_bytes"]["drafter"].as_u64().unwrap() > 0);
         assert_eq!(
             st["weights_bytes"]["f_theta"].is_u64(),
-            mode.starts_with("restored"),
+            mode.starts_with("restored") || mode.starts_with("residual"),
             "{mode}"
         );
         seen.push(v["tokens"].clone());
@@ -241,6 +242,18 @@ fn bad_kv_settings_fail_cleanly() {
     assert!(e.contains("unknown KV dtype \"f8\""), "{e}");
     let e = run(&["--kv-mode", "restored", "--drafter", s(&d)]);
     assert!(e.contains("need an f_θ"), "{e}");
+    let e = run(&["--kv-mode", "residual-k4v3", "--drafter", s(&d)]);
+    assert!(e.contains("need an f_θ"), "{e}");
+    std::fs::write(
+        &pol,
+        "mode = \"bounded-k4v3\"\n[global]\nkeep = \"residual\"\n",
+    )
+    .unwrap();
+    let e = run(&["--kv-policy", s(&pol)]);
+    assert!(
+        e.contains("bad.toml") && e.contains("keep residuals of f_θ's prediction"),
+        "{e}"
+    );
     // An f_θ made for another verifier.
     let other = tiny_model_dir(&sc.0, "other", 8, 99);
     let e = fails(&[
@@ -251,6 +264,21 @@ fn bad_kv_settings_fail_cleanly() {
         &prompt,
         "--kv-mode",
         "restored",
+        "--drafter",
+        s(&d),
+        "--f-theta",
+        s(&f),
+        "--no-drafter",
+    ]);
+    assert!(e.contains("trained for the verifier"), "{e}");
+    let e = fails(&[
+        "infer",
+        "--model",
+        s(&other),
+        "--prompt",
+        &prompt,
+        "--kv-mode",
+        "residual-k3v2",
         "--drafter",
         s(&d),
         "--f-theta",

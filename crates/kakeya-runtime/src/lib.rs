@@ -19,8 +19,8 @@ pub use generate::{
 pub use guard::RunawayGuard;
 pub use kv::{
     BOUNDED_PRESETS, CompactStore, DraftReach, FThetaRestorer, FullCache, GLOBAL_WINDOW, KvBytes,
-    KvCache, KvDtype, KvMode, KvPolicy, OracleRestorer, RESIDUAL_PRESETS, Restorer, RingCache,
-    SequenceKv, StoreFormat,
+    KvCache, KvDtype, KvMode, KvPolicy, MIXED_PRESETS, OracleRestorer, RESIDUAL_PRESETS, Restorer,
+    RingCache, SequenceKv, StoreFormat,
 };
 pub use prefix::{PrefixCache, PrefixStats};
 pub use sampler::{Sampler, Sampling, Scores};

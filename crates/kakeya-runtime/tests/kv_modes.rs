@@ -384,6 +384,8 @@ fn bad_settings_are_refused() {
         ("bounded-k4v1", "unsupported value bit width 1"),
         ("bounded-k4", "expected k<K>v<V>"),
         ("bounded-kxv2", "not a number"),
+        ("bounded-k9v2-mixed", "unsupported key bit width 9"),
+        ("bounded-k3v2-mix", "not a number"),
         ("residual-k9v2", "unsupported key bit width 9"),
         ("residual-k3", "expected k<K>v<V>"),
     ] {
@@ -394,6 +396,7 @@ fn bad_settings_are_refused() {
     let bounded = KvMode::Bounded {
         k: Bits::B4,
         v: Bits::new(2).unwrap(),
+        mixed: false,
     };
     let short = KvPolicy {
         global: Some(LayerRule {
@@ -408,8 +411,8 @@ fn bad_settings_are_refused() {
     assert!(e.contains("over the 64-position slack"), "{e}");
 }
 
-/// Every `bounded-*` and `residual-*` preset over positions far past its 128-position global
-/// window: the
+/// Every `bounded-*` (uniform and mixed) and `residual-*` preset over positions far past its
+/// 128-position global window: the
 /// per-channel key blocks complete inside verified blocks and rollbacks reopen them; plain
 /// and speculative decoding (blocks 4/8/16, random accept counts) give the same tokens, and
 /// the quantised tier is read (the logits differ from `full`).
@@ -424,8 +427,14 @@ fn bounded_and_residual_presets_decode_speculatively_as_they_do_plainly() {
         .map(|(k, v)| KvMode::Bounded {
             k: bits(k),
             v: bits(v),
+            mixed: false,
         })
         .into_iter()
+        .chain(kakeya_runtime::MIXED_PRESETS.map(|(k, v)| KvMode::Bounded {
+            k: bits(k),
+            v: bits(v),
+            mixed: true,
+        }))
         .chain(
             kakeya_runtime::RESIDUAL_PRESETS.map(|(k, v)| KvMode::Residual {
                 k: bits(k),
@@ -462,6 +471,7 @@ fn per_layer_rules_shape_the_plan() {
     let bounded = KvMode::Bounded {
         k: Bits::B4,
         v: Bits::new(2).unwrap(),
+        mixed: false,
     };
     let p = policy(bounded, 4, 64);
     let global = kakeya_models::CacheSpec::Full;
@@ -475,11 +485,25 @@ fn per_layer_rules_shape_the_plan() {
                 k_per_channel: true,
                 rotate: true,
                 ranges: Ranges::Fitted,
+                k_mixed: false,
             }),
             sink: 4,
             window: 128,
         }
     );
+    // `-mixed` shares the key bits among each block's channels, and says so in its name.
+    let mixed: KvMode = "bounded-k3v2-mixed".parse().unwrap();
+    assert_eq!(mixed.name(), "bounded-k3v2-mixed");
+    match policy(mixed, 4, 64).plan(global) {
+        LayerPlan::Bounded {
+            evicted: Evicted::Quantise(f),
+            ..
+        } => assert!(
+            f.k_mixed && f.k_per_channel && f.k_bits == Bits::B3,
+            "{f:?}"
+        ),
+        other => panic!("{other:?}"),
+    }
     assert_eq!(
         p.plan(sliding),
         LayerPlan::Bounded {
@@ -512,6 +536,7 @@ fn per_layer_rules_shape_the_plan() {
                 k_per_channel: false,
                 rotate: false,
                 ranges: Ranges::MinMax,
+                k_mixed: false,
             }),
             sink: 4,
             window: 256,

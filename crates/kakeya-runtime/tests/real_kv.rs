@@ -199,16 +199,20 @@ fn quantised_formats_on_the_real_models_global_layers() {
                 ("V head rotated", "head", true, val),
                 ("V head rotated fitted", "head fitted", true, val),
                 ("K channel fitted", "channel fitted", false, k),
+                ("K channel fitted mixed", "channel fitted mixed", false, k),
             ] {
                 let mut y = x.to_vec();
                 if rotate {
                     rot.apply(&mut y);
                 }
                 let mut back = match groups {
-                    "channel" | "channel fitted" => {
+                    "channel" | "channel fitted" | "channel fitted mixed" => {
                         let mut c = ChannelRows::new(b, width, 0);
-                        if groups == "channel fitted" {
+                        if groups != "channel" {
                             c = c.fitted();
+                        }
+                        if groups == "channel fitted mixed" {
+                            c = c.mixed();
                         }
                         c.push(&y);
                         c.read(0, n).unwrap()

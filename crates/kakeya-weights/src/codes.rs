@@ -45,14 +45,14 @@ pub fn code_at(packed: &[u8], bits: u32, i: usize) -> u8 {
 }
 
 /// `out[i] = code_i · scale_i + min_i` for the first `out.len()` codes of `packed`
-/// (`bits` from 2 to 8).
+/// (`bits` from 1 to 8).
 ///
 /// # Panics
 /// When `packed` holds fewer than `out.len()` codes, a per-code map is shorter than `out`, or
-/// `bits` is outside 2..=8.
+/// `bits` is outside 1..=8.
 #[allow(unsafe_code)]
 pub fn dequantize_codes(packed: &[u8], bits: u32, affine: Affine<'_>, out: &mut [f32]) {
-    assert!((2..=8).contains(&bits), "codes of {bits} bits");
+    assert!((1..=8).contains(&bits), "codes of {bits} bits");
     assert!(
         packed.len() * 8 >= out.len() * bits as usize,
         "dequantize_codes: {} codes asked of {} bytes",
@@ -64,7 +64,7 @@ pub fn dequantize_codes(packed: &[u8], bits: u32, affine: Affine<'_>, out: &mut 
     }
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if crate::kernel::simd_available() && matches!(bits, 2 | 3 | 4 | 8) {
+    if crate::kernel::simd_available() {
         // SAFETY: AVX2 is available; the lengths were checked above.
         done = unsafe { simd::eights(packed, bits, affine, out) };
     }
@@ -90,7 +90,7 @@ mod simd {
     ///
     /// # Safety
     /// AVX2 is available; `packed` holds `out.len()` codes, a per-code map `out.len()` values;
-    /// `bits` is 2, 3, 4 or 8.
+    /// `bits` is 1 to 8.
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn eights(
         packed: &[u8],
@@ -100,16 +100,31 @@ mod simd {
     ) -> usize {
         let n = out.len() / 8 * 8;
         let b = bits as usize;
-        let shifts = _mm256_setr_epi32(
-            0,
-            bits as i32,
-            2 * bits as i32,
-            3 * bits as i32,
-            4 * bits as i32,
-            5 * bits as i32,
-            6 * bits as i32,
-            7 * bits as i32,
-        );
+        // Up to 4 bits, eight codes fit in one 32-bit word; from 5, the last four are read
+        // from a second word starting at the byte that holds the fifth code's first bit.
+        let wide = (5..8).contains(&bits);
+        let (half_at, half_shift) = ((4 * b) / 8, (4 * bits) % 8);
+        let shifts = if wide {
+            let h = half_shift as i32;
+            let bi = bits as i32;
+            _mm256_setr_epi32(0, bi, 2 * bi, 3 * bi, h, h + bi, h + 2 * bi, h + 3 * bi)
+        } else {
+            let bi = bits as i32;
+            _mm256_setr_epi32(0, bi, 2 * bi, 3 * bi, 4 * bi, 5 * bi, 6 * bi, 7 * bi)
+        };
+        // The four bytes from `at` (zero past the end of `packed`; bits past a group's codes
+        // are masked off).
+        let word = |at: usize| -> i32 {
+            match packed.get(at..at + 4) {
+                Some(w) => i32::from_le_bytes(w.try_into().expect("four bytes")),
+                None => {
+                    let mut w = [0u8; 4];
+                    let n = packed.len().saturating_sub(at).min(4);
+                    w[..n].copy_from_slice(&packed[at..at + n]);
+                    i32::from_le_bytes(w)
+                }
+            }
+        };
         let mask = _mm256_set1_epi32((1i32 << bits) - 1);
         let po = out.as_mut_ptr();
         // Codes `i..i + 8` as f32: their `b` bytes (four read at once where the run has them,
@@ -120,16 +135,13 @@ mod simd {
                 let bytes: &[u8; 8] = packed[at..at + 8].try_into().expect("eight bytes");
                 // SAFETY: `bytes` holds 8 bytes.
                 _mm256_cvtepu8_epi32(unsafe { _mm_loadl_epi64(bytes.as_ptr().cast::<__m128i>()) })
+            } else if wide {
+                let (lo, hi) = (word(at), word(at + half_at));
+                let words = _mm256_setr_epi32(lo, lo, lo, lo, hi, hi, hi, hi);
+                _mm256_and_si256(_mm256_srlv_epi32(words, shifts), mask)
             } else {
-                let word = match packed.get(at..at + 4) {
-                    Some(w) => i32::from_le_bytes(w.try_into().expect("four bytes")),
-                    None => {
-                        let mut word = [0u8; 4];
-                        word[..b].copy_from_slice(&packed[at..at + b]);
-                        i32::from_le_bytes(word)
-                    }
-                };
-                _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), mask)
+                let w = word(at);
+                _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), shifts), mask)
             };
             _mm256_cvtepi32_ps(c)
         };
@@ -179,7 +191,7 @@ mod tests {
 
     #[test]
     fn every_path_gives_the_product_then_the_sum_bit_for_bit() {
-        for bits in 2..=8u32 {
+        for bits in 1..=8u32 {
             for n in [0, 5, 8, 64, 77, 256] {
                 let codes: Vec<u8> = (0..n)
                     .map(|i| ((i * 37 + 11) % (1 << bits)) as u8)

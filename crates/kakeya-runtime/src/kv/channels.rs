@@ -28,6 +28,67 @@ struct Block {
     end: usize,
     codes: Vec<u8>,
     params: Vec<[f16; 2]>,
+    /// With bits mixed per channel: each channel's bits, two channels a byte (low nibble
+    /// first). A row then holds the channels grouped by bits (most first, each group in
+    /// channel order), each group packed from a byte boundary.
+    mixed: Option<Vec<u8>>,
+}
+
+/// Bits per channel for a block whose channels span `ranges` (maximum − minimum): `bits` on
+/// average (`bits · w` in all), each from 0 (the channel held as one value) to 8. Bits go one
+/// at a time to the channel whose error they cut the most — a channel's squared error at `b`
+/// bits taken as `range² · 4^−b` (reverse water-filling) — ties to the lowest channel.
+fn allot(ranges: &[f32], bits: u32) -> Vec<u8> {
+    let mut out = vec![0u8; ranges.len()];
+    if bits >= 8 {
+        out.fill(8);
+        return out;
+    }
+    // A channel's error now, at its bits: the next bit cuts it by three quarters.
+    let mut err: Vec<f64> = ranges
+        .iter()
+        .map(|&r| f64::from(r) * f64::from(r))
+        .collect();
+    for _ in 0..bits as usize * ranges.len() {
+        let mut best: Option<usize> = None;
+        for (c, &e) in err.iter().enumerate() {
+            if out[c] < 8 && best.is_none_or(|b| e > err[b]) {
+                best = Some(c);
+            }
+        }
+        let Some(c) = best else { break };
+        out[c] += 1;
+        err[c] /= 4.0;
+    }
+    out
+}
+
+/// A mixed block's row layout: channels in row order (most bits first, each group in channel
+/// order) and the groups as `(bits, channels)`.
+fn layout(bits: &[u8]) -> (Vec<usize>, Vec<(u32, usize)>) {
+    let mut order = Vec::with_capacity(bits.len());
+    let mut groups = Vec::new();
+    for b in (0..=8u8).rev() {
+        let before = order.len();
+        order.extend((0..bits.len()).filter(|&c| bits[c] == b));
+        if order.len() > before {
+            groups.push((u32::from(b), order.len() - before));
+        }
+    }
+    (order, groups)
+}
+
+/// Two 4-bit counts a byte, low nibble first.
+fn nibbles(bits: &[u8]) -> Vec<u8> {
+    bits.chunks(2)
+        .map(|p| p[0] | (p.get(1).copied().unwrap_or(0) << 4))
+        .collect()
+}
+
+fn unnibble(packed: &[u8], width: usize) -> Vec<u8> {
+    (0..width)
+        .map(|c| (packed[c / 2] >> (4 * (c % 2))) & 15)
+        .collect()
 }
 
 /// Rows `width` wide quantised per channel over blocks of positions.
@@ -37,6 +98,8 @@ pub struct ChannelRows {
     width: usize,
     /// Each channel's range fitted for least squared error (else min–max).
     fitted: bool,
+    /// Bits mixed per channel within a block by range ([`allot`]), `bits` on average.
+    mixed: bool,
     /// First position ever held.
     origin: usize,
     blocks: std::collections::VecDeque<Block>,
@@ -56,6 +119,7 @@ impl ChannelRows {
             bits,
             width,
             fitted: false,
+            mixed: false,
             origin,
             blocks: Default::default(),
             tail: Vec::new(),
@@ -70,6 +134,15 @@ impl ChannelRows {
     pub fn fitted(self) -> Self {
         Self {
             fitted: true,
+            ..self
+        }
+    }
+
+    /// The same rows with bits mixed per channel within each block: `bits` on average, more
+    /// to the channels of wider range ([`allot`]).
+    pub fn mixed(self) -> Self {
+        Self {
+            mixed: true,
             ..self
         }
     }
@@ -118,31 +191,73 @@ impl ChannelRows {
     /// Quantises positions `start..end` (`rows` begins with `start`'s row).
     fn quantise(&self, start: usize, end: usize, rows: &[f16]) -> Block {
         let (n, w) = (end - start, self.width);
-        let mut column = vec![0.0f32; n];
+        let columns: Vec<Vec<f32>> = (0..w)
+            .map(|c| (0..n).map(|r| rows[r * w + c].to_f32()).collect())
+            .collect();
+        let bits: Vec<u8> = if self.mixed {
+            let ranges: Vec<f32> = columns
+                .iter()
+                .map(|col| {
+                    let (lo, hi) = col
+                        .iter()
+                        .fold((f32::MAX, f32::MIN), |(a, b), &x| (a.min(x), b.max(x)));
+                    hi - lo
+                })
+                .collect();
+            allot(&ranges, self.bits.count())
+        } else {
+            vec![self.bits.count() as u8; w]
+        };
         let mut codes = vec![0u8; n * w];
         let (mut col_codes, mut params) = (Vec::with_capacity(n), Vec::with_capacity(w));
-        for c in 0..w {
-            for (r, x) in column.iter_mut().enumerate() {
-                *x = rows[r * w + c].to_f32();
-            }
+        for (c, column) in columns.iter().enumerate() {
+            let Some(b) = Bits::narrow(u32::from(bits[c])) else {
+                // No bits: the channel is held as its mean over the block.
+                let mean = column.iter().sum::<f32>() / n as f32;
+                params.push([f16::ZERO, f16::from_f32(mean)]);
+                col_codes.clear();
+                col_codes.resize(n, 0);
+                for (r, &q) in col_codes.iter().enumerate() {
+                    codes[r * w + c] = q;
+                }
+                continue;
+            };
             params.push(if self.fitted {
-                quantise_group_fitted(&column, self.bits, &mut col_codes)
+                quantise_group_fitted(column, b, &mut col_codes)
             } else {
-                quantise_group(&column, self.bits, &mut col_codes)
+                quantise_group(column, b, &mut col_codes)
             });
             for (r, &q) in col_codes.iter().enumerate() {
                 codes[r * w + c] = q;
             }
         }
-        let mut packed = Vec::with_capacity(n * self.row_bytes());
-        for row in codes.chunks_exact(w) {
-            pack_codes(row, self.bits, &mut packed);
+        let mut packed = Vec::new();
+        if self.mixed {
+            let (order, groups) = layout(&bits);
+            let mut seg = Vec::with_capacity(w);
+            for row in codes.chunks_exact(w) {
+                let mut at = 0;
+                for &(b, count) in &groups {
+                    if let Some(b) = Bits::narrow(b) {
+                        seg.clear();
+                        seg.extend(order[at..at + count].iter().map(|&c| row[c]));
+                        pack_codes(&seg, b, &mut packed);
+                    }
+                    at += count;
+                }
+            }
+        } else {
+            for row in codes.chunks_exact(w) {
+                pack_codes(row, self.bits, &mut packed);
+            }
         }
+        packed.shrink_to_fit();
         Block {
             start,
             end,
             codes: packed,
             params,
+            mixed: self.mixed.then(|| nibbles(&bits)),
         }
     }
 
@@ -198,28 +313,81 @@ impl ChannelRows {
                 self.quantised_to
             )));
         }
-        let (w, rb) = (self.width, self.row_bytes());
+        let w = self.width;
         let first_block = first / CHANNEL_BLOCK;
-        let (mut scale, mut min) = (vec![0.0f32; w], vec![0.0f32; w]);
         let mut p = from;
         while p < to {
             let b = &self.blocks[p / CHANNEL_BLOCK - first_block];
             let upto = to.min(b.end);
-            for (c, [s, m]) in b.params.iter().enumerate() {
-                (scale[c], min[c]) = (s.to_f32(), m.to_f32());
-            }
-            for q in p..upto {
-                let r = q - b.start;
-                let o = &mut out[(q - from) * w..(q - from + 1) * w];
-                let affine = Affine::PerCode {
-                    scale: &scale,
-                    min: &min,
-                };
-                dequantize_codes(&b.codes[r * rb..(r + 1) * rb], self.bits.count(), affine, o);
+            let rows = &mut out[(p - from) * w..(upto - from) * w];
+            match &b.mixed {
+                None => self.read_uniform(b, p - b.start..upto - b.start, rows),
+                Some(bits) => {
+                    Self::read_mixed(b, &unnibble(bits, w), p - b.start..upto - b.start, rows)
+                }
             }
             p = upto;
         }
         Ok(())
+    }
+
+    /// Rows `rows` of block `b` (codes of `self.bits` each) into `out`.
+    fn read_uniform(&self, b: &Block, rows: std::ops::Range<usize>, out: &mut [f32]) {
+        let (w, rb) = (self.width, self.row_bytes());
+        let scale: Vec<f32> = b.params.iter().map(|p| p[0].to_f32()).collect();
+        let min: Vec<f32> = b.params.iter().map(|p| p[1].to_f32()).collect();
+        for (r, o) in rows.zip(out.chunks_exact_mut(w)) {
+            let affine = Affine::PerCode {
+                scale: &scale,
+                min: &min,
+            };
+            dequantize_codes(&b.codes[r * rb..(r + 1) * rb], self.bits.count(), affine, o);
+        }
+    }
+
+    /// Rows `rows` of a block whose channels have `bits` each into `out`: each group of a row
+    /// dequantised in row order, then put in channel order.
+    fn read_mixed(b: &Block, bits: &[u8], rows: std::ops::Range<usize>, out: &mut [f32]) {
+        let w = bits.len();
+        let (order, groups) = layout(bits);
+        let scale: Vec<f32> = order.iter().map(|&c| b.params[c][0].to_f32()).collect();
+        let min: Vec<f32> = order.iter().map(|&c| b.params[c][1].to_f32()).collect();
+        let rb: usize = groups
+            .iter()
+            .map(|&(bb, n)| (n * bb as usize).div_ceil(8))
+            .sum();
+        let mut tmp = vec![0.0f32; w];
+        for (r, o) in rows.zip(out.chunks_exact_mut(w)) {
+            let codes = &b.codes[r * rb..(r + 1) * rb];
+            let (mut at, mut byte) = (0, 0);
+            for &(bb, n) in &groups {
+                let len = (n * bb as usize).div_ceil(8);
+                if bb == 0 {
+                    tmp[at..at + n].copy_from_slice(&min[at..at + n]);
+                } else {
+                    let affine = Affine::PerCode {
+                        scale: &scale[at..at + n],
+                        min: &min[at..at + n],
+                    };
+                    dequantize_codes(&codes[byte..byte + len], bb, affine, &mut tmp[at..at + n]);
+                }
+                at += n;
+                byte += len;
+            }
+            for (&c, &x) in order.iter().zip(&tmp) {
+                o[c] = x;
+            }
+        }
+    }
+
+    /// Bits of channel `c` at position `p` (mixed blocks: as allotted).
+    pub fn bits_at(&self, p: usize, c: usize) -> Option<u32> {
+        let first = self.blocks.front()?.start / CHANNEL_BLOCK;
+        let b = self.blocks.get((p / CHANNEL_BLOCK).checked_sub(first)?)?;
+        Some(match &b.mixed {
+            Some(bits) => u32::from(unnibble(bits, self.width)[c]),
+            None => self.bits.count(),
+        })
     }
 
     /// Step (scale) of channel `c` at position `p` (error bounds in tests).
@@ -233,7 +401,12 @@ impl ChannelRows {
     pub fn nbytes(&self) -> usize {
         self.blocks
             .iter()
-            .map(|b| b.codes.capacity() + b.params.capacity() * 4 + std::mem::size_of::<Block>())
+            .map(|b| {
+                b.codes.capacity()
+                    + b.params.capacity() * 4
+                    + b.mixed.as_ref().map_or(0, Vec::capacity)
+                    + std::mem::size_of::<Block>()
+            })
             .sum::<usize>()
             + self.tail.capacity() * 2
     }
@@ -329,6 +502,76 @@ mod tests {
                         "{bits:?}: block {block} channel {c}"
                     );
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn mixed_bits_keep_the_average_favour_wide_channels_and_err_less() {
+        let ranges: Vec<f32> = (0..16).map(|c| if c == 3 { 40.0 } else { 1.0 }).collect();
+        for bits in 2..=8 {
+            let a = allot(&ranges, bits);
+            assert_eq!(a.iter().map(|&b| u32::from(b)).sum::<u32>(), bits * 16);
+            assert!(a.iter().all(|&b| b <= 8), "{a:?}");
+            assert!(a.iter().all(|&b| b <= a[3]), "{bits}: {a:?}");
+        }
+        // log2(40) ≈ 5.3 bits more than the others': the outlier gets 8, the other 15
+        // channels share the 40 bits left (2 or 3 each, the first ones 3).
+        let a = allot(&ranges, 3);
+        assert_eq!(a[3], 8, "the outlier channel gets the most bits");
+        assert!(
+            a.iter()
+                .enumerate()
+                .all(|(c, &b)| c == 3 || (2..=3).contains(&b)),
+            "{a:?}"
+        );
+        assert!(a[0] >= a[15], "ties go to the lowest channel: {a:?}");
+        let width = 16;
+        // Channel 3 spans 40 times the others' range (not only an offset, as in `values`).
+        let x: Vec<f32> = values(300, width, 11)
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| if i % width == 3 { (v - 40.0) * 40.0 } else { v })
+            .collect();
+        for bits in (2..=8).map(|b| Bits::new(b).unwrap()) {
+            let mut uniform = ChannelRows::new(bits, width, 4);
+            uniform.push(&x[..296 * width]);
+            let mut whole = ChannelRows::new(bits, width, 4).mixed();
+            whole.push(&x[..296 * width]);
+            let mut parts = ChannelRows::new(bits, width, 4).mixed();
+            for chunk in x[..296 * width].chunks(width * 29) {
+                parts.push(chunk);
+            }
+            let a = whole.read(4, 256).unwrap();
+            assert_eq!(a, parts.read(4, 256).unwrap(), "{bits:?}: chunking");
+            let (mut err_mixed, mut err_uniform) = (0.0f64, 0.0f64);
+            let u = uniform.read(4, 256).unwrap();
+            for (i, ((got, flat), want)) in a.iter().zip(&u).zip(&x).enumerate() {
+                let want = f16::from_f32(*want).to_f32();
+                let (p, c) = (4 + i / width, i % width);
+                let s = whole.scale(p, c).unwrap();
+                let b = whole.bits_at(p, c).unwrap();
+                // A channel of no bits comes back as its mean (the narrow channels span
+                // under 1).
+                let bound = if b == 0 {
+                    1.0
+                } else {
+                    s / 2.0 * (1.0 + 1e-3) + 1e-6
+                };
+                assert!(
+                    (got - want).abs() <= bound,
+                    "{bits:?}: position {p} channel {c} ({b} bits): {want} came back {got} (step {s})"
+                );
+                assert!(b <= 8);
+                err_mixed += f64::from(got - want).powi(2);
+                err_uniform += f64::from(flat - want).powi(2);
+            }
+            // At 8 bits on average every channel has 8 (the most).
+            if bits.count() < 8 {
+                assert!(
+                    err_mixed < 0.5 * err_uniform,
+                    "{bits:?}: mixed {err_mixed} against uniform {err_uniform}"
+                );
             }
         }
     }

@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 pub use native::{FullCache, HeldKv, KV_BLOCK, KvCache, KvDtype, RingCache};
 pub use policy::{
     BOUNDED_PRESETS, Evicted, GLOBAL_WINDOW, Keep, KvMode, KvPolicy, LayerPlan, LayerRule,
-    QuantFormat, RESIDUAL_PRESETS, Ranges,
+    MIXED_PRESETS, QuantFormat, RESIDUAL_PRESETS, Ranges,
 };
 pub use quant_tier::SharedUndo;
 pub use restore::{FThetaRestorer, OracleRestorer, Restorer};

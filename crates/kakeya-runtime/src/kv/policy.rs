@@ -47,12 +47,16 @@ pub enum KvMode {
     /// The bounded presets `bounded-k{k}v{v}`: sliding layers keep sink + window and drop
     /// what they evict; global layers keep sink + [`GLOBAL_WINDOW`] positions in 16-bit and
     /// the rest quantised, keys `k`-bit per channel over blocks of 64 positions, values
-    /// `v`-bit per token (groups of 64) after a rotation.
+    /// `v`-bit per token (one group per head) after a rotation. `bounded-k{k}v{v}-mixed`:
+    /// keys `k` bits per channel on average, each block's bits shared among its channels by
+    /// their ranges (0 to 8 each).
     Bounded {
-        /// Key bits.
+        /// Key bits (on average, when mixed).
         k: Bits,
         /// Value bits.
         v: Bits,
+        /// Key bits mixed per channel.
+        mixed: bool,
     },
     /// The residual modes `residual-k{k}v{v}`: as `bounded-k{k}v{v}`, but the global layers'
     /// evicted K/V are held as the quantised difference between the raw K/V (k_proj / v_proj
@@ -73,6 +77,9 @@ pub const GLOBAL_WINDOW: usize = 128;
 /// The named `bounded-*` presets (any `bounded-k{2..8}v{2..8}` parses).
 pub const BOUNDED_PRESETS: [(u32, u32); 6] = [(8, 4), (4, 4), (4, 3), (4, 2), (3, 2), (2, 2)];
 
+/// The named `bounded-k<K>v<V>-mixed` presets (any `bounded-k{2..8}v{2..8}-mixed` parses).
+pub const MIXED_PRESETS: [(u32, u32); 3] = [(3, 3), (3, 2), (2, 2)];
+
 /// The named `residual-*` presets (any `residual-k{2..8}v{2..8}` parses).
 pub const RESIDUAL_PRESETS: [(u32, u32); 2] = [(4, 3), (3, 2)];
 
@@ -81,16 +88,23 @@ impl KvMode {
     pub const RECOMMENDED: KvMode = KvMode::Bounded {
         k: Bits::B4,
         v: Bits::B3,
+        mixed: false,
     };
 
-    /// Every mode of `--modes all`, `full` first: the fixed modes, then the `bounded-*` and
-    /// `residual-*` presets.
+    /// Every mode of `--modes all`, `full` first: the fixed modes, then the `bounded-*`
+    /// (uniform, then mixed) and `residual-*` presets.
     pub fn all() -> Vec<KvMode> {
         let bits = |n| Bits::new(n).expect("preset bits");
         let mut out = Self::FIXED.to_vec();
         out.extend(BOUNDED_PRESETS.map(|(k, v)| KvMode::Bounded {
             k: bits(k),
             v: bits(v),
+            mixed: false,
+        }));
+        out.extend(MIXED_PRESETS.map(|(k, v)| KvMode::Bounded {
+            k: bits(k),
+            v: bits(v),
+            mixed: true,
         }));
         out.extend(RESIDUAL_PRESETS.map(|(k, v)| KvMode::Residual {
             k: bits(k),
@@ -117,7 +131,12 @@ impl KvMode {
     /// The mode's name (as on the command line).
     pub fn name(self) -> String {
         match self {
-            KvMode::Bounded { k, v } => format!("bounded-k{}v{}", k.count(), v.count()),
+            KvMode::Bounded { k, v, mixed } => format!(
+                "bounded-k{}v{}{}",
+                k.count(),
+                v.count(),
+                if mixed { "-mixed" } else { "" }
+            ),
             KvMode::Residual { k, v } => format!("residual-k{}v{}", k.count(), v.count()),
             fixed => fixed.fixed_name().to_string(),
         }
@@ -194,7 +213,12 @@ impl TryFrom<String> for KvMode {
 fn parse_kv_bits(s: &str, whole: &str, family: &str) -> Result<(Bits, Bits)> {
     let bad = |why: String| {
         RuntimeError::Input(format!(
-            "KV mode {whole:?}: {why}; the {family} modes are named {family}-k<K>v<V> with K and V from 2 to 8 bits (e.g. {family}-k4v2)"
+            "KV mode {whole:?}: {why}; the {family} modes are named {family}-k<K>v<V> with K and V from 2 to 8 bits (e.g. {family}-k4v3{})",
+            if family == "bounded" {
+                ", or bounded-k<K>v<V>-mixed"
+            } else {
+                ""
+            }
         ))
     };
     let rest = s
@@ -217,8 +241,12 @@ impl FromStr for KvMode {
 
     fn from_str(s: &str) -> Result<Self> {
         if let Some(kv) = s.strip_prefix("bounded-") {
+            let (kv, mixed) = match kv.strip_suffix("-mixed") {
+                Some(kv) => (kv, true),
+                None => (kv, false),
+            };
             let (k, v) = parse_kv_bits(kv, s, "bounded")?;
-            return Ok(KvMode::Bounded { k, v });
+            return Ok(KvMode::Bounded { k, v, mixed });
         }
         if let Some(kv) = s.strip_prefix("residual-") {
             let (k, v) = parse_kv_bits(kv, s, "residual")?;
@@ -251,6 +279,9 @@ pub struct QuantFormat {
     pub rotate: bool,
     /// How each group's range is chosen.
     pub ranges: Ranges,
+    /// Keys per channel: `k_bits` on average, each block's bits shared among its channels by
+    /// their ranges (else every channel `k_bits`).
+    pub k_mixed: bool,
 }
 
 /// How a quantised group's range is chosen.
@@ -272,18 +303,20 @@ impl QuantFormat {
             k_per_channel: false,
             rotate: false,
             ranges: Ranges::MinMax,
+            k_mixed: false,
         }
     }
 
-    /// The presets' format: keys `k`-bit per channel, values `v`-bit per head after a
-    /// rotation, ranges fitted.
-    pub fn preset(k: Bits, v: Bits) -> Self {
+    /// The presets' format: keys `k`-bit per channel (on average when `mixed`), values
+    /// `v`-bit per head after a rotation, ranges fitted.
+    pub fn preset(k: Bits, v: Bits, mixed: bool) -> Self {
         Self {
             k_bits: k,
             v_bits: v,
             k_per_channel: true,
             rotate: true,
             ranges: Ranges::Fitted,
+            k_mixed: mixed,
         }
     }
 }
@@ -383,6 +416,9 @@ pub struct LayerRule {
     pub rotate: Option<bool>,
     /// Group ranges: `min-max` or `fitted` (least squared error).
     pub ranges: Option<Ranges>,
+    /// Keys per channel: bits mixed among each block's channels by range (`k_bits` on
+    /// average).
+    pub k_mixed: Option<bool>,
 }
 
 /// What a layer does with what falls out of its exact tiers.
@@ -484,6 +520,11 @@ impl KvPolicy {
                 }
             }
         }
+        // What can be checked without the model (its context, the block size) is checked
+        // here, with the file named.
+        policy
+            .check(usize::MAX, 1)
+            .map_err(|e| RuntimeError::Input(format!("{}: {e}", path.display())))?;
         Ok(policy)
     }
 
@@ -532,13 +573,13 @@ impl KvPolicy {
             KvMode::Quant4 => quant(Bits::B4),
             KvMode::Quant8All => LayerPlan::QuantAll(Bits::B8),
             KvMode::Quant4All => LayerPlan::QuantAll(Bits::B4),
-            KvMode::Bounded { k, v } if global => LayerPlan::Bounded {
-                evicted: Evicted::Quantise(QuantFormat::preset(k, v)),
+            KvMode::Bounded { k, v, mixed } if global => LayerPlan::Bounded {
+                evicted: Evicted::Quantise(QuantFormat::preset(k, v, mixed)),
                 sink: self.sink,
                 window: self.window.max(GLOBAL_WINDOW),
             },
             KvMode::Residual { k, v } if global => LayerPlan::Bounded {
-                evicted: Evicted::Residual(QuantFormat::preset(k, v)),
+                evicted: Evicted::Residual(QuantFormat::preset(k, v, false)),
                 sink: self.sink,
                 window: self.window.max(GLOBAL_WINDOW),
             },
@@ -626,6 +667,7 @@ impl LayerRule {
                 .map_or(fmt.k_per_channel, |g| g == KeyGroups::Channel),
             rotate: self.rotate.unwrap_or(fmt.rotate),
             ranges: self.ranges.unwrap_or(fmt.ranges),
+            k_mixed: self.k_mixed.unwrap_or(fmt.k_mixed),
         };
         let evicted = match (self.keep, evicted) {
             (Some(Keep::Native), _) => return LayerPlan::Native,

@@ -83,8 +83,14 @@ impl QuantTier {
         };
         Self {
             k: if format.k_per_channel {
-                let rows = ChannelRows::new(format.k_bits, width, first);
-                KeyRows::Channels(if fitted { rows.fitted() } else { rows })
+                let mut rows = ChannelRows::new(format.k_bits, width, first);
+                if fitted {
+                    rows = rows.fitted();
+                }
+                if format.k_mixed {
+                    rows = rows.mixed();
+                }
+                KeyRows::Channels(rows)
             } else {
                 KeyRows::Tokens(tokens(format.k_bits))
             },

@@ -43,6 +43,12 @@ impl Bits {
         (2..=8).contains(&n).then_some(Bits(n as u8))
     }
 
+    /// `n` bits from 1 to 8: also 1, which mixed per-channel blocks give their narrowest
+    /// channels (not a width of its own for a whole tier).
+    pub(crate) fn narrow(n: u32) -> Option<Bits> {
+        (1..=8).contains(&n).then_some(Bits(n as u8))
+    }
+
     /// Largest code.
     fn max_code(self) -> u8 {
         ((1u16 << self.0) - 1) as u8

@@ -372,6 +372,15 @@ fn bad_settings_are_refused() {
     };
     let e = err(setup(rule, &d, &r), 1);
     assert!(e.contains("keep residuals of f_θ's prediction"), "{e}");
+    let rule = KvPolicy {
+        global: Some(LayerRule {
+            k_groups: Some(kakeya_runtime::kv::policy::KeyGroups::Token),
+            ..LayerRule::default()
+        }),
+        ..policy("bounded-k3v2-mixed".parse().unwrap(), 4, 16)
+    };
+    let e = err(KvSetup::new(rule), 1);
+    assert!(e.contains("needs keys grouped per channel"), "{e}");
     assert!(
         "quant3"
             .parse::<KvMode>()

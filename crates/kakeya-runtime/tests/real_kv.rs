@@ -56,7 +56,8 @@ fn cfg(max_tokens: usize) -> GenerationConfig {
 
 #[test]
 #[ignore = "real model: run with --include-ignored"]
-fn speculative_equals_plain_in_restored_quant4_and_the_recommended_mode_on_long_prompts() {
+fn speculative_equals_plain_in_restored_quant4_residual_mixed_and_the_recommended_mode_on_long_prompts()
+ {
     let (v, tok) = load();
     let d = trained_drafter(&v);
     let dir = root().join("checkpoints/f-theta-gemma3-270m");
@@ -64,7 +65,14 @@ fn speculative_equals_plain_in_restored_quant4_and_the_recommended_mode_on_long_
     let f = FTheta::from_checkpoint(&ck, v.device()).unwrap();
     let r = FThetaRestorer::new(&f, d.num_layers(), d.context_width()).unwrap();
     let prompts = long_prompts(&tok);
-    for mode in [KvMode::Restored, KvMode::Quant4, KvMode::RECOMMENDED] {
+    let mut modes = vec![KvMode::Restored, KvMode::Quant4, KvMode::RECOMMENDED];
+    for extra in ["residual-k4v3", "bounded-k2v2-mixed"] {
+        let m: KvMode = extra.parse().unwrap();
+        if !modes.contains(&m) {
+            modes.push(m);
+        }
+    }
+    for mode in modes {
         let setup = KvSetup::new(KvPolicy::new(mode)).drafter(&d).restorer(&r);
         for (i, p) in prompts.iter().enumerate() {
             assert!(p.len() > 600);

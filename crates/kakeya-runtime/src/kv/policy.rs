@@ -625,6 +625,14 @@ impl KvPolicy {
                 )));
             }
             if let Some(f) = evicted.format()
+                && f.k_mixed
+                && !f.k_per_channel
+            {
+                return Err(RuntimeError::Input(format!(
+                    "KV mode {mode}: the {kind} layers mix key bits per channel (k_mixed), which needs keys grouped per channel (k_groups = \"channel\")"
+                )));
+            }
+            if let Some(f) = evicted.format()
                 && f.k_per_channel
             {
                 let b = CHANNEL_BLOCK;

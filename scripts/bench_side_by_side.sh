@@ -27,7 +27,7 @@ while [[ $# -gt 0 ]]; do
     *) echo "bench_side_by_side: unknown option $1" >&2; exit 2 ;;
   esac
 done
-bounded=bounded-k4v3
+bounded=bounded-k2v2-mixed
 model=models/gemma-3-270m/gemma-3-270m-q4_k_m.gguf
 drafter=checkpoints/drafter-gemma3-270m-v3
 table=checkpoints/ngram-gemma3-270m.bin

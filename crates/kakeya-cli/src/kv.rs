@@ -18,8 +18,8 @@ pub const DEFAULT_F_THETA: &str = "checkpoints/f-theta-gemma3-270m";
 pub struct KvArgs {
     /// KV mode: full, sink-window, exact-global, restored, restored-sliding, quant8, quant4,
     /// quant8-all, quant4-all, restored-q8, restored-q4, a bounded preset bounded-k<K>v<V>
-    /// (e.g. bounded-k4v3, the recommended one), or residual-k<K>v<V> (f_θ's prediction plus
-    /// a quantised residual; see docs/kv-modes.md).
+    /// or bounded-k<K>v<V>-mixed (e.g. bounded-k2v2-mixed, the recommended one), or
+    /// residual-k<K>v<V> (f_θ's prediction plus a quantised residual; see docs/kv-modes.md).
     #[arg(long, default_value = "full")]
     pub kv_mode: KvMode,
     /// First positions every bounded layer keeps exactly.

@@ -86,9 +86,9 @@ pub const RESIDUAL_PRESETS: [(u32, u32); 2] = [(4, 3), (3, 2)];
 impl KvMode {
     /// The bounded mode the docs recommend (docs/kv-modes.md has the measurements).
     pub const RECOMMENDED: KvMode = KvMode::Bounded {
-        k: Bits::B4,
-        v: Bits::B3,
-        mixed: false,
+        k: Bits::B2,
+        v: Bits::B2,
+        mixed: true,
     };
 
     /// Every mode of `--modes all`, `full` first: the fixed modes, then the `bounded-*`

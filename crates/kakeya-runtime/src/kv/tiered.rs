@@ -174,11 +174,11 @@ impl TieredCache {
     }
 
     /// [`LayerCache::update`]: the sinks, the evicted tier as a deferred segment (read tile by
-    /// tile through [`Self::deferred`]), the window and the chunk.
+    /// tile through [`Self::deferred`]), the window and the chunk. `shared` gives a residual
+    /// tier its predictor.
     ///
     /// # Shapes
     /// - `k`, `v`: `[kv_heads, T, head_dim]`
-    /// `shared` gives a residual tier its predictor.
     pub fn update(
         &mut self,
         (k, v): (Tensor<3>, Tensor<3>),

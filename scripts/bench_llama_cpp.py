@@ -32,8 +32,6 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
 VERSION = "0.3.36"
@@ -46,18 +44,16 @@ def sdist() -> Path:
     tgz = WORK / f"llama_cpp_python-{VERSION}.tar.gz"
     if tgz.is_file() and hashlib.sha256(tgz.read_bytes()).hexdigest() == SHA256:
         return tgz
-    index = "https://pypi.org/pypi/llama-cpp-python/json"
-    meta = json.load(urllib.request.urlopen(index))
-    files = meta.get("releases", {}).get(VERSION) or meta["urls"]
-    name = f"llama_cpp_python-{VERSION}.tar.gz"
-    url = next(u["url"] for u in files if u["filename"] == name)
-    url = urllib.parse.urljoin(index, url)
-    print(f"bench_llama_cpp: downloading {url}", file=sys.stderr)
-    body = urllib.request.urlopen(url).read()
-    if hashlib.sha256(body).hexdigest() != SHA256:
-        sys.exit(f"bench_llama_cpp: sdist sha256 mismatch (expected {SHA256})")
     WORK.mkdir(parents=True, exist_ok=True)
-    tgz.write_bytes(body)
+    print(f"bench_llama_cpp: pip download llama-cpp-python=={VERSION} (sdist)", file=sys.stderr)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", f"llama-cpp-python=={VERSION}",
+         "--no-deps", "--no-binary", "llama-cpp-python", "-d", str(WORK)],
+        check=True,
+    )
+    if not tgz.is_file() or hashlib.sha256(tgz.read_bytes()).hexdigest() != SHA256:
+        tgz.unlink(missing_ok=True)
+        sys.exit(f"bench_llama_cpp: {tgz}: sdist missing or sha256 mismatch (expected {SHA256})")
     return tgz
 
 

@@ -7,7 +7,7 @@
 
 use burn::backend::{BackendTensor, DispatchTensorKind};
 use burn::tensor::Tensor;
-use kakeya_weights::rowops;
+use kakeya_weights::rowops::{self, Rows};
 use rayon::prelude::*;
 
 use crate::cache::{HostTier, KvPart};
@@ -72,18 +72,23 @@ impl HostView {
         self.dims
     }
 
-    /// Rows `keys` of head `h` as f32, `[keys.len(), dim]`: in place when they are one run of
-    /// adjacent f32 rows, else gathered (and f16 widened) into `buf`.
-    pub fn rows<'a>(&'a self, h: usize, keys: &[usize], buf: &'a mut Vec<f32>) -> &'a [f32] {
+    /// Rows `keys` of head `h`, `[keys.len(), dim]`: in place (f32 or f16) when they are one
+    /// run of adjacent rows, else gathered (and f16 widened) into `buf`.
+    pub fn rows<'a>(&'a self, h: usize, keys: &[usize], buf: &'a mut Vec<f32>) -> Rows<'a> {
         let dim = self.dims[2];
         let run = keys.windows(2).all(|w| w[1] == w[0] + 1) && self.row_stride == dim;
-        if let (false, true, Some(&first)) = (self.half, run, keys.first()) {
+        if let (true, Some(&first)) = (run, keys.first()) {
             let at = self.offset + h * self.head_stride + first * self.row_stride;
-            return &self.tensor.storage::<f32>()[at..at + keys.len() * dim];
+            let span = at..at + keys.len() * dim;
+            return if self.half {
+                Rows::F16(&self.tensor.storage::<half::f16>()[span])
+            } else {
+                Rows::F32(&self.tensor.storage::<f32>()[span])
+            };
         }
         buf.resize(keys.len() * dim, 0.0);
         self.rows_into(h, keys, buf);
-        buf
+        Rows::F32(buf)
     }
 
     /// Rows `keys` of head `h` as f32 into `out` (`[keys.len(), dim]`; f16 widened).
@@ -150,8 +155,8 @@ pub struct SourcedKey {
     pub row: usize,
 }
 
-/// Head `h` of `part` for `keys` (in order) as f32 rows `[keys.len(), dim]`: in place when they
-/// are one run of adjacent f32 rows of one view, else gathered (f16 widened, codes
+/// Head `h` of `part` for `keys` (in order) as rows `[keys.len(), dim]`: in place (f32 or f16)
+/// when they are one run of adjacent rows of one view, else gathered as f32 (f16 widened, codes
 /// dequantised) into `buf`.
 fn tile_rows<'b>(
     sources: &'b [RowSource<'_>],
@@ -160,7 +165,7 @@ fn tile_rows<'b>(
     keys: &[SourcedKey],
     rows: &mut Vec<usize>,
     buf: &'b mut Vec<f32>,
-) -> Result<&'b [f32]> {
+) -> Result<Rows<'b>> {
     let view = |s: &'b RowSource<'_>| match (s, part) {
         (RowSource::View { k, .. }, KvPart::K) => Some(k),
         (RowSource::View { v, .. }, KvPart::V) => Some(v),
@@ -202,7 +207,7 @@ fn tile_rows<'b>(
             }
         }
     }
-    Ok(&buf[..keys.len() * dim])
+    Ok(Rows::F32(&buf[..keys.len() * dim]))
 }
 
 /// Keys per span of a row: a row over more keys than this splits them into spans of this many
@@ -243,7 +248,7 @@ impl RowInputs<'_, '_> {
         part: KvPart,
         keys: &[SourcedKey],
         (rows, buf): (&mut Vec<usize>, &'b mut Vec<f32>),
-    ) -> Result<&'b [f32]> {
+    ) -> Result<Rows<'b>> {
         tile_rows(self.sources, part, (self.kvh, self.dim), keys, rows, buf)
     }
 

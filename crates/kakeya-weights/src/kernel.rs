@@ -222,14 +222,16 @@ pub(crate) fn prefetch_ahead(b: *const u8, block: usize) {
     }
 }
 
-/// The rows of a dense matrix, `[rows, cols]` row-major: f32, or bf16 (each widened to f32
-/// exactly, by a 16-bit shift).
+/// The rows of a dense matrix, `[rows, cols]` row-major: f32, or bf16 or f16 (each widened to
+/// f32 exactly: bf16 by a 16-bit shift, f16 by `vcvtph2ps` or its scalar equivalent).
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum DenseRows<'a> {
     /// f32 values.
     F32(&'a [f32]),
     /// bf16 bit patterns.
     Bf16(&'a [u16]),
+    /// f16 values.
+    F16(&'a [half::f16]),
 }
 
 /// `out[r · t + j] = dot(w_r, x_j)` for the `rows` dense weight rows in `w` and the `t` input
@@ -256,6 +258,12 @@ pub(crate) fn dense_tile(
             DenseRows::Bf16(v) => {
                 for (d, &b) in widened.iter_mut().zip(&v[r * cols..(r + 1) * cols]) {
                     *d = f32::from_bits(u32::from(b) << 16);
+                }
+                &widened
+            }
+            DenseRows::F16(v) => {
+                for (d, &b) in widened.iter_mut().zip(&v[r * cols..(r + 1) * cols]) {
+                    *d = b.to_f32();
                 }
                 &widened
             }

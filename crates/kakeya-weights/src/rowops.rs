@@ -5,20 +5,58 @@
 
 use crate::kernel::{self, DenseRows};
 
+/// Cached rows, `[n, dim]` row-major: f32, or f16 read in place (each value widened to f32
+/// exactly as it is loaded), so both products below take the same bits from an f16 row as from
+/// its widened copy.
+#[derive(Debug, Clone, Copy)]
+pub enum Rows<'a> {
+    /// f32 values.
+    F32(&'a [f32]),
+    /// f16 values.
+    F16(&'a [half::f16]),
+}
+
+impl Rows<'_> {
+    /// Values held.
+    pub fn len(&self) -> usize {
+        match self {
+            Rows::F32(v) => v.len(),
+            Rows::F16(v) => v.len(),
+        }
+    }
+
+    /// Whether no value is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Value `i` as f32.
+    fn at(&self, i: usize) -> f32 {
+        match self {
+            Rows::F32(v) => v[i],
+            Rows::F16(v) => v[i].to_f32(),
+        }
+    }
+}
+
 /// `out[r · t + j] = rows_r · x_j` for the `n` rows of `rows` (`[n, dim]`) and the `t` rows of
 /// `x` (`[t, dim]`), each in the quantised kernel's canonical order (eight FMA lanes, then
 /// `((0+4)+(2+6)) + ((1+5)+(3+7))`), with AVX2/FMA where the CPU has them.
-pub fn row_dots(rows: &[f32], n: usize, x: &[f32], t: usize, dim: usize, out: &mut [f32]) {
+pub fn row_dots(rows: Rows<'_>, n: usize, x: &[f32], t: usize, dim: usize, out: &mut [f32]) {
     assert!(
         rows.len() >= n * dim && x.len() >= t * dim && out.len() >= n * t,
         "row_dots: slices too short"
     );
-    kernel::dense_tile(DenseRows::F32(rows), n, x, t, dim, out);
+    let rows = match rows {
+        Rows::F32(v) => DenseRows::F32(v),
+        Rows::F16(v) => DenseRows::F16(v),
+    };
+    kernel::dense_tile(rows, n, x, t, dim, out);
 }
 
 /// `out_j += Σ_r p[r · t + j] · rows_r` for `j < t` (`out`: `[t, dim]`), over the `n` rows of
 /// `rows` (`[n, dim]`) in ascending `r`, each term one FMA per element.
-pub fn weighted_sum(p: &[f32], rows: &[f32], n: usize, t: usize, dim: usize, out: &mut [f32]) {
+pub fn weighted_sum(p: &[f32], rows: Rows<'_>, n: usize, t: usize, dim: usize, out: &mut [f32]) {
     assert!(
         p.len() >= n * t && rows.len() >= n * dim && out.len() >= t * dim,
         "weighted_sum: slices too short"
@@ -29,11 +67,10 @@ pub fn weighted_sum(p: &[f32], rows: &[f32], n: usize, t: usize, dim: usize, out
         return;
     }
     for r in 0..n {
-        let row = &rows[r * dim..(r + 1) * dim];
         for j in 0..t {
             let w = p[r * t + j];
-            for (o, &v) in out[j * dim..(j + 1) * dim].iter_mut().zip(row) {
-                *o = w.mul_add(v, *o);
+            for (c, o) in out[j * dim..(j + 1) * dim].iter_mut().enumerate() {
+                *o = w.mul_add(rows.at(r * dim + c), *o);
             }
         }
     }
@@ -59,19 +96,28 @@ pub fn widen_f16(src: &[half::f16], out: &mut [f32]) {
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 mod simd {
-    use std::arch::x86_64::{_mm256_fmadd_ps, _mm256_loadu_ps, _mm256_set1_ps, _mm256_storeu_ps};
+    use std::arch::x86_64::{
+        __m256, _mm256_cvtph_ps, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_set1_ps,
+        _mm256_storeu_ps,
+    };
+
+    use super::Rows;
 
     /// Outputs summed together: their accumulators stay in registers while the rows stream.
     const OUTS: usize = 4;
+    /// Rows streamed through one column block before the next block: a run of rows read in
+    /// memory order (8 KiB of f16 at 256 columns), so that the hardware prefetchers follow the
+    /// reads (all of a long tile's rows per column block read memory at the rows' stride).
+    const ROWS_PER_PASS: usize = 16;
 
-    /// [`super::weighted_sum`]; the caller checked AVX2/FMA and the lengths. Columns go in
-    /// blocks of 16 (then 8): a block's accumulators for up to [`OUTS`] outputs stay in
-    /// registers while all `n` rows stream through, so each output is loaded and stored once
-    /// per call, not once per row. Every output element still takes its FMAs in ascending row
-    /// order, as the portable loop: the same bits.
+    /// [`super::weighted_sum`]; the caller checked AVX2/FMA/F16C and the lengths. Rows go in
+    /// runs of [`ROWS_PER_PASS`], and within a run columns in blocks of 16 (then 8): a block's
+    /// accumulators for up to [`OUTS`] outputs stay in registers while the run's rows stream
+    /// through. Every output element still takes its FMAs in ascending row order, as the
+    /// portable loop: the same bits.
     pub(super) fn weighted_sum(
         p: &[f32],
-        rows: &[f32],
+        rows: Rows<'_>,
         n: usize,
         t: usize,
         dim: usize,
@@ -82,56 +128,71 @@ mod simd {
         for j0 in (0..t).step_by(OUTS) {
             let m = (t - j0).min(OUTS);
             let o = &mut out[j0 * dim..(j0 + m) * dim];
-            let cols = Cols {
-                p,
-                t,
-                j0,
-                m,
-                n,
-                dim,
-            };
-            let mut c = 0;
-            while c < pairs {
-                // SAFETY: AVX2 and FMA are available (checked by the caller); columns
-                // `c..c + 16` lie within every row and output.
-                unsafe { cols.block::<2>(rows, c, o) };
-                c += 16;
-            }
-            if c < body {
-                // SAFETY: as above, columns `c..c + 8`.
-                unsafe { cols.block::<1>(rows, c, o) };
+            for r0 in (0..n).step_by(ROWS_PER_PASS) {
+                let cols = Cols {
+                    p,
+                    t,
+                    j0,
+                    m,
+                    rows: r0..(r0 + ROWS_PER_PASS).min(n),
+                    dim,
+                };
+                let mut c = 0;
+                while c < pairs {
+                    // SAFETY: AVX2, FMA and F16C are available (checked by the caller);
+                    // columns `c..c + 16` lie within every row and output.
+                    unsafe { cols.block::<2>(rows, c, o) };
+                    c += 16;
+                }
+                if c < body {
+                    // SAFETY: as above, columns `c..c + 8`.
+                    unsafe { cols.block::<1>(rows, c, o) };
+                }
             }
             for r in 0..n {
                 for k in 0..m {
                     let wk = p[r * t + j0 + k];
                     for c in body..dim {
-                        o[k * dim + c] = wk.mul_add(rows[r * dim + c], o[k * dim + c]);
+                        o[k * dim + c] = wk.mul_add(rows.at(r * dim + c), o[k * dim + c]);
                     }
                 }
             }
         }
     }
 
-    /// One pass of [`weighted_sum`]: outputs `j0..j0 + m` of `t`, over `n` rows of `dim`.
+    /// One pass of [`weighted_sum`]: outputs `j0..j0 + m` of `t`, over rows `rows` of `dim`.
     struct Cols<'a> {
         p: &'a [f32],
         t: usize,
         j0: usize,
         m: usize,
-        n: usize,
+        rows: std::ops::Range<usize>,
         dim: usize,
     }
 
     impl Cols<'_> {
-        /// Columns `c..c + 8·B` of the `m` outputs in `o` (`[m, dim]`), summed over every row.
+        /// Columns `c..c + 8·B` of the `m` outputs in `o` (`[m, dim]`), summed over the pass's
+        /// rows.
         ///
         /// # Safety
-        /// AVX2 and FMA are available; `c + 8·B <= dim`; `rows` holds `n` rows of `dim`.
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn block<const B: usize>(&self, rows: &[f32], c: usize, o: &mut [f32]) {
-            use std::arch::x86_64::{__m256, _mm256_setzero_ps};
+        /// AVX2, FMA and F16C are available; `c + 8·B <= dim`; `rows` holds the pass's rows.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn block<const B: usize>(&self, rows: Rows<'_>, c: usize, o: &mut [f32]) {
+            use std::arch::x86_64::_mm256_setzero_ps;
             let (dim, m) = (self.dim, self.m);
-            let (pr, po) = (rows.as_ptr(), o.as_mut_ptr());
+            let po = o.as_mut_ptr();
+            // Eight values of `rows` from element `i`, as f32.
+            let load = |i: usize| -> __m256 {
+                // SAFETY: the caller's bounds: `i + 8` lies within `rows`.
+                unsafe {
+                    match rows {
+                        Rows::F32(v) => _mm256_loadu_ps(v.as_ptr().add(i)),
+                        Rows::F16(v) => _mm256_cvtph_ps(std::arch::x86_64::_mm_loadu_si128(
+                            v.as_ptr().add(i).cast(),
+                        )),
+                    }
+                }
+            };
             let mut acc = [[_mm256_setzero_ps(); B]; OUTS];
             for (k, a) in acc.iter_mut().enumerate().take(m) {
                 for (b, v) in a.iter_mut().enumerate() {
@@ -139,11 +200,11 @@ mod simd {
                     *v = unsafe { _mm256_loadu_ps(po.add(k * dim + c + 8 * b)) };
                 }
             }
-            for r in 0..self.n {
+            for r in self.rows.clone() {
                 let mut v: [__m256; B] = [_mm256_setzero_ps(); B];
                 for (b, x) in v.iter_mut().enumerate() {
-                    // SAFETY: row r < n, columns within `dim`.
-                    *x = unsafe { _mm256_loadu_ps(pr.add(r * dim + c + 8 * b)) };
+                    // Row r < n, columns within `dim`.
+                    *x = load(r * dim + c + 8 * b);
                 }
                 let w = &self.p[r * self.t + self.j0..r * self.t + self.j0 + m];
                 for (a, &wk) in acc.iter_mut().zip(w) {
@@ -234,7 +295,7 @@ mod tests {
     fn check(n: usize, t: usize, dim: usize) {
         let (rows, x, p) = (values(n * dim, 1), values(t * dim, 2), values(n * t, 3));
         let mut dots = vec![0.0f32; n * t];
-        row_dots(&rows, n, &x, t, dim, &mut dots);
+        row_dots(Rows::F32(&rows), n, &x, t, dim, &mut dots);
         for r in 0..n {
             for j in 0..t {
                 let want = kernel::dot(&rows[r * dim..(r + 1) * dim], &x[j * dim..(j + 1) * dim]);
@@ -243,7 +304,7 @@ mod tests {
         }
         let mut sum = values(t * dim, 4);
         let mut want = sum.clone();
-        weighted_sum(&p, &rows, n, t, dim, &mut sum);
+        weighted_sum(&p, Rows::F32(&rows), n, t, dim, &mut sum);
         for r in 0..n {
             for j in 0..t {
                 for c in 0..dim {
@@ -256,5 +317,25 @@ mod tests {
                 .zip(&want)
                 .all(|(a, b)| a.to_bits() == b.to_bits())
         );
+    }
+
+    #[test]
+    fn f16_rows_read_in_place_give_the_bits_of_their_widened_copy() {
+        for (n, t, dim) in [(13, 4, 44), (5, 6, 16), (64, 4, 256), (3, 1, 7)] {
+            let half: Vec<half::f16> = values(n * dim, 5)
+                .into_iter()
+                .map(|v| half::f16::from_f32(v * 3.0))
+                .collect();
+            let wide: Vec<f32> = half.iter().map(|v| v.to_f32()).collect();
+            let (x, p) = (values(t * dim, 6), values(n * t, 7));
+            let (mut a, mut b) = (vec![0.0f32; n * t], vec![0.0f32; n * t]);
+            row_dots(Rows::F16(&half), n, &x, t, dim, &mut a);
+            row_dots(Rows::F32(&wide), n, &x, t, dim, &mut b);
+            assert!(a.iter().zip(&b).all(|(a, b)| a.to_bits() == b.to_bits()), "dots {n}x{dim}");
+            let (mut a, mut b) = (values(t * dim, 8), values(t * dim, 8));
+            weighted_sum(&p, Rows::F16(&half), n, t, dim, &mut a);
+            weighted_sum(&p, Rows::F32(&wide), n, t, dim, &mut b);
+            assert!(a.iter().zip(&b).all(|(a, b)| a.to_bits() == b.to_bits()), "sums {n}x{dim}");
+        }
     }
 }

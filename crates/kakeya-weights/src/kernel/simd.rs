@@ -6,10 +6,21 @@ use std::sync::OnceLock;
 
 use super::{LANES, Layout, TILE};
 
+/// Whether this CPU has AVX2, FMA and F16C (every x86-64 CPU with AVX2 so far has F16C), checked
+/// once: the paths of this module use all three.
 pub(super) fn available() -> bool {
     static OK: OnceLock<bool> = OnceLock::new();
-    *OK.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+    *OK.get_or_init(|| {
+        is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+    })
 }
+
+/// Element types of [`dense_row`]'s weight rows.
+const DENSE_F32: u8 = 0;
+const DENSE_BF16: u8 = 1;
+const DENSE_F16: u8 = 2;
 
 /// [`super::reduce`] in registers: the same additions in the same order (lanes `l` and
 /// `l + 4` first, then `(0+2)` and `(1+3)` of those, then their sum), so the same bits.
@@ -199,9 +210,10 @@ pub(super) fn dense(
     cols: usize,
     out: &mut [f32],
 ) {
-    let (w, wlen, bf16) = match w {
-        super::DenseRows::F32(v) => (v.as_ptr().cast::<u8>(), v.len(), false),
-        super::DenseRows::Bf16(v) => (v.as_ptr().cast::<u8>(), v.len(), true),
+    let (w, wlen, kind) = match w {
+        super::DenseRows::F32(v) => (v.as_ptr().cast::<u8>(), v.len(), DENSE_F32),
+        super::DenseRows::Bf16(v) => (v.as_ptr().cast::<u8>(), v.len(), DENSE_BF16),
+        super::DenseRows::F16(v) => (v.as_ptr().cast::<u8>(), v.len(), DENSE_F16),
     };
     assert!(
         wlen >= rows * cols && x.len() >= t * cols && out.len() >= rows * t,
@@ -216,10 +228,10 @@ pub(super) fn dense(
             // SAFETY: AVX2 and FMA are available (the caller checked `available`), and
             // row `r` and the inputs lie inside the slices checked above.
             unsafe {
-                if bf16 {
-                    dense_chunk::<true>(w, r, cols, xs, o);
-                } else {
-                    dense_chunk::<false>(w, r, cols, xs, o);
+                match kind {
+                    DENSE_BF16 => dense_chunk::<DENSE_BF16>(w, r, cols, xs, o),
+                    DENSE_F16 => dense_chunk::<DENSE_F16>(w, r, cols, xs, o),
+                    _ => dense_chunk::<DENSE_F32>(w, r, cols, xs, o),
                 }
             }
             j0 += xn;
@@ -228,9 +240,9 @@ pub(super) fn dense(
 }
 
 /// [`dense_row`] for the `out.len()` (1 to 4) input rows of `x`.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn dense_chunk<const BF16: bool>(
+unsafe fn dense_chunk<const KIND: u8>(
     w: *const u8,
     r: usize,
     cols: usize,
@@ -240,19 +252,19 @@ unsafe fn dense_chunk<const BF16: bool>(
     // SAFETY (all arms): as the caller's.
     unsafe {
         match out.len() {
-            1 => dense_row::<1, BF16>(w, r, cols, x, out),
-            2 => dense_row::<2, BF16>(w, r, cols, x, out),
-            3 => dense_row::<3, BF16>(w, r, cols, x, out),
-            _ => dense_row::<4, BF16>(w, r, cols, x, out),
+            1 => dense_row::<1, KIND>(w, r, cols, x, out),
+            2 => dense_row::<2, KIND>(w, r, cols, x, out),
+            3 => dense_row::<3, KIND>(w, r, cols, x, out),
+            _ => dense_row::<4, KIND>(w, r, cols, x, out),
         }
     }
 }
 
-/// Weight row `r` (f32, or bf16 when `BF16`, at `w`) against `X` input rows (`x`:
+/// Weight row `r` (f32, bf16 or f16 as `KIND` says, at `w`) against `X` input rows (`x`:
 /// `[X, cols]`) into `out[..X]`.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn dense_row<const X: usize, const BF16: bool>(
+unsafe fn dense_row<const X: usize, const KIND: u8>(
     w: *const u8,
     r: usize,
     cols: usize,
@@ -260,16 +272,16 @@ unsafe fn dense_row<const X: usize, const BF16: bool>(
     out: &mut [f32],
 ) {
     use std::arch::x86_64::{
-        __m128i, _mm_loadu_si128, _mm256_castsi256_ps, _mm256_cvtepu16_epi32, _mm256_slli_epi32,
-        _mm256_storeu_ps,
+        __m128i, _mm_loadu_si128, _mm256_castsi256_ps, _mm256_cvtepu16_epi32, _mm256_cvtph_ps,
+        _mm256_slli_epi32, _mm256_storeu_ps,
     };
     let weight = |k: usize| -> f32 {
         // SAFETY: `k < cols`, inside row `r` (checked by the caller).
         unsafe {
-            if BF16 {
-                f32::from_bits(u32::from(*w.cast::<u16>().add(r * cols + k)) << 16)
-            } else {
-                *w.cast::<f32>().add(r * cols + k)
+            match KIND {
+                DENSE_BF16 => f32::from_bits(u32::from(*w.cast::<u16>().add(r * cols + k)) << 16),
+                DENSE_F16 => (*w.cast::<half::f16>().add(r * cols + k)).to_f32(),
+                _ => *w.cast::<f32>().add(r * cols + k),
             }
         }
     };
@@ -280,11 +292,15 @@ unsafe fn dense_row<const X: usize, const BF16: bool>(
     while k < body {
         // SAFETY: columns `k..k + 8` lie inside row `r` and inside each input row.
         unsafe {
-            let wv = if BF16 {
-                let h = _mm_loadu_si128(w.cast::<u16>().add(r * cols + k).cast::<__m128i>());
-                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
-            } else {
-                _mm256_loadu_ps(w.cast::<f32>().add(r * cols + k))
+            let wv = match KIND {
+                DENSE_BF16 => {
+                    let h = _mm_loadu_si128(w.cast::<u16>().add(r * cols + k).cast::<__m128i>());
+                    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+                }
+                DENSE_F16 => {
+                    _mm256_cvtph_ps(_mm_loadu_si128(w.cast::<u16>().add(r * cols + k).cast()))
+                }
+                _ => _mm256_loadu_ps(w.cast::<f32>().add(r * cols + k)),
             };
             for (j, a) in acc.iter_mut().enumerate() {
                 *a = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xp.add(j * cols + k)), *a);

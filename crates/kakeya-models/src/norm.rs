@@ -50,7 +50,14 @@ impl RmsNorm {
         );
         for row in x.chunks_exact_mut(dim) {
             let mut ss = [0.0f32];
-            kakeya_weights::rowops::row_dots(kakeya_weights::rowops::Rows::F32(row), 1, row, 1, dim, &mut ss);
+            kakeya_weights::rowops::row_dots(
+                kakeya_weights::rowops::Rows::F32(row),
+                1,
+                row,
+                1,
+                dim,
+                &mut ss,
+            );
             let inv = 1.0 / (ss[0] / dim as f32 + eps).sqrt();
             for (v, &m) in row.iter_mut().zip(multiplier) {
                 *v = *v * inv * m;

@@ -97,8 +97,7 @@ pub fn widen_f16(src: &[half::f16], out: &mut [f32]) {
 #[allow(unsafe_code)]
 mod simd {
     use std::arch::x86_64::{
-        __m256, _mm256_cvtph_ps, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_set1_ps,
-        _mm256_storeu_ps,
+        __m256, _mm256_cvtph_ps, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_set1_ps, _mm256_storeu_ps,
     };
 
     use super::Rows;
@@ -178,35 +177,59 @@ mod simd {
         /// AVX2, FMA and F16C are available; `c + 8·B <= dim`; `rows` holds the pass's rows.
         #[target_feature(enable = "avx2,fma,f16c")]
         unsafe fn block<const B: usize>(&self, rows: Rows<'_>, c: usize, o: &mut [f32]) {
-            use std::arch::x86_64::_mm256_setzero_ps;
-            let (dim, m) = (self.dim, self.m);
-            let po = o.as_mut_ptr();
-            // Eight values of `rows` from element `i`, as f32.
-            let load = |i: usize| -> __m256 {
-                // SAFETY: the caller's bounds: `i + 8` lies within `rows`.
-                unsafe {
-                    match rows {
-                        Rows::F32(v) => _mm256_loadu_ps(v.as_ptr().add(i)),
-                        Rows::F16(v) => _mm256_cvtph_ps(std::arch::x86_64::_mm_loadu_si128(
-                            v.as_ptr().add(i).cast(),
-                        )),
-                    }
+            // SAFETY (all arms): the caller's.
+            unsafe {
+                match (rows, self.m) {
+                    (Rows::F16(v), 4) => self.run::<B, 4, true>(v.as_ptr().cast(), c, o),
+                    (Rows::F16(v), 3) => self.run::<B, 3, true>(v.as_ptr().cast(), c, o),
+                    (Rows::F16(v), 2) => self.run::<B, 2, true>(v.as_ptr().cast(), c, o),
+                    (Rows::F16(v), _) => self.run::<B, 1, true>(v.as_ptr().cast(), c, o),
+                    (Rows::F32(v), 4) => self.run::<B, 4, false>(v.as_ptr().cast(), c, o),
+                    (Rows::F32(v), 3) => self.run::<B, 3, false>(v.as_ptr().cast(), c, o),
+                    (Rows::F32(v), 2) => self.run::<B, 2, false>(v.as_ptr().cast(), c, o),
+                    (Rows::F32(v), _) => self.run::<B, 1, false>(v.as_ptr().cast(), c, o),
                 }
-            };
-            let mut acc = [[_mm256_setzero_ps(); B]; OUTS];
-            for (k, a) in acc.iter_mut().enumerate().take(m) {
+            }
+        }
+
+        /// [`Self::block`] for `M` (= `self.m`) outputs over rows at `rows` (f16 when `F16`,
+        /// else f32): the accumulators a fixed set of registers.
+        ///
+        /// # Safety
+        /// As [`Self::block`]'s, and `M == self.m`.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        #[inline]
+        unsafe fn run<const B: usize, const M: usize, const F16: bool>(
+            &self,
+            rows: *const u8,
+            c: usize,
+            o: &mut [f32],
+        ) {
+            use std::arch::x86_64::{_mm_loadu_si128, _mm256_setzero_ps};
+            let dim = self.dim;
+            let po = o.as_mut_ptr();
+            let mut acc = [[_mm256_setzero_ps(); B]; M];
+            for (k, a) in acc.iter_mut().enumerate() {
                 for (b, v) in a.iter_mut().enumerate() {
                     // SAFETY: output k < m, columns within `dim`.
                     *v = unsafe { _mm256_loadu_ps(po.add(k * dim + c + 8 * b)) };
                 }
             }
-            for r in self.rows.clone() {
+            let p = &self.p[self.rows.start * self.t..];
+            for (i, r) in self.rows.clone().enumerate() {
                 let mut v: [__m256; B] = [_mm256_setzero_ps(); B];
                 for (b, x) in v.iter_mut().enumerate() {
-                    // Row r < n, columns within `dim`.
-                    *x = load(r * dim + c + 8 * b);
+                    let at = r * dim + c + 8 * b;
+                    // SAFETY: row r lies in `rows`, columns `at..at + 8` within it.
+                    *x = unsafe {
+                        if F16 {
+                            _mm256_cvtph_ps(_mm_loadu_si128(rows.cast::<u16>().add(at).cast()))
+                        } else {
+                            _mm256_loadu_ps(rows.cast::<f32>().add(at))
+                        }
+                    };
                 }
-                let w = &self.p[r * self.t + self.j0..r * self.t + self.j0 + m];
+                let w = &p[i * self.t + self.j0..i * self.t + self.j0 + M];
                 for (a, &wk) in acc.iter_mut().zip(w) {
                     let wv = _mm256_set1_ps(wk);
                     for (x, y) in a.iter_mut().zip(&v) {
@@ -214,7 +237,7 @@ mod simd {
                     }
                 }
             }
-            for (k, a) in acc.iter().enumerate().take(m) {
+            for (k, a) in acc.iter().enumerate() {
                 for (b, v) in a.iter().enumerate() {
                     // SAFETY: as the loads.
                     unsafe { _mm256_storeu_ps(po.add(k * dim + c + 8 * b), *v) };
@@ -331,11 +354,17 @@ mod tests {
             let (mut a, mut b) = (vec![0.0f32; n * t], vec![0.0f32; n * t]);
             row_dots(Rows::F16(&half), n, &x, t, dim, &mut a);
             row_dots(Rows::F32(&wide), n, &x, t, dim, &mut b);
-            assert!(a.iter().zip(&b).all(|(a, b)| a.to_bits() == b.to_bits()), "dots {n}x{dim}");
+            assert!(
+                a.iter().zip(&b).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "dots {n}x{dim}"
+            );
             let (mut a, mut b) = (values(t * dim, 8), values(t * dim, 8));
             weighted_sum(&p, Rows::F16(&half), n, t, dim, &mut a);
             weighted_sum(&p, Rows::F32(&wide), n, t, dim, &mut b);
-            assert!(a.iter().zip(&b).all(|(a, b)| a.to_bits() == b.to_bits()), "sums {n}x{dim}");
+            assert!(
+                a.iter().zip(&b).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "sums {n}x{dim}"
+            );
         }
     }
 }

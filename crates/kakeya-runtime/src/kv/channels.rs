@@ -13,17 +13,24 @@
 use half::f16;
 use kakeya_models::ModelError;
 
-use kakeya_weights::codes::{Affine, dequantize_codes};
+use kakeya_weights::codes::{Affine, MixedCodes, dequantize_codes, dequantize_mixed};
 
 use super::rows::{Bits, pack_codes, quantise_group, quantise_group_fitted};
 
 /// Positions per per-channel block.
 pub const CHANNEL_BLOCK: usize = 64;
 
+/// Zero bytes after a mixed block's last row, so that every row holds the four-byte window of
+/// each of its codes ([`dequantize_mixed`] reads eight codes at a time through them).
+const MIXED_SLACK: usize = 3;
+
 /// One complete block: positions `start..end`, each position's codes (one per channel, packed
 /// row by row so that a position is read in one pass), `[scale, minimum]` per channel.
 #[derive(Debug, Clone)]
 struct Block {
+    /// Unique among the blocks of this process (a block rebuilt after a rollback gets a new
+    /// one): what a reader's cached row layout is keyed by.
+    id: u64,
     start: usize,
     end: usize,
     codes: Vec<u8>,
@@ -76,6 +83,31 @@ fn layout(bits: &[u8]) -> (Vec<usize>, Vec<(u32, usize)>) {
         }
     }
     (order, groups)
+}
+
+/// Fills `map` with where each channel's code sits in a row of a mixed block (channels
+/// grouped by bits, most first, each group in channel order and from a byte boundary) and its
+/// `[scale, minimum]`; returns the row's bytes.
+fn mixed_codes(bits: &[u8], params: &[[f16; 2]], map: &mut MixedCodes) -> usize {
+    let mut count = [0usize; 9];
+    for &b in bits {
+        count[usize::from(b)] += 1;
+    }
+    // First bit of each width's group, and of the next code in it.
+    let mut next = [0usize; 9];
+    let mut at = 0;
+    for b in (1..=8).rev() {
+        next[b] = at;
+        at += (count[b] * b).div_ceil(8) * 8;
+    }
+    map.reset(bits.len());
+    for (c, &b) in bits.iter().enumerate() {
+        let b = usize::from(b);
+        let [scale, min] = params[c];
+        map.set(c, (next[b], b as u32), scale.to_f32(), min.to_f32());
+        next[b] += b;
+    }
+    at / 8
 }
 
 /// Two 4-bit counts a byte, low nibble first.
@@ -251,8 +283,15 @@ impl ChannelRows {
                 pack_codes(row, self.bits, &mut packed);
             }
         }
+        if self.mixed {
+            // Rows are read four bytes at a time from each code's first byte: the last row's
+            // windows reach three bytes past it.
+            packed.extend([0u8; MIXED_SLACK]);
+        }
         packed.shrink_to_fit();
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         Block {
+            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             start,
             end,
             codes: packed,
@@ -322,9 +361,7 @@ impl ChannelRows {
             let rows = &mut out[(p - from) * w..(upto - from) * w];
             match &b.mixed {
                 None => self.read_uniform(b, p - b.start..upto - b.start, rows),
-                Some(bits) => {
-                    Self::read_mixed(b, &unnibble(bits, w), p - b.start..upto - b.start, rows)
-                }
+                Some(bits) => self.read_mixed(b, bits, p - b.start..upto - b.start, rows),
             }
             p = upto;
         }
@@ -345,39 +382,27 @@ impl ChannelRows {
         }
     }
 
-    /// Rows `rows` of a block whose channels have `bits` each into `out`: each group of a row
-    /// dequantised in row order, then put in channel order.
-    fn read_mixed(b: &Block, bits: &[u8], rows: std::ops::Range<usize>, out: &mut [f32]) {
-        let w = bits.len();
-        let (order, groups) = layout(bits);
-        let scale: Vec<f32> = order.iter().map(|&c| b.params[c][0].to_f32()).collect();
-        let min: Vec<f32> = order.iter().map(|&c| b.params[c][1].to_f32()).collect();
-        let rb: usize = groups
-            .iter()
-            .map(|&(bb, n)| (n * bb as usize).div_ceil(8))
-            .sum();
-        let mut tmp = vec![0.0f32; w];
-        for (r, o) in rows.zip(out.chunks_exact_mut(w)) {
-            let codes = &b.codes[r * rb..(r + 1) * rb];
-            let (mut at, mut byte) = (0, 0);
-            for &(bb, n) in &groups {
-                let len = (n * bb as usize).div_ceil(8);
-                if bb == 0 {
-                    tmp[at..at + n].copy_from_slice(&min[at..at + n]);
-                } else {
-                    let affine = Affine::PerCode {
-                        scale: &scale[at..at + n],
-                        min: &min[at..at + n],
-                    };
-                    dequantize_codes(&codes[byte..byte + len], bb, affine, &mut tmp[at..at + n]);
-                }
-                at += n;
-                byte += len;
-            }
-            for (&c, &x) in order.iter().zip(&tmp) {
-                o[c] = x;
-            }
+    /// Rows `rows` of a mixed block (its channels' bits in `nibbles`) into `out`, in channel order:
+    /// where each channel's code sits in a row is worked out once for the block, then each
+    /// row is read eight channels at a time (the bits of dequantising each width group and
+    /// putting its values in place).
+    fn read_mixed(&self, b: &Block, nibbles: &[u8], rows: std::ops::Range<usize>, out: &mut [f32]) {
+        let w = self.width;
+        // A tile of keys often ends inside a block and the next tile starts there: the
+        // thread keeps the last block's map (blocks never change; a rebuilt one is new).
+        thread_local! {
+            static LAST: std::cell::RefCell<(u64, usize, MixedCodes)> =
+                std::cell::RefCell::new((u64::MAX, 0, MixedCodes::new()));
         }
+        LAST.with_borrow_mut(|(id, rb, map)| {
+            if *id != b.id {
+                *rb = mixed_codes(&unnibble(nibbles, w), &b.params, map);
+                *id = b.id;
+            }
+            for (r, o) in rows.zip(out.chunks_exact_mut(w)) {
+                dequantize_mixed(&b.codes[r * *rb..], map, o);
+            }
+        });
     }
 
     /// Bits of channel `c` at position `p` (mixed blocks: as allotted).
@@ -506,6 +531,43 @@ mod tests {
         }
     }
 
+    /// Rows of a mixed block read group by group, each width's codes dequantised in row
+    /// order and then put in channel order: the reference for [`ChannelRows::read_mixed`].
+    fn read_mixed_by_groups(b: &Block, bits: &[u8], rows: std::ops::Range<usize>) -> Vec<f32> {
+        let w = bits.len();
+        let (order, groups) = layout(bits);
+        let scale: Vec<f32> = order.iter().map(|&c| b.params[c][0].to_f32()).collect();
+        let min: Vec<f32> = order.iter().map(|&c| b.params[c][1].to_f32()).collect();
+        let rb: usize = groups
+            .iter()
+            .map(|&(bb, n)| (n * bb as usize).div_ceil(8))
+            .sum();
+        let mut out = vec![0.0f32; rows.len() * w];
+        let mut tmp = vec![0.0f32; w];
+        for (r, o) in rows.zip(out.chunks_exact_mut(w)) {
+            let codes = &b.codes[r * rb..(r + 1) * rb];
+            let (mut at, mut byte) = (0, 0);
+            for &(bb, n) in &groups {
+                let len = (n * bb as usize).div_ceil(8);
+                if bb == 0 {
+                    tmp[at..at + n].copy_from_slice(&min[at..at + n]);
+                } else {
+                    let affine = Affine::PerCode {
+                        scale: &scale[at..at + n],
+                        min: &min[at..at + n],
+                    };
+                    dequantize_codes(&codes[byte..byte + len], bb, affine, &mut tmp[at..at + n]);
+                }
+                at += n;
+                byte += len;
+            }
+            for (&c, &x) in order.iter().zip(&tmp) {
+                o[c] = x;
+            }
+        }
+        out
+    }
+
     #[test]
     fn mixed_bits_keep_the_average_favour_wide_channels_and_err_less() {
         let ranges: Vec<f32> = (0..16).map(|c| if c == 3 { 40.0 } else { 1.0 }).collect();
@@ -544,6 +606,17 @@ mod tests {
             }
             let a = whole.read(4, 256).unwrap();
             assert_eq!(a, parts.read(4, 256).unwrap(), "{bits:?}: chunking");
+            // Each block bit for bit as read group by group (every row, and rows from the
+            // middle of a block to its end).
+            for (k, b) in whole.blocks.iter().enumerate() {
+                let nib = unnibble(b.mixed.as_ref().unwrap(), width);
+                let from = if k % 2 == 0 { 0 } else { 17 };
+                let rows = from..b.end - b.start;
+                let want = read_mixed_by_groups(b, &nib, rows.clone());
+                let got = whole.read(b.start + from, b.end).unwrap();
+                let bits_of = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits_of(&got), bits_of(&want), "{bits:?}: block {k}");
+            }
             let (mut err_mixed, mut err_uniform) = (0.0f64, 0.0f64);
             let u = uniform.read(4, 256).unwrap();
             for (i, ((got, flat), want)) in a.iter().zip(&u).zip(&x).enumerate() {

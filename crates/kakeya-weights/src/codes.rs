@@ -34,6 +34,21 @@ impl Affine<'_> {
     }
 }
 
+/// The four bytes of `packed` from byte `at` as a little-endian word, bytes past its end read
+/// as zero (a code's bits past its width are masked off by the reader).
+#[inline(always)]
+fn le_word(packed: &[u8], at: usize) -> u32 {
+    match packed.get(at..at + 4) {
+        Some(w) => u32::from_le_bytes(w.try_into().expect("four bytes")),
+        None => {
+            let mut w = [0u8; 4];
+            let n = packed.len().saturating_sub(at).min(4);
+            w[..n].copy_from_slice(&packed[at..at + n]);
+            u32::from_le_bytes(w)
+        }
+    }
+}
+
 /// Code `i` of a run of `bits`-bit codes packed low bits first.
 #[inline]
 pub fn code_at(packed: &[u8], bits: u32, i: usize) -> u8 {
@@ -139,11 +154,8 @@ impl MixedCodes {
         if self.mask[i] == 0 {
             return self.min[i];
         }
-        let at = self.bit[i] as usize / 8;
-        let mut w = [0u8; 4];
-        let n = row.len().saturating_sub(at).min(4);
-        w[..n].copy_from_slice(&row[at..at + n]);
-        let code = (u32::from_le_bytes(w) >> (self.bit[i] % 8)) & self.mask[i];
+        let word = le_word(row, self.bit[i] as usize / 8);
+        let code = (word >> (self.bit[i] % 8)) & self.mask[i];
         code as f32 * self.scale[i] + self.min[i]
     }
 }
@@ -249,19 +261,10 @@ mod simd {
         }
     }
 
-    /// The four bytes of `packed` from `at` as a little-endian word (zero past its end; bits
-    /// past a run's codes are masked off by the caller).
+    /// [`super::le_word`] as the signed lane type the shifts take (the same bits).
     #[inline(always)]
     fn word(packed: &[u8], at: usize) -> i32 {
-        match packed.get(at..at + 4) {
-            Some(w) => i32::from_le_bytes(w.try_into().expect("four bytes")),
-            None => {
-                let mut w = [0u8; 4];
-                let n = packed.len().saturating_sub(at).min(4);
-                w[..n].copy_from_slice(&packed[at..at + n]);
-                i32::from_le_bytes(w)
-            }
-        }
+        super::le_word(packed, at) as i32
     }
 
     /// Codes `i..i + 8` of `B` bits each (`i` a multiple of 8) as f32 lanes: their `B` bytes,

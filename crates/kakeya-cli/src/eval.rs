@@ -35,6 +35,9 @@ pub struct EvalArgs {
 pub enum EvalWhat {
     /// Needle-in-a-haystack recall and KV bytes per KV mode.
     Niah(NiahArgs),
+    /// Tokens per verify of draft trees against chains at each row budget, on the model's
+    /// own greedy outputs.
+    Trees(crate::eval_trees::TreesArgs),
 }
 
 /// Arguments of `kakeya eval niah`.

@@ -12,6 +12,7 @@ mod convert;
 mod draft;
 mod eval;
 mod eval_report;
+mod eval_trees;
 mod infer;
 mod kv;
 mod ngram;
@@ -90,6 +91,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Ngram(a) => ngram::run(a),
         Command::Eval(a) => match a.what {
             eval::EvalWhat::Niah(n) => eval::run(n),
+            eval::EvalWhat::Trees(t) => eval_trees::run(t),
         },
     }
 }

@@ -12,6 +12,7 @@ pub mod ngram;
 pub mod proposer;
 pub mod sampled;
 pub mod table;
+pub mod tree;
 pub mod verifier;
 
 pub use adaptive::{BlockSchedule, DraftSource, Schedule, ScheduleStats};
@@ -21,6 +22,7 @@ pub use ngram::{CombinedProposer, NGRAM_BLOCK, NgramMatch, NgramProposer};
 pub use proposer::{DFlashProposer, DraftKind, Proposer, ReplayProposer};
 pub use sampled::sampled_posterior;
 pub use table::NgramTable;
+pub use tree::{DraftTree, EdgeCalibration, EdgeSource, TreeNode};
 pub use verifier::Verifier;
 
 /// Greedy acceptance: the number of drafts accepted, i.e. the longest prefix with

@@ -82,29 +82,50 @@ impl NgramProposer {
     /// block than the most recent occurrence, on every held-out prompt set measured
     /// (`docs/train-drafter.md`).
     pub fn find(&self, tokens: &[u32]) -> Option<NgramMatch> {
+        let (n, latest) = self.longest_tail(tokens)?;
+        let start = if n == 1 {
+            let all: Vec<usize> = Self::occurrences(tokens, n).collect();
+            self.pick_one_token_occurrence(tokens, &all)
+        } else {
+            latest
+        };
+        Some(NgramMatch {
+            len: n,
+            next: start + n,
+        })
+    }
+
+    /// Every earlier occurrence of the longest tail that has one (the tail [`Self::find`]
+    /// matches): its length, and where the tokens that followed each occurrence start, latest
+    /// first, at most `limit` of them.
+    pub fn all_matches(&self, tokens: &[u32], limit: usize) -> Option<(usize, Vec<usize>)> {
+        let (n, _) = self.longest_tail(tokens)?;
+        Some((
+            n,
+            Self::occurrences(tokens, n)
+                .take(limit)
+                .map(|i| i + n)
+                .collect(),
+        ))
+    }
+
+    /// The longest tail of `max` down to `min` tokens that occurred earlier (followed by at
+    /// least one token), and where its latest earlier occurrence starts.
+    fn longest_tail(&self, tokens: &[u32]) -> Option<(usize, usize)> {
+        (self.min.max(1)..=self.max)
+            .rev()
+            .filter(|&n| tokens.len() > n)
+            .find_map(|n| Some((n, Self::occurrences(tokens, n).next()?)))
+    }
+
+    /// Where the earlier occurrences of the last `n` tokens start (each followed by at least
+    /// one token), latest first.
+    fn occurrences(tokens: &[u32], n: usize) -> impl Iterator<Item = usize> + '_ {
         let len = tokens.len();
-        for n in (self.min.max(1)..=self.max).rev() {
-            if len <= n {
-                continue;
-            }
-            let tail = &tokens[len - n..];
-            // Earlier occurrences only, each followed by at least one token; latest first.
-            let mut found = (0..len - n).rev().filter(|&i| &tokens[i..i + n] == tail);
-            let Some(latest) = found.next() else {
-                continue;
-            };
-            let start = if n == 1 {
-                let all: Vec<usize> = std::iter::once(latest).chain(found).collect();
-                self.pick_one_token_occurrence(tokens, &all)
-            } else {
-                latest
-            };
-            return Some(NgramMatch {
-                len: n,
-                next: start + n,
-            });
-        }
-        None
+        let tail = &tokens[len - n..];
+        (0..len - n)
+            .rev()
+            .filter(move |&i| &tokens[i..i + n] == tail)
     }
 
     /// Among `occurrences` (latest first) of the last token, the one a one-token tail drafts
@@ -144,9 +165,15 @@ impl NgramProposer {
     /// sequence goes on copying what it has drafted (as an LZ77 match may overlap itself): a
     /// repeat that ran to the end keeps repeating, as greedy decoding's loops do.
     fn following(tokens: &[u32], m: NgramMatch, n: usize) -> Vec<u32> {
+        Self::following_from(tokens, m.next, n)
+    }
+
+    /// The `n` tokens of `tokens` from index `next` on, a copy that reaches the end going on
+    /// copying what it has drafted (see [`Self::draft`]).
+    pub fn following_from(tokens: &[u32], next: usize, n: usize) -> Vec<u32> {
         let mut out = Vec::with_capacity(n);
         for k in 0..n {
-            let i = m.next + k;
+            let i = next + k;
             let t = match tokens.get(i) {
                 Some(&t) => t,
                 None => out[i - tokens.len()],

@@ -12,6 +12,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use kakeya_models::{DFlashDrafter, DraftRequest};
 use kakeya_runtime::kv::CompactStore;
+use kakeya_runtime::spec::DraftSource;
 use kakeya_runtime::spec::tree::{DraftTree, EdgeCalibration, EdgeSource};
 use kakeya_runtime::{
     DraftKind, GenerationConfig, KvSetup, NgramProposer, NgramTable, Proposer, Session, SpecConfig,
@@ -152,10 +153,10 @@ impl TreeProbe<'_> {
             .as_ref()
             .map(|t| t.draft(tokens, deepest).1)
             .unwrap_or_default();
-        let chain_full = match (&lookup_chain, table_chain.is_empty()) {
-            (Some(l), _) => l.clone(),
-            (None, false) => table_chain.clone(),
-            (None, true) => top1,
+        let (chain_full, chain_source) = match (&lookup_chain, table_chain.is_empty()) {
+            (Some(l), _) => (l.clone(), self.lookups.source(tokens)),
+            (None, false) => (table_chain.clone(), self.lookups.source(tokens)),
+            (None, true) => (top1, DraftSource::Model),
         };
         let commit = |accepted: usize, rows: usize| Committed {
             tokens: (accepted + 1).min(truth.len()),
@@ -172,7 +173,7 @@ impl TreeProbe<'_> {
             add(&mut fig.drafter_chain, commit(a, d.len() + 1));
 
             let mut all = DraftTree::new(last);
-            all.add_path(chain, EdgeSource::Chain, 1.0, calib);
+            all.add_path(chain, EdgeSource::Chain(chain_source), 1.0, calib);
             all.add_lookups(&self.lookups, tokens, rows - 1, calib);
             if !table_chain.is_empty() {
                 let t = &table_chain[..table_chain.len().min(rows - 1)];
@@ -251,7 +252,11 @@ struct TreesReport {
     gen_tokens: usize,
     top_k: usize,
     block_size: usize,
-    /// Tokens committed per verify by the chain decoding the probe rode on (fixed blocks).
+    /// Verifies of the chain decoding the probe rode on (fixed blocks), and the tokens they
+    /// committed: a block the engine runs without asking for drafts (the last token of a
+    /// request) is not probed.
+    engine_blocks: usize,
+    engine_tokens: usize,
     engine_tokens_per_verify: f64,
     budgets: Vec<BudgetFigures>,
 }
@@ -343,6 +348,8 @@ pub fn run(a: TreesArgs) -> Result<()> {
         gen_tokens: a.gen_tokens,
         top_k: a.top_k,
         block_size: a.block_size,
+        engine_blocks: blocks,
+        engine_tokens: committed,
         engine_tokens_per_verify: committed as f64 / blocks.max(1) as f64,
         budgets: figures.into_values().collect(),
     };

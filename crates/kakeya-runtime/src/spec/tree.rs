@@ -9,13 +9,15 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, HashSet};
 
+use super::adaptive::DraftSource;
 use super::ngram::NgramProposer;
 
 /// Where an edge of a tree came from; each source's chances are calibrated apart.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EdgeSource {
-    /// The chain the engine drafts without a tree (its usual proposer's choice).
-    Chain,
+    /// The chain the engine drafts without a tree (its usual proposer's choice), by where that
+    /// chain came from (lookups by matched tail length, the table, or the drafter).
+    Chain(DraftSource),
     /// Earlier occurrences of the sequence's tail (prompt lookup, every occurrence counted).
     Lookup,
     /// The static n-gram table.
@@ -24,27 +26,20 @@ pub enum EdgeSource {
     Drafter,
 }
 
+/// Sources calibrated apart: the chain by where it came from (lookup tails of 1, 2, 3+
+/// tokens; table; drafter), then lookups, table and drafter.
+const SOURCES: usize = 8;
+
 impl EdgeSource {
-    /// Every source, in index order.
-    pub const ALL: [EdgeSource; 4] = [
-        EdgeSource::Chain,
-        EdgeSource::Lookup,
-        EdgeSource::Table,
-        EdgeSource::Drafter,
-    ];
-
-    /// Its name in reports.
-    pub fn name(self) -> &'static str {
-        match self {
-            EdgeSource::Chain => "chain",
-            EdgeSource::Lookup => "lookup",
-            EdgeSource::Table => "table",
-            EdgeSource::Drafter => "drafter",
-        }
-    }
-
     fn index(self) -> usize {
-        self as usize
+        match self {
+            EdgeSource::Chain(DraftSource::Lookup(n)) => n.clamp(1, 3) - 1,
+            EdgeSource::Chain(DraftSource::Table(_)) => 3,
+            EdgeSource::Chain(DraftSource::Model | DraftSource::Nothing) => 4,
+            EdgeSource::Lookup => 5,
+            EdgeSource::Table => 6,
+            EdgeSource::Drafter => 7,
+        }
     }
 }
 
@@ -58,17 +53,20 @@ const CALIBRATED_DEPTHS: usize = 16;
 #[derive(Debug, Clone, Default)]
 pub struct EdgeCalibration {
     /// Sum of raw chances of the edges seen, per source and depth.
-    raw: [[f64; CALIBRATED_DEPTHS]; 4],
+    raw: [[f64; CALIBRATED_DEPTHS]; SOURCES],
     /// Edges seen that the verifier took, per source and depth.
-    hits: [[f64; CALIBRATED_DEPTHS]; 4],
+    hits: [[f64; CALIBRATED_DEPTHS]; SOURCES],
 }
 
 impl EdgeCalibration {
     /// The calibrated chance of an edge at `depth` (1 = the first draft) whose raw chance from
     /// `source` is `raw`, in `[0, 1]`.
     pub fn chance(&self, source: EdgeSource, depth: usize, raw: f32) -> f32 {
+        self.chance_at(source.index(), depth, raw)
+    }
+
+    fn chance_at(&self, s: usize, depth: usize, raw: f32) -> f32 {
         let d = depth.clamp(1, CALIBRATED_DEPTHS) - 1;
-        let s = source.index();
         // One pseudo-edge at the raw chance keeps the first blocks from swinging.
         let scale = (self.hits[s][d] + 1.0) / (self.raw[s][d] + 1.0);
         (raw as f64 * scale).clamp(0.0, 1.0) as f32
@@ -85,11 +83,10 @@ impl EdgeCalibration {
                 continue;
             }
             let d = n.depth.clamp(1, CALIBRATED_DEPTHS) - 1;
-            for s in EdgeSource::ALL {
-                let raw = n.raw[s.index()];
+            for (s, &raw) in n.raw.iter().enumerate() {
                 if raw > 0.0 {
-                    self.raw[s.index()][d] += raw as f64;
-                    self.hits[s.index()][d] += on_path[i] as u8 as f64;
+                    self.raw[s][d] += raw as f64;
+                    self.hits[s][d] += on_path[i] as u8 as f64;
                 }
             }
         }
@@ -109,8 +106,9 @@ pub struct TreeNode {
     /// chance among the sources that proposed it (sources agree because they read the same
     /// text, so their votes are not counted as independent).
     pub edge: f32,
-    /// Each source's raw chance for this edge (0: not proposed by it), by [`EdgeSource`].
-    pub raw: [f32; 4],
+    /// Each source's raw chance for this edge (0: not proposed by it), by source (the
+    /// calibration's order).
+    pub raw: [f32; SOURCES],
 }
 
 /// A tree of drafts: node 0 is the root, every other node's parent comes before it.
@@ -128,7 +126,7 @@ impl DraftTree {
                 parent: 0,
                 depth: 0,
                 edge: 1.0,
-                raw: [0.0; 4],
+                raw: [0.0; SOURCES],
             }],
         }
     }
@@ -174,17 +172,16 @@ impl DraftTree {
                     parent,
                     depth,
                     edge: 0.0,
-                    raw: [0.0; 4],
+                    raw: [0.0; SOURCES],
                 });
                 self.nodes.len() - 1
             }
         };
         let n = &mut self.nodes[i];
         n.raw[source.index()] = n.raw[source.index()].max(raw.clamp(0.0, 1.0));
-        n.edge = EdgeSource::ALL
-            .iter()
-            .filter(|s| n.raw[s.index()] > 0.0)
-            .map(|&s| calib.chance(s, n.depth, n.raw[s.index()]))
+        n.edge = (0..SOURCES)
+            .filter(|&s| n.raw[s] > 0.0)
+            .map(|s| calib.chance_at(s, n.depth, n.raw[s]))
             .fold(0.0, f32::max);
         i
     }

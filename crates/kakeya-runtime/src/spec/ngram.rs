@@ -11,8 +11,8 @@ use super::table::NgramTable;
 use crate::error::Result;
 use crate::kv::CompactStore;
 
-/// Longest block of the n-gram proposer when nothing else bounds it (1 token + 7 drafts, as
-/// the simulation in issue 16).
+/// Longest block of the n-gram proposer under a fixed schedule when nothing else bounds it (1
+/// token + 7 drafts, as simulated in `docs/train-drafter.md`).
 pub const NGRAM_BLOCK: usize = 8;
 
 /// The most recent earlier occurrence of the sequence's tail.

@@ -301,11 +301,7 @@ fn run_spec(
     let longest = drafter
         .as_ref()
         .map_or(crate::draft::NGRAM_BLOCK, |d| d.block_size());
-    let spec = crate::draft::schedule(a.block_size, longest, |b| {
-        kv.policy
-            .check(model.config.max_position_embeddings, b)
-            .is_ok()
-    });
+    let spec = crate::draft::schedule(a.block_size, longest);
     crate::common::check_block_size(spec.block_size, model.config.max_position_embeddings)?;
     let prompts = match &a.prompts {
         Some(p) => crate::bench_spec::read_prompts(p)?,

@@ -226,11 +226,7 @@ pub fn run(a: InferArgs) -> Result<()> {
             kind,
             drafter: drafter.as_ref(),
             table: a.table.load(&a.model, model.config.vocab_size, kind)?,
-            config: crate::draft::schedule(a.block_size, longest, |b| {
-                policy
-                    .check(model.config.max_position_embeddings, b)
-                    .is_ok()
-            }),
+            config: crate::draft::schedule(a.block_size, longest),
         })
     } else {
         if a.block_size.is_some() {

@@ -140,11 +140,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         if let Some(b) = a.block_size {
             check_block_size(b, model.config.max_position_embeddings)?;
         }
-        let spec = crate::draft::schedule(a.block_size, longest, |b| {
-            kv.policy
-                .check(model.config.max_position_embeddings, b)
-                .is_ok()
-        });
+        let spec = crate::draft::schedule(a.block_size, longest);
         Some((kind, a.modelled_costs.map_or(spec, |c| spec.with_costs(c))))
     };
     let KvRun {

@@ -163,8 +163,6 @@ impl Evidence {
 pub struct BlockSchedule {
     schedule: Schedule,
     max: usize,
-    /// The longest block of a model drafter's drafts (at most `max`).
-    model_max: usize,
     /// Per [`DraftSource`] index.
     sources: Vec<Evidence>,
     /// Decayed (sum, weight) of verify seconds per block length.
@@ -183,7 +181,6 @@ impl BlockSchedule {
         Self {
             schedule,
             max,
-            model_max: max,
             sources: (0..SOURCES)
                 .map(|i| {
                     let intervals = if DraftSource::is_lookup(i) {
@@ -204,27 +201,9 @@ impl BlockSchedule {
         }
     }
 
-    /// The same schedule with a model drafter's blocks at most `model_max` long (lookups and
-    /// table drafts keep the longest, [`Self::max`]).
-    pub fn with_model_max(self, model_max: usize) -> Self {
-        Self {
-            model_max: model_max.clamp(1, self.max),
-            ..self
-        }
-    }
-
     /// The longest block.
     pub fn max(&self) -> usize {
         self.max
-    }
-
-    /// The longest block of drafts from source index `i`.
-    fn max_of(&self, i: usize) -> usize {
-        if i == DraftSource::Model.index() {
-            self.model_max
-        } else {
-            self.max
-        }
     }
 
     /// Expected tokens committed by a block of `b` drafted by `source` (the verifier's own
@@ -289,7 +268,7 @@ impl BlockSchedule {
         };
         let plain = rate(1)?;
         let mut best = (1, plain * MARGIN);
-        for b in 2..=self.max_of(source.index()) {
+        for b in 2..=self.max {
             let r = rate(b)?;
             if r > best.1 {
                 best = (b, r);
@@ -322,7 +301,7 @@ impl BlockSchedule {
         let i = source.index();
         self.current = (i, false);
         if self.schedule == Schedule::Fixed {
-            return self.max_of(i);
+            return self.max;
         }
         if source == DraftSource::Nothing {
             return 1;
@@ -335,12 +314,12 @@ impl BlockSchedule {
             return 2.min(self.max);
         }
         let b = match beside {
-            None => self.best(source).unwrap_or(self.max_of(i)),
+            None => self.best(source).unwrap_or(self.max),
             Some(threshold) => {
                 let mut reach = 1.0;
                 1 + self
                     .slot_rates(source)
-                    .take(self.max_of(i) - 1)
+                    .take(self.max - 1)
                     .take_while(|p| {
                         reach *= p;
                         reach >= threshold

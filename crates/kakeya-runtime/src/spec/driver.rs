@@ -19,9 +19,6 @@ pub struct SpecConfig {
     /// Tokens per verified block (the longest, when adaptive): the last committed token plus
     /// `block_size - 1` drafts.
     pub block_size: usize,
-    /// The longest block a model drafter drafts (at most `block_size`; an adaptive schedule
-    /// may run lookup and table drafts up to `block_size`, which cost no forward).
-    pub model_block: usize,
     /// Fixed blocks, or lengths adapted to what speculation earns.
     pub schedule: Schedule,
     /// What the adaptive schedule is told a block cost: the measured seconds, or a model of
@@ -74,7 +71,6 @@ impl SpecConfig {
     pub fn fixed(block_size: usize) -> Self {
         Self {
             block_size,
-            model_block: block_size,
             schedule: Schedule::Fixed,
             costs: Costs::Measured,
         }
@@ -84,23 +80,8 @@ impl SpecConfig {
     pub fn adaptive(block_size: usize) -> Self {
         Self {
             block_size,
-            model_block: block_size,
             schedule: Schedule::Adaptive,
             costs: Costs::Measured,
-        }
-    }
-
-    /// The same settings, with lookup and table drafts (no forward of their own) allowed
-    /// blocks of up to `longest` under an adaptive schedule; a model drafter keeps its
-    /// blocks. No change to a fixed schedule or where `longest` is not longer.
-    pub fn lookups_up_to(self, longest: usize) -> Self {
-        if self.schedule == Schedule::Fixed || longest <= self.block_size {
-            return self;
-        }
-        Self {
-            block_size: longest,
-            model_block: self.model_block.min(self.block_size),
-            ..self
         }
     }
 
@@ -169,8 +150,7 @@ impl SpecDecoder {
         }
         let slots = spec.block_size.saturating_sub(1);
         Ok(Self {
-            schedule: BlockSchedule::new(spec.schedule, spec.block_size)
-                .with_model_max(spec.model_block),
+            schedule: BlockSchedule::new(spec.schedule, spec.block_size),
             costs: spec.costs,
             stats: SpecStats {
                 block_size: spec.block_size,

@@ -303,13 +303,7 @@ fn run_spec(
         .map_or(crate::draft::NGRAM_BLOCK, |d| d.block_size());
     let spec = crate::draft::schedule(a.block_size, longest);
     crate::common::check_block_size(spec.block_size, model.config.max_position_embeddings)?;
-    let prompts = match &a.prompts {
-        Some(p) => crate::bench_spec::read_prompts(p)?,
-        None => crate::bench_spec::DEFAULT_PROMPTS
-            .iter()
-            .map(|s| s.to_string())
-            .collect(),
-    };
+    let prompts = crate::bench_spec::prompts_or_default(a.prompts.as_deref())?;
     let drafts = if a.replay_drafts {
         crate::bench_spec::Drafts::Replay
     } else {

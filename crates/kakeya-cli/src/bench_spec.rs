@@ -41,6 +41,14 @@ pub const DEFAULT_PROMPTS: [&str; 20] = [
     "My favourite season is autumn because",
 ];
 
+/// The prompts of `path` ([`read_prompts`]), or the built-in [`DEFAULT_PROMPTS`].
+pub fn prompts_or_default(path: Option<&Path>) -> Result<Vec<String>> {
+    match path {
+        Some(p) => read_prompts(p),
+        None => Ok(DEFAULT_PROMPTS.iter().map(|s| s.to_string()).collect()),
+    }
+}
+
 /// Reads `{"text": ...}` JSON lines.
 pub fn read_prompts(path: &Path) -> Result<Vec<String>> {
     let body = std::fs::read_to_string(path)

@@ -277,13 +277,7 @@ pub fn run(a: TreesArgs) -> Result<()> {
     let table = a
         .table
         .load(&a.model, model.config.vocab_size, DraftKind::Combined)?;
-    let prompts = match &a.prompts {
-        Some(p) => crate::bench_spec::read_prompts(p)?,
-        None => crate::bench_spec::DEFAULT_PROMPTS
-            .iter()
-            .map(|s| s.to_string())
-            .collect(),
-    };
+    let prompts = crate::bench_spec::prompts_or_default(a.prompts.as_deref())?;
     let mut budgets: Vec<usize> = a.budgets.clone();
     budgets.sort_unstable();
     budgets.dedup();

@@ -13,7 +13,7 @@ use clap::Args;
 use kakeya_models::{DFlashDrafter, DraftRequest};
 use kakeya_runtime::kv::CompactStore;
 use kakeya_runtime::spec::DraftSource;
-use kakeya_runtime::spec::tree::{DraftTree, EdgeCalibration, EdgeSource};
+use kakeya_runtime::spec::tree::{DraftTree, EdgeCalibration, EdgeSource, LOOKUP_OCCURRENCES};
 use kakeya_runtime::{
     DraftKind, GenerationConfig, KvSetup, NgramProposer, NgramTable, Proposer, Session, SpecConfig,
     Verifier, generate, speculative_generate,
@@ -142,8 +142,11 @@ impl TreeProbe<'_> {
             .iter()
             .filter_map(|c| Some(c.first()?.0))
             .collect();
-        let drafter_top1 = top1.clone();
         let deepest = self.budgets.iter().map(|b| b.0.rows).max().unwrap_or(1);
+        let lookup_nexts = self
+            .lookups
+            .all_matches(tokens, LOOKUP_OCCURRENCES)
+            .map_or_else(Vec::new, |m| m.1);
         let lookup_chain = self
             .lookups
             .find(tokens)
@@ -156,7 +159,7 @@ impl TreeProbe<'_> {
         let (chain_full, chain_source) = match (&lookup_chain, table_chain.is_empty()) {
             (Some(l), _) => (l.clone(), self.lookups.source(tokens)),
             (None, false) => (table_chain.clone(), self.lookups.source(tokens)),
-            (None, true) => (top1, DraftSource::Model),
+            (None, true) => (top1.clone(), DraftSource::Model),
         };
         let commit = |accepted: usize, rows: usize| Committed {
             tokens: (accepted + 1).min(truth.len()),
@@ -168,13 +171,13 @@ impl TreeProbe<'_> {
             let a = kakeya_models::dflash::accepted_drafts(chain, &truth);
             add(&mut fig.chain, commit(a, chain.len() + 1));
 
-            let d = &drafter_top1[..drafter_top1.len().min(rows - 1)];
+            let d = &top1[..top1.len().min(rows - 1)];
             let a = kakeya_models::dflash::accepted_drafts(d, &truth);
             add(&mut fig.drafter_chain, commit(a, d.len() + 1));
 
             let mut all = DraftTree::new(last);
             all.add_path(chain, EdgeSource::Chain(chain_source), 1.0, calib);
-            all.add_lookups(&self.lookups, tokens, rows - 1, calib);
+            all.add_lookups(tokens, &lookup_nexts, rows - 1, calib);
             if !table_chain.is_empty() {
                 let t = &table_chain[..table_chain.len().min(rows - 1)];
                 all.add_path(t, EdgeSource::Table, 1.0, calib);

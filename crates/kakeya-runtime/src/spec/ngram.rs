@@ -84,7 +84,9 @@ impl NgramProposer {
     pub fn find(&self, tokens: &[u32]) -> Option<NgramMatch> {
         let (n, latest) = self.longest_tail(tokens)?;
         let start = if n == 1 {
-            let all: Vec<usize> = Self::occurrences(tokens, n).collect();
+            let all: Vec<usize> = std::iter::once(latest)
+                .chain(Self::occurrences_before(tokens, n, latest))
+                .collect();
             self.pick_one_token_occurrence(tokens, &all)
         } else {
             latest
@@ -102,7 +104,7 @@ impl NgramProposer {
         let (n, _) = self.longest_tail(tokens)?;
         Some((
             n,
-            Self::occurrences(tokens, n)
+            Self::occurrences_before(tokens, n, tokens.len() - n)
                 .take(limit)
                 .map(|i| i + n)
                 .collect(),
@@ -115,17 +117,24 @@ impl NgramProposer {
         (self.min.max(1)..=self.max)
             .rev()
             .filter(|&n| tokens.len() > n)
-            .find_map(|n| Some((n, Self::occurrences(tokens, n).next()?)))
+            .find_map(|n| {
+                Some((
+                    n,
+                    Self::occurrences_before(tokens, n, tokens.len() - n).next()?,
+                ))
+            })
     }
 
-    /// Where the earlier occurrences of the last `n` tokens start (each followed by at least
-    /// one token), latest first.
-    fn occurrences(tokens: &[u32], n: usize) -> impl Iterator<Item = usize> + '_ {
-        let len = tokens.len();
-        let tail = &tokens[len - n..];
-        (0..len - n)
-            .rev()
-            .filter(move |&i| &tokens[i..i + n] == tail)
+    /// Where the earlier occurrences of the last `n` tokens that start before `end` start
+    /// (`end` at most `tokens.len() - n`, so each is followed by at least one token), latest
+    /// first.
+    fn occurrences_before(
+        tokens: &[u32],
+        n: usize,
+        end: usize,
+    ) -> impl Iterator<Item = usize> + '_ {
+        let tail = &tokens[tokens.len() - n..];
+        (0..end).rev().filter(move |&i| &tokens[i..i + n] == tail)
     }
 
     /// Among `occurrences` (latest first) of the last token, the one a one-token tail drafts

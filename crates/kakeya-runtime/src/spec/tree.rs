@@ -294,20 +294,17 @@ impl DraftTree {
         }
     }
 
-    /// Adds what follows the earlier occurrences of the sequence's longest matched tail (as
-    /// [`NgramProposer`] finds it; the latest [`LOOKUP_OCCURRENCES`]), up to `depth` tokens
-    /// each, as a trie: an edge's raw chance is the share of the occurrences through its
-    /// parent that continue with it.
+    /// Adds what follows earlier occurrences of the sequence's tail, up to `depth` tokens
+    /// each, as a trie: `nexts` are where the tokens after each occurrence start (as
+    /// [`NgramProposer::all_matches`] gives them, latest [`LOOKUP_OCCURRENCES`]); an edge's raw
+    /// chance is the share of the occurrences through its parent that continue with it.
     pub fn add_lookups(
         &mut self,
-        lookups: &NgramProposer,
         tokens: &[u32],
+        nexts: &[usize],
         depth: usize,
         calib: &EdgeCalibration,
     ) {
-        let Some((_, nexts)) = lookups.all_matches(tokens, LOOKUP_OCCURRENCES) else {
-            return;
-        };
         let paths: Vec<Vec<u32>> = nexts
             .iter()
             .map(|&next| NgramProposer::following_from(tokens, next, depth))
@@ -335,7 +332,7 @@ impl DraftTree {
     }
 }
 
-/// Earlier occurrences of a tail that [`DraftTree::add_lookups`] reads, latest first.
+/// Earlier occurrences of a tail a tree takes lookups from, latest first.
 pub const LOOKUP_OCCURRENCES: usize = 256;
 
 #[cfg(test)]
@@ -440,7 +437,8 @@ mod tests {
         // Tail [7]: followed by 8 twice and by 9 once.
         let seq = [7, 8, 1, 7, 9, 2, 7, 8, 3, 7];
         let mut t = DraftTree::new(7);
-        t.add_lookups(&p, &seq, 2, &c);
+        let (_, nexts) = p.all_matches(&seq, LOOKUP_OCCURRENCES).unwrap();
+        t.add_lookups(&seq, &nexts, 2, &c);
         let first: Vec<(u32, f32)> = t
             .nodes()
             .iter()

@@ -16,6 +16,7 @@ pub mod norm;
 pub mod rope;
 pub mod sdpa;
 pub mod testing;
+pub mod tree_rows;
 
 pub use cache::{
     CacheSpec, DeferredKv, DraftContext, HostTier, InPlace, KvLayers, KvPart, KvSegment,
@@ -26,3 +27,4 @@ pub use draw::Draw;
 pub use error::{ModelError, Result};
 pub use ftheta::FTheta;
 pub use gemma3::{ForwardOutput, ForwardRequest, Gemma3Model, Logits};
+pub use tree_rows::{TREE_MAX_ROWS, TreeRows};

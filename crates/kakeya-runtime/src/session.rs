@@ -11,11 +11,16 @@
 use burn::tensor::Tensor;
 use kakeya_models::{
     DFlashDrafter, DraftContext, ForwardOutput, ForwardRequest, Gemma3Model, KvLayers, Logits,
+    TreeRows,
 };
 
 use crate::error::{Result, RuntimeError};
 use crate::kv::{CompactStore, KvBytes, KvPolicy, Restorer, SequenceKv};
 use crate::sampler::{Sampler, Sampling, Scores};
+
+mod tree_block;
+
+use tree_block::{Recording, TreeBlock};
 
 /// Copies one row of logits `[1, vocab]` to the host.
 pub fn logits_row(logits: Tensor<2>) -> Vec<f32> {
@@ -125,6 +130,8 @@ pub struct Session<'m> {
     /// (a draft), when [`BACKLOG_MAX`] positions wait, or at once in the restored modes, so
     /// plain decode steps between drafts pay no drafter projections.
     backlog: Vec<(usize, Tensor<2>)>,
+    /// A tree verified by the last forward, until its path is kept.
+    tree_block: Option<TreeBlock>,
     len: usize,
 }
 
@@ -185,6 +192,7 @@ impl<'m> Session<'m> {
             drafter: setup.drafter,
             pending: None,
             backlog: Vec::new(),
+            tree_block: None,
             len: 0,
         })
     }
@@ -348,7 +356,7 @@ impl<'m> Session<'m> {
         logits: Logits,
         hidden_after: &[usize],
     ) -> Result<ForwardOutput> {
-        let mut out = Self::forward_many(&mut [self], &[tokens], &[logits], hidden_after)?;
+        let mut out = Self::forward_many(&mut [self], &[tokens], &[logits], hidden_after, &[])?;
         Ok(out.pop().expect("one output per session"))
     }
 
@@ -415,7 +423,7 @@ impl<'m> Session<'m> {
                 Want::Block(s) => s.draw().map_or(Logits::GreedyAll, Logits::DrawAll),
             })
             .collect();
-        let outs = Self::forward_many(sessions, blocks, &logits, &[])?;
+        let outs = Self::forward_many(sessions, blocks, &logits, &[], &[])?;
         let mut verified = Vec::with_capacity(outs.len());
         for (((s, out), want), block) in sessions.iter_mut().zip(outs).zip(wants).zip(blocks) {
             verified.push(match *want {
@@ -469,7 +477,9 @@ impl<'m> Session<'m> {
     /// Runs `chunks[i]` at session `i`'s next positions, all in one forward (committing what
     /// each session's caches held before); each output holds what `logits` and `hidden_after`
     /// ask for (`logits[i]` for session `i`), the drafter's target layers going to the
-    /// session's pending rows. The sessions must share one model and one drafter (or none).
+    /// session's pending rows. `trees[i]`, when given, runs chunk `i` as a tree whose K/V the
+    /// session keeps for [`Self::keep_path`] (no `trees`: every chunk causal). The sessions
+    /// must share one model and one drafter (or none).
     ///
     /// # Shapes
     /// - per session: logits `[1 or T, vocab]`, hidden states `[T, hidden]` per requested layer
@@ -478,10 +488,17 @@ impl<'m> Session<'m> {
         chunks: &[&[u32]],
         logits: &[Logits],
         hidden_after: &[usize],
+        trees: &[Option<&TreeRows>],
     ) -> Result<Vec<ForwardOutput>> {
         let Some(first) = sessions.first() else {
             return Ok(Vec::new());
         };
+        if sessions.iter().any(|s| s.tree_block.is_some()) {
+            return Err(RuntimeError::Input(
+                "a verified tree's path must be kept before the next forward".into(),
+            ));
+        }
+        let tree_of = |i: usize| trees.get(i).copied().flatten();
         let (model, drafter) = (first.model, first.drafter);
         if sessions.iter().any(|s| {
             !std::ptr::eq(s.model, model)
@@ -505,19 +522,40 @@ impl<'m> Session<'m> {
             .iter()
             .zip(chunks)
             .zip(logits)
-            .map(|((s, tokens), &logits)| {
+            .enumerate()
+            .map(|(i, ((s, tokens), &logits))| {
                 let mut req = ForwardRequest::new(tokens, s.len, logits);
                 req.hidden_after = &layers;
+                req.tree = tree_of(i);
                 req
             })
             .collect();
-        let mut kvs: Vec<&mut dyn KvLayers> = sessions
+        let mut recordings: Vec<Recording<'_>> = sessions
             .iter_mut()
-            .map(|s| &mut s.kv as &mut dyn KvLayers)
+            .enumerate()
+            .map(|(i, s)| Recording::new(&mut s.kv, tree_of(i).is_some()))
+            .collect();
+        let mut kvs: Vec<&mut dyn KvLayers> = recordings
+            .iter_mut()
+            .map(|r| r as &mut dyn KvLayers)
             .collect();
         let mut outs = model.forward_batch(&reqs, &mut kvs)?;
         drop(kvs);
-        for ((s, out), tokens) in sessions.iter_mut().zip(&mut outs).zip(chunks) {
+        let kept: Vec<_> = recordings.into_iter().map(Recording::into_kept).collect();
+        for (i, (((s, out), tokens), kv)) in sessions
+            .iter_mut()
+            .zip(&mut outs)
+            .zip(chunks)
+            .zip(kept)
+            .enumerate()
+        {
+            if let (Some(tree), Some(kv)) = (tree_of(i), kv) {
+                s.tree_block = Some(TreeBlock {
+                    start: s.len,
+                    tree: tree.clone(),
+                    kv,
+                });
+            }
             if !targets.is_empty() {
                 let aux = out.hidden.split_off(hidden_after.len());
                 if s.keeps_store() {
@@ -550,6 +588,14 @@ impl<'m> Session<'m> {
     /// Forgets positions `>= len` (exactly, or an error when a cache already demoted a
     /// position it would need) and commits the rest.
     pub fn truncate(&mut self, len: usize) -> Result<()> {
+        if let Some(block) = &self.tree_block {
+            if len > block.start {
+                return Err(RuntimeError::Input(format!(
+                    "truncating to {len} inside a verified tree: keep a path of it (keep_path)"
+                )));
+            }
+            self.tree_block = None;
+        }
         self.kv.truncate(len)?;
         if let Some(store) = self.kv.store_mut()
             && store.len() > len

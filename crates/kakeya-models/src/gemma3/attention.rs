@@ -11,6 +11,7 @@ use crate::linear::{Linear, QUANT_MAX_ROWS};
 use crate::norm::RmsNorm;
 use crate::rope::Rope;
 use crate::sdpa::grouped_attention;
+use crate::tree_rows::TreeRows;
 
 mod host;
 mod tiled;
@@ -284,7 +285,7 @@ impl Attention {
             };
             let out = self.attend(
                 rows_of(&q, r),
-                span.start,
+                (span.start, span.tree.as_deref()),
                 segments,
                 (caches, read_layer),
                 &device,
@@ -368,8 +369,9 @@ impl Attention {
         Ok((out, caps))
     }
 
-    /// One sequence's chunk of `T` queries at positions `start..start+T` over the segments
-    /// its cache (layer `layer`, or the layer it shares K/V with) returned.
+    /// One sequence's chunk of `T` queries at positions `start..start+T` (or, as a `tree`, at
+    /// `start` plus each row's depth) over the segments its cache (layer `layer`, or the layer
+    /// it shares K/V with) returned.
     ///
     /// # Shapes
     /// - `q`: `[heads, T, head_dim]` (normed, RoPE'd)
@@ -377,7 +379,7 @@ impl Attention {
     fn attend(
         &self,
         q: Tensor<3>,
-        start: usize,
+        (start, tree): (usize, Option<&TreeRows>),
         segments: Vec<KvSegment>,
         (caches, layer): (&mut dyn KvLayers, usize),
         device: &Device,
@@ -394,8 +396,15 @@ impl Attention {
         // tiers in place, over exactly the keys the row sees (a causal prompt chunk costs
         // half the square a masked product computes, and a prompt row's bits are those of the
         // same row decoded alone).
-        if let Some(out) = self.attend_on_host(&q, start, &segments, (caches, layer), device)? {
+        if let Some(out) =
+            self.attend_on_host(&q, (start, tree), &segments, (caches, layer), device)?
+        {
             return Ok(out);
+        }
+        if tree.is_some() {
+            return Err(ModelError::Cache(format!(
+                "layer {layer}: tree rows are attended on the CPU over caches it reads in place"
+            )));
         }
         let (deferred, ready): (Vec<KvSegment>, Vec<KvSegment>) = segments
             .into_iter()
@@ -560,4 +569,7 @@ pub struct Span {
     pub start: usize,
     /// The span's rows of the stacked input.
     pub rows: std::ops::Range<usize>,
+    /// The rows as a tree (row `i` at `start + depth(i)`, seeing its ancestors), or `None`
+    /// for a causal chunk (row `i` at `start + i`).
+    pub tree: Option<std::sync::Arc<TreeRows>>,
 }

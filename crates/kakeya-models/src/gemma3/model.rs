@@ -13,6 +13,7 @@ use crate::cache::{CacheSpec, KvLayers};
 use crate::error::{ModelError, Result};
 use crate::linear::{Kernel, Linear};
 use crate::norm::RmsNorm;
+use crate::tree_rows::TreeRows;
 
 /// Which logits a forward returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -81,6 +82,9 @@ pub struct ForwardRequest<'a> {
     pub hidden_after: &'a [usize],
     /// Return, per layer, raw q/k/v projections and the attention output.
     pub capture_attention: bool,
+    /// The rows as a tree ([`TreeRows`]: row `i` at `start + depth(i)`, seeing the cached
+    /// positions and its ancestors), or `None` for a causal chunk. On the CPU only.
+    pub tree: Option<&'a TreeRows>,
 }
 
 impl<'a> ForwardRequest<'a> {
@@ -92,6 +96,7 @@ impl<'a> ForwardRequest<'a> {
             logits,
             hidden_after: &[],
             capture_attention: false,
+            tree: None,
         }
     }
 }
@@ -529,6 +534,19 @@ impl Gemma3Model {
                 req.start + t,
                 c.max_position_embeddings
             )));
+        }
+        if let Some(tree) = req.tree {
+            if tree.len() != t {
+                return Err(ModelError::Input(format!(
+                    "a tree of {} rows for a chunk of {t} tokens",
+                    tree.len()
+                )));
+            }
+            if self.device != Device::flex() {
+                return Err(ModelError::Input(
+                    "tree rows run on the CPU: verify a chain on this device".into(),
+                ));
+            }
         }
         if kv.layer_count() != self.layers.len() {
             return Err(ModelError::Cache(format!(

@@ -79,10 +79,14 @@ impl Gemma3Model {
         for req in reqs {
             let r0 = tokens.len();
             tokens.extend_from_slice(req.tokens);
-            positions.extend(req.start..req.start + req.tokens.len());
+            match req.tree {
+                Some(tree) => positions.extend(tree.depths().iter().map(|d| req.start + d)),
+                None => positions.extend(req.start..req.start + req.tokens.len()),
+            }
             spans.push(Span {
                 start: req.start,
                 rows: r0..tokens.len(),
+                tree: req.tree.map(|t| std::sync::Arc::new(t.clone())),
             });
         }
         // On a GPU: the ids and positions in one device buffer, read there.

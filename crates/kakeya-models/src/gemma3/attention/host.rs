@@ -9,6 +9,7 @@ use crate::cache::{KvLayers, KvSegment, SegmentKv};
 use crate::error::{ModelError, Result};
 use crate::host_attention::{self, HostView, KEY_SPAN, RowSource, SourcedKey};
 use crate::linear::QUANT_MAX_ROWS;
+use crate::tree_rows::TreeRows;
 
 /// A key a row reads: its position, its segment, and where its rows are read.
 type Keyed = (usize, usize, SourcedKey);
@@ -18,6 +19,7 @@ type Keyed = (usize, usize, SourcedKey);
 struct HostChunk<'s, 'a> {
     attention: &'s Attention,
     start: usize,
+    tree: Option<&'s TreeRows>,
     segments: &'s [KvSegment],
     sources: Vec<RowSource<'a>>,
     q: HostView,
@@ -25,10 +27,24 @@ struct HostChunk<'s, 'a> {
 }
 
 impl HostChunk<'_, '_> {
-    /// May row `i` read key position `p` of segment `src`?
+    /// May row `i` read key position `p` of segment `src`? In a tree, row `i` sits at its
+    /// depth past `start`, and of the chunk's own rows (held at `start + j`) it reads only its
+    /// ancestors, each at its depth.
     fn sees(&self, i: usize, src: usize, p: usize) -> bool {
-        self.attention
-            .sees(self.start + i, (p, self.segments[src].reach))
+        let reach = self.segments[src].reach;
+        match self.tree {
+            None => self.attention.sees(self.start + i, (p, reach)),
+            Some(tree) => {
+                let q = self.start + tree.depth(i);
+                if p < self.start {
+                    return self.attention.sees(q, (p, reach));
+                }
+                let j = p - self.start;
+                j < tree.len()
+                    && tree.sees(i, j)
+                    && self.attention.sees(q, (self.start + tree.depth(j), reach))
+            }
+        }
     }
 
     /// The keys row `i` reads, in position order: tier rows by position, view rows by index.
@@ -140,7 +156,7 @@ impl Attention {
     pub(super) fn attend_on_host(
         &self,
         q: &Tensor<3>,
-        start: usize,
+        (start, tree): (usize, Option<&TreeRows>),
         segments: &[KvSegment],
         (caches, layer): (&mut dyn KvLayers, usize),
         device: &Device,
@@ -181,6 +197,7 @@ impl Attention {
         let chunk = HostChunk {
             attention: self,
             start,
+            tree,
             segments,
             sources,
             q: qh,

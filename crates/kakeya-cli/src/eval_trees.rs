@@ -10,13 +10,12 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use kakeya_models::{DFlashDrafter, DraftRequest};
+use kakeya_models::DFlashDrafter;
 use kakeya_runtime::kv::CompactStore;
-use kakeya_runtime::spec::DraftSource;
-use kakeya_runtime::spec::tree::{DraftTree, EdgeCalibration, EdgeSource, LOOKUP_OCCURRENCES};
+use kakeya_runtime::spec::tree::{DraftTree, EdgeCalibration, EdgeSource};
 use kakeya_runtime::{
-    DraftKind, GenerationConfig, KvSetup, NgramProposer, NgramTable, Proposer, Session, SpecConfig,
-    Verifier, generate, speculative_generate,
+    DraftKind, GenerationConfig, KvSetup, Proposer, Session, SpecConfig, TreeDrafts, Verifier,
+    generate, speculative_generate,
 };
 use serde::Serialize;
 
@@ -85,48 +84,16 @@ struct BudgetFigures {
 /// measures what chains and trees of each budget would have committed there.
 struct TreeProbe<'a> {
     chain: Box<dyn Proposer + 'a>,
-    drafter: &'a DFlashDrafter,
-    lookups: NgramProposer,
-    table: Option<std::sync::Arc<NgramTable>>,
+    /// Every source of a tree, the drafter always run.
+    sources: TreeDrafts<'a>,
     /// The AR output, prompt included, by position.
     truth: Vec<u32>,
-    top_k: usize,
     /// Per budget: figures, and the calibrations of the two trees (each learns only from
     /// what a verify of its own tree would show).
     budgets: Vec<(BudgetFigures, EdgeCalibration, EdgeCalibration)>,
 }
 
 impl TreeProbe<'_> {
-    /// The drafter's top-k tokens and probabilities at each drafted position of one block.
-    fn drafter_candidates(
-        &self,
-        last: u32,
-        store: &mut CompactStore,
-    ) -> Result<Vec<Vec<(u32, f32)>>> {
-        let d = self.drafter;
-        let mut block = vec![d.config.mask_token_id; d.block_size()];
-        block[0] = last;
-        let out = d.forward(
-            &DraftRequest {
-                context: None,
-                block: &block,
-                capture_context: false,
-            },
-            store,
-        )?;
-        let [b, h] = out.hidden.dims();
-        let logits = d.logits(out.hidden.slice([1..b, 0..h]));
-        let [rows, vocab] = logits.dims();
-        let data = logits
-            .into_data()
-            .try_into_vec::<f32>()
-            .map_err(|e| anyhow::anyhow!("drafter logits: {e:?}"))?;
-        Ok((0..rows)
-            .map(|r| top_k_probs(&data[r * vocab..(r + 1) * vocab], self.top_k))
-            .map(|c| c.into_iter().map(|(id, p)| (d.to_target(id), p)).collect())
-            .collect())
-    }
-
     fn probe(&mut self, tokens: &[u32], store: &mut CompactStore) -> Result<()> {
         let pos = tokens.len() - 1;
         if self.truth.get(..=pos) != Some(tokens) {
@@ -136,31 +103,14 @@ impl TreeProbe<'_> {
         if truth.is_empty() {
             return Ok(());
         }
-        let last = tokens[pos];
-        let candidates = self.drafter_candidates(last, store)?;
-        let top1: Vec<u32> = candidates
+        let deepest = self.budgets.iter().map(|b| b.0.rows).max().unwrap_or(1);
+        let evidence = self.sources.evidence(tokens, deepest, Some(store))?;
+        let top1: Vec<u32> = evidence
+            .candidates
             .iter()
             .filter_map(|c| Some(c.first()?.0))
             .collect();
-        let deepest = self.budgets.iter().map(|b| b.0.rows).max().unwrap_or(1);
-        let lookup_nexts = self
-            .lookups
-            .all_matches(tokens, LOOKUP_OCCURRENCES)
-            .map_or_else(Vec::new, |m| m.1);
-        let lookup_chain = self
-            .lookups
-            .find(tokens)
-            .map(|m| NgramProposer::following_from(tokens, m.next, deepest));
-        let table_chain = self
-            .table
-            .as_ref()
-            .map(|t| t.draft(tokens, deepest).1)
-            .unwrap_or_default();
-        let (chain_full, chain_source) = match (&lookup_chain, table_chain.is_empty()) {
-            (Some(l), _) => (l.clone(), self.lookups.source(tokens)),
-            (None, false) => (table_chain.clone(), self.lookups.source(tokens)),
-            (None, true) => (top1.clone(), DraftSource::Model),
-        };
+        let chain_full = &evidence.chain.0;
         let commit = |accepted: usize, rows: usize| Committed {
             tokens: (accepted + 1).min(truth.len()),
             rows,
@@ -175,14 +125,7 @@ impl TreeProbe<'_> {
             let a = kakeya_models::dflash::accepted_drafts(d, &truth);
             add(&mut fig.drafter_chain, commit(a, d.len() + 1));
 
-            let mut all = DraftTree::new(last);
-            all.add_path(chain, EdgeSource::Chain(chain_source), 1.0, calib);
-            all.add_lookups(tokens, &lookup_nexts, rows - 1, calib);
-            if !table_chain.is_empty() {
-                let t = &table_chain[..table_chain.len().min(rows - 1)];
-                all.add_path(t, EdgeSource::Table, 1.0, calib);
-            }
-            all.grow(&candidates, EdgeSource::Drafter, 4 * rows, calib);
+            let all = evidence.candidates(tokens, rows, calib);
             // The cheapest rows reaching as deep: the accepted path itself.
             let reach = all.accepted(&truth).min(rows - 1);
             add(&mut fig.candidates_ceiling, commit(reach, reach + 1));
@@ -190,8 +133,13 @@ impl TreeProbe<'_> {
             add(&mut fig.tree, commit(tree.accepted(&truth), tree.len()));
             calib.observe(&tree, &truth);
 
-            let mut only = DraftTree::new(last);
-            only.grow(&candidates, EdgeSource::Drafter, 4 * rows, drafter_calib);
+            let mut only = DraftTree::new(evidence.last);
+            only.grow(
+                &evidence.candidates,
+                EdgeSource::Drafter,
+                4 * rows,
+                drafter_calib,
+            );
             let tree = only.best_first(rows);
             add(
                 &mut fig.drafter_tree,
@@ -209,26 +157,6 @@ fn add(sum: &mut Committed, c: Committed) {
     sum.rows += c.rows;
 }
 
-/// The `k` largest softmax probabilities of `logits` with their indices, largest first (ties:
-/// the lower index).
-fn top_k_probs(logits: &[f32], k: usize) -> Vec<(usize, f32)> {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum: f32 = logits.iter().map(|&l| (l - max).exp()).sum();
-    let mut idx: Vec<usize> = (0..logits.len()).collect();
-    let k = k.min(idx.len());
-    if k == 0 {
-        return Vec::new();
-    }
-    idx.select_nth_unstable_by(k - 1, |&a, &b| {
-        logits[b].total_cmp(&logits[a]).then(a.cmp(&b))
-    });
-    idx.truncate(k);
-    idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-    idx.into_iter()
-        .map(|i| (i, (logits[i] - max).exp() / sum))
-        .collect()
-}
-
 impl Proposer for TreeProbe<'_> {
     fn propose(
         &mut self,
@@ -244,7 +172,7 @@ impl Proposer for TreeProbe<'_> {
     }
 
     fn drafter(&self) -> Option<&DFlashDrafter> {
-        Some(self.drafter)
+        self.sources.drafter()
     }
 }
 
@@ -300,11 +228,8 @@ pub fn run(a: TreesArgs) -> Result<()> {
         )?;
         let mut probe = TreeProbe {
             chain: DraftKind::Combined.proposer(Some(&drafter), table.clone())?,
-            drafter: &drafter,
-            lookups: NgramProposer::with_table(table.clone()),
-            table: table.clone(),
+            sources: TreeDrafts::new(Some(&drafter), table.clone(), a.top_k),
             truth: ids.iter().chain(&ar.tokens).copied().collect(),
-            top_k: a.top_k,
             budgets: budgets
                 .iter()
                 .map(|&rows| {
@@ -383,22 +308,5 @@ fn print(r: &TreesReport) {
             per(&f.drafter_chain, f.blocks),
             per(&f.drafter_tree, f.blocks)
         );
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::top_k_probs;
-
-    #[test]
-    fn top_k_probs_are_the_softmax_of_the_largest_logits_in_order() {
-        let p = top_k_probs(&[0.0, 2.0, 1.0, 2.0], 3);
-        let ids: Vec<usize> = p.iter().map(|x| x.0).collect();
-        assert_eq!(ids, vec![1, 3, 2]);
-        let z = 1.0 + 2.0 * 2f32.exp() + 1f32.exp();
-        assert!((p[0].1 - 2f32.exp() / z).abs() < 1e-6);
-        assert!((p[2].1 - 1f32.exp() / z).abs() < 1e-6);
-        assert!(top_k_probs(&[1.0], 0).is_empty());
-        assert_eq!(top_k_probs(&[1.0, 3.0], 5).len(), 2);
     }
 }

@@ -27,7 +27,7 @@ pub use sampler::{Sampler, Sampling, Scores};
 pub use session::{KvSetup, Session, Verified, Want};
 pub use spec::{
     CombinedProposer, CostLine, Costs, DFlashProposer, DraftKind, DraftSource, NgramProposer,
-    NgramTable, Proposer, ReplayProposer, Schedule, SpecConfig, SpecDecoder, SpecStats, Verifier,
-    accept_greedy, speculative_generate,
+    NgramTable, Proposer, ReplayProposer, Schedule, SpecConfig, SpecDecoder, SpecStats, TreeDrafts,
+    Verifier, accept_greedy, speculative_generate, speculative_generate_tree,
 };
 pub use stream::TextStream;

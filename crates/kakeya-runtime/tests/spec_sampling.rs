@@ -187,3 +187,47 @@ fn speculative_samples_follow_the_models_distribution() {
         "T 0.3 fits T 0.25: chi2 {stat:.1} (df {df})"
     );
 }
+
+/// Tree verification keeps the law too: trees of three rows (the drafter's top candidates
+/// per position, so a node's siblings compete for its position's draw) commit the first
+/// tokens with the model's sampling probabilities.
+#[test]
+fn tree_samples_follow_the_models_distribution() {
+    use kakeya_models::testing::{drafter_config, random_drafter};
+    let v = model();
+    let c = drafter_config(&v.config, 2, K);
+    let d = kakeya_models::DFlashDrafter::from_checkpoint(random_drafter(&c, 5), &v).unwrap();
+    let p = tiny_prompt(3, 9);
+    let t = 0.25;
+    let probs = exact(&v, &p, t, K);
+    let (mut accepted, mut drafted) = (0, 0);
+    let got: Vec<Vec<u32>> = (0..RUNS)
+        .map(|seed| {
+            let mut ver = Verifier::new(&v, KvSetup::full(0).drafter(&d), K).unwrap();
+            let mut drafts = kakeya_runtime::TreeDrafts::new(Some(&d), None, 6);
+            let g = kakeya_runtime::speculative_generate_tree(
+                &mut ver,
+                &mut drafts,
+                &p,
+                &cfg(t, false, seed, K + 1),
+                SpecConfig::fixed(K),
+                &mut |_| {},
+            )
+            .unwrap();
+            let s = g.spec.unwrap();
+            accepted += s.accepted;
+            drafted += s.drafted;
+            g.tokens[..K].to_vec()
+        })
+        .collect();
+    assert!(
+        accepted > 300 && drafted - accepted > 300,
+        "both outcomes must occur: {accepted} of {drafted} drafts accepted"
+    );
+    let (stat, df) = goodness_of_fit(&got, &probs);
+    assert!(
+        stat <= critical(df),
+        "chi2 {stat:.1} > {:.1} (df {df})",
+        critical(df)
+    );
+}

@@ -8,6 +8,8 @@ use serde::Serialize;
 use super::accept_greedy;
 use super::adaptive::{BlockSchedule, DraftSource, Schedule, ScheduleStats};
 use super::proposer::Proposer;
+use super::tree::DraftTree;
+use super::tree_drafts::TreeDrafts;
 use super::verifier::Verifier;
 use crate::error::{Result, RuntimeError};
 use crate::generate::{Generation, GenerationConfig, GenerationStats, StopReason, TokenSink, rate};
@@ -184,25 +186,14 @@ impl SpecDecoder {
         tokens: &mut Vec<u32>,
         sink: &mut TokenSink<'_>,
     ) -> Result<Option<StopReason>> {
-        let ctx = verifier.model().config.max_position_embeddings;
-        let pos = verifier.len();
-        let Some(&last) = tokens.last() else {
-            return Err(RuntimeError::Input("nothing to continue: no tokens".into()));
-        };
-        if tokens.len() != pos + 1 {
-            return Err(RuntimeError::Input(format!(
-                "{} committed tokens for {pos} cached positions: the newest token alone must be outside the caches",
-                tokens.len()
-            )));
-        }
-        if pos >= ctx {
+        let Some((pos, last, room)) = Self::next_position(verifier, tokens)? else {
             return Ok(Some(StopReason::ContextFull));
-        }
+        };
         let source = proposer.source(tokens);
         let b = self
             .schedule
             .next_len(source)
-            .min(ctx - pos)
+            .min(room)
             .min(sink.remaining())
             .max(1);
         let td = Instant::now();
@@ -227,6 +218,80 @@ impl SpecDecoder {
         self.stats.draft_secs += draft_secs;
         self.stats.verify_secs += verify_secs;
         Ok(self.commit(&drafts, &posterior, a, tokens, sink))
+    }
+
+    /// The next position, the newest committed token (not yet in `verifier`'s caches) and
+    /// the positions left in the context; `None` when the context is full.
+    fn next_position(
+        verifier: &Verifier<'_>,
+        tokens: &[u32],
+    ) -> Result<Option<(usize, u32, usize)>> {
+        let ctx = verifier.model().config.max_position_embeddings;
+        let pos = verifier.len();
+        let Some(&last) = tokens.last() else {
+            return Err(RuntimeError::Input("nothing to continue: no tokens".into()));
+        };
+        if tokens.len() != pos + 1 {
+            return Err(RuntimeError::Input(format!(
+                "{} committed tokens for {pos} cached positions: the newest token alone must be outside the caches",
+                tokens.len()
+            )));
+        }
+        Ok((pos < ctx).then_some((pos, last, ctx - pos)))
+    }
+
+    /// Drafts a tree of as many rows as the schedule gives a block after `tokens` (from
+    /// `drafts`' sources; the drafter runs where the chain would run it), verifies it in one
+    /// forward, keeps the accepted path and commits it (see [`Self::block`]). On the CPU.
+    pub fn tree_block(
+        &mut self,
+        verifier: &mut Verifier<'_>,
+        drafts: &mut TreeDrafts<'_>,
+        tokens: &mut Vec<u32>,
+        sink: &mut TokenSink<'_>,
+    ) -> Result<Option<StopReason>> {
+        let Some((_, last, room)) = Self::next_position(verifier, tokens)? else {
+            return Ok(Some(StopReason::ContextFull));
+        };
+        let source = drafts.source(tokens);
+        let b = self
+            .schedule
+            .next_len(source)
+            .min(room)
+            .min(sink.remaining())
+            .max(1);
+        let td = Instant::now();
+        let tree = if b > 1 {
+            let store = match source {
+                DraftSource::Model => verifier.store_mut()?,
+                _ => None,
+            };
+            let evidence = drafts.evidence(tokens, b - 1, store)?;
+            drafts.tree(&evidence, tokens, b)
+        } else {
+            DraftTree::new(last)
+        };
+        let draft_secs = td.elapsed().as_secs_f64();
+        let tv = Instant::now();
+        let posterior = verifier.verify_tree(&tree, &self.sampler)?;
+        let path = tree.accepted_path(&posterior);
+        verifier.keep_path(&path)?;
+        let verify_secs = tv.elapsed().as_secs_f64();
+        let a = path.len() - 1;
+        let committed: Vec<u32> = path[1..]
+            .iter()
+            .map(|&i| tree.nodes()[i].token)
+            .chain([posterior[path[a]]])
+            .collect();
+        drafts.observe(&tree, &committed);
+        let drafted = tree.len() - 1;
+        let deepest = tree.nodes().iter().map(|n| n.depth).max().unwrap_or(0);
+        let (seen_draft, seen_verify) = self.costs.seen(drafted, (draft_secs, verify_secs));
+        self.schedule.record(drafted, a, seen_draft, seen_verify);
+        self.stats.draft_secs += draft_secs;
+        self.stats.verify_secs += verify_secs;
+        self.tally(drafted, deepest, a);
+        Ok(self.emit(&committed, tokens, sink))
     }
 
     /// Drafts for a block whose rows are verified beside other sequences' in one stacked
@@ -320,8 +385,8 @@ impl SpecDecoder {
         Ok(self.commit(drafts, posterior, a, tokens, sink))
     }
 
-    /// The stats of a verified block whose first `a` drafts were accepted, and its tokens:
-    /// those drafts and the verifier's choice after them.
+    /// The stats of a verified chain block whose first `a` drafts were accepted, and its
+    /// tokens: those drafts and the verifier's choice after them.
     fn commit(
         &mut self,
         drafts: &[u32],
@@ -330,15 +395,33 @@ impl SpecDecoder {
         tokens: &mut Vec<u32>,
         sink: &mut TokenSink<'_>,
     ) -> Option<StopReason> {
+        self.tally(drafts.len(), drafts.len(), a);
+        let committed: Vec<u32> = drafts[..a].iter().chain([&posterior[a]]).copied().collect();
+        self.emit(&committed, tokens, sink)
+    }
+
+    /// Counts a verified block of `drafted` drafts reaching `slots` deep (a chain's drafts
+    /// are its slots; a tree's, its depth) of which `a` were accepted.
+    fn tally(&mut self, drafted: usize, slots: usize, a: usize) {
         let st = &mut self.stats;
         st.blocks += 1;
-        st.drafted += drafts.len();
+        st.drafted += drafted;
         st.accepted += a;
-        for k in 0..drafts.len() {
+        for k in 0..slots.min(self.slot_tried.len()) {
             self.slot_tried[k] += 1;
             self.slot_hit[k] += usize::from(k < a);
         }
-        for &tok in drafts[..a].iter().chain([&posterior[a]]) {
+    }
+
+    /// Appends a block's committed tokens to `tokens`, offering them to `sink`, until it
+    /// stops generation.
+    fn emit(
+        &mut self,
+        committed: &[u32],
+        tokens: &mut Vec<u32>,
+        sink: &mut TokenSink<'_>,
+    ) -> Option<StopReason> {
+        for &tok in committed {
             self.committed += 1;
             tokens.push(tok);
             if let Some(r) = sink.push(tok) {
@@ -380,6 +463,65 @@ pub fn speculative_generate(
     spec: SpecConfig,
     on_token: &mut dyn FnMut(u32),
 ) -> Result<Generation> {
+    generate_blocks(
+        verifier,
+        prompt,
+        cfg,
+        spec,
+        on_token,
+        &mut |dec, ver, tokens, sink| dec.block(ver, proposer, tokens, sink),
+    )
+}
+
+/// Generates from `prompt` like [`speculative_generate`], each block a tree from `drafts`
+/// ([`SpecDecoder::tree_block`]): token for token plain decoding's output. On the CPU, with
+/// blocks of at most [`TREE_MAX_VERIFY_ROWS`] rows.
+pub fn speculative_generate_tree(
+    verifier: &mut Verifier<'_>,
+    drafts: &mut TreeDrafts<'_>,
+    prompt: &[u32],
+    cfg: &GenerationConfig,
+    spec: SpecConfig,
+    on_token: &mut dyn FnMut(u32),
+) -> Result<Generation> {
+    if spec.block_size > TREE_MAX_VERIFY_ROWS {
+        return Err(RuntimeError::Input(format!(
+            "trees of up to {TREE_MAX_VERIFY_ROWS} rows are verified: block size {} is more",
+            spec.block_size
+        )));
+    }
+    generate_blocks(
+        verifier,
+        prompt,
+        cfg,
+        spec,
+        on_token,
+        &mut |dec, ver, tokens, sink| dec.tree_block(ver, drafts, tokens, sink),
+    )
+}
+
+/// Most rows of a verified tree: the rows whose weight products and quantised-tier reads
+/// are each row's own bits (a tree's rows must compute what plain steps would).
+pub const TREE_MAX_VERIFY_ROWS: usize = kakeya_models::linear::QUANT_MAX_ROWS;
+
+/// One block of a generation: the decoder, the verifier, the committed tokens and the sink.
+type NextBlock<'a> = dyn FnMut(
+        &mut SpecDecoder,
+        &mut Verifier<'_>,
+        &mut Vec<u32>,
+        &mut TokenSink<'_>,
+    ) -> Result<Option<StopReason>>
+    + 'a;
+
+/// Prefills `prompt`, picks the first token, then runs `next` block by block until it stops.
+fn generate_blocks(
+    verifier: &mut Verifier<'_>,
+    prompt: &[u32],
+    cfg: &GenerationConfig,
+    spec: SpecConfig,
+    on_token: &mut dyn FnMut(u32),
+    next: &mut NextBlock<'_>,
+) -> Result<Generation> {
     let ctx = verifier.model().config.max_position_embeddings;
     let mut dec = SpecDecoder::new(spec, &cfg.sampling, ctx)?;
     if cfg.max_tokens == 0 {
@@ -397,7 +539,7 @@ pub fn speculative_generate(
     let stop_reason = match sink.push(first) {
         Some(r) => r,
         None => loop {
-            if let Some(r) = dec.block(verifier, proposer, &mut tokens, &mut sink)? {
+            if let Some(r) = next(&mut dec, verifier, &mut tokens, &mut sink)? {
                 break r;
             }
         },

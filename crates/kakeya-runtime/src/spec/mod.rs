@@ -13,16 +13,21 @@ pub mod proposer;
 pub mod sampled;
 pub mod table;
 pub mod tree;
+pub mod tree_drafts;
 pub mod verifier;
 
 pub use adaptive::{BlockSchedule, DraftSource, Schedule, ScheduleStats};
 pub use cost::CostLine;
-pub use driver::{Costs, SpecConfig, SpecDecoder, SpecStats, speculative_generate};
+pub use driver::{
+    Costs, SpecConfig, SpecDecoder, SpecStats, TREE_MAX_VERIFY_ROWS, speculative_generate,
+    speculative_generate_tree,
+};
 pub use ngram::{CombinedProposer, NGRAM_BLOCK, NgramMatch, NgramProposer};
 pub use proposer::{DFlashProposer, DraftKind, Proposer, ReplayProposer};
 pub use sampled::sampled_posterior;
 pub use table::NgramTable;
 pub use tree::{DraftTree, EdgeCalibration, EdgeSource, TreeNode};
+pub use tree_drafts::{TreeDrafts, TreeEvidence};
 pub use verifier::Verifier;
 
 /// Greedy acceptance: the number of drafts accepted, i.e. the longest prefix with

@@ -9,8 +9,11 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, HashSet};
 
+use kakeya_models::TreeRows;
+
 use super::adaptive::DraftSource;
 use super::ngram::NgramProposer;
+use crate::error::Result;
 
 /// Where an edge of a tree came from; each source's chances are calibrated apart.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -261,6 +264,27 @@ impl DraftTree {
             .map(|(n, _)| n.depth)
             .max()
             .unwrap_or(0)
+    }
+
+    /// Its shape as the rows of one forward ([`TreeRows`]).
+    pub fn rows(&self) -> Result<TreeRows> {
+        let parents: Vec<usize> = self.nodes.iter().map(|n| n.parent).collect();
+        Ok(TreeRows::new(&parents)?)
+    }
+
+    /// The nodes greedy verification keeps when the verifier's token after node `i` is
+    /// `posterior[i]`: from the root, the child holding the verifier's token while there is
+    /// one. The block commits their tokens after the root, then the verifier's token after
+    /// the last of them.
+    pub fn accepted_path(&self, posterior: &[u32]) -> Vec<usize> {
+        let mut path = vec![0];
+        while let Some(next) = posterior
+            .get(path[path.len() - 1])
+            .and_then(|&t| self.child(path[path.len() - 1], t))
+        {
+            path.push(next);
+        }
+        path
     }
 
     /// Grows the tree from per-depth candidates (`per_depth[d]`: tokens and raw chances for

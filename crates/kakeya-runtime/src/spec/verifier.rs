@@ -8,6 +8,7 @@ use crate::kv::{CompactStore, KvBytes};
 use crate::sampler::Sampler;
 use crate::session::{KvSetup, Session, logits_row};
 use crate::spec::sampled::sampled_posterior;
+use crate::spec::tree::DraftTree;
 
 /// The target model of one sequence, with rollback-capable caches.
 #[derive(Debug)]
@@ -121,6 +122,40 @@ impl<'m> Verifier<'m> {
         let rows = logits_row(out.logits.expect("asked for logits"));
         let vocab = self.model().config.vocab_size;
         Ok(sampled_posterior(&rows, vocab, first, sampler))
+    }
+
+    /// Runs `tree` (its root the last committed token) at the next positions in one forward
+    /// and returns the token `sampler` picks after each node: node `i` predicts the position
+    /// after its own (the next position plus its depth), with that position's uniform — so
+    /// nodes at one depth share it, as every path is one plain decoding. The tree stays in
+    /// the caches until [`Self::keep_path`]. On the CPU.
+    ///
+    /// # Shapes
+    /// - `tree`: `T` nodes → posterior `T` ids
+    pub fn verify_tree(&mut self, tree: &DraftTree, sampler: &Sampler) -> Result<Vec<u32>> {
+        let rows = tree.rows()?;
+        let tokens: Vec<u32> = tree.nodes().iter().map(|n| n.token).collect();
+        if sampler.draw().is_none() {
+            let out = self
+                .session
+                .forward_tree(&tokens, &rows, Logits::GreedyAll)?;
+            return Ok(out.chosen.expect("asked for the greedy choices"));
+        }
+        let first = self.session.len() + 1;
+        let out = self.session.forward_tree(&tokens, &rows, Logits::All)?;
+        let logits = logits_row(out.logits.expect("asked for logits"));
+        let vocab = self.model().config.vocab_size;
+        Ok(logits
+            .chunks_exact(vocab)
+            .zip(rows.depths())
+            .map(|(row, depth)| sampler.pick(row, first + depth))
+            .collect())
+    }
+
+    /// Keeps the nodes `path` (from the root) of the tree [`Self::verify_tree`] ran, drops
+    /// the rest, and commits them.
+    pub fn keep_path(&mut self, path: &[usize]) -> Result<()> {
+        self.session.keep_path(path)
     }
 
     /// Keeps positions `< len` (the accepted part of a block), exactly, and commits them.

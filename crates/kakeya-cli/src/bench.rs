@@ -48,6 +48,11 @@ pub struct BenchArgs {
     /// `block_size`, or 8).
     #[arg(long)]
     pub block_size: Option<usize>,
+    /// Verify a tree of drafts per block instead of one chain: the combined proposer's
+    /// sources merged (the drafter's top 4 per position where it drafts, every earlier
+    /// occurrence of the tail, the table), as many rows as the block; up to 16 rows, CPU only.
+    #[arg(long, conflicts_with_all = ["replay_drafts", "draft"])]
+    pub tree: bool,
     /// Prompts for the speculative comparison, JSON lines `{"text": ...}` (default: 20 built-in).
     #[arg(long)]
     pub prompts: Option<std::path::PathBuf>,
@@ -306,6 +311,9 @@ fn run_spec(
     let prompts = crate::bench_spec::prompts_or_default(a.prompts.as_deref())?;
     let drafts = if a.replay_drafts {
         crate::bench_spec::Drafts::Replay
+    } else if a.tree {
+        let table = a.table.load(&a.model, model.config.vocab_size, kind)?;
+        crate::bench_spec::Drafts::Tree(drafter.as_ref(), table)
     } else {
         let table = a.table.load(&a.model, model.config.vocab_size, kind)?;
         kind.proposer(drafter.as_ref(), table.clone())?; // a kind without its drafter: refused now

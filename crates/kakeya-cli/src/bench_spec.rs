@@ -7,9 +7,10 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use kakeya_models::{DFlashDrafter, Gemma3Model};
+use kakeya_runtime::spec::tree_drafts::DEFAULT_TOP_K;
 use kakeya_runtime::{
     Generation, GenerationConfig, KvSetup, Proposer, ReplayProposer, Schedule, Session, SpecConfig,
-    Verifier, generate, speculative_generate,
+    TreeDrafts, Verifier, generate, speculative_generate, speculative_generate_tree,
 };
 use kakeya_weights::Tokenizer;
 use serde::Serialize;
@@ -81,12 +82,17 @@ pub enum Drafts<'a> {
     ),
     /// The AR output itself (every draft right): the engine's ceiling and overhead.
     Replay,
+    /// A tree per block from every source (the drafter's top-k, lookups, the table).
+    Tree(
+        Option<&'a DFlashDrafter>,
+        Option<std::sync::Arc<kakeya_runtime::NgramTable>>,
+    ),
 }
 
 impl Drafts<'_> {
     fn drafter(&self) -> Option<&DFlashDrafter> {
         match self {
-            Drafts::Kind(_, d, _) => *d,
+            Drafts::Kind(_, d, _) | Drafts::Tree(d, _) => *d,
             Drafts::Replay => None,
         }
     }
@@ -176,15 +182,26 @@ fn run_spec(
     cfg: &GenerationConfig,
     (spec, base): (SpecConfig, KvSetup<'_>),
 ) -> Result<Generation> {
-    let mut proposer: Box<dyn Proposer + '_> = match drafts {
-        Drafts::Kind(kind, d, t) => kind.proposer(*d, t.clone())?,
-        Drafts::Replay => Box::new(ReplayProposer::new(ids, reference)),
-    };
     let setup = match drafts.drafter() {
         Some(d) => base.drafter(d),
         None => base,
     };
     let mut verifier = Verifier::new(model, setup, spec.block_size)?;
+    let mut proposer: Box<dyn Proposer + '_> = match drafts {
+        Drafts::Kind(kind, d, t) => kind.proposer(*d, t.clone())?,
+        Drafts::Replay => Box::new(ReplayProposer::new(ids, reference)),
+        Drafts::Tree(d, t) => {
+            let mut sources = TreeDrafts::new(*d, t.clone(), DEFAULT_TOP_K);
+            return Ok(speculative_generate_tree(
+                &mut verifier,
+                &mut sources,
+                ids,
+                cfg,
+                spec,
+                &mut |_| {},
+            )?);
+        }
+    };
     Ok(speculative_generate(
         &mut verifier,
         proposer.as_mut(),
@@ -317,6 +334,13 @@ pub fn run(
                 _ => k.name().into(),
             },
             Drafts::Replay => "replay (AR output; every draft right)".into(),
+            Drafts::Tree(_, t) => format!(
+                "trees (drafter top-{DEFAULT_TOP_K}, lookups{})",
+                t.as_ref().map_or(String::new(), |t| format!(
+                    ", n-gram table: {} contexts",
+                    t.len()
+                ))
+            ),
         },
         block_size: block,
         schedule: spec.schedule,

@@ -345,11 +345,24 @@ impl BlockSchedule {
     /// Records the block [`Self::next_len`] chose: its length `b` (the last committed token
     /// and `drafted` drafts), `accepted` drafts, and the seconds spent drafting and verifying.
     pub fn record(&mut self, drafted: usize, accepted: usize, draft_secs: f64, verify_secs: f64) {
-        let b = (drafted + 1).min(self.max);
+        self.record_rows(drafted + 1, (drafted, accepted), draft_secs, verify_secs);
+    }
+
+    /// Records a block of `rows` rows whose drafts reached `drafted` deep (a tree's depth; a
+    /// chain's drafts), `accepted` of them on the committed path: the cost counts the rows,
+    /// the evidence per draft slot the depths.
+    pub fn record_rows(
+        &mut self,
+        rows: usize,
+        (drafted, accepted): (usize, usize),
+        draft_secs: f64,
+        verify_secs: f64,
+    ) {
+        let b = rows.clamp(1, self.max);
         let plain = self.verify_secs(1).unwrap_or(verify_secs);
         // A probe wins when it beat plain decoding.
         let won = (accepted + 1) as f64 / (draft_secs + verify_secs) > 1.0 / plain;
-        self.outcome(drafted, accepted, won);
+        self.outcome(b, (drafted, accepted), won);
         let add = |v: &mut (f64, f64), x: f64| *v = (DECAY * v.0 + x, DECAY * v.1 + 1.0);
         add(&mut self.verify[b - 1], verify_secs);
         self.fit.add(b - 1, verify_secs);
@@ -369,13 +382,14 @@ impl BlockSchedule {
     /// them. Its seconds were the batch's, not this sequence's, and are not recorded; a
     /// probe wins when its draft was accepted.
     pub fn record_beside(&mut self, drafted: usize, accepted: usize) {
-        self.outcome(drafted, accepted, drafted > 0 && accepted == drafted);
+        let won = drafted > 0 && accepted == drafted;
+        self.outcome(drafted + 1, (drafted, accepted), won);
     }
 
-    /// The acceptance evidence and the stats of a block; `won`: whether it beat plain
-    /// decoding (matters for probes).
-    fn outcome(&mut self, drafted: usize, accepted: usize, won: bool) {
-        let b = (drafted + 1).min(self.max);
+    /// The acceptance evidence and the stats of a block of `rows` rows whose drafts reached
+    /// `drafted` deep; `won`: whether it beat plain decoding (matters for probes).
+    fn outcome(&mut self, rows: usize, (drafted, accepted): (usize, usize), won: bool) {
+        let b = rows.clamp(1, self.max);
         let (i, probing) = self.current;
         self.stats.blocks_by_length[b - 1] += 1;
         self.stats

@@ -287,7 +287,8 @@ impl SpecDecoder {
         let drafted = tree.len() - 1;
         let deepest = tree.nodes().iter().map(|n| n.depth).max().unwrap_or(0);
         let (seen_draft, seen_verify) = self.costs.seen(drafted, (draft_secs, verify_secs));
-        self.schedule.record(drafted, a, seen_draft, seen_verify);
+        self.schedule
+            .record_rows(tree.len(), (deepest, a), seen_draft, seen_verify);
         self.stats.draft_secs += draft_secs;
         self.stats.verify_secs += verify_secs;
         self.tally(drafted, deepest, a);

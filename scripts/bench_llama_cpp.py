@@ -18,6 +18,7 @@ the build turns on the AVX/AVX2/FMA/F16C/AVX-512 (F, VBMI, VNNI, BF16)/AVX-VNNI 
 Usage: python3 scripts/bench_llama_cpp.py [--model models/gemma-3-270m/gemma-3-270m-q4_k_m.gguf]
        [--threads 2] [--reps 5] [--prompt 512] [--gen 128] [--depth 0] [--cache-type f16]
        [--flash-attn]
+       python3 scripts/bench_llama_cpp.py --server   (builds `llama-server` the same way)
 (`--depth D`: both tests after D context tokens, llama-bench's `-d`; `--cache-type q8_0`: the
 KV cache's type, `-ctk`/`-ctv`; `--prompt 0` or `--gen 0` leaves that test out.)
 """
@@ -120,23 +121,24 @@ def source() -> Path:
     return src
 
 
-def build() -> Path:
+def build(target: str = "llama-bench") -> Path:
+    """`target` (llama-bench or llama-server), built once per instruction set."""
     tag, isa = isa_options()
     out = WORK / f"build-{tag}"
-    exe = out / "bin" / "llama-bench"
+    exe = out / "bin" / target
     if exe.is_file():
         return exe
     src = source()
     tool = cmake()
-    print(f"bench_llama_cpp: building llama-bench in {out} with {' '.join(isa)}", file=sys.stderr)
+    print(f"bench_llama_cpp: building {target} in {out} with {' '.join(isa)}", file=sys.stderr)
     subprocess.run(
         [tool, "-S", str(src), "-B", str(out), "-DCMAKE_BUILD_TYPE=Release",
          "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-         "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_TOOLS=ON",
+         "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON",
          *isa],
         check=True,
     )
-    subprocess.run([tool, "--build", str(out), "--target", "llama-bench", "-j", "2"], check=True)
+    subprocess.run([tool, "--build", str(out), "--target", target, "-j", "2"], check=True)
     return exe
 
 
@@ -151,8 +153,12 @@ def main() -> None:
     ap.add_argument("--cache-type", default="f16", help="KV cache type, -ctk and -ctv (f16, q8_0, q4_0)")
     ap.add_argument("--flash-attn", action="store_true", help="flash attention (-fa 1)")
     ap.add_argument("--build-only", action="store_true")
+    ap.add_argument("--server", action="store_true", help="build llama-server and print its path")
     ap.add_argument("--json", type=Path, help="also write llama-bench's JSON records here")
     args = ap.parse_args()
+    if args.server:
+        print(build("llama-server"))
+        return
     exe = build()
     if args.build_only:
         print(exe)

@@ -97,6 +97,9 @@ pub struct ModelArgs {
     /// CUDA graph): the same tokens, for timing the two.
     #[arg(long)]
     pub no_graph: bool,
+    /// Whether `model` is the default model's file (by content), once worked out.
+    #[arg(skip)]
+    pub is_default: std::sync::OnceLock<bool>,
 }
 
 /// `--kernel`.
@@ -108,7 +111,23 @@ pub enum KernelKind {
     Int8,
 }
 
+/// SHA-256 of the default model's GGUF (what `scripts/fetch_default_model.py` checks).
+pub const DEFAULT_MODEL_SHA256: &str =
+    "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818";
+
 impl ModelArgs {
+    /// Whether the run uses the default model: no `--model`, or a file with the default
+    /// model's content (a copy or a link of it gets its drafter, table and f_θ as well).
+    pub fn uses_default_model(&self) -> bool {
+        *self.is_default.get_or_init(|| match &self.model {
+            None => true,
+            Some(p) => {
+                p.is_file()
+                    && kakeya_capture::job::sha256_path(p).is_ok_and(|h| h == DEFAULT_MODEL_SHA256)
+            }
+        })
+    }
+
     /// The model path, defaulting to the fetched model.
     pub fn model_path(&self) -> Result<PathBuf> {
         match &self.model {
@@ -164,7 +183,7 @@ pub fn load_drafter(dir: &Path, verifier: &Gemma3Model) -> Result<DFlashDrafter>
 }
 
 /// The drafter folder a run uses: `explicit` (`--drafter`), or — when `allow_default` and the
-/// run uses the default model — the trained drafter in `checkpoints/`, when present: the
+/// run uses the default model ([`ModelArgs::uses_default_model`]) — the trained drafter in `checkpoints/`, when present: the
 /// default one, or in a KV mode that `restores` through f_θ the one f_θ was trained with.
 pub fn drafter_dir(
     explicit: Option<&PathBuf>,
@@ -176,7 +195,7 @@ pub fn drafter_dir(
         return Some(d.clone());
     }
     let default = PathBuf::from(default_drafter(restores));
-    if allow_default && model.model.is_none() && default.is_dir() {
+    if allow_default && model.uses_default_model() && default.is_dir() {
         tracing::info!("using the default drafter {}", default.display());
         return Some(default);
     }

@@ -396,7 +396,7 @@ pub fn run(a: NiahArgs) -> Result<()> {
     let f_dir = if modes.iter().any(|m| m.restores()) {
         Some(f_theta_dir(
             a.f_theta.as_ref(),
-            a.model.model.is_none() && a.drafter.is_none(),
+            a.model.uses_default_model() && a.drafter.is_none(),
         )?)
     } else {
         None

@@ -150,7 +150,7 @@ impl KvRun {
         let d = spec_drafter
             .or(run.store_drafter.as_ref())
             .expect("loaded above");
-        let f_dir = kv.f_theta_dir(model_args.model.is_none() && drafter_dir.is_none())?;
+        let f_dir = kv.f_theta_dir(model_args.uses_default_model() && drafter_dir.is_none())?;
         run.restorer = Some(load_f_theta(
             &f_dir,
             &model_args.model_path()?,

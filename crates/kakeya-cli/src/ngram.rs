@@ -147,7 +147,7 @@ impl TableArgs {
         }
         let path = match &self.ngram_table {
             Some(p) => p.clone(),
-            None if self.no_ngram_table || model.model.is_some() => return Ok(None),
+            None if self.no_ngram_table || !model.uses_default_model() => return Ok(None),
             None => {
                 let p = PathBuf::from(DEFAULT_NGRAM_TABLE);
                 if !p.is_file() {

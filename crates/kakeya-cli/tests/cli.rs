@@ -2,7 +2,7 @@
 //! flags, streaming (stdout equals the `--json` text, also where characters are split across
 //! byte tokens), the interactive chat loop and `--chat-file`, `kakeya bench --json`; and on the
 //! real model, `kakeya convert` writing the folder transformers loads (fixture
-//! `tests/fixtures/convert/`).
+//! `tests/fixtures/convert/`), and a copy of the default model getting its drafter and table.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -447,4 +447,46 @@ fn convert_writes_the_folder_transformers_loads() {
             );
         }
     }
+}
+
+/// A copy of the default model (here a link to it) is the default model: it decodes with the
+/// default drafter and n-gram table, as a run without `--model` does.
+#[test]
+#[ignore = "needs the fetched default model (scripts/fetch_default_model.py)"]
+fn a_copy_of_the_default_model_gets_its_drafter_and_table() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let s = Scratch::new("cli-default-copy");
+    let dir = root.join("models/gemma-3-270m");
+    for name in ["gemma-3-270m-q4_k_m.gguf", "tokenizer.json"] {
+        std::os::unix::fs::symlink(dir.join(name), s.0.join(name)).unwrap();
+    }
+    // From the workspace root, where the default drafter and table are found.
+    let out = kakeya()
+        .current_dir(&root)
+        .args(["infer", "--model"])
+        .arg(s.0.join("gemma-3-270m-q4_k_m.gguf"))
+        .args([
+            "--prompt",
+            "The capital of France is",
+            "--max-tokens",
+            "8",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let j = json(&String::from_utf8_lossy(&out.stdout));
+    assert_eq!(j["stats"]["speculative"]["draft"], "combined", "{j}");
+    assert!(
+        j["stats"]["weights_bytes"]["drafter"].as_u64() > Some(0),
+        "{j}"
+    );
+    assert!(
+        j["stats"]["weights_bytes"]["ngram_table"].as_u64() > Some(0),
+        "{j}"
+    );
 }

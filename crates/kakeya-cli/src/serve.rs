@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use kakeya_runtime::{Costs, DraftKind, Restorer};
-use kakeya_server::{EngineParts, HttpConfig, Limits};
+use kakeya_server::{ApiKeys, ConnectionLimits, EngineParts, HttpConfig, Limits};
 
 use crate::common::{ModelArgs, check_block_size, drafter_dir, load_drafter};
 use crate::draft::NGRAM_BLOCK;
@@ -85,6 +85,32 @@ pub struct ServeArgs {
     /// Seconds requests in flight get to finish after SIGTERM or Ctrl-C.
     #[arg(long, default_value_t = 30)]
     pub drain_secs: u64,
+    /// An API key requests to `/v1/*` and `/metrics` must carry as `Authorization: Bearer KEY`
+    /// (repeat for several; without any key the server is open). Never logged.
+    #[arg(long = "api-key", value_name = "KEY")]
+    pub api_keys: Vec<String>,
+    /// A file of API keys, one per line (blank lines and `#` comments skipped), beside any
+    /// `--api-key`.
+    #[arg(long, value_name = "FILE")]
+    pub api_key_file: Option<PathBuf>,
+    /// Serve `/metrics` without a key when keys are set.
+    #[arg(long)]
+    pub open_metrics: bool,
+    /// Most connections open at once (kept below the process's open-file limit); one more gets
+    /// a 503 and is closed.
+    #[arg(long, default_value_t = 1024)]
+    pub max_connections: usize,
+    /// Seconds a connection gets to send a request's head, from its opening or, kept alive,
+    /// from the end of its previous response; then it is closed.
+    #[arg(long, default_value_t = 30.0, value_parser = positive_secs)]
+    pub header_timeout_secs: f64,
+    /// Seconds a request's body gets once its head has arrived; then 408.
+    #[arg(long, default_value_t = 30.0, value_parser = positive_secs)]
+    pub body_timeout_secs: f64,
+    /// Seconds a streamed answer waits for a client that stopped reading; then the sequence
+    /// ends and its caches are freed.
+    #[arg(long, default_value_t = 60.0, value_parser = positive_secs)]
+    pub stall_timeout_secs: f64,
     /// Tests and simulations: `STEP_US,ROW_US,DRAFT_US` — speculation's schedule (alone and
     /// beside other sequences) is told that a forward of `R` rows costs `STEP_US + ROW_US ·
     /// (R − 1)` µs and a draft `DRAFT_US` µs per token, instead of the measured seconds, so
@@ -95,6 +121,38 @@ pub struct ServeArgs {
     pub table: crate::ngram::TableArgs,
     #[command(flatten)]
     pub kv: KvArgs,
+}
+
+/// A timeout in seconds: positive and finite (fractions allowed).
+fn positive_secs(s: &str) -> std::result::Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if x > 0.0 && x.is_finite() && x < 1e9 => Ok(x),
+        _ => Err(format!("{s:?} is not a positive number of seconds")),
+    }
+}
+
+/// The API keys of `--api-key` and `--api-key-file`.
+fn api_keys(a: &ServeArgs) -> Result<ApiKeys> {
+    let mut keys = a.api_keys.clone();
+    if let Some(f) = &a.api_key_file {
+        let text = std::fs::read_to_string(f)
+            .with_context(|| format!("--api-key-file {}: cannot read it", f.display()))?;
+        let listed = ApiKeys::parse_file(&text);
+        if listed.is_empty() {
+            bail!(
+                "--api-key-file {}: no key in it (one per line)",
+                f.display()
+            );
+        }
+        keys.extend(listed);
+    }
+    if keys
+        .iter()
+        .any(|k| k.trim().is_empty() || k.chars().any(char::is_whitespace))
+    {
+        bail!("an API key must be non-empty and hold no spaces");
+    }
+    Ok(ApiKeys::new(keys))
 }
 
 /// Runs `kakeya serve`.
@@ -204,6 +262,19 @@ pub fn run(a: ServeArgs) -> Result<()> {
         sampled_blocks,
         beside_rows,
     };
+    let api_keys = api_keys(&a)?;
+    let file_limit = kakeya_server::connections::open_file_limit();
+    let connections = ConnectionLimits {
+        max_open: kakeya_server::connections::connection_cap(a.max_connections, file_limit),
+        header_timeout: Duration::from_secs_f64(a.header_timeout_secs),
+    };
+    if connections.max_open < a.max_connections {
+        tracing::warn!(
+            "at most {} connections: the process may open {} files",
+            connections.max_open,
+            file_limit.unwrap_or(0)
+        );
+    }
     let cfg = HttpConfig {
         model_name,
         limits: Limits {
@@ -214,6 +285,11 @@ pub fn run(a: ServeArgs) -> Result<()> {
         max_queue: a.max_queue,
         max_body_bytes: a.max_body_bytes,
         loop_guard: !a.no_loop_guard,
+        api_keys,
+        open_metrics: a.open_metrics,
+        body_timeout: Duration::from_secs_f64(a.body_timeout_secs),
+        stall_timeout: Duration::from_secs_f64(a.stall_timeout_secs),
+        connections,
     };
     kakeya_server::serve(parts, tok, cfg, listener, Duration::from_secs(a.drain_secs))?;
     eprintln!("kakeya serve: stopped");

@@ -175,11 +175,22 @@ pub(crate) async fn whole(pending: Pending) -> Response {
     .into_response()
 }
 
+/// Hands `event` to a streamed answer's body: false when the client is gone, or has read
+/// nothing for `stall` while the body's buffer stayed full (the answer then ends, and dropping
+/// its reader frees the sequence).
+async fn offer(tx: &mpsc::Sender<SseEvent>, event: SseEvent, stall: std::time::Duration) -> bool {
+    matches!(
+        tokio::time::timeout(stall, tx.send(event)).await,
+        Ok(Ok(()))
+    )
+}
+
 /// A streamed answer: OpenAI's chunks as server-sent events, then `data: [DONE]`.
 pub(crate) fn stream(pending: Pending) -> Response {
     let (st, p, rx, kind, id) = pending.into_parts();
     let (tx, events) = mpsc::channel::<SseEvent>(64);
     let created = unix_now();
+    let stall = st.cfg.stall_timeout;
     tokio::spawn(async move {
         let object = if kind == Kind::Chat {
             "chat.completion.chunk"
@@ -203,7 +214,7 @@ pub(crate) fn stream(pending: Pending) -> Response {
         };
         if kind == Kind::Chat {
             let first = json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]);
-            if tx.send(chunk(first, None)).await.is_err() {
+            if !offer(&tx, chunk(first, None), stall).await {
                 return;
             }
         }
@@ -211,21 +222,19 @@ pub(crate) fn stream(pending: Pending) -> Response {
         while let Some(read) = reader.read().await {
             match read {
                 Ok(text) => {
-                    if !text.is_empty() && tx.send(chunk(piece(&text), None)).await.is_err() {
+                    if !text.is_empty() && !offer(&tx, chunk(piece(&text), None), stall).await {
                         return; // client gone: dropping the reader frees the sequence
                     }
                 }
                 Err(e) => {
-                    let _ = tx
-                        .send(SseEvent::default().data(e.body().to_string()))
-                        .await;
-                    let _ = tx.send(SseEvent::default().data("[DONE]")).await;
+                    let _ = offer(&tx, SseEvent::default().data(e.body().to_string()), stall).await;
+                    let _ = offer(&tx, SseEvent::default().data("[DONE]"), stall).await;
                     return;
                 }
             }
         }
         let (rest, outcome, generated, stopped) = reader.finish();
-        if !rest.is_empty() && tx.send(chunk(piece(&rest), None)).await.is_err() {
+        if !rest.is_empty() && !offer(&tx, chunk(piece(&rest), None), stall).await {
             return;
         }
         let reason = finish_reason(outcome.as_deref(), stopped);
@@ -238,12 +247,12 @@ pub(crate) fn stream(pending: Pending) -> Response {
             }
         };
         let ext = extension(outcome.as_deref(), stopped);
-        let _ = tx.send(chunk(last, Some(("kakeya", ext)))).await;
+        let _ = offer(&tx, chunk(last, Some(("kakeya", ext))), stall).await;
         if p.params.include_usage {
             let u = usage(p.ids.len(), generated, outcome.as_deref());
-            let _ = tx.send(chunk(json!([]), Some(("usage", u)))).await;
+            let _ = offer(&tx, chunk(json!([]), Some(("usage", u))), stall).await;
         }
-        let _ = tx.send(SseEvent::default().data("[DONE]")).await;
+        let _ = offer(&tx, SseEvent::default().data("[DONE]"), stall).await;
     });
     let body = futures_util::stream::unfold(events, |mut events| async move {
         events

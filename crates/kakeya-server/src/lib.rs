@@ -9,8 +9,10 @@
 
 mod answer;
 pub mod api;
+pub mod connections;
 pub mod engine;
 pub mod error;
+pub mod keys;
 mod memory;
 
 pub use memory::keep_large_buffers_apart;
@@ -26,8 +28,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use kakeya_weights::Tokenizer;
 
 pub use api::Limits;
+pub use connections::ConnectionLimits;
 pub use engine::{EngineParts, Outcome};
 pub use error::{ApiError, ServerError};
+pub use keys::ApiKeys;
 pub use metrics::Metrics;
 pub use routes::HttpConfig;
 
@@ -92,6 +96,8 @@ pub fn serve(
             .map_or(0, |d| d.as_secs()),
     });
     listener.set_nonblocking(true)?;
+    let limits = state.cfg.connections;
+    let metrics_http = metrics.clone();
     let http = std::thread::Builder::new()
         .name("kakeya-http".into())
         .spawn(move || -> Result<(), ServerError> {
@@ -103,16 +109,17 @@ pub fn serve(
             let result = rt.block_on(async {
                 let listener = tokio::net::TcpListener::from_std(listener)?;
                 let abort = engine.clone();
-                axum::serve(listener, routes::router(state))
-                    .with_graceful_shutdown(async move {
-                        shutdown_signal().await;
-                        tracing::info!("shutting down: requests in flight get {drain:?} to finish");
-                        tokio::spawn(async move {
-                            tokio::time::sleep(drain).await;
-                            let _ = abort.send(Command::Abort);
-                        });
-                    })
-                    .await
+                let shutdown = async move {
+                    shutdown_signal().await;
+                    tracing::info!("shutting down: requests in flight get {drain:?} to finish");
+                    tokio::spawn(async move {
+                        tokio::time::sleep(drain).await;
+                        let _ = abort.send(Command::Abort);
+                    });
+                };
+                let app = routes::router(state);
+                connections::serve(listener, app, limits, metrics_http, shutdown).await;
+                Ok::<(), std::io::Error>(())
             });
             let _ = engine.send(Command::Shutdown);
             result.map_err(ServerError::from)

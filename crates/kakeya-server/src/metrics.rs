@@ -1,7 +1,7 @@
 //! Prometheus metrics (`GET /metrics`, text format 0.0.4): requests by endpoint and status,
 //! tokens in and out, time to first token and inter-token latency, tokens committed per
 //! verifier forward, rows per batched forward, prompt chunks per forward, K/V bytes held,
-//! queue depth, running and cancelled sequences.
+//! queue depth, running and cancelled sequences, open and refused connections.
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -76,6 +76,8 @@ struct Inner {
     prefix_entries: usize,
     prefix_bytes: usize,
     replays: ReplayStats,
+    connections_open: usize,
+    connections_refused: u64,
 }
 
 /// The server's counters, shared by the HTTP handlers and the engine.
@@ -107,6 +109,8 @@ impl Default for Metrics {
                 prefix_entries: 0,
                 prefix_bytes: 0,
                 replays: ReplayStats::default(),
+                connections_open: 0,
+                connections_refused: 0,
             }),
         }
     }
@@ -185,6 +189,16 @@ impl Metrics {
                 m.finished += 1;
             }
         });
+    }
+
+    /// Connections open now.
+    pub fn connections_open(&self, n: usize) {
+        self.with(|m| m.connections_open = n);
+    }
+
+    /// A connection past the cap was answered 503 and closed.
+    pub fn connection_refused(&self) {
+        self.with(|m| m.connections_refused += 1);
     }
 
     /// The engine's current state.
@@ -283,6 +297,11 @@ impl Metrics {
                     "Greedy forwards that could be recorded, issued kernel by kernel instead (first sightings, caches that are not plain buffers).",
                     m.replays.declined as u64,
                 ),
+                (
+                    "kakeya_connections_refused_total",
+                    "Connections past the cap, answered 503 and closed.",
+                    m.connections_refused,
+                ),
             ];
             for (name, help, v) in counters {
                 let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
@@ -291,6 +310,7 @@ impl Metrics {
                 ("kakeya_kv_bytes", "K/V bytes held by running sequences (every part).", m.kv_bytes),
                 ("kakeya_queue_depth", "Requests waiting for a sequence slot.", m.queue_depth),
                 ("kakeya_running_sequences", "Sequences prefilling or decoding.", m.running),
+                ("kakeya_connections_open", "HTTP connections open.", m.connections_open),
                 (
                     "kakeya_prefix_cache_bytes",
                     "Bytes held by the prefix cache's finished sequences (K/V and store, measured).",

@@ -6,7 +6,7 @@
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::body::{Body, to_bytes};
@@ -22,8 +22,10 @@ use tokio::sync::mpsc;
 
 use crate::answer::{Pending, stream, whole};
 use crate::api::{ChatRequest, CompletionRequest, Limits, Params, Prompt, check_fields};
+use crate::connections::ConnectionLimits;
 use crate::engine::{Command, Event, Job};
 use crate::error::ApiError;
+use crate::keys::ApiKeys;
 use crate::metrics::Metrics;
 
 /// Settings of the HTTP side.
@@ -39,6 +41,17 @@ pub struct HttpConfig {
     pub max_body_bytes: usize,
     /// Stop runaway repetition, as `kakeya infer` does by default.
     pub loop_guard: bool,
+    /// Keys a request to `/v1/*` (and `/metrics`) must carry (none: open).
+    pub api_keys: ApiKeys,
+    /// Serve `/metrics` without a key.
+    pub open_metrics: bool,
+    /// Time a request's body gets to arrive once its head has; later gets 408.
+    pub body_timeout: Duration,
+    /// Time a streamed answer waits for a client that stopped reading before it ends the
+    /// sequence and frees its caches.
+    pub stall_timeout: Duration,
+    /// Open connections and the time their request heads get.
+    pub connections: ConnectionLimits,
 }
 
 /// What every handler shares.
@@ -72,6 +85,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(chat))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            crate::keys::require_key,
+        ))
         .with_state(state)
 }
 
@@ -133,16 +150,29 @@ async fn parse<T: serde::de::DeserializeOwned>(
     body: Body,
     own_fields: &[&str],
 ) -> Result<T, ApiError> {
-    let bytes = to_bytes(body, st.cfg.max_body_bytes).await.map_err(|_| {
-        ApiError::other(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "invalid_request_error",
-            format!(
-                "the request body is over this server's limit of {} bytes",
-                st.cfg.max_body_bytes
-            ),
-        )
-    })?;
+    let read = tokio::time::timeout(st.cfg.body_timeout, to_bytes(body, st.cfg.max_body_bytes));
+    let bytes = read
+        .await
+        .map_err(|_| {
+            ApiError::other(
+                StatusCode::REQUEST_TIMEOUT,
+                "invalid_request_error",
+                format!(
+                    "the request body did not arrive within {:?}",
+                    st.cfg.body_timeout
+                ),
+            )
+        })?
+        .map_err(|_| {
+            ApiError::other(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "invalid_request_error",
+                format!(
+                    "the request body is over this server's limit of {} bytes",
+                    st.cfg.max_body_bytes
+                ),
+            )
+        })?;
     let value: Value = serde_json::from_slice(&bytes)
         .map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}"), None))?;
     check_fields(&value, own_fields)?;

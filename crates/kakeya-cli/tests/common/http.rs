@@ -89,7 +89,11 @@ pub fn read_chunk(r: &mut BufReader<TcpStream>) -> Option<Vec<u8>> {
 
 /// A whole request and response.
 pub fn request(addr: &str, method: &str, path: &str, body: &str) -> Response {
-    let mut r = send(addr, method, path, body.as_bytes());
+    read_response(send(addr, method, path, body.as_bytes()))
+}
+
+/// A whole response from `r`.
+pub fn read_response(mut r: BufReader<TcpStream>) -> Response {
     let (status, chunked, len) = read_head(&mut r);
     let mut bytes = Vec::new();
     if chunked {

@@ -96,6 +96,12 @@ pub struct ServeArgs {
     /// Serve `/metrics` without a key when keys are set.
     #[arg(long)]
     pub open_metrics: bool,
+    /// Serve HTTPS with this PEM certificate chain (with `--ssl-key-file`).
+    #[arg(long, value_name = "PEM", requires = "ssl_key_file")]
+    pub ssl_cert_file: Option<PathBuf>,
+    /// The PEM private key of `--ssl-cert-file`.
+    #[arg(long, value_name = "PEM", requires = "ssl_cert_file")]
+    pub ssl_key_file: Option<PathBuf>,
     /// Most connections open at once (kept below the process's open-file limit); one more gets
     /// a 503 and is closed.
     #[arg(long, default_value_t = 1024)]
@@ -217,9 +223,17 @@ pub fn run(a: ServeArgs) -> Result<()> {
     });
     let listener = TcpListener::bind((a.host.as_str(), a.port))
         .with_context(|| format!("cannot listen on {}:{}", a.host, a.port))?;
+    let api_keys = api_keys(&a)?;
+    let tls = match (&a.ssl_cert_file, &a.ssl_key_file) {
+        (Some(cert), Some(key)) => {
+            Some(kakeya_server::Tls::from_pem_files(cert, key).map_err(anyhow::Error::msg)?)
+        }
+        _ => None,
+    };
+    let scheme = if tls.is_some() { "https" } else { "http" };
     let addr = listener.local_addr()?;
     eprintln!(
-        "kakeya serve: {model_name} on http://{addr} ({}; up to {} sequences at once; KV {}; prefix cache {})",
+        "kakeya serve: {model_name} on {scheme}://{addr} ({}; up to {} sequences at once; KV {}; prefix cache {})",
         match speculation {
             Some((k, _)) => format!(
                 "speculative with {k} drafts{} when a request runs alone",
@@ -262,7 +276,6 @@ pub fn run(a: ServeArgs) -> Result<()> {
         sampled_blocks,
         beside_rows,
     };
-    let api_keys = api_keys(&a)?;
     let file_limit = kakeya_server::connections::open_file_limit();
     let connections = ConnectionLimits {
         max_open: kakeya_server::connections::connection_cap(a.max_connections, file_limit),
@@ -290,6 +303,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         body_timeout: Duration::from_secs_f64(a.body_timeout_secs),
         stall_timeout: Duration::from_secs_f64(a.stall_timeout_secs),
         connections,
+        tls,
     };
     kakeya_server::serve(parts, tok, cfg, listener, Duration::from_secs(a.drain_secs))?;
     eprintln!("kakeya serve: stopped");

@@ -2,7 +2,8 @@
 //! half-sent requests and idle connections closed after the header timeout, a stalled body
 //! answered 408; a flood of idle connections past the process's file limit does not stop a
 //! well-formed request from being served within that timeout; a client that stops reading a
-//! stream frees its sequence; API keys missing, wrong, right and from a file.
+//! stream frees its sequence; API keys missing, wrong, right and from a file; a TLS round trip
+//! with a self-signed certificate (`tests/fixtures/tls/`).
 
 mod common;
 
@@ -254,4 +255,94 @@ fn api_keys_missing_wrong_right_and_from_a_file() {
             "{err}"
         );
     }
+}
+
+#[test]
+fn a_tls_round_trip_with_a_self_signed_certificate() {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, ServerName};
+    let s = Scratch::new("serve-tls");
+    let (m, _) = tiny(&s);
+    let fixtures =
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tls");
+    let (cert, key) = (fixtures.join("cert.pem"), fixtures.join("key.pem"));
+    let mut child = common::kakeya()
+        .args([
+            "serve",
+            "--model",
+            m.to_str().unwrap(),
+            "--port",
+            "0",
+            "--no-drafter",
+        ])
+        .args([
+            "--ssl-cert-file",
+            cert.to_str().unwrap(),
+            "--ssl-key-file",
+            key.to_str().unwrap(),
+        ])
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let addr = loop {
+        let mut line = String::new();
+        assert!(err.read_line(&mut line).unwrap() > 0, "the server exited");
+        if let Some(rest) = line.split("https://").nth(1) {
+            break rest.split_whitespace().next().unwrap().to_string();
+        }
+    };
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(CertificateDer::from_pem_file(&cert).unwrap())
+        .unwrap();
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let conn = rustls::ClientConnection::new(
+        std::sync::Arc::new(config),
+        ServerName::try_from("localhost").unwrap(),
+    )
+    .unwrap();
+    let tcp = TcpStream::connect(&addr).unwrap();
+    tcp.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let mut tls = rustls::StreamOwned::new(conn, tcp);
+    let body = json!({"prompt": "w1 w2", "max_tokens": 3, "temperature": 0}).to_string();
+    write!(
+        tls,
+        "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut reply = String::new();
+    let _ = tls.read_to_string(&mut reply);
+    assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+    assert!(reply.contains("\"text_completion\""), "{reply}");
+    // Plain HTTP on the TLS port gets no answer.
+    let mut plain = TcpStream::connect(&addr).unwrap();
+    plain
+        .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let (_, got) = closed_within(&mut plain, Duration::from_secs(10));
+    assert!(!got.contains("200"), "{got}");
+    let _ = child.kill();
+    let _ = child.wait();
+    // A key that is not a key: a clear error naming the file.
+    let e = common::fails(&[
+        "serve",
+        "--model",
+        m.to_str().unwrap(),
+        "--ssl-cert-file",
+        cert.to_str().unwrap(),
+        "--ssl-key-file",
+        cert.to_str().unwrap(),
+    ]);
+    assert!(
+        e.contains("not a PEM private key") && e.contains("cert.pem"),
+        "{e}"
+    );
 }

@@ -2,20 +2,26 @@
 //! process's open-file limit), answers one past the cap with a fast 503 in OpenAI's error
 //! shape, keeps accepting when the process runs out of descriptors, and closes a connection
 //! whose request head does not arrive in time — a half-sent request, or a keep-alive
-//! connection left idle. [llama-server's `--timeout`; nginx's `client_header_timeout`]
+//! connection left idle; optionally over TLS (rustls). [llama-server's `--timeout` and
+//! `--ssl-cert-file`; nginx's `client_header_timeout`]
 
 use std::future::Future;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
 use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::server::graceful::{GracefulShutdown, Watcher};
 use hyper_util::service::TowerToHyperService;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
+use tokio_rustls::TlsAcceptor;
+use tokio_rustls::rustls::ServerConfig;
+use tokio_rustls::rustls::pki_types::pem::PemObject;
+use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
 use crate::metrics::Metrics;
 
@@ -68,12 +74,65 @@ async fn refuse(mut stream: TcpStream) {
     .await;
 }
 
-/// Serves `app` on `listener` until `shutdown` completes; then stops accepting, lets every
-/// open connection finish its request (idle ones close at once) and returns when all are
-/// closed.
+/// TLS for `kakeya serve`: the server's certificate chain and private key.
+#[derive(Clone)]
+pub struct Tls(TlsAcceptor);
+
+impl std::fmt::Debug for Tls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Tls")
+    }
+}
+
+impl Tls {
+    /// TLS 1.2 and 1.3 with the certificate chain in PEM file `cert` and the private key in
+    /// PEM file `key`; an error names the file and what is wrong with it.
+    pub fn from_pem_files(cert: &Path, key: &Path) -> Result<Self, String> {
+        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
+            .and_then(Iterator::collect)
+            .map_err(|e| format!("{}: not a PEM certificate chain ({e})", cert.display()))?;
+        if certs.is_empty() {
+            return Err(format!("{}: no certificate in it", cert.display()));
+        }
+        let private = PrivateKeyDer::from_pem_file(key)
+            .map_err(|e| format!("{}: not a PEM private key ({e})", key.display()))?;
+        let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
+        let mut config = ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| format!("TLS: {e}"))?
+            .with_no_client_auth()
+            .with_single_cert(certs, private)
+            .map_err(|e| {
+                format!(
+                    "{} and {}: the key does not serve the certificate ({e})",
+                    cert.display(),
+                    key.display()
+                )
+            })?;
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        Ok(Self(TlsAcceptor::from(Arc::new(config))))
+    }
+}
+
+/// Serves one accepted connection's HTTP/1.1 over `io` until it closes (or shutdown closes
+/// it).
+async fn run_connection<I>(io: I, builder: http1::Builder, app: Router, watcher: Watcher)
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let service = TowerToHyperService::new(app);
+    let conn = watcher.watch(builder.serve_connection(TokioIo::new(io), service));
+    if let Err(e) = conn.await {
+        tracing::debug!("connection closed: {e}");
+    }
+}
+
+/// Serves `app` on `listener` (over TLS when `tls` is given) until `shutdown` completes; then
+/// stops accepting, lets every open connection finish its request (idle ones close at once)
+/// and returns when all are closed.
 pub async fn serve(
     listener: TcpListener,
-    app: Router,
+    (app, tls): (Router, Option<Tls>),
     limits: ConnectionLimits,
     metrics: Arc<Metrics>,
     shutdown: impl Future<Output = ()>,
@@ -107,15 +166,26 @@ pub async fn serve(
         };
         let _ = stream.set_nodelay(true);
         metrics.connections_open(limits.max_open - open.available_permits());
-        let service = TowerToHyperService::new(app.clone());
-        let conn = graceful.watch(builder.serve_connection(TokioIo::new(stream), service));
-        let (metrics, open, max) = (metrics.clone(), open.clone(), limits.max_open);
+        let (app, builder, watcher) = (app.clone(), builder.clone(), graceful.watcher());
+        let (metrics, open, tls) = (metrics.clone(), open.clone(), tls.clone());
         tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::debug!("connection closed: {e}");
+            match tls {
+                None => run_connection(stream, builder, app, watcher).await,
+                Some(Tls(acceptor)) => {
+                    // The handshake gets the time a request head does.
+                    let shake =
+                        tokio::time::timeout(limits.header_timeout, acceptor.accept(stream));
+                    match shake.await {
+                        Ok(Ok(tls_stream)) => {
+                            run_connection(tls_stream, builder, app, watcher).await
+                        }
+                        Ok(Err(e)) => tracing::debug!("TLS handshake failed: {e}"),
+                        Err(_) => tracing::debug!("TLS handshake timed out"),
+                    }
+                }
             }
             drop(permit);
-            metrics.connections_open(max - open.available_permits());
+            metrics.connections_open(limits.max_open - open.available_permits());
         });
     }
     drop(listener);

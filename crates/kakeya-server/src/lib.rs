@@ -28,7 +28,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use kakeya_weights::Tokenizer;
 
 pub use api::Limits;
-pub use connections::ConnectionLimits;
+pub use connections::{ConnectionLimits, Tls};
 pub use engine::{EngineParts, Outcome};
 pub use error::{ApiError, ServerError};
 pub use keys::ApiKeys;
@@ -97,6 +97,7 @@ pub fn serve(
     });
     listener.set_nonblocking(true)?;
     let limits = state.cfg.connections;
+    let tls = state.cfg.tls.clone();
     let metrics_http = metrics.clone();
     let http = std::thread::Builder::new()
         .name("kakeya-http".into())
@@ -118,7 +119,7 @@ pub fn serve(
                     });
                 };
                 let app = routes::router(state);
-                connections::serve(listener, app, limits, metrics_http, shutdown).await;
+                connections::serve(listener, (app, tls), limits, metrics_http, shutdown).await;
                 Ok::<(), std::io::Error>(())
             });
             let _ = engine.send(Command::Shutdown);

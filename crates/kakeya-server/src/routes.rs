@@ -22,7 +22,7 @@ use tokio::sync::mpsc;
 
 use crate::answer::{Pending, stream, whole};
 use crate::api::{ChatRequest, CompletionRequest, Limits, Params, Prompt, check_fields};
-use crate::connections::ConnectionLimits;
+use crate::connections::{ConnectionLimits, Tls};
 use crate::engine::{Command, Event, Job};
 use crate::error::ApiError;
 use crate::keys::ApiKeys;
@@ -52,6 +52,8 @@ pub struct HttpConfig {
     pub stall_timeout: Duration,
     /// Open connections and the time their request heads get.
     pub connections: ConnectionLimits,
+    /// Serve over TLS with this certificate (none: plain HTTP).
+    pub tls: Option<Tls>,
 }
 
 /// What every handler shares.

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes data/corpus/sampled.jsonl: free-form prompts for drafter training (issue 16).
+"""Writes data/corpus/sampled.jsonl: free-form prompts for drafter training.
 
 The template prompts of make_prompts.py repeat two dozen openings, and a drafter trained on
 their continuations learns those openings' formats: it drafts far better on held-out prompts

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Hugging Face transformers on the same GGUF and GPU as `kakeya bench --device cuda`: the side-by-side
-anchor of issue 18 (decode and prefill tokens/s).
+anchor (decode and prefill tokens/s).
 
 It mirrors `kakeya bench`'s two figures (crates/kakeya-cli/src/bench.rs):
   * ppN: one forward over N synthetic prompt ids (kakeya's xorshift stream, `<bos>` first) into an

@@ -24,8 +24,8 @@
 #   test-NAME.log                each further test binary carried, KAKEYA_TEST_DEVICE=cuda
 #   ft-fused.json                the f_θ steps with the build with Burn's fusion, when it came
 #   drafter.json                 the drafter's capture on CUDA (64 prompts) and training steps
-# The two issues' open aims come first: the f_θ step (issue 18) and the server's 8 streams
-# against one (issue 17).
+# The open aims come first: the f_θ step and the server's 8 streams
+# against one.
 # (KAKEYA_DEVICE=cpu dry-runs it on a machine without a GPU; STEP_LIMIT=S caps every step at S s;
 # SKIP="NAME ..." skips those steps.)
 source .xfer/unpack.sh
@@ -72,7 +72,7 @@ elif kind == 'spec':
     print('   divergences', [p['divergence'] for p in d.get('prompts', []) if 'divergence' in p])
 PY
 }
-# f_θ step time (issue 18's last aim: ≥ 20× the CPU), replayed and issued side by side.
+# f_θ step time (the aim: ≥ 20× the CPU), replayed and issued side by side.
 step ft-cuda 100 $O/ft-cuda.log - env KAKEYA_LOG=kakeya_train=debug $X/kakeya-cuda train f-theta --config $X/ft.toml --device $dev
 cp /tmp/x/ft-run/report.json $O/ft-cuda.json 2>/dev/null; summary train $O/ft-cuda.json; python3 scripts/device/phases.py $O/ft-cuda.log
 grep -v DEBUG $O/ft-cuda.log | tail -2
@@ -81,7 +81,7 @@ sed "/^\[train\]/a graph = false" $X/ft.toml > $X/ft-nograph.toml
 step ft-nograph 100 $O/ft-nograph.log - env KAKEYA_LOG=kakeya_train=debug $X/kakeya-cuda train f-theta --config $X/ft-nograph.toml --device $dev
 cp /tmp/x/ft-run/report.json $O/ft-nograph.json 2>/dev/null; summary train $O/ft-nograph.json; python3 scripts/device/phases.py $O/ft-nograph.log
 grep -E "recorded for replay|records no graphs" $O/ft-cuda.log | head -3
-# The server on the GPU: 1 vs 8 streams (issue 17's aim of ≥ 2×), issue 18's engine on the device.
+# The server on the GPU: 1 vs 8 streams (the aim of ≥ 2×), the engine on the device.
 step serve 150 $O/serve.log - python3 $X/load_test.py --kakeya $X/kakeya-cuda --server-args "--device $dev" \
     --rounds 1 --json $O/serve.json
 grep -E "medians|round|reference|errors|replays" $O/serve.log

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Device side of `scripts/device/pack.sh infer` (issue 18): inference on CUDA, end to end, on the
+# Device side of `scripts/device/pack.sh infer`: inference on CUDA, end to end, on the
 # default model. In order, each step with its own time limit, output in $OUT:
 #   golden.log        the golden test (logits vs transformers' f32 fixture, greedy continuations)
 #                     with the model on `--device cuda` (KAKEYA_TEST_DEVICE=cuda);

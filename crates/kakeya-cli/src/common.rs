@@ -202,6 +202,26 @@ pub fn drafter_dir(
     None
 }
 
+/// Why a run decodes without speculation (it has no `--drafter`, `--draft`), for its stats
+/// or startup line: `--no-drafter`, `--chat`, a model with no known drafter, or a missing
+/// default drafter.
+pub fn plain_reason(no_drafter: bool, chat: bool, model: &ModelArgs, restores: bool) -> String {
+    if no_drafter {
+        "--no-drafter".into()
+    } else if chat {
+        "--chat decodes without a drafter".into()
+    } else if !model.uses_default_model() {
+        "no drafter is known for this model: --drafter DIR adds one, --draft ngram drafts from \
+         lookups alone"
+            .into()
+    } else {
+        format!(
+            "the default drafter {} is missing",
+            default_drafter(restores)
+        )
+    }
+}
+
 /// The default model's drafter folder: [`F_THETA_DRAFTER`] when the KV mode `restores`, else
 /// [`DEFAULT_DRAFTER`].
 pub fn default_drafter(restores: bool) -> &'static str {

@@ -101,7 +101,8 @@ impl Printer<'_> {
     }
 }
 
-fn print_stats(g: &Generation) {
+/// The stats lines on stderr; `plain`: why the run decodes without speculation, when it does.
+fn print_stats(g: &Generation, plain: Option<&str>) {
     let s = &g.stats;
     let mib = |b: usize| b as f64 / (1 << 20) as f64;
     eprintln!(
@@ -133,6 +134,8 @@ fn print_stats(g: &Generation) {
                 .unwrap_or(0),
             sp.mean_acceptance_length
         );
+    } else if let Some(why) = plain {
+        eprintln!("[plain decoding: {why}]");
     }
 }
 
@@ -195,6 +198,14 @@ pub fn run(a: InferArgs) -> Result<()> {
         a.kv.policy()?.mode.restores(),
     );
     let speculative = !a.no_drafter && (drafter_dir.is_some() || a.draft.is_some());
+    let plain = (!speculative).then(|| {
+        crate::common::plain_reason(
+            a.no_drafter,
+            a.chat,
+            &a.model,
+            a.kv.policy().is_ok_and(|p| p.mode.restores()),
+        )
+    });
     if speculative && a.chat {
         bail!("--chat with --drafter is not supported yet; use --chat-file for one turn");
     }
@@ -304,6 +315,9 @@ pub fn run(a: InferArgs) -> Result<()> {
             stats["speculative"] = serde_json::to_value(sp)?;
             stats["speculative"]["draft"] = draft_name.into();
         }
+        if let Some(why) = &plain {
+            stats["plain_decoding"] = why.as_str().into();
+        }
         if let Some(ar) = &ar {
             stats["ar_decode_tok_s"] = ar.stats.decode_tok_s.into();
             stats["identical_to_ar"] = (ar.tokens == g.tokens).into();
@@ -322,7 +336,7 @@ pub fn run(a: InferArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
         println!();
-        print_stats(&g);
+        print_stats(&g, plain.as_deref());
         if let Some(ar) = &ar {
             eprintln!(
                 "[AR on the same prompt: decode {:.1} tok/s; identical tokens: {}]",
@@ -351,6 +365,6 @@ fn chat_loop(chat: &mut ChatSession<'_>, tok: &Tokenizer, cfg: &GenerationConfig
         let g = chat.reply(tok, &line, cfg, &mut |t| printer.push(t))?;
         printer.finish();
         println!();
-        print_stats(&g);
+        print_stats(&g, Some("--chat decodes without a drafter"));
     }
 }

@@ -243,7 +243,10 @@ pub fn run(a: ServeArgs) -> Result<()> {
                     _ => String::new(),
                 }
             ),
-            None => "plain decoding".into(),
+            None => format!(
+                "plain decoding: {}",
+                crate::common::plain_reason(a.no_drafter, false, &a.model, policy.mode.restores())
+            ),
         },
         a.max_seqs,
         policy.mode.name(),

@@ -490,3 +490,20 @@ fn a_copy_of_the_default_model_gets_its_drafter_and_table() {
         "{j}"
     );
 }
+
+/// A model with no known drafter says on its stats why it decodes plainly, and `--no-drafter`
+/// says so too.
+#[test]
+fn plain_decoding_says_why() {
+    let s = Scratch::new("cli-plain-why");
+    let m = tiny_model_dir(&s.0, "m", 8, 3);
+    let prompt = ["--prompt", "w1 w2", "--max-tokens", "3", "--json"];
+    let j = json(&infer(&m, &prompt));
+    let why = j["stats"]["plain_decoding"].as_str().unwrap_or_default();
+    assert!(why.contains("no drafter is known for this model"), "{j}");
+    assert!(j["stats"]["speculative"].is_null(), "{j}");
+    let mut args = prompt.to_vec();
+    args.push("--no-drafter");
+    let j = json(&infer(&m, &args));
+    assert_eq!(j["stats"]["plain_decoding"], "--no-drafter", "{j}");
+}

@@ -3,7 +3,7 @@
 # hash, and times f_θ training steps (the 270M config on the small capture) on CUDA with the
 # build and, when it came along, the second one (a baseline, or the fused build), each with its
 # steps replayed from recorded graphs and issued one by one (`[train] graph`; GRAPHS="true false"
-# by default; a build from before the twenty-sixth session ignores neither: give it GRAPHS=true),
+# by default; a build without `[train] graph` ignores the setting: give it GRAPHS=true),
 # alternated ROUNDS times (default 1). Output in $OUT: ft.tgz (each run's report.json and log,
 # with the medians of its host phases printed).
 source .xfer/unpack.sh

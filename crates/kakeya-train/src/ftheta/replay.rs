@@ -1,6 +1,6 @@
 //! The f_θ training step recorded once and replayed (`[train] graph`, on a GPU): on CUDA one
 //! graph launch a step instead of the ~200 launches the host issues one by one (the step was
-//! bound by issuing them: docs/benchmarks.md, "The f_θ step in fewer launches"). Burn's
+//! bound by issuing them: docs/benchmarks.md, "f_θ training and its step time"). Burn's
 //! [`capture`] records the step's launches into a CUDA graph and [`Graph::replay`] re-runs
 //! them against the buffers they used when recorded. CubeCL records on wgpu too (its command
 //! buffers), so lavapipe replays real recordings; on a device that records nothing a replay

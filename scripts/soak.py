@@ -29,10 +29,11 @@ import os
 import random
 import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
+
+from load_test import rss_bytes, start_server  # scripts/load_test.py
 
 PROMPTS = [
     "The history of the printing press", "How bees make honey", "The rules of chess",
@@ -51,22 +52,6 @@ MALFORMED = [
 ]
 
 
-def start_server(kakeya, extra):
-    cmd = [kakeya, "serve", "--port", "0", "--header-timeout-secs", "5", *extra]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-    for line in proc.stderr:
-        sys.stderr.write(line)
-        if "http://" in line:
-            host, port = line.split("http://", 1)[1].split()[0].rsplit(":", 1)
-            threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
-            return proc, host, int(port)
-        if time.time() > deadline:
-            break
-    proc.kill()
-    sys.exit("soak: the server did not start")
-
-
 def prefix_cache_bytes(host, port):
     """The prefix cache's bytes from `/metrics` (0 when unreadable)."""
     try:
@@ -79,14 +64,6 @@ def prefix_cache_bytes(host, port):
     for line in text.splitlines():
         if line.startswith("kakeya_prefix_cache_bytes "):
             return int(float(line.split()[1]))
-    return 0
-
-
-def rss_bytes(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
     return 0
 
 
@@ -205,7 +182,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args()
-    proc, host, port = start_server(a.kakeya, a.server_args.split())
+    extra = ["--header-timeout-secs", "5", *a.server_args.split()]
+    proc, host, port = start_server(a.kakeya, extra)
     tally = Tally()
     start = time.time()
     until = start + 60 * a.minutes

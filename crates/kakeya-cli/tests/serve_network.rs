@@ -7,9 +7,9 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufReader, Read, Write};
 use std::net::TcpStream;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::http::{self, get, read_head};
@@ -78,8 +78,8 @@ fn idle_connections_past_the_file_limit_do_not_lock_out_a_request() {
     let s = Scratch::new("serve-flood");
     let (m, _) = tiny(&s);
     // The process may open 160 files: at most 96 connections.
-    let mut child = Command::new("bash")
-        .args(["-c", "ulimit -n 160 && exec \"$0\" \"$@\""])
+    let mut cmd = Command::new("bash");
+    cmd.args(["-c", "ulimit -n 160 && exec \"$0\" \"$@\""])
         .arg(env!("CARGO_BIN_EXE_kakeya"))
         .args([
             "serve",
@@ -89,20 +89,9 @@ fn idle_connections_past_the_file_limit_do_not_lock_out_a_request() {
             "0",
             "--no-drafter",
         ])
-        .args(["--header-timeout-secs", "2"])
-        .stderr(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut err = BufReader::new(child.stderr.take().unwrap());
-    let addr = loop {
-        let mut line = String::new();
-        assert!(err.read_line(&mut line).unwrap() > 0, "the server exited");
-        if let Some(rest) = line.split("http://").nth(1) {
-            break rest.split_whitespace().next().unwrap().to_string();
-        }
-    };
-    std::thread::spawn(move || for _ in err.lines() {});
+        .args(["--header-timeout-secs", "2"]);
+    let srv = Server::spawn(cmd, "http");
+    let addr = srv.addr.clone();
     // 300 idle connections: past the cap and past the file limit.
     let flood: Vec<TcpStream> = (0..300)
         .filter_map(|_| TcpStream::connect(&addr).ok())
@@ -124,8 +113,6 @@ fn idle_connections_past_the_file_limit_do_not_lock_out_a_request() {
     assert!(served < Duration::from_secs(8), "served after {served:?}");
     drop(flood);
     assert_eq!(get(&addr, "/health").status, 200);
-    let _ = child.kill();
-    let _ = child.wait();
 }
 
 #[test]
@@ -266,33 +253,23 @@ fn a_tls_round_trip_with_a_self_signed_certificate() {
     let fixtures =
         std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tls");
     let (cert, key) = (fixtures.join("cert.pem"), fixtures.join("key.pem"));
-    let mut child = common::kakeya()
-        .args([
-            "serve",
-            "--model",
-            m.to_str().unwrap(),
-            "--port",
-            "0",
-            "--no-drafter",
-        ])
-        .args([
-            "--ssl-cert-file",
-            cert.to_str().unwrap(),
-            "--ssl-key-file",
-            key.to_str().unwrap(),
-        ])
-        .stderr(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut err = BufReader::new(child.stderr.take().unwrap());
-    let addr = loop {
-        let mut line = String::new();
-        assert!(err.read_line(&mut line).unwrap() > 0, "the server exited");
-        if let Some(rest) = line.split("https://").nth(1) {
-            break rest.split_whitespace().next().unwrap().to_string();
-        }
-    };
+    let mut cmd = common::kakeya();
+    cmd.args([
+        "serve",
+        "--model",
+        m.to_str().unwrap(),
+        "--port",
+        "0",
+        "--no-drafter",
+    ])
+    .args([
+        "--ssl-cert-file",
+        cert.to_str().unwrap(),
+        "--ssl-key-file",
+        key.to_str().unwrap(),
+    ]);
+    let srv = Server::spawn(cmd, "https");
+    let addr = srv.addr.clone();
     let mut roots = rustls::RootCertStore::empty();
     roots
         .add(CertificateDer::from_pem_file(&cert).unwrap())
@@ -329,8 +306,7 @@ fn a_tls_round_trip_with_a_self_signed_certificate() {
         .unwrap();
     let (_, got) = closed_within(&mut plain, Duration::from_secs(10));
     assert!(!got.contains("200"), "{got}");
-    let _ = child.kill();
-    let _ = child.wait();
+    drop(srv);
     // A key that is not a key: a clear error naming the file.
     let e = common::fails(&[
         "serve",

@@ -137,6 +137,25 @@ fn critical(df: usize) -> f64 {
     d * (1.0 - h + 3.090 * h.sqrt()).powi(3)
 }
 
+/// Asserts that `got` follows `probs` (chi-square at significance 0.001), with drafts both
+/// accepted and rejected along the way (`accepted` of `drafted`, each at least 300 times).
+fn assert_law(
+    got: &[Vec<u32>],
+    probs: &HashMap<Vec<u32>, f64>,
+    (accepted, drafted): (usize, usize),
+) {
+    assert!(
+        accepted > 300 && drafted - accepted > 300,
+        "both outcomes must occur: {accepted} of {drafted} drafts accepted"
+    );
+    let (stat, df) = goodness_of_fit(got, probs);
+    assert!(
+        stat <= critical(df),
+        "chi2 {stat:.1} > {:.1} (df {df})",
+        critical(df)
+    );
+}
+
 /// Tokens whose joint distribution is tested: the first from the prefill, the next two from
 /// one speculative block with two drafts.
 const K: usize = 3;
@@ -166,16 +185,7 @@ fn speculative_samples_follow_the_models_distribution() {
             g.tokens[..K].to_vec()
         })
         .collect();
-    assert!(
-        accepted > 300 && drafted - accepted > 300,
-        "both outcomes must occur: {accepted} of {drafted} drafts accepted"
-    );
-    let (stat, df) = goodness_of_fit(&got, &probs);
-    assert!(
-        stat <= critical(df),
-        "chi2 {stat:.1} > {:.1} (df {df})",
-        critical(df)
-    );
+    assert_law(&got, &probs, (accepted, drafted));
     // Power: plain sampling at a nearby temperature (same support: top-6, no nucleus cut)
     // does not fit these probabilities.
     let other: Vec<Vec<u32>> = (0..RUNS)
@@ -220,14 +230,5 @@ fn tree_samples_follow_the_models_distribution() {
             g.tokens[..K].to_vec()
         })
         .collect();
-    assert!(
-        accepted > 300 && drafted - accepted > 300,
-        "both outcomes must occur: {accepted} of {drafted} drafts accepted"
-    );
-    let (stat, df) = goodness_of_fit(&got, &probs);
-    assert!(
-        stat <= critical(df),
-        "chi2 {stat:.1} > {:.1} (df {df})",
-        critical(df)
-    );
+    assert_law(&got, &probs, (accepted, drafted));
 }

@@ -21,9 +21,16 @@ pub struct Server {
 
 impl Server {
     pub fn start(model: &Path, extra: &[&str]) -> Self {
-        let mut child = kakeya()
-            .args(["serve", "--model", model.to_str().unwrap(), "--port", "0"])
-            .args(extra)
+        let mut cmd = kakeya();
+        cmd.args(["serve", "--model", model.to_str().unwrap(), "--port", "0"])
+            .args(extra);
+        Self::spawn(cmd, "http")
+    }
+
+    /// Runs `cmd` (a `kakeya serve` on port 0, however launched) and waits for the address it
+    /// prints after `scheme://`.
+    pub fn spawn(mut cmd: std::process::Command, scheme: &str) -> Self {
+        let mut child = cmd
             .stderr(Stdio::piped())
             .stdout(Stdio::null())
             .spawn()
@@ -40,7 +47,7 @@ impl Server {
             let line = rx
                 .recv_timeout(deadline.saturating_duration_since(Instant::now()))
                 .expect("the server printed its address");
-            if let Some(rest) = line.split("http://").nth(1) {
+            if let Some(rest) = line.split(&format!("{scheme}://")).nth(1) {
                 break rest.split_whitespace().next().unwrap().to_string();
             }
         };

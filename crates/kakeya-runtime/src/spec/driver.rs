@@ -190,12 +190,7 @@ impl SpecDecoder {
             return Ok(Some(StopReason::ContextFull));
         };
         let source = proposer.source(tokens);
-        let b = self
-            .schedule
-            .next_len(source)
-            .min(room)
-            .min(sink.remaining())
-            .max(1);
+        let b = self.block_len(source, room, sink);
         let td = Instant::now();
         let mut drafts = if b > 1 {
             proposer.propose(tokens, b - 1, verifier.store_mut()?)?
@@ -212,12 +207,29 @@ impl SpecDecoder {
         let a = accept_greedy(&drafts, &posterior);
         verifier.rollback(pos + a + 1)?;
         let verify_secs = tv.elapsed().as_secs_f64();
-        let (seen_draft, seen_verify) = self.costs.seen(drafts.len(), (draft_secs, verify_secs));
-        self.schedule
-            .record(drafts.len(), a, seen_draft, seen_verify);
-        self.stats.draft_secs += draft_secs;
-        self.stats.verify_secs += verify_secs;
+        let rows = drafts.len() + 1;
+        self.account(rows, (drafts.len(), a), (draft_secs, verify_secs));
         Ok(self.commit(&drafts, &posterior, a, tokens, sink))
+    }
+
+    /// The length of the next block drafted by `source`: the schedule's, within the `room`
+    /// left in the context and what `sink` still takes.
+    fn block_len(&mut self, source: DraftSource, room: usize, sink: &TokenSink<'_>) -> usize {
+        self.schedule
+            .next_len(source)
+            .min(room)
+            .min(sink.remaining())
+            .max(1)
+    }
+
+    /// Tells the schedule what a verified block of `rows` rows cost (its drafts `drafted`
+    /// deep, `a` accepted) and adds its measured seconds to the stats.
+    fn account(&mut self, rows: usize, (drafted, a): (usize, usize), secs: (f64, f64)) {
+        let (seen_draft, seen_verify) = self.costs.seen(rows - 1, secs);
+        self.schedule
+            .record_rows(rows, (drafted, a), seen_draft, seen_verify);
+        self.stats.draft_secs += secs.0;
+        self.stats.verify_secs += secs.1;
     }
 
     /// The next position, the newest committed token (not yet in `verifier`'s caches) and
@@ -254,12 +266,7 @@ impl SpecDecoder {
             return Ok(Some(StopReason::ContextFull));
         };
         let source = drafts.source(tokens);
-        let b = self
-            .schedule
-            .next_len(source)
-            .min(room)
-            .min(sink.remaining())
-            .max(1);
+        let b = self.block_len(source, room, sink);
         let td = Instant::now();
         let tree = if b > 1 {
             let store = match source {
@@ -286,11 +293,7 @@ impl SpecDecoder {
         drafts.observe(&tree, &committed);
         let drafted = tree.len() - 1;
         let deepest = tree.nodes().iter().map(|n| n.depth).max().unwrap_or(0);
-        let (seen_draft, seen_verify) = self.costs.seen(drafted, (draft_secs, verify_secs));
-        self.schedule
-            .record_rows(tree.len(), (deepest, a), seen_draft, seen_verify);
-        self.stats.draft_secs += draft_secs;
-        self.stats.verify_secs += verify_secs;
+        self.account(tree.len(), (deepest, a), (draft_secs, verify_secs));
         self.tally(drafted, deepest, a);
         Ok(self.emit(&committed, tokens, sink))
     }

@@ -115,6 +115,10 @@ pub enum KernelKind {
 pub const DEFAULT_MODEL_SHA256: &str =
     "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818";
 
+/// Size of the default model's GGUF in bytes: a file of another size is not it, and is not
+/// hashed (a large model would take seconds).
+pub const DEFAULT_MODEL_BYTES: u64 = 253_113_024;
+
 impl ModelArgs {
     /// Whether the run uses the default model: no `--model`, or a file with the default
     /// model's content (a copy or a link of it gets its drafter, table and f_θ as well).
@@ -122,7 +126,7 @@ impl ModelArgs {
         *self.is_default.get_or_init(|| match &self.model {
             None => true,
             Some(p) => {
-                p.is_file()
+                std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.len() == DEFAULT_MODEL_BYTES)
                     && kakeya_capture::job::sha256_path(p).is_ok_and(|h| h == DEFAULT_MODEL_SHA256)
             }
         })

@@ -3,7 +3,7 @@
 //! aux hidden states and drafter K/V.
 
 use burn::tensor::Tensor;
-use kakeya_models::{DFlashDrafter, ForwardRequest, Gemma3Model, Logits};
+use kakeya_models::{DFlashDrafter, ForwardRequest, GemmaModel, Logits};
 use kakeya_runtime::{GenerationConfig, KvCache, Sampling, Session, generate_batch};
 use kakeya_weights::Tokenizer;
 
@@ -80,7 +80,7 @@ pub fn prompt_ids(tok: &Tokenizer, text: &str, max: usize) -> Result<Vec<u32>> {
 /// to `generation.batch` prompts are decoded together ([`generate_batch`]: one stacked forward
 /// per step, each continuation exactly what it would be alone).
 pub fn continuations(
-    model: &Gemma3Model,
+    model: &GemmaModel,
     tok: &Tokenizer,
     texts: &[&str],
     cfg: &CaptureConfig,
@@ -137,7 +137,7 @@ pub fn continuations(
 /// pass. Columns come out in manifest order: per verifier layer its tensors, then aux layers,
 /// then per drafter layer K and V.
 pub fn capture_tokens(
-    model: &Gemma3Model,
+    model: &GemmaModel,
     drafter: Option<&DFlashDrafter>,
     (tokens, prompt_len): (Vec<u32>, usize),
     cfg: &CaptureConfig,

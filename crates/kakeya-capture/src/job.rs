@@ -14,7 +14,7 @@ use arrow::array::{
 use arrow::datatypes::{DataType, Field};
 use arrow::record_batch::RecordBatch;
 use half::f16;
-use kakeya_models::{DFlashDrafter, Gemma3Model};
+use kakeya_models::{DFlashDrafter, GemmaModel};
 use kakeya_weights::Tokenizer;
 use parquet::arrow::ArrowWriter;
 use parquet::basic::{Compression, ZstdLevel};
@@ -84,7 +84,7 @@ pub struct Summary {
 /// The models a job runs.
 pub struct Models<'a> {
     /// Verifier.
-    pub verifier: &'a Gemma3Model,
+    pub verifier: &'a GemmaModel,
     /// Its tokenizer.
     pub tokenizer: &'a Tokenizer,
     /// The drafter, when its K/V are captured.

@@ -9,7 +9,7 @@ use burn::tensor::Tensor;
 use kakeya_capture::schema::ModelInfo;
 use kakeya_capture::{CaptureConfig, Dataset, Models, Query, RunOptions};
 use kakeya_models::testing::{Scratch, drafter_config, random_drafter, word_level_tokenizer_json};
-use kakeya_models::{DFlashDrafter, ForwardRequest, Gemma3Model, Logits};
+use kakeya_models::{DFlashDrafter, ForwardRequest, GemmaModel, Logits};
 use kakeya_runtime::KvCache;
 use kakeya_weights::{Checkpoint, Tokenizer};
 
@@ -59,7 +59,7 @@ fn gemma4_capture_reads_back_what_the_model_computes() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let ck = Checkpoint::load(root.join("tests/fixtures/gemma4/dense")).unwrap();
     // On the test device (scripts/test_wgpu.sh: wgpu).
-    let v = Gemma3Model::from_checkpoint(ck, &kakeya_models::testing::test_device()).unwrap();
+    let v = GemmaModel::from_checkpoint(ck, &kakeya_models::testing::test_device()).unwrap();
     let vocab = v.config.vocab_size;
     std::fs::write(s.0.join("tokenizer.json"), word_level_tokenizer_json(vocab)).unwrap();
     let tok = Tokenizer::load(&s.0.join("tokenizer.json"), vocab).unwrap();

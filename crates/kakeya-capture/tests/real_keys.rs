@@ -11,7 +11,7 @@ use burn::tensor::{Device, Tensor, TensorData};
 use kakeya_capture::config::Dtype;
 use kakeya_capture::schema::ModelInfo;
 use kakeya_capture::{CaptureConfig, Dataset, Models, Query, RunOptions};
-use kakeya_models::Gemma3Model;
+use kakeya_models::GemmaModel;
 use kakeya_runtime::{KvDtype, KvPolicy, KvSetup, Session};
 use kakeya_weights::{Checkpoint, Tokenizer};
 
@@ -30,7 +30,7 @@ fn captured_raw_keys_become_the_runtime_keys() {
         ck.config.vocab_size,
     )
     .unwrap();
-    let v = Gemma3Model::from_checkpoint(ck, &Device::flex()).unwrap();
+    let v = GemmaModel::from_checkpoint(ck, &Device::flex()).unwrap();
     let dir = std::env::temp_dir().join(format!("kakeya-real-keys-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();

@@ -14,7 +14,7 @@ use kakeya_models::testing::{
     drafter_config, random_checkpoint, random_drafter, random_quantized_checkpoint, test_device,
     tiny_config, word_level_tokenizer_json,
 };
-use kakeya_models::{DFlashDrafter, DraftRequest, ForwardRequest, Gemma3Model, Logits};
+use kakeya_models::{DFlashDrafter, DraftRequest, ForwardRequest, GemmaModel, Logits};
 use kakeya_runtime::KvCache;
 use kakeya_weights::Tokenizer;
 
@@ -26,7 +26,7 @@ fn tokenizer(dir: &Path) -> Tokenizer {
 }
 
 /// A 2-layer random drafter (block 4) for `v`.
-fn drafter(v: &Gemma3Model) -> DFlashDrafter {
+fn drafter(v: &GemmaModel) -> DFlashDrafter {
     DFlashDrafter::from_checkpoint(random_drafter(&drafter_config(&v.config, 2, 4), 2), v).unwrap()
 }
 
@@ -69,7 +69,7 @@ fn info() -> ModelInfo {
 
 /// The job's models with placeholder identities.
 fn models<'a>(
-    verifier: &'a Gemma3Model,
+    verifier: &'a GemmaModel,
     tokenizer: &'a Tokenizer,
     drafter: Option<&'a DFlashDrafter>,
 ) -> Models<'a> {
@@ -129,8 +129,8 @@ fn host(t: Tensor<2>) -> Vec<f32> {
 fn values_read_back_equal_what_the_models_produce() {
     let s = Scratch::new("cap-rt");
     // The verifier (and so the capture) on the test device (scripts/test_wgpu.sh: wgpu).
-    let v = Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(4), 8), &test_device())
-        .unwrap();
+    let v =
+        GemmaModel::from_checkpoint(random_checkpoint(&tiny_config(4), 8), &test_device()).unwrap();
     let d = drafter(&v);
     let tok = tokenizer(&s.0);
     let prompts = s.0.join("p.jsonl");
@@ -251,8 +251,8 @@ fn values_read_back_equal_what_the_models_produce() {
 fn sampled_positions_and_projection() {
     let s = Scratch::new("cap-sample");
     // The verifier (and so the capture) on the test device (scripts/test_wgpu.sh: wgpu).
-    let v = Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(4), 8), &test_device())
-        .unwrap();
+    let v =
+        GemmaModel::from_checkpoint(random_checkpoint(&tiny_config(4), 8), &test_device()).unwrap();
     let tok = tokenizer(&s.0);
     let prompts = s.0.join("p.jsonl");
     std::fs::write(
@@ -353,7 +353,7 @@ fn unknown_tensor_or_layer_is_refused() {
         );
     }
 
-    let v = Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(4), 8), &Device::flex())
+    let v = GemmaModel::from_checkpoint(random_checkpoint(&tiny_config(4), 8), &Device::flex())
         .unwrap();
     let tok = tokenizer(&s.0);
     let prompts = s.0.join("p.jsonl");
@@ -382,7 +382,7 @@ fn unknown_tensor_or_layer_is_refused() {
 fn continuations_decoded_together_give_the_same_dataset_and_resume_across_batch_sizes() {
     let s = Scratch::new("cap-batch");
     // Q8_0 weights: decode steps run the batch-invariant block kernel, as on the real model.
-    let v = Gemma3Model::from_checkpoint(
+    let v = GemmaModel::from_checkpoint(
         random_quantized_checkpoint(&tiny_config(4), 8),
         &Device::flex(),
     )
@@ -435,7 +435,7 @@ fn continuations_decoded_together_give_the_same_dataset_and_resume_across_batch_
 #[test]
 fn tensors_rebuilt_from_a_token_only_capture_equal_a_one_step_capture() {
     let s = Scratch::new("cap-reuse");
-    let v = Gemma3Model::from_checkpoint(
+    let v = GemmaModel::from_checkpoint(
         random_quantized_checkpoint(&tiny_config(4), 8),
         &Device::flex(),
     )

@@ -288,7 +288,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
 /// The AR-vs-speculative comparison.
 fn run_spec(
     a: &BenchArgs,
-    model: &kakeya_models::Gemma3Model,
+    model: &kakeya_models::GemmaModel,
     tok: &kakeya_weights::Tokenizer,
 ) -> Result<()> {
     let kind = a.draft.unwrap_or(crate::draft::DraftKind::Combined);

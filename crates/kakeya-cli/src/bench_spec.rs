@@ -6,8 +6,8 @@ use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
-use kakeya_models::{DFlashDrafter, Gemma3Model};
-use kakeya_runtime::spec::tree_drafts::DEFAULT_TOP_K;
+use kakeya_models::{DFlashDrafter, GemmaModel};
+use kakeya_runtime::speculative::tree_drafts::DEFAULT_TOP_K;
 use kakeya_runtime::{
     Generation, GenerationConfig, KvSetup, Proposer, ReplayProposer, Schedule, Session, SpecConfig,
     TreeDrafts, Verifier, generate, speculative_generate, speculative_generate_tree,
@@ -128,7 +128,7 @@ pub struct Divergence {
 
 /// [`Divergence`] of `spec` from `ar` (both continuations of `ids`), if any.
 fn divergence(
-    model: &Gemma3Model,
+    model: &GemmaModel,
     setup: KvSetup<'_>,
     ids: &[u32],
     ar: &[u32],
@@ -175,7 +175,7 @@ pub struct SpecBench {
 }
 
 fn run_spec(
-    model: &Gemma3Model,
+    model: &GemmaModel,
     drafts: &Drafts<'_>,
     ids: &[u32],
     reference: &[u32],
@@ -216,7 +216,7 @@ fn run_spec(
 /// prompt, then `runs` measured rounds per prompt, AR and speculative interleaved.
 #[allow(clippy::too_many_arguments)]
 pub fn run(
-    model: &Gemma3Model,
+    model: &GemmaModel,
     tok: &Tokenizer,
     drafts: Drafts<'_>,
     prompts: &[String],
@@ -417,7 +417,7 @@ pub fn print(b: &SpecBench) {
 #[cfg(test)]
 mod tests {
     use burn::tensor::Device;
-    use kakeya_models::Gemma3Model;
+    use kakeya_models::GemmaModel;
     use kakeya_models::testing::{random_checkpoint, tiny_config};
     use kakeya_runtime::{GenerationConfig, KvSetup, Session, generate};
 
@@ -427,9 +427,8 @@ mod tests {
     /// other: positive, since AR's token is the argmax there (the CPU path is bit for bit).
     #[test]
     fn a_divergence_reports_its_step_tokens_and_ar_gap() {
-        let m =
-            Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(8), 5), &Device::flex())
-                .unwrap();
+        let m = GemmaModel::from_checkpoint(random_checkpoint(&tiny_config(8), 5), &Device::flex())
+            .unwrap();
         let prompt = [3u32, 14, 15, 92, 65];
         let cfg = GenerationConfig::greedy(6, 512);
         let ar = generate(&mut Session::new(&m, 0), &prompt, &cfg, &mut |_| {})

@@ -7,7 +7,7 @@ use clap::{Args, Subcommand};
 use kakeya_capture::job::sha256_path;
 use kakeya_capture::schema::ModelInfo;
 use kakeya_capture::{CaptureConfig, Models, Progress, RunOptions};
-use kakeya_models::Gemma3Model;
+use kakeya_models::GemmaModel;
 use kakeya_weights::{Checkpoint, Tokenizer};
 
 use crate::common::{DeviceKind, load_drafter};
@@ -90,7 +90,7 @@ pub fn run(a: CaptureArgs) -> Result<()> {
         }
     });
     let tok = Tokenizer::load(&tpath, ck.config.vocab_size)?;
-    let model = Gemma3Model::from_checkpoint(ck, &device)?;
+    let model = GemmaModel::from_checkpoint(ck, &device)?;
     let drafter = match &cfg.model.drafter {
         Some(d) => Some(load_drafter(d, &model)?),
         None => None,

@@ -6,7 +6,7 @@ use anyhow::{Context, Result, bail};
 use burn::tensor::Device;
 use clap::{Args, ValueEnum};
 use kakeya_models::linear::Kernel;
-use kakeya_models::{DFlashDrafter, Gemma3Model};
+use kakeya_models::{DFlashDrafter, GemmaModel};
 use kakeya_weights::{Checkpoint, DraftCheckpoint, Tokenizer};
 
 /// Where `scripts/fetch_default_model.py` puts the default model.
@@ -161,13 +161,13 @@ impl ModelArgs {
     }
 
     /// Loads model and tokenizer on the chosen device.
-    pub fn load(&self) -> Result<(Gemma3Model, Tokenizer)> {
+    pub fn load(&self) -> Result<(GemmaModel, Tokenizer)> {
         let path = self.model_path()?;
         let device = self.device.device()?;
         let ck =
             Checkpoint::load(&path).with_context(|| format!("loading model {}", path.display()))?;
         let tok = Tokenizer::load(&self.tokenizer_path(&path), ck.config.vocab_size)?;
-        let mut model = Gemma3Model::from_checkpoint(ck, &device)?;
+        let mut model = GemmaModel::from_checkpoint(ck, &device)?;
         model.record_decode = !self.no_graph;
         if self.kernel == KernelKind::Int8 && model.set_kernel(Kernel::Int8) == 0 {
             bail!(
@@ -180,7 +180,7 @@ impl ModelArgs {
 }
 
 /// Loads a DFlash drafter folder for `verifier`, refusing one built for another model.
-pub fn load_drafter(dir: &Path, verifier: &Gemma3Model) -> Result<DFlashDrafter> {
+pub fn load_drafter(dir: &Path, verifier: &GemmaModel) -> Result<DFlashDrafter> {
     let ck =
         DraftCheckpoint::load(dir).with_context(|| format!("loading drafter {}", dir.display()))?;
     Ok(DFlashDrafter::from_checkpoint(ck, verifier)?)

@@ -3,7 +3,7 @@
 
 pub use kakeya_runtime::DraftKind;
 use kakeya_runtime::SpecConfig;
-pub use kakeya_runtime::spec::NGRAM_BLOCK;
+pub use kakeya_runtime::speculative::NGRAM_BLOCK;
 
 /// `--block-size B` fixes every block at `B`; without it blocks adapt up to `default`.
 pub fn schedule(block_size: Option<usize>, default: usize) -> SpecConfig {

@@ -10,7 +10,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
 use kakeya_capture::job::sha256_path;
 use kakeya_capture::prompts::keyed_needles;
-use kakeya_models::{DFlashDrafter, Gemma3Model};
+use kakeya_models::{DFlashDrafter, GemmaModel};
 use kakeya_runtime::{
     DFlashProposer, FThetaRestorer, Generation, GenerationConfig, KvMode, KvPolicy, KvSetup,
     Sampling, Session, SpecConfig, Verifier, generate, speculative_generate,
@@ -303,7 +303,7 @@ fn nearest_length(lengths: &[usize], tokens: usize) -> usize {
 
 /// Everything one mode's run needs.
 struct Engine<'m> {
-    model: &'m Gemma3Model,
+    model: &'m GemmaModel,
     drafter: Option<&'m DFlashDrafter>,
     restorer: Option<&'m FThetaRestorer>,
     block: Option<usize>,

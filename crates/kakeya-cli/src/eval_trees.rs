@@ -12,7 +12,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use kakeya_models::DFlashDrafter;
 use kakeya_runtime::kv::CompactStore;
-use kakeya_runtime::spec::tree::{DraftTree, EdgeCalibration, EdgeSource};
+use kakeya_runtime::speculative::tree::{DraftTree, EdgeCalibration, EdgeSource};
 use kakeya_runtime::{
     DraftKind, GenerationConfig, KvSetup, Proposer, Session, SpecConfig, TreeDrafts, Verifier,
     generate, speculative_generate,

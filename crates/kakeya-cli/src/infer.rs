@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::{ArgGroup, Args};
-use kakeya_models::{DFlashDrafter, Gemma3Model};
+use kakeya_models::{DFlashDrafter, GemmaModel};
 use kakeya_runtime::chat::{self, ChatSession, Message};
 use kakeya_runtime::{
     Generation, GenerationConfig, KvMode, KvSetup, RunawayGuard, Session, SpecConfig, TextStream,
@@ -151,7 +151,7 @@ struct Spec<'d> {
 
 /// Decodes `ids` under `setup`, speculatively when `spec` is given.
 fn decode(
-    model: &Gemma3Model,
+    model: &GemmaModel,
     setup: KvSetup<'_>,
     spec: Option<Spec<'_>>,
     ids: &[u32],

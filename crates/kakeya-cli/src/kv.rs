@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use kakeya_capture::job::sha256_path;
-use kakeya_models::{DFlashDrafter, FTheta, Gemma3Model};
+use kakeya_models::{DFlashDrafter, FTheta, GemmaModel};
 use kakeya_runtime::{FThetaRestorer, KvDtype, KvMode, KvPolicy};
 use kakeya_weights::FThetaCheckpoint;
 
@@ -89,7 +89,7 @@ pub fn load_f_theta(
     dir: &Path,
     model_path: &Path,
     drafter_dir: &Path,
-    model: &Gemma3Model,
+    model: &GemmaModel,
     drafter: &DFlashDrafter,
 ) -> Result<FThetaRestorer> {
     let ck = FThetaCheckpoint::read_dir(dir)
@@ -129,7 +129,7 @@ impl KvRun {
     pub fn prepare(
         kv: &KvArgs,
         model_args: &crate::common::ModelArgs,
-        model: &Gemma3Model,
+        model: &GemmaModel,
         drafter_dir: Option<&Path>,
         spec_drafter: Option<&DFlashDrafter>,
     ) -> Result<Self> {

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
 use kakeya_capture::job::sha256_path;
-use kakeya_models::Gemma3Model;
+use kakeya_models::GemmaModel;
 use kakeya_train::ftheta::{FEvent, FThetaTrainConfig};
 use kakeya_train::{DrafterTrainConfig, Event, TrainOptions};
 use kakeya_weights::Checkpoint;
@@ -97,7 +97,7 @@ fn f_theta(config: PathBuf, resume: bool, device: DeviceKind) -> Result<()> {
     let vpath = &cfg.model.verifier;
     let ck =
         Checkpoint::load(vpath).with_context(|| format!("loading verifier {}", vpath.display()))?;
-    let verifier = Gemma3Model::from_checkpoint(ck, &device)?;
+    let verifier = GemmaModel::from_checkpoint(ck, &device)?;
     let vsha = sha256_path(vpath)?;
     let dsha = sha256_path(&cfg.model.drafter)?;
     let setup = kakeya_train::ftheta::prepare(&cfg, &verifier, &vsha, &dsha)?;
@@ -190,7 +190,7 @@ fn drafter(config: PathBuf, resume: bool, device: DeviceKind) -> Result<()> {
     let vpath = &cfg.model.verifier;
     let ck =
         Checkpoint::load(vpath).with_context(|| format!("loading verifier {}", vpath.display()))?;
-    let verifier = Gemma3Model::from_checkpoint(ck, &device)?;
+    let verifier = GemmaModel::from_checkpoint(ck, &device)?;
     let sha = sha256_path(vpath)?;
     let prep = kakeya_train::prepare(&cfg, &verifier, &sha)?;
     eprintln!(

@@ -11,7 +11,7 @@ use std::process::Stdio;
 mod common;
 
 use common::{fails, kakeya, run_ok, tiny_model_dir};
-use kakeya_models::Gemma3Model;
+use kakeya_models::GemmaModel;
 use kakeya_models::testing::{Scratch, byte_fallback_tokenizer_json, chat_tokenizer_json};
 use kakeya_runtime::chat::ChatSession;
 use kakeya_runtime::{GenerationConfig, RunawayGuard, Sampling};
@@ -176,7 +176,7 @@ fn interactive_chat_carries_the_conversation_like_the_library_session() {
     // The same conversation through the library's chat session (the empty line is skipped).
     let ck = Checkpoint::load(&m).unwrap();
     let tok = Tokenizer::load(&m.join("tokenizer.json"), 97).unwrap();
-    let model = Gemma3Model::from_checkpoint(ck, &burn::tensor::Device::flex()).unwrap();
+    let model = GemmaModel::from_checkpoint(ck, &burn::tensor::Device::flex()).unwrap();
     let guard = RunawayGuard::default();
     let cfg = GenerationConfig {
         max_tokens: 30,
@@ -425,7 +425,7 @@ fn convert_writes_the_folder_transformers_loads() {
         Checkpoint::load(&gguf).unwrap().config,
         "the same config from the GGUF metadata and the folder's config.json"
     );
-    let model = Gemma3Model::from_checkpoint(ck, &burn::tensor::Device::flex()).unwrap();
+    let model = GemmaModel::from_checkpoint(ck, &burn::tensor::Device::flex()).unwrap();
     for case in fixture["cases"].as_array().unwrap() {
         let ids: Vec<u32> = serde_json::from_value(case["prompt_ids"].clone()).unwrap();
         // f32 K/V, as the golden tests' 1e-3 comparison (the default 16-bit caches round them).

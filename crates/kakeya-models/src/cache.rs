@@ -310,7 +310,7 @@ pub trait KvLayers: Send {
     }
 
     /// Every layer's [`LayerCache::truncate`]: positions `>= len` forgotten (a recorded
-    /// forward puts its caches back before each run: `crate::gemma3::replay`).
+    /// forward puts its caches back before each run: `crate::gemma::replay`).
     fn truncate(&mut self, len: usize) -> Result<()>;
 }
 

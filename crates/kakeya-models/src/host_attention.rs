@@ -2,12 +2,12 @@
 //! over a few hundred keys are too small for a GEMM (Burn's matmul packs the keys and the
 //! values for every call, ≈ 11 % of an eight-sequence decode step), so each row's scores,
 //! softmax and value sums run here over the buffers in place, as the fixed-order sums of
-//! [`kakeya_weights::rowops`]. A row's result depends only on its query and the keys it
+//! [`kakeya_kernels::rowops`]. A row's result depends only on its query and the keys it
 //! reads, never on the other rows.
 
 use burn::backend::{BackendTensor, DispatchTensorKind};
 use burn::tensor::Tensor;
-use kakeya_weights::rowops::{self, Rows};
+use kakeya_kernels::rowops::{self, Rows};
 use rayon::prelude::*;
 
 use crate::cache::{HostTier, KvPart};
@@ -98,7 +98,7 @@ impl HostView {
         let at = |j: usize| self.offset + h * self.head_stride + j * self.row_stride;
         let out = &mut out[..keys.len() * dim];
         if self.half {
-            use kakeya_weights::rowops::widen_f16;
+            use kakeya_kernels::rowops::widen_f16;
             let src = self.tensor.storage::<half::f16>();
             match keys.first() {
                 Some(&first) if run => {
@@ -349,7 +349,7 @@ fn softmax_terms(s: &mut [f32], group: usize, scale: f32) -> (Vec<f32>, Vec<f32>
 /// `h / (heads / kv_heads)`), `softmax(scale · q_h·k_j) · v_j` over `keys` (in position order,
 /// the order their sums run), read from `sources`. Writes `out` (`heads · dim`, heads
 /// concatenated). The keys split into spans of [`KEY_SPAN`] (in parallel when there are
-/// several), each span's products [`kakeya_weights::rowops`]'s fixed-order sums over tiles of
+/// several), each span's products [`kakeya_kernels::rowops`]'s fixed-order sums over tiles of
 /// [`KEY_TILE`] keys counted from the row's first key (f16 keys and values widened, quantised
 /// ones dequantised, a tile at a time); the spans merge in order, rescaled to the row's
 /// largest score. Neither the tiling nor the split depends on how the keys are divided into

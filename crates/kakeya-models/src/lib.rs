@@ -1,4 +1,4 @@
-//! Kakeya's models — pure math over Burn tensors, no file I/O: the Gemma 3 verifier and the
+//! Kakeya's models — pure math over Burn tensors, no file I/O: the Gemma verifier (Gemma 3 and 4) and the
 //! DFlash drafter. Each
 //! model declares its cache layout ([`cache::CacheSpec`]); callers own the caches.
 
@@ -8,7 +8,7 @@ pub mod dflash;
 pub mod draw;
 pub mod error;
 pub mod ftheta;
-pub mod gemma3;
+pub mod gemma;
 pub mod gpu;
 pub mod host_attention;
 pub mod linear;
@@ -26,5 +26,5 @@ pub use dflash::{DFlashDrafter, DraftOutput, DraftRequest};
 pub use draw::Draw;
 pub use error::{ModelError, Result};
 pub use ftheta::FTheta;
-pub use gemma3::{ForwardOutput, ForwardRequest, Gemma3Model, Logits};
+pub use gemma::{ForwardOutput, ForwardRequest, GemmaModel, Logits};
 pub use tree_rows::{TREE_MAX_ROWS, TreeRows};

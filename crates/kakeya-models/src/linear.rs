@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use burn::tensor::{Device, Tensor, TensorData};
-use kakeya_weights::{DenseMatrix, QuantMatrix};
+use kakeya_kernels::{DenseMatrix, QuantMatrix};
 
 /// On the CPU, quantised weights take the block kernel at any row count, and their certified
 /// argmax (the greedy choice of decode steps and verify blocks) searches this many rows at a
@@ -262,7 +262,7 @@ impl Linear {
     /// Gemma's gated MLP, `down(gelu_tanh(gate(x)) · up(x))`. On a GPU, gate and up take
     /// one launch and the gated GELU one kernel; on the CPU with quantised weights, gate and up
     /// take one parallel loop and the gated GELU runs over the host rows
-    /// ([`crate::activation::gelu_tanh_mul`]), with no tensor between the three products.
+    /// ([`kakeya_kernels::activation::gelu_tanh_mul`]), with no tensor between the three products.
     ///
     /// # Shapes
     /// - `x`: `[T, in]` → `[T, down's out]`
@@ -295,7 +295,7 @@ impl Linear {
         let q = exact_quants(&[gate, up, down]).expect("gelu_mlp_host: quantised maps");
         let mut gu = QuantMatrix::matmul_many(&q[..2], x, t).into_iter();
         let (mut g, u) = (gu.next().expect("gate's"), gu.next().expect("up's"));
-        crate::activation::gelu_tanh_mul(&mut g, &u);
+        kakeya_kernels::activation::gelu_tanh_mul(&mut g, &u);
         q[2].matmul(&g, t)
     }
 

@@ -50,8 +50,8 @@ impl RmsNorm {
         );
         for row in x.chunks_exact_mut(dim) {
             let mut ss = [0.0f32];
-            kakeya_weights::rowops::row_dots(
-                kakeya_weights::rowops::Rows::F32(row),
+            kakeya_kernels::rowops::row_dots(
+                kakeya_kernels::rowops::Rows::F32(row),
                 1,
                 row,
                 1,

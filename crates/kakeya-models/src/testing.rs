@@ -2,12 +2,12 @@
 
 use std::collections::BTreeMap;
 
+use kakeya_kernels::QuantMatrix;
+use kakeya_kernels::dequant::{GgmlType, dequantize};
 use kakeya_weights::checkpoint::{expected_tensors, is_gemma_norm};
-use kakeya_weights::dequant::{GgmlType, dequantize};
 use kakeya_weights::ftheta::{FTHETA_FORMAT, FTHETA_VERSION, FThetaInputs, ModelRef};
 use kakeya_weights::{
-    AttentionKind, Checkpoint, DFlashConfig, DraftCheckpoint, FThetaConfig, Gemma3Config,
-    HostTensor, QuantMatrix,
+    AttentionKind, Checkpoint, DFlashConfig, DraftCheckpoint, FThetaConfig, GemmaConfig, HostTensor,
 };
 
 /// The device tests run on: the CPU, or with the `wgpu` (`cuda`) feature and
@@ -31,8 +31,8 @@ pub fn test_device() -> burn::tensor::Device {
 }
 
 /// A small Gemma 3 config: 6 layers (layer 5 global), window `window`.
-pub fn tiny_config(window: usize) -> Gemma3Config {
-    Gemma3Config {
+pub fn tiny_config(window: usize) -> GemmaConfig {
+    GemmaConfig {
         vocab_size: 97,
         hidden_size: 32,
         intermediate_size: 64,
@@ -76,7 +76,7 @@ fn values(n: usize, seed: &mut u64, scale: f32) -> Vec<f32> {
 }
 
 /// A random checkpoint for `config` (norm multipliers near 1, weights ~ U(±0.2)).
-pub fn random_checkpoint(config: &Gemma3Config, seed: u64) -> Checkpoint {
+pub fn random_checkpoint(config: &GemmaConfig, seed: u64) -> Checkpoint {
     let mut s = seed;
     let mut tensors = BTreeMap::new();
     for (name, shape) in expected_tensors(config) {
@@ -99,7 +99,7 @@ pub fn random_checkpoint(config: &Gemma3Config, seed: u64) -> Checkpoint {
 /// also held as Q8_0 blocks, the dense values being the blocks' exact dequantisation: on the
 /// CPU the model then runs decode steps and small blocks through the batch-invariant block
 /// kernel, as the real GGUF model does.
-pub fn random_quantized_checkpoint(config: &Gemma3Config, seed: u64) -> Checkpoint {
+pub fn random_quantized_checkpoint(config: &GemmaConfig, seed: u64) -> Checkpoint {
     let mut ck = random_checkpoint(config, seed);
     for (name, t) in &mut ck.tensors {
         if t.shape.len() != 2 || !(name.ends_with("_proj.weight") || name.contains("embed_tokens"))
@@ -161,7 +161,7 @@ fn q8_0_blocks(values: &[f32]) -> Vec<u8> {
 
 /// A drafter config fitting `verifier`: `layers` layers with the verifier's head layout,
 /// `block_size`, default target layers, mask token 4.
-pub fn drafter_config(verifier: &Gemma3Config, layers: usize, block_size: usize) -> DFlashConfig {
+pub fn drafter_config(verifier: &GemmaConfig, layers: usize, block_size: usize) -> DFlashConfig {
     DFlashConfig {
         hidden_size: verifier.hidden_size,
         intermediate_size: verifier.intermediate_size,

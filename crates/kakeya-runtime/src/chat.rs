@@ -65,7 +65,7 @@ pub enum ChatError {
 }
 
 /// Whether [`format_chat`]'s turns are `config`'s model's own: Gemma 3's, not Gemma 4's.
-pub fn check_template(config: &kakeya_weights::Gemma3Config) -> std::result::Result<(), ChatError> {
+pub fn check_template(config: &kakeya_weights::GemmaConfig) -> std::result::Result<(), ChatError> {
     if config.gemma4.is_some() {
         return Err(ChatError::OtherTemplate);
     }
@@ -136,7 +136,7 @@ pub struct ChatSession<'m> {
 impl<'m> ChatSession<'m> {
     /// An empty chat. Sliding-window rings keep enough slack to roll back what the loop guard
     /// `guard` can trim from a reply.
-    pub fn new(model: &'m kakeya_models::Gemma3Model, guard: &RunawayGuard) -> Self {
+    pub fn new(model: &'m kakeya_models::GemmaModel, guard: &RunawayGuard) -> Self {
         Self {
             session: Session::new(model, guard.max_unit * guard.min_repeats + 1),
             transcript: Vec::new(),

@@ -91,7 +91,7 @@ pub struct Generation {
     pub stats: GenerationStats,
     /// Speculation figures (speculative decoding only).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub spec: Option<crate::spec::SpecStats>,
+    pub spec: Option<crate::speculative::SpecStats>,
 }
 
 /// Collects generated tokens and applies the stop rules one token at a time, so that every

@@ -9,7 +9,7 @@ pub mod kv;
 pub mod prefix;
 pub mod sampler;
 pub mod session;
-pub mod spec;
+pub mod speculative;
 pub mod stream;
 
 pub use error::{Result, RuntimeError};
@@ -25,7 +25,7 @@ pub use kv::{
 pub use prefix::{PrefixCache, PrefixStats};
 pub use sampler::{Sampler, Sampling, Scores};
 pub use session::{KvSetup, Session, Verified, Want};
-pub use spec::{
+pub use speculative::{
     CombinedProposer, CostLine, Costs, DFlashProposer, DraftKind, DraftSource, NgramProposer,
     NgramTable, Proposer, ReplayProposer, Schedule, SpecConfig, SpecDecoder, SpecStats, TreeDrafts,
     Verifier, accept_greedy, speculative_generate, speculative_generate_tree,

@@ -11,13 +11,13 @@
 //! This is lossless only where a position's K/V does not depend on how the prompt was cut
 //! into chunks: every layer cached natively (the `full` KV mode: no position demoted or
 //! evicted while the prompt runs) and every row computed on its own (see
-//! [`Gemma3Model::rows_invariant_at_any_count`]). [`PrefixCache::applies`] says when; the
+//! [`GemmaModel::rows_invariant_at_any_count`]). [`PrefixCache::applies`] says when; the
 //! server turns the cache off otherwise.
 //!
 //! Entries are evicted least recently used first, keeping the bytes their sessions hold
 //! (measured from their buffers, [`Session::kv_bytes`]) within a budget.
 
-use kakeya_models::Gemma3Model;
+use kakeya_models::GemmaModel;
 
 use crate::kv::{KvMode, KvPolicy};
 use crate::session::Session;
@@ -72,7 +72,7 @@ impl<'m> PrefixCache<'m> {
 
     /// Whether a prefix taken from the cache gives exactly the numbers of computing it: the
     /// policy keeps every position natively and `model` computes every row on its own.
-    pub fn applies(model: &Gemma3Model, policy: &KvPolicy) -> bool {
+    pub fn applies(model: &GemmaModel, policy: &KvPolicy) -> bool {
         policy.mode == KvMode::Full && model.rows_invariant_at_any_count()
     }
 

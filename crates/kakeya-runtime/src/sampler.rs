@@ -33,7 +33,7 @@ pub struct Sampler {
 }
 
 /// Index of the largest value (first on ties); `None` for an empty slice.
-pub use kakeya_weights::argmax::first_max as argmax;
+pub use kakeya_kernels::argmax::first_max as argmax;
 
 /// What the next token is chosen from: a forward's logits, or — for greedy decoding — the
 /// greedy choice alone (exactly the logits' argmax, found without most of them where the

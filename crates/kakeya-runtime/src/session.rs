@@ -10,7 +10,7 @@
 
 use burn::tensor::Tensor;
 use kakeya_models::{
-    DFlashDrafter, DraftContext, ForwardOutput, ForwardRequest, Gemma3Model, KvLayers, Logits,
+    DFlashDrafter, DraftContext, ForwardOutput, ForwardRequest, GemmaModel, KvLayers, Logits,
     TreeRows,
 };
 
@@ -120,7 +120,7 @@ impl<'m> KvSetup<'m> {
 /// side writes them (copy on write): the prefix cache forks sessions this way.
 #[derive(Debug, Clone)]
 pub struct Session<'m> {
-    model: &'m Gemma3Model,
+    model: &'m GemmaModel,
     policy: KvPolicy,
     kv: SequenceKv<'m>,
     drafter: Option<&'m DFlashDrafter>,
@@ -142,13 +142,13 @@ const BACKLOG_MAX: usize = 64;
 impl<'m> Session<'m> {
     /// An empty sequence with the model's native caches; rings keep `slack` positions of
     /// exact rollback.
-    pub fn new(model: &'m Gemma3Model, slack: usize) -> Self {
+    pub fn new(model: &'m GemmaModel, slack: usize) -> Self {
         Self::with_kv(model, KvSetup::full(slack)).expect("native caches need nothing")
     }
 
     /// An empty sequence under `setup`; refuses a policy that does not fit the model or lacks
     /// what it needs (a restorer, a drafter for the store).
-    pub fn with_kv(model: &'m Gemma3Model, setup: KvSetup<'m>) -> Result<Self> {
+    pub fn with_kv(model: &'m GemmaModel, setup: KvSetup<'m>) -> Result<Self> {
         let c = &model.config;
         setup.policy.check(c.max_position_embeddings, 1)?;
         let mode = setup.policy.mode;
@@ -209,7 +209,7 @@ impl<'m> Session<'m> {
     }
 
     /// The model.
-    pub fn model(&self) -> &'m Gemma3Model {
+    pub fn model(&self) -> &'m GemmaModel {
         self.model
     }
 

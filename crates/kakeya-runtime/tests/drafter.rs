@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 use burn::tensor::{Device, Tensor, TensorData};
 use kakeya_models::testing::{drafter_config, random_checkpoint, random_drafter, tiny_config};
-use kakeya_models::{DFlashDrafter, DraftContext, DraftRequest, Gemma3Model, ModelError};
+use kakeya_models::{DFlashDrafter, DraftContext, DraftRequest, GemmaModel, ModelError};
 use kakeya_runtime::CompactStore;
 use kakeya_weights::{DraftCheckpoint, HostTensor};
 
@@ -25,7 +25,7 @@ fn floats(v: &serde_json::Value) -> Vec<f32> {
 }
 
 /// A tiny verifier (vocab 97, hidden 32) whose embedding is the fixture's.
-fn verifier_with_embedding(embed: Vec<f32>) -> Gemma3Model {
+fn verifier_with_embedding(embed: Vec<f32>) -> GemmaModel {
     let mut ck = random_checkpoint(&tiny_config(8), 3);
     ck.tensors.insert(
         "model.embed_tokens.weight".into(),
@@ -34,7 +34,7 @@ fn verifier_with_embedding(embed: Vec<f32>) -> Gemma3Model {
             data: embed,
         },
     );
-    Gemma3Model::from_checkpoint(ck, &Device::flex()).unwrap()
+    GemmaModel::from_checkpoint(ck, &Device::flex()).unwrap()
 }
 
 #[test]
@@ -89,11 +89,11 @@ fn drafter_logits_match_zlab_reference() {
     assert_eq!(caches.len(), 8, "context cache holds 5 + 3 positions");
 }
 
-fn tiny_verifier() -> Gemma3Model {
-    Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(8), 3), &Device::flex()).unwrap()
+fn tiny_verifier() -> GemmaModel {
+    GemmaModel::from_checkpoint(random_checkpoint(&tiny_config(8), 3), &Device::flex()).unwrap()
 }
 
-fn mismatch(ck: DraftCheckpoint, verifier: &Gemma3Model) -> String {
+fn mismatch(ck: DraftCheckpoint, verifier: &GemmaModel) -> String {
     match DFlashDrafter::from_checkpoint(ck, verifier) {
         Err(e @ ModelError::Mismatch { .. }) => e.to_string(),
         Err(other) => panic!("expected a mismatch error, got {other}"),

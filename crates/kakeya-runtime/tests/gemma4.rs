@@ -6,7 +6,7 @@ mod common;
 
 use burn::tensor::{Device, Tensor};
 use kakeya_models::LayerCache;
-use kakeya_models::{ForwardRequest, Gemma3Model, Logits};
+use kakeya_models::{ForwardRequest, GemmaModel, Logits};
 use kakeya_runtime::{KvCache, KvDtype, KvMode, KvPolicy, KvSetup, Session};
 use kakeya_weights::Checkpoint;
 use serde_json::Value;
@@ -40,12 +40,12 @@ fn checkpoint(name: &str, src: Source) -> Checkpoint {
     .unwrap()
 }
 
-fn load(name: &str) -> Gemma3Model {
+fn load(name: &str) -> GemmaModel {
     load_from(name, Source::Hf)
 }
 
-fn load_from(name: &str, src: Source) -> Gemma3Model {
-    Gemma3Model::from_checkpoint(checkpoint(name, src), &Device::flex()).unwrap()
+fn load_from(name: &str, src: Source) -> GemmaModel {
+    GemmaModel::from_checkpoint(checkpoint(name, src), &Device::flex()).unwrap()
 }
 
 fn rows(t: Tensor<2>) -> Vec<Vec<f32>> {
@@ -121,7 +121,7 @@ fn matches_transformers_from(name: &str, src: Source) {
     let mut seq = prompt.clone();
     let mut generated = Vec::new();
     for _ in 0..want["greedy"].as_array().unwrap().len() {
-        let next = kakeya_weights::argmax::first_max(&row).unwrap() as u32;
+        let next = kakeya_kernels::argmax::first_max(&row).unwrap() as u32;
         generated.push(next);
         seq.push(next);
         let full = {
@@ -261,7 +261,7 @@ fn chat_on_gemma4_is_refused_not_formatted_with_gemma3s_template() {
 fn missing_or_misshapen_tensors_and_a_foreign_drafter_are_refused() {
     let mut ck = checkpoint("dense", Source::Hf);
     ck.tensors.remove("model.layers.3.layer_scalar").unwrap();
-    let e = Gemma3Model::from_checkpoint(ck, &Device::flex())
+    let e = GemmaModel::from_checkpoint(ck, &Device::flex())
         .unwrap_err()
         .to_string();
     assert!(e.contains("model.layers.3.layer_scalar"), "{e}");
@@ -275,7 +275,7 @@ fn missing_or_misshapen_tensors_and_a_foreign_drafter_are_refused() {
         .unwrap();
     t.shape = vec![t.shape[0], t.shape[1] / 2];
     t.data.truncate(t.shape[0] * t.shape[1]);
-    let e = Gemma3Model::from_checkpoint(ck, &Device::flex())
+    let e = GemmaModel::from_checkpoint(ck, &Device::flex())
         .unwrap_err()
         .to_string();
     assert!(e.contains("model.layers.2.self_attn.k_proj.weight"), "{e}");

@@ -11,7 +11,7 @@ mod common;
 
 use common::{gemma4, max_diff, oracle_restorer, random_f_theta_restorer, tiny_prompt};
 use kakeya_models::testing::{drafter_config, random_drafter};
-use kakeya_models::{DFlashDrafter, Gemma3Model};
+use kakeya_models::{DFlashDrafter, GemmaModel};
 use kakeya_runtime::kv::{KvMode, KvPolicy, LayerKv};
 use kakeya_runtime::{
     DFlashProposer, Generation, KvSetup, Session, SpecConfig, Verifier, generate,
@@ -34,7 +34,7 @@ fn policy(mode: KvMode, sink: usize, window: usize) -> KvPolicy {
     }
 }
 
-fn plain(v: &Gemma3Model, s: KvSetup<'_>, p: &[u32], n: usize) -> Generation {
+fn plain(v: &GemmaModel, s: KvSetup<'_>, p: &[u32], n: usize) -> Generation {
     let mut session = Session::with_kv(v, s).unwrap();
     generate(
         &mut session,
@@ -46,7 +46,7 @@ fn plain(v: &Gemma3Model, s: KvSetup<'_>, p: &[u32], n: usize) -> Generation {
 }
 
 /// Logits of the prompt's last position and of every step feeding `tokens`.
-fn trace(v: &Gemma3Model, s: KvSetup<'_>, p: &[u32], tokens: &[u32]) -> Vec<Vec<f32>> {
+fn trace(v: &GemmaModel, s: KvSetup<'_>, p: &[u32], tokens: &[u32]) -> Vec<Vec<f32>> {
     common::trace(v, s, 5, p, tokens)
 }
 

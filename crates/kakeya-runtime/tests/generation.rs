@@ -12,7 +12,7 @@ use kakeya_models::testing::{
     Scratch, byte_fallback_tokenizer_json, chat_tokenizer_json, drafter_config, random_checkpoint,
     random_drafter, random_quantized_checkpoint, tiny_config,
 };
-use kakeya_models::{DFlashDrafter, DraftContext, Gemma3Model};
+use kakeya_models::{DFlashDrafter, DraftContext, GemmaModel};
 use kakeya_runtime::chat::ChatSession;
 use kakeya_runtime::{
     Generation, GenerationConfig, KvSetup, RunawayGuard, Sampler, Sampling, Session, StopReason,
@@ -22,15 +22,15 @@ use kakeya_weights::Tokenizer;
 
 const WINDOW: usize = 8;
 
-fn verifier(seed: u64) -> Gemma3Model {
-    Gemma3Model::from_checkpoint(
+fn verifier(seed: u64) -> GemmaModel {
+    GemmaModel::from_checkpoint(
         random_checkpoint(&tiny_config(WINDOW), seed),
         &Device::flex(),
     )
     .unwrap()
 }
 
-fn drafter(v: &Gemma3Model, block: usize) -> DFlashDrafter {
+fn drafter(v: &GemmaModel, block: usize) -> DFlashDrafter {
     let c = drafter_config(&v.config, 1, block);
     DFlashDrafter::from_checkpoint(random_drafter(&c, 9), v).unwrap()
 }
@@ -51,7 +51,7 @@ fn cfg(max_tokens: usize, sampling: Sampling) -> GenerationConfig {
     }
 }
 
-fn ar(v: &Gemma3Model, p: &[u32], c: &GenerationConfig) -> Generation {
+fn ar(v: &GemmaModel, p: &[u32], c: &GenerationConfig) -> Generation {
     generate(&mut Session::new(v, 0), p, c, &mut |_| {}).unwrap()
 }
 
@@ -276,7 +276,7 @@ fn streamed_text_equals_decoding_everything_at_once_across_split_characters() {
 fn batched_generation_equals_each_sequence_alone() {
     // Q8_0 weights: projections of up to 16 rows run the batch-invariant block kernel, as on
     // the real model, so stacking sequences must not change a bit.
-    let v = Gemma3Model::from_checkpoint(
+    let v = GemmaModel::from_checkpoint(
         random_quantized_checkpoint(&tiny_config(WINDOW), 3),
         &Device::flex(),
     )

@@ -22,7 +22,7 @@ const LOGIT_TOL: f32 = 1e-3;
 const F16_LOGIT_TOL: f32 = 0.1;
 
 /// A session with the native caches stored as `dtype`.
-fn session(model: &kakeya_models::Gemma3Model, dtype: KvDtype) -> Session<'_> {
+fn session(model: &kakeya_models::GemmaModel, dtype: KvDtype) -> Session<'_> {
     let policy = KvPolicy {
         dtype,
         ..KvPolicy::new(KvMode::Full)
@@ -76,7 +76,7 @@ fn logits_and_greedy_match_transformers() {
 
 /// Every fixture case with the cache stored as `dtype`: what fails, each case reported.
 fn compare(
-    model: &kakeya_models::Gemma3Model,
+    model: &kakeya_models::GemmaModel,
     tok: &kakeya_weights::Tokenizer,
     dtype: KvDtype,
     tol: f32,

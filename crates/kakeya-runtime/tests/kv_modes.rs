@@ -12,7 +12,7 @@ mod common;
 use burn::tensor::Device;
 use common::{NoisyReplay, max_diff, oracle_restorer, random_f_theta_restorer, tiny_prompt};
 use kakeya_models::testing::{drafter_config, random_checkpoint, random_drafter, tiny_config};
-use kakeya_models::{DFlashDrafter, Gemma3Model};
+use kakeya_models::{DFlashDrafter, GemmaModel};
 use kakeya_runtime::kv::{Bits, Keep, KvMode, KvPolicy, LayerRule, Restorer};
 use kakeya_runtime::{
     DFlashProposer, Generation, GenerationConfig, KvSetup, Proposer, Session, SpecConfig, Verifier,
@@ -22,12 +22,12 @@ use kakeya_runtime::{
 /// Native sliding window of the tiny verifier (layer 5 is global).
 const NATIVE: usize = 24;
 
-fn verifier() -> Gemma3Model {
-    Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(NATIVE), 11), &Device::flex())
+fn verifier() -> GemmaModel {
+    GemmaModel::from_checkpoint(random_checkpoint(&tiny_config(NATIVE), 11), &Device::flex())
         .unwrap()
 }
 
-fn drafter(v: &Gemma3Model, block: usize) -> DFlashDrafter {
+fn drafter(v: &GemmaModel, block: usize) -> DFlashDrafter {
     let c = drafter_config(&v.config, 2, block);
     DFlashDrafter::from_checkpoint(random_drafter(&c, 5), v).unwrap()
 }
@@ -53,7 +53,7 @@ fn setup<'m>(p: KvPolicy, d: &'m DFlashDrafter, r: &'m dyn Restorer) -> KvSetup<
     KvSetup::new(p).drafter(d).restorer(r)
 }
 
-fn plain(v: &Gemma3Model, s: KvSetup<'_>, p: &[u32], n: usize) -> Generation {
+fn plain(v: &GemmaModel, s: KvSetup<'_>, p: &[u32], n: usize) -> Generation {
     generate(
         &mut Session::with_kv(v, s).unwrap(),
         p,
@@ -64,7 +64,7 @@ fn plain(v: &Gemma3Model, s: KvSetup<'_>, p: &[u32], n: usize) -> Generation {
 }
 
 fn spec(
-    v: &Gemma3Model,
+    v: &GemmaModel,
     s: KvSetup<'_>,
     prop: &mut dyn Proposer,
     p: &[u32],
@@ -84,7 +84,7 @@ fn spec(
 }
 
 /// Logits of the prompt's last position and of every step feeding `tokens`.
-fn trace(v: &Gemma3Model, s: KvSetup<'_>, p: &[u32], tokens: &[u32]) -> Vec<Vec<f32>> {
+fn trace(v: &GemmaModel, s: KvSetup<'_>, p: &[u32], tokens: &[u32]) -> Vec<Vec<f32>> {
     common::trace(v, s, 16, p, tokens)
 }
 

@@ -10,21 +10,21 @@ use burn::tensor::Device;
 use kakeya_models::testing::{
     drafter_config, random_checkpoint, random_drafter, random_quantized_checkpoint, tiny_config,
 };
-use kakeya_models::{DFlashDrafter, Gemma3Model, KvPart};
+use kakeya_models::{DFlashDrafter, GemmaModel, KvPart};
 use kakeya_runtime::{KvMode, KvPolicy, KvSetup, PrefixCache, Session};
 
 /// The tiny model's sliding window: short, so that rings wrap.
 const WINDOW: usize = 8;
 
-fn quantized(window: usize) -> Gemma3Model {
-    Gemma3Model::from_checkpoint(
+fn quantized(window: usize) -> GemmaModel {
+    GemmaModel::from_checkpoint(
         random_quantized_checkpoint(&tiny_config(window), 7),
         &Device::flex(),
     )
     .unwrap()
 }
 
-fn drafter(v: &Gemma3Model) -> DFlashDrafter {
+fn drafter(v: &GemmaModel) -> DFlashDrafter {
     DFlashDrafter::from_checkpoint(random_drafter(&drafter_config(&v.config, 1, 4), 3), v).unwrap()
 }
 
@@ -233,7 +233,7 @@ fn the_cache_is_off_where_a_fork_could_change_numbers() {
     ));
     // Dense weights go through a GEMM whose sums depend on the chunk's rows.
     let dense =
-        Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(WINDOW), 7), &Device::flex())
+        GemmaModel::from_checkpoint(random_checkpoint(&tiny_config(WINDOW), 7), &Device::flex())
             .unwrap();
     assert!(!PrefixCache::applies(&dense, &KvPolicy::default()));
 }

@@ -7,7 +7,7 @@ mod common;
 use burn::tensor::Device;
 use common::{NoisyReplay, tiny_prompt};
 use kakeya_models::testing::{drafter_config, random_checkpoint, random_drafter, tiny_config};
-use kakeya_models::{DFlashDrafter, Gemma3Model};
+use kakeya_models::{DFlashDrafter, GemmaModel};
 use kakeya_runtime::{
     CombinedProposer, Costs, DFlashProposer, Generation, KvMode, KvPolicy, KvSetup, NgramProposer,
     Proposer, Session, SpecConfig, Verifier, generate, speculative_generate,
@@ -22,11 +22,11 @@ const COSTS: Costs = Costs::Linear {
     draft_us: 0,
 };
 
-fn verifier(seed: u64) -> Gemma3Model {
-    Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(8), seed), &Device::flex()).unwrap()
+fn verifier(seed: u64) -> GemmaModel {
+    GemmaModel::from_checkpoint(random_checkpoint(&tiny_config(8), seed), &Device::flex()).unwrap()
 }
 
-fn drafter(v: &Gemma3Model, block: usize, seed: u64) -> DFlashDrafter {
+fn drafter(v: &GemmaModel, block: usize, seed: u64) -> DFlashDrafter {
     DFlashDrafter::from_checkpoint(
         random_drafter(&drafter_config(&v.config, 2, block), seed),
         v,
@@ -43,7 +43,7 @@ fn prompt(i: usize) -> Vec<u32> {
     p
 }
 
-fn greedy(v: &Gemma3Model, p: &[u32], n: usize) -> Vec<u32> {
+fn greedy(v: &GemmaModel, p: &[u32], n: usize) -> Vec<u32> {
     generate(
         &mut Session::new(v, 0),
         p,
@@ -55,7 +55,7 @@ fn greedy(v: &Gemma3Model, p: &[u32], n: usize) -> Vec<u32> {
 }
 
 fn spec(
-    v: &Gemma3Model,
+    v: &GemmaModel,
     setup: KvSetup<'_>,
     prop: &mut dyn Proposer,
     p: &[u32],

@@ -11,7 +11,7 @@ mod common;
 
 use common::{default_drafter, default_table, load, model_dir, trained_drafter};
 use kakeya_models::testing::{drafter_config, random_drafter};
-use kakeya_models::{DFlashDrafter, Gemma3Model};
+use kakeya_models::{DFlashDrafter, GemmaModel};
 use kakeya_runtime::{
     CombinedProposer, DFlashProposer, GenerationConfig, KvSetup, NgramProposer, Proposer,
     ReplayProposer, RunawayGuard, Sampling, Session, SpecConfig, Verifier, generate,
@@ -87,7 +87,7 @@ fn cfg(max_tokens: usize) -> GenerationConfig {
 }
 
 /// On a mismatch: the position, both tokens and the reference's top-1/top-2 logit gap there.
-fn divergence(v: &Gemma3Model, p: &[u32], want: &[u32], got: &[u32]) -> String {
+fn divergence(v: &GemmaModel, p: &[u32], want: &[u32], got: &[u32]) -> String {
     let i = want.iter().zip(got).take_while(|(a, b)| a == b).count();
     let mut s = Session::new(v, 0);
     let mut logits = s.prefill(p, 512).unwrap();
@@ -246,7 +246,7 @@ fn trained_drafters_are_lossless_and_get_drafts_accepted() {
 }
 
 fn drafter_is_lossless(
-    v: &Gemma3Model,
+    v: &GemmaModel,
     name: &str,
     d: &DFlashDrafter,
     prompts: &[Vec<u32>],

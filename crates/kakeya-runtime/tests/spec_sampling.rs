@@ -10,7 +10,7 @@ use std::collections::HashMap;
 
 use burn::tensor::Device;
 use common::{NoisyReplay, tiny_prompt};
-use kakeya_models::Gemma3Model;
+use kakeya_models::GemmaModel;
 use kakeya_models::testing::{random_checkpoint, tiny_config};
 use kakeya_runtime::{
     GenerationConfig, KvSetup, NgramProposer, Proposer, Sampler, Sampling, Session, SpecConfig,
@@ -20,8 +20,8 @@ use kakeya_runtime::{
 /// Runs (seeds) of the distribution test.
 const RUNS: u64 = 4000;
 
-fn model() -> Gemma3Model {
-    Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(8), 41), &Device::flex()).unwrap()
+fn model() -> GemmaModel {
+    GemmaModel::from_checkpoint(random_checkpoint(&tiny_config(8), 41), &Device::flex()).unwrap()
 }
 
 /// Top-6 sampling; a nucleus cut of 0.95 when `nucleus`.
@@ -41,14 +41,14 @@ fn cfg(temperature: f32, nucleus: bool, seed: u64, n: usize) -> GenerationConfig
     }
 }
 
-fn plain(v: &Gemma3Model, p: &[u32], cfg: &GenerationConfig) -> Vec<u32> {
+fn plain(v: &GemmaModel, p: &[u32], cfg: &GenerationConfig) -> Vec<u32> {
     generate(&mut Session::new(v, 0), p, cfg, &mut |_| {})
         .unwrap()
         .tokens
 }
 
 fn spec(
-    v: &Gemma3Model,
+    v: &GemmaModel,
     p: &[u32],
     cfg: &GenerationConfig,
     prop: &mut dyn Proposer,
@@ -79,7 +79,7 @@ fn speculative_sampling_commits_plain_samplings_tokens() {
 }
 
 /// The model's sampling probability of each sequence of `k` tokens after `p`.
-fn exact(v: &Gemma3Model, p: &[u32], temperature: f32, k: usize) -> HashMap<Vec<u32>, f64> {
+fn exact(v: &GemmaModel, p: &[u32], temperature: f32, k: usize) -> HashMap<Vec<u32>, f64> {
     let s = Sampler::new(sampling(temperature, false, 0));
     let mut out = HashMap::from([(Vec::new(), 1.0)]);
     for _ in 0..k {

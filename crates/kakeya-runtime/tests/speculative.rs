@@ -8,7 +8,7 @@ mod common;
 use burn::tensor::{Device, Tensor};
 use common::{NoisyReplay, tiny_prompt};
 use kakeya_models::testing::{drafter_config, random_checkpoint, random_drafter, tiny_config};
-use kakeya_models::{DFlashDrafter, DraftContext, Gemma3Model};
+use kakeya_models::{DFlashDrafter, DraftContext, GemmaModel};
 use kakeya_runtime::kv::HeldKv;
 use kakeya_runtime::{
     CompactStore, DFlashProposer, GenerationConfig, KvCache, KvDtype, KvMode, KvPolicy, KvSetup,
@@ -20,15 +20,15 @@ const WINDOW: usize = 8;
 /// Tolerance for K/V values computed in differently-shaped forwards.
 const TOL: f32 = 1e-4;
 
-fn verifier(seed: u64) -> Gemma3Model {
-    Gemma3Model::from_checkpoint(
+fn verifier(seed: u64) -> GemmaModel {
+    GemmaModel::from_checkpoint(
         random_checkpoint(&tiny_config(WINDOW), seed),
         &Device::flex(),
     )
     .unwrap()
 }
 
-fn drafter(v: &Gemma3Model, layers: usize, block: usize, seed: u64) -> DFlashDrafter {
+fn drafter(v: &GemmaModel, layers: usize, block: usize, seed: u64) -> DFlashDrafter {
     let c = drafter_config(&v.config, layers, block);
     DFlashDrafter::from_checkpoint(random_drafter(&c, seed), v).unwrap()
 }
@@ -42,14 +42,14 @@ fn cfg(max_tokens: usize) -> GenerationConfig {
 }
 
 /// Plain greedy decoding: the reference.
-fn greedy(v: &Gemma3Model, p: &[u32], max_tokens: usize) -> Vec<u32> {
+fn greedy(v: &GemmaModel, p: &[u32], max_tokens: usize) -> Vec<u32> {
     generate(&mut Session::new(v, 0), p, &cfg(max_tokens), &mut |_| {})
         .unwrap()
         .tokens
 }
 
 /// On a mismatch, the position and the reference's top-1/top-2 logit gap there.
-fn explain_divergence(v: &Gemma3Model, p: &[u32], want: &[u32], got: &[u32]) -> String {
+fn explain_divergence(v: &GemmaModel, p: &[u32], want: &[u32], got: &[u32]) -> String {
     let i = want.iter().zip(got).take_while(|(a, b)| a == b).count();
     let mut s = Session::new(v, 0);
     let mut logits = s.prefill(p, 64).unwrap();
@@ -68,7 +68,7 @@ fn explain_divergence(v: &Gemma3Model, p: &[u32], want: &[u32], got: &[u32]) -> 
 
 /// Drafts the verifier's own greedy continuation (replayed from a plain greedy run),
 /// corrupting each draft with probability `noise` (seeded).
-fn oracle(v: &Gemma3Model, p: &[u32], max_tokens: usize, noise: f64, seed: u64) -> NoisyReplay {
+fn oracle(v: &GemmaModel, p: &[u32], max_tokens: usize, noise: f64, seed: u64) -> NoisyReplay {
     NoisyReplay::new(p, &greedy(v, p, max_tokens + 16), noise, seed)
 }
 

@@ -5,14 +5,14 @@ mod common;
 
 use burn::tensor::{Device, Tensor};
 use kakeya_models::testing::{random_checkpoint, tiny_config};
-use kakeya_models::{ForwardRequest, Gemma3Model, KvSegment, LayerCache, Logits, Reach, SegmentKv};
+use kakeya_models::{ForwardRequest, GemmaModel, KvSegment, LayerCache, Logits, Reach, SegmentKv};
 use kakeya_runtime::{FullCache, KvCache, KvDtype, KvMode, KvPolicy, KvSetup, Session};
 
 /// Tolerance of f32 comparisons between differently-chunked computations of the same values.
 const TOL: f32 = 1e-4;
 
-fn model(window: usize) -> Gemma3Model {
-    Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(window), 11), &Device::flex())
+fn model(window: usize) -> GemmaModel {
+    GemmaModel::from_checkpoint(random_checkpoint(&tiny_config(window), 11), &Device::flex())
         .unwrap()
 }
 
@@ -38,7 +38,7 @@ fn assert_close(a: &[f32], b: &[f32], what: &str) {
 /// Logits of every position from one forward over the whole sequence (f32 caches: the tests
 /// compare paths that are not bit for bit the same, within a tolerance that 16-bit rounding
 /// would swamp).
-fn full_forward(m: &Gemma3Model, toks: &[u32]) -> Vec<Vec<f32>> {
+fn full_forward(m: &GemmaModel, toks: &[u32]) -> Vec<Vec<f32>> {
     let mut caches = KvCache::for_specs(&m.cache_specs(), 0, KvDtype::F32);
     rows(
         m.forward(&ForwardRequest::new(toks, 0, Logits::All), &mut caches)
@@ -218,7 +218,7 @@ fn greedy_choices_equal_the_argmax_of_the_logits() {
         } else {
             random_checkpoint(&tiny_config(4), 5)
         };
-        let m = Gemma3Model::from_checkpoint(ck, &Device::flex()).unwrap();
+        let m = GemmaModel::from_checkpoint(ck, &Device::flex()).unwrap();
         assert_eq!(m.head.quant.is_some(), quantised);
         for n in [1, 2, 5, 8, 16, 17, 30] {
             let toks = tokens(n);
@@ -268,7 +268,7 @@ fn greedy_choices_equal_the_argmax_of_the_logits() {
 fn a_blocks_rows_equal_single_steps_bit_for_bit() {
     use kakeya_models::testing::random_quantized_checkpoint;
     for window in [4, 64] {
-        let q = Gemma3Model::from_checkpoint(
+        let q = GemmaModel::from_checkpoint(
             random_quantized_checkpoint(&tiny_config(window), 3),
             &Device::flex(),
         )
@@ -286,7 +286,7 @@ fn a_blocks_rows_equal_single_steps_bit_for_bit() {
 fn rows_sharing_keys_at_depth_equal_single_steps() {
     let mut config = tiny_config(64);
     config.max_position_embeddings = 2048;
-    let m = Gemma3Model::from_checkpoint(random_checkpoint(&config, 13), &Device::flex()).unwrap();
+    let m = GemmaModel::from_checkpoint(random_checkpoint(&config, 13), &Device::flex()).unwrap();
     let depth = kakeya_models::host_attention::KEY_SPAN as u32 + 100;
     common::assert_blocks_equal_steps_after(&m, "dense, at depth", depth, 256);
     // A prompt chunk's rows (three blocks of shared keys) against the same positions decoded
@@ -324,7 +324,7 @@ fn the_int8_kernel_keeps_blocks_bit_for_bit_and_speculation_lossless() {
     use kakeya_models::linear::Kernel;
     use kakeya_models::testing::random_quantized_checkpoint;
     use kakeya_runtime::{KvSetup, SpecConfig, Verifier, generate, speculative_generate};
-    let exact = Gemma3Model::from_checkpoint(
+    let exact = GemmaModel::from_checkpoint(
         random_quantized_checkpoint(&tiny_config(4), 3),
         &Device::flex(),
     )
@@ -384,7 +384,7 @@ fn a_prompt_chunk_beside_decode_steps_is_bit_for_bit_its_own_forward() {
     use kakeya_models::linear::Kernel;
     use kakeya_models::testing::random_quantized_checkpoint;
     use kakeya_runtime::{Sampler, Sampling, Scores};
-    let exact = Gemma3Model::from_checkpoint(
+    let exact = GemmaModel::from_checkpoint(
         random_quantized_checkpoint(&tiny_config(4), 9),
         &Device::flex(),
     )

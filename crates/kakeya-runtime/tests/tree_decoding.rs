@@ -9,25 +9,25 @@ mod common;
 use burn::tensor::Device;
 use common::tiny_prompt;
 use kakeya_models::testing::{drafter_config, random_checkpoint, random_drafter, tiny_config};
-use kakeya_models::{DFlashDrafter, Gemma3Model};
+use kakeya_models::{DFlashDrafter, GemmaModel};
 use kakeya_runtime::kv::{KvMode, KvPolicy};
 use kakeya_runtime::{
     Generation, GenerationConfig, KvSetup, Sampling, Session, SpecConfig, TreeDrafts, Verifier,
     generate, speculative_generate_tree,
 };
 
-fn verifier(window: usize) -> Gemma3Model {
-    Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(window), 11), &Device::flex())
+fn verifier(window: usize) -> GemmaModel {
+    GemmaModel::from_checkpoint(random_checkpoint(&tiny_config(window), 11), &Device::flex())
         .unwrap()
 }
 
-fn drafter(v: &Gemma3Model, block: usize) -> DFlashDrafter {
+fn drafter(v: &GemmaModel, block: usize) -> DFlashDrafter {
     let c = drafter_config(&v.config, 2, block);
     DFlashDrafter::from_checkpoint(random_drafter(&c, 5), v).unwrap()
 }
 
 fn tree(
-    v: &Gemma3Model,
+    v: &GemmaModel,
     d: &DFlashDrafter,
     setup: KvSetup<'_>,
     p: &[u32],
@@ -39,7 +39,7 @@ fn tree(
     speculative_generate_tree(&mut ver, &mut drafts, p, cfg, sc, &mut |_| {}).unwrap()
 }
 
-fn plain(v: &Gemma3Model, setup: KvSetup<'_>, p: &[u32], cfg: &GenerationConfig) -> Vec<u32> {
+fn plain(v: &GemmaModel, setup: KvSetup<'_>, p: &[u32], cfg: &GenerationConfig) -> Vec<u32> {
     generate(
         &mut Session::with_kv(v, setup).unwrap(),
         p,

@@ -11,7 +11,7 @@ use common::{random_f_theta_restorer, tiny_prompt};
 use kakeya_models::testing::{
     drafter_config, random_checkpoint, random_drafter, random_quantized_checkpoint, tiny_config,
 };
-use kakeya_models::{DFlashDrafter, Gemma3Model, Logits, TreeRows};
+use kakeya_models::{DFlashDrafter, GemmaModel, Logits, TreeRows};
 use kakeya_runtime::kv::{KvMode, KvPolicy};
 use kakeya_runtime::{KvSetup, Session};
 
@@ -45,16 +45,16 @@ fn rows(t: Tensor<2>) -> Vec<Vec<f32>> {
     (0..n).map(|i| flat[i * v..(i + 1) * v].to_vec()).collect()
 }
 
-fn models(window: usize) -> [(Gemma3Model, &'static str); 2] {
+fn models(window: usize) -> [(GemmaModel, &'static str); 2] {
     let config = tiny_config(window);
     let device = Device::flex();
     [
         (
-            Gemma3Model::from_checkpoint(random_checkpoint(&config, 11), &device).unwrap(),
+            GemmaModel::from_checkpoint(random_checkpoint(&config, 11), &device).unwrap(),
             "dense",
         ),
         (
-            Gemma3Model::from_checkpoint(random_quantized_checkpoint(&config, 3), &device).unwrap(),
+            GemmaModel::from_checkpoint(random_quantized_checkpoint(&config, 3), &device).unwrap(),
             "quantised",
         ),
     ]
@@ -95,7 +95,7 @@ fn a_trees_rows_are_bit_for_bit_forwards_of_their_paths() {
     }
 }
 
-fn drafter(v: &Gemma3Model) -> DFlashDrafter {
+fn drafter(v: &GemmaModel) -> DFlashDrafter {
     let c = drafter_config(&v.config, 2, 8);
     DFlashDrafter::from_checkpoint(random_drafter(&c, 5), v).unwrap()
 }
@@ -105,7 +105,7 @@ fn drafter(v: &Gemma3Model) -> DFlashDrafter {
 /// both sessions compute the same logits (their capacities may differ: a tree's rows reserve
 /// room as a chain block's do). Returns the error of the first refused tree.
 fn trees_against_steps(
-    m: &Gemma3Model,
+    m: &GemmaModel,
     setup: KvSetup<'_>,
     rng: &mut Rng,
     what: &str,
@@ -156,7 +156,7 @@ fn keeping_a_path_leaves_the_caches_as_plain_decoding_would() {
 
 #[test]
 fn every_mode_but_f_thetas_keeps_paths_as_plain_decoding_would() {
-    let m = Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(24), 11), &Device::flex())
+    let m = GemmaModel::from_checkpoint(random_checkpoint(&tiny_config(24), 11), &Device::flex())
         .unwrap();
     let d = drafter(&m);
     let r = random_f_theta_restorer(&m, &d);
@@ -184,7 +184,7 @@ fn every_mode_but_f_thetas_keeps_paths_as_plain_decoding_would() {
 
 #[test]
 fn a_forward_before_the_path_is_kept_is_refused() {
-    let m = Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(8), 11), &Device::flex())
+    let m = GemmaModel::from_checkpoint(random_checkpoint(&tiny_config(8), 11), &Device::flex())
         .unwrap();
     let mut s = Session::new(&m, 16);
     s.prefill(&tiny_prompt(0, 10), 16).unwrap();

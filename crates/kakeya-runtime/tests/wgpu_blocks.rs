@@ -12,7 +12,7 @@ mod common;
 use burn::tensor::Device;
 use common::tiny_prompt;
 use kakeya_models::testing::{drafter_config, random_checkpoint, random_drafter, tiny_config};
-use kakeya_models::{DFlashDrafter, ForwardRequest, Gemma3Model, Logits, ModelError};
+use kakeya_models::{DFlashDrafter, ForwardRequest, GemmaModel, Logits, ModelError};
 use kakeya_runtime::{
     DFlashProposer, GenerationConfig, KvCache, KvSetup, Session, SpecConfig, Verifier, generate,
     speculative_generate,
@@ -28,7 +28,7 @@ fn gpu() -> Device {
 }
 
 /// Each row's logits, and the error of a forward asking for them, over `rows` tokens.
-fn all_logits(m: &Gemma3Model, rows: usize) -> Result<Vec<f32>, ModelError> {
+fn all_logits(m: &GemmaModel, rows: usize) -> Result<Vec<f32>, ModelError> {
     let mut caches = KvCache::for_specs(&m.cache_specs(), 0, kakeya_runtime::KvDtype::default());
     let toks = tiny_prompt(3, rows);
     let out = m.forward(&ForwardRequest::new(&toks, 0, Logits::All), &mut caches)?;
@@ -46,7 +46,7 @@ fn a_vocabulary_in_row_blocks_decodes_as_the_whole_table() {
     let d = gpu();
     let config = tiny_config(8);
     let ck = random_checkpoint(&config, 11);
-    let whole = Gemma3Model::from_checkpoint(ck.clone(), &d).unwrap();
+    let whole = GemmaModel::from_checkpoint(ck.clone(), &d).unwrap();
     assert!(whole.head.blocks.is_empty(), "the tiny head fits");
     let cfg = GenerationConfig::greedy(40, 7);
     let p = tiny_prompt(1, 12);
@@ -55,7 +55,7 @@ fn a_vocabulary_in_row_blocks_decodes_as_the_whole_table() {
         .tokens;
     let want_logits = all_logits(&whole, 10).unwrap();
     // Gemma 4 (the dense fixture: per-layer inputs, shared K/V layers), held whole.
-    let whole4 = Gemma3Model::from_checkpoint(gemma4_dense(), &d).unwrap();
+    let whole4 = GemmaModel::from_checkpoint(gemma4_dense(), &d).unwrap();
     let want4 = generate(&mut Session::new(&whole4, 0), &p, &cfg, &mut |_| {})
         .unwrap()
         .tokens;
@@ -65,7 +65,7 @@ fn a_vocabulary_in_row_blocks_decodes_as_the_whole_table() {
     for (limit, head_blocks) in [(8192u64, 2usize), (4096, 4)] {
         // SAFETY: no other thread of this process reads the environment now.
         unsafe { std::env::set_var("KAKEYA_GPU_MAX_BUFFER_BYTES", limit.to_string()) };
-        let m = Gemma3Model::from_checkpoint(ck.clone(), &d).unwrap();
+        let m = GemmaModel::from_checkpoint(ck.clone(), &d).unwrap();
         assert_eq!(m.head.blocks.len(), head_blocks, "limit {limit}");
         assert_eq!(
             m.embed.device(),
@@ -122,7 +122,7 @@ fn a_vocabulary_in_row_blocks_decodes_as_the_whole_table() {
     }
     // Still at 4 096 bytes: Gemma 4's per-layer embedding table (128 × 48 f32 here; 9 GB for
     // E2B) stays on the host, its rows looked up there, and the model decodes as held whole.
-    let m4 = Gemma3Model::from_checkpoint(gemma4_dense(), &d).unwrap();
+    let m4 = GemmaModel::from_checkpoint(gemma4_dense(), &d).unwrap();
     let table = &m4.per_layer.as_ref().expect("per-layer inputs").embed;
     assert_eq!(
         table.device(),

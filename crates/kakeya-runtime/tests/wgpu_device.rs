@@ -17,13 +17,13 @@ use common::{max_diff, tiny_prompt};
 use kakeya_models::testing::{
     drafter_config, random_checkpoint, random_drafter, random_quantized_checkpoint, tiny_config,
 };
-use kakeya_models::{DFlashDrafter, DraftContext, ForwardRequest, Gemma3Model, Logits};
+use kakeya_models::{DFlashDrafter, DraftContext, ForwardRequest, GemmaModel, Logits};
 use kakeya_runtime::kv::{KvMode, KvPolicy};
 use kakeya_runtime::{
     DFlashProposer, KvCache, KvSetup, Proposer, Session, SpecConfig, Verifier, generate,
     speculative_generate,
 };
-use kakeya_weights::{Checkpoint, Gemma3Config};
+use kakeya_weights::{Checkpoint, GemmaConfig};
 use serde_json::Value;
 
 /// Largest absolute logit difference allowed between the device and the CPU, or transformers
@@ -57,7 +57,7 @@ fn rows(t: Tensor<2>) -> Vec<Vec<f32>> {
 }
 
 /// Logits of every position of `toks` from one forward.
-fn forward_all(m: &Gemma3Model, toks: &[u32]) -> Vec<Vec<f32>> {
+fn forward_all(m: &GemmaModel, toks: &[u32]) -> Vec<Vec<f32>> {
     let mut caches = KvCache::for_specs(&m.cache_specs(), 0, kakeya_runtime::KvDtype::default());
     rows(
         m.forward(&ForwardRequest::new(toks, 0, Logits::All), &mut caches)
@@ -76,7 +76,7 @@ fn env_count(name: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
-fn tiny() -> Gemma3Config {
+fn tiny() -> GemmaConfig {
     tiny_config(8)
 }
 
@@ -86,8 +86,8 @@ fn tiny_gemma3_on_wgpu_matches_the_cpu() {
         ("dense", random_checkpoint(&tiny(), 11) as Checkpoint),
         ("quantised", random_quantized_checkpoint(&tiny(), 11)),
     ] {
-        let cpu = Gemma3Model::from_checkpoint(ck.clone(), &Device::flex()).unwrap();
-        let dev = Gemma3Model::from_checkpoint(ck, &gpu()).unwrap();
+        let cpu = GemmaModel::from_checkpoint(ck.clone(), &Device::flex()).unwrap();
+        let dev = GemmaModel::from_checkpoint(ck, &gpu()).unwrap();
         let p = tiny_prompt(1, 30);
         let d = max_diff(&forward_all(&dev, &p), &forward_all(&cpu, &p));
         eprintln!("{what}: full forward, max |Δlogit| wgpu vs CPU {d:.2e}");
@@ -115,7 +115,7 @@ fn gemma4_fixtures_on_wgpu_match_transformers() {
     let prompt = ids(&r["prompt"]);
     for name in ["dense", "dense-kv", "moe"] {
         let want = &r["configs"][name];
-        let m = Gemma3Model::from_checkpoint(Checkpoint::load(root.join(name)).unwrap(), &gpu())
+        let m = GemmaModel::from_checkpoint(Checkpoint::load(root.join(name)).unwrap(), &gpu())
             .unwrap();
         let got = forward_all(&m, &prompt);
         let want_logits: Vec<Vec<f32>> = want["logits"]
@@ -154,7 +154,7 @@ fn gemma4_fixtures_on_wgpu_match_transformers() {
 /// device: the largest |Δlogit| over blocks of 2, 4 and 8 rows after a 9-token prompt. Both
 /// run as speculative decoding runs them: the prompt's forward fills a cache, then either one
 /// forward per token or one forward of the block's rows over it.
-fn block_drift(m: &Gemma3Model) -> f32 {
+fn block_drift(m: &GemmaModel) -> f32 {
     let prompt = tiny_prompt(2, 9);
     let block: Vec<u32> = (0..8u32).map(|j| (j * 29 + 11) % 90).collect();
     let prefilled = || {
@@ -186,7 +186,7 @@ fn block_drift(m: &Gemma3Model) -> f32 {
 
 #[test]
 fn speculative_decoding_on_wgpu_equals_plain_decoding() {
-    let v = Gemma3Model::from_checkpoint(random_checkpoint(&tiny(), 11), &gpu()).unwrap();
+    let v = GemmaModel::from_checkpoint(random_checkpoint(&tiny(), 11), &gpu()).unwrap();
     let drift = block_drift(&v);
     eprintln!("verify block rows vs single decode steps on the device: max |Δlogit| {drift:.2e}");
     assert_eq!(
@@ -207,7 +207,7 @@ fn speculative_decoding_on_wgpu_equals_plain_decoding() {
             plain.record_decode = false;
             let want = generate(&mut Session::new(&plain, 0), &p, &cfg, &mut |_| {}).unwrap();
             // Speculative decoding on `model`: its tokens and the drafter's store rows.
-            let speculate = |model: &Gemma3Model| {
+            let speculate = |model: &GemmaModel| {
                 let mut ver = Verifier::new(model, KvSetup::full(0).drafter(&d), block).unwrap();
                 let g = speculative_generate(
                     &mut ver,
@@ -245,7 +245,7 @@ fn speculative_decoding_on_wgpu_equals_plain_decoding() {
 
 #[test]
 fn bounded_kv_modes_on_wgpu_decode_speculatively_as_plainly() {
-    let v = Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(24), 11), &gpu()).unwrap();
+    let v = GemmaModel::from_checkpoint(random_checkpoint(&tiny_config(24), 11), &gpu()).unwrap();
     let d = DFlashDrafter::from_checkpoint(random_drafter(&drafter_config(&v.config, 2, 4), 5), &v)
         .unwrap();
     let r = common::random_f_theta_restorer(&v, &d);
@@ -281,7 +281,7 @@ fn bounded_kv_modes_on_wgpu_decode_speculatively_as_plainly() {
 /// the sliding layers' rings wrapping (window 8, two KV heads).
 #[test]
 fn batched_decoding_on_wgpu_equals_each_sequence_alone() {
-    let m = Gemma3Model::from_checkpoint(random_checkpoint(&tiny(), 11), &gpu()).unwrap();
+    let m = GemmaModel::from_checkpoint(random_checkpoint(&tiny(), 11), &gpu()).unwrap();
     let prompts: Vec<Vec<u32>> = (0..5).map(|i| tiny_prompt(i, 5 + 3 * i)).collect();
     let prompts: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
     let cfg = kakeya_runtime::GenerationConfig::greedy(20, 512);
@@ -390,7 +390,7 @@ fn the_compact_store_on_the_device_holds_what_the_hosts_holds() {
 
 #[test]
 fn recorded_decode_steps_equal_the_steps_issued_one_by_one() {
-    let mut m = Gemma3Model::from_checkpoint(random_checkpoint(&tiny(), 11), &gpu()).unwrap();
+    let mut m = GemmaModel::from_checkpoint(random_checkpoint(&tiny(), 11), &gpu()).unwrap();
     let p = tiny_prompt(2, 9);
     let n = 100;
     let cfg = kakeya_runtime::GenerationConfig::greedy(n, 512);
@@ -412,7 +412,7 @@ fn recorded_decode_steps_equal_the_steps_issued_one_by_one() {
     // hand out copies, not the recording's buffers that the next replay overwrites.
     let d = DFlashDrafter::from_checkpoint(random_drafter(&drafter_config(&m.config, 2, 4), 5), &m)
         .unwrap();
-    let store_rows = |model: &Gemma3Model| {
+    let store_rows = |model: &GemmaModel| {
         let before = model.replay_stats().replayed;
         let mut s = Session::with_kv(model, KvSetup::full(0).drafter(&d)).unwrap();
         let g = generate(&mut s, &p, &cfg, &mut |_| {}).unwrap();
@@ -468,7 +468,7 @@ impl Proposer for Logged<'_> {
 /// decoding's tokens either way.
 #[test]
 fn recorded_drafts_equal_the_drafts_issued_one_by_one() {
-    let v = Gemma3Model::from_checkpoint(random_checkpoint(&tiny(), 11), &gpu()).unwrap();
+    let v = GemmaModel::from_checkpoint(random_checkpoint(&tiny(), 11), &gpu()).unwrap();
     // Random weights draft the mask token (whose embedding the tied head scores highest)
     // whatever the context; sharper attention with larger outputs makes the drafts depend on
     // which context rows each query picks.
@@ -554,7 +554,7 @@ fn recorded_drafts_equal_the_drafts_issued_one_by_one() {
 #[ignore = "run by scripts/kernel_count.sh, with CubeCL's kernel log on"]
 fn decode_steps_for_the_kernel_count() {
     let steps = env_count("KAKEYA_DECODE_STEPS", 4);
-    let mut m = Gemma3Model::from_checkpoint(random_checkpoint(&tiny(), 11), &gpu()).unwrap();
+    let mut m = GemmaModel::from_checkpoint(random_checkpoint(&tiny(), 11), &gpu()).unwrap();
     // KAKEYA_DECODE_GRAPH=0: every step issued kernel by kernel, not replayed.
     m.record_decode = std::env::var("KAKEYA_DECODE_GRAPH").as_deref() != Ok("0");
     let g = generate(
@@ -585,7 +585,7 @@ fn batched_decode_steps_for_the_kernel_count() {
     // The 270M model's attention shape: one KV head, a window no sequence here fills.
     let mut c = tiny_config(64);
     c.num_key_value_heads = 1;
-    let mut m = Gemma3Model::from_checkpoint(random_checkpoint(&c, 11), &gpu()).unwrap();
+    let mut m = GemmaModel::from_checkpoint(random_checkpoint(&c, 11), &gpu()).unwrap();
     // KAKEYA_DECODE_GRAPH=0: every step issued kernel by kernel, not replayed.
     m.record_decode = std::env::var("KAKEYA_DECODE_GRAPH").as_deref() != Ok("0");
     let prompts: Vec<Vec<u32>> = (0..seqs).map(|i| tiny_prompt(i, 8)).collect();
@@ -609,7 +609,7 @@ fn batched_decode_steps_for_the_kernel_count() {
 #[ignore = "run by scripts/kernel_count.sh, with CubeCL's kernel log on"]
 fn drafts_for_the_kernel_count() {
     let steps = env_count("KAKEYA_DECODE_STEPS", 4);
-    let v = Gemma3Model::from_checkpoint(random_checkpoint(&tiny(), 11), &gpu()).unwrap();
+    let v = GemmaModel::from_checkpoint(random_checkpoint(&tiny(), 11), &gpu()).unwrap();
     let mut d =
         DFlashDrafter::from_checkpoint(random_drafter(&drafter_config(&v.config, 2, 8), 5), &v)
             .unwrap();
@@ -637,7 +637,7 @@ fn drafts_for_the_kernel_count() {
 fn speculative_blocks_for_the_kernel_count() {
     let steps = env_count("KAKEYA_DECODE_STEPS", 4);
     let graph = std::env::var("KAKEYA_DECODE_GRAPH").as_deref() != Ok("0");
-    let mut v = Gemma3Model::from_checkpoint(random_checkpoint(&tiny(), 11), &gpu()).unwrap();
+    let mut v = GemmaModel::from_checkpoint(random_checkpoint(&tiny(), 11), &gpu()).unwrap();
     v.record_decode = graph;
     let mut d =
         DFlashDrafter::from_checkpoint(random_drafter(&drafter_config(&v.config, 2, 8), 5), &v)

@@ -18,7 +18,7 @@ mod common;
 use burn::tensor::Device;
 use common::{NoisyReplay, tiny_prompt};
 use kakeya_models::testing::{random_checkpoint, test_device, tiny_config};
-use kakeya_models::{Gemma3Model, gpu};
+use kakeya_models::{GemmaModel, gpu};
 use kakeya_runtime::{
     GenerationConfig, KvSetup, NgramProposer, Sampler, Sampling, Scores, Session, SpecConfig,
     Verifier, generate, speculative_generate,
@@ -44,8 +44,7 @@ fn sample(temperature: f32, top_k: usize, top_p: f32, seed: u64) -> Sampling {
 
 #[test]
 fn draws_on_the_device_equal_the_hosts_picks_from_the_same_logits() {
-    let v =
-        Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(8), 13), &device()).unwrap();
+    let v = GemmaModel::from_checkpoint(random_checkpoint(&tiny_config(8), 13), &device()).unwrap();
     let mut distinct = std::collections::BTreeSet::new();
     // Temperature alone (id order), then top-k and top-p cuts (most likely first).
     for (i, temperature, top_k, top_p) in [
@@ -85,8 +84,7 @@ fn draws_on_the_device_equal_the_hosts_picks_from_the_same_logits() {
 
 #[test]
 fn speculative_sampling_on_the_device_commits_plain_samplings_tokens() {
-    let v =
-        Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(8), 17), &device()).unwrap();
+    let v = GemmaModel::from_checkpoint(random_checkpoint(&tiny_config(8), 17), &device()).unwrap();
     let mut accepted = 0;
     for i in 0..2 {
         let p = tiny_prompt(i, 6 + 5 * i);

@@ -19,7 +19,7 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::time::Instant;
 
 use kakeya_models::linear::QUANT_MAX_ROWS;
-use kakeya_models::{DFlashDrafter, Gemma3Model};
+use kakeya_models::{DFlashDrafter, GemmaModel};
 use kakeya_runtime::{
     CostLine, Costs, DraftKind, GenerationConfig, KvBytes, KvMode, KvPolicy, KvSetup, NgramTable,
     PrefixCache, Restorer, SpecConfig, StopReason,
@@ -38,7 +38,7 @@ use seq::Seq;
 #[derive(Debug)]
 pub struct EngineParts {
     /// The verifier.
-    pub model: Gemma3Model,
+    pub model: GemmaModel,
     /// The DFlash drafter (speculation, and the compact store of the restored KV modes).
     pub drafter: Option<DFlashDrafter>,
     /// How a sequence that runs alone drafts: the proposer and the block schedule; `None`:
@@ -75,13 +75,13 @@ pub struct EngineParts {
 
 impl EngineParts {
     /// Whether [`Self::sampled_blocks`] pays on `model`'s device: on a GPU.
-    pub fn sampled_blocks_by_default(model: &Gemma3Model) -> bool {
+    pub fn sampled_blocks_by_default(model: &GemmaModel) -> bool {
         kakeya_models::gpu::is_gpu(model.device())
     }
 
     /// [`Self::beside_rows`] where `model` replays recorded forwards (on a GPU: the rows the
     /// recorded kernels take); `None` elsewhere.
-    pub fn beside_rows_by_default(model: &Gemma3Model) -> Option<usize> {
+    pub fn beside_rows_by_default(model: &GemmaModel) -> Option<usize> {
         model
             .replays_decode()
             .then_some(kakeya_models::gpu::GPU_ROWS_MAX)

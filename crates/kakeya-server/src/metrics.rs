@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::Mutex;
 
-use kakeya_models::gemma3::ReplayStats;
+use kakeya_models::gemma::ReplayStats;
 use kakeya_runtime::PrefixStats;
 
 /// A cumulative histogram with fixed upper bounds.

@@ -11,7 +11,7 @@ use burn::tensor::Device;
 use kakeya_models::testing::{
     drafter_config, random_drafter, random_quantized_checkpoint, tiny_config,
 };
-use kakeya_models::{DFlashDrafter, Gemma3Model};
+use kakeya_models::{DFlashDrafter, GemmaModel};
 use kakeya_runtime::{DraftKind, GenerationConfig, KvPolicy, Sampling, SpecConfig};
 use kakeya_server::engine::{self, Command, Event, Job};
 use kakeya_server::{EngineParts, Metrics, Outcome};
@@ -30,7 +30,7 @@ impl Engine {
         let metrics = std::sync::Arc::new(Metrics::default());
         let m = metrics.clone();
         let thread = std::thread::spawn(move || {
-            let model = Gemma3Model::from_checkpoint(
+            let model = GemmaModel::from_checkpoint(
                 random_quantized_checkpoint(&tiny_config(64), 3),
                 &Device::flex(),
             )

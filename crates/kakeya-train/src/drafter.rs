@@ -16,7 +16,7 @@ use std::path::Path;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use kakeya_models::dflash::{BlockGroup, DraftHead, DraftWeights, accepted_drafts};
-use kakeya_models::gemma3::model::embedding_rows;
+use kakeya_models::gemma::model::embedding_rows;
 use kakeya_models::gpu;
 use kakeya_models::linear::Linear;
 use kakeya_weights::{DFlashConfig, DraftCheckpoint, HostTensor};

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 
 use burn::tensor::Tensor;
 use kakeya_capture::Dataset;
-use kakeya_models::Gemma3Model;
+use kakeya_models::GemmaModel;
 use kakeya_weights::DFlashConfig;
 use kakeya_weights::dflash::default_target_layers;
 use rand::rngs::StdRng;
@@ -94,7 +94,7 @@ pub struct Prepared {
 /// before anything is trained or written.
 pub fn prepare(
     cfg: &DrafterTrainConfig,
-    verifier: &Gemma3Model,
+    verifier: &GemmaModel,
     verifier_sha: &str,
 ) -> Result<Prepared> {
     let v = &verifier.config;
@@ -176,7 +176,7 @@ pub fn prepare(
 /// `curves.png` into the run folder.
 pub fn train_drafter(
     cfg: &DrafterTrainConfig,
-    verifier: &Gemma3Model,
+    verifier: &GemmaModel,
     prep: Prepared,
     opts: &TrainOptions,
     on_event: &mut dyn FnMut(Event),

@@ -12,7 +12,7 @@
 mod tiny_data;
 
 use burn::tensor::Device;
-use kakeya_models::Gemma3Model;
+use kakeya_models::GemmaModel;
 use kakeya_models::dflash::DraftHead;
 use kakeya_models::testing::{Scratch, random_checkpoint, tiny_config};
 use kakeya_train::drafter::Frozen;
@@ -20,7 +20,7 @@ use kakeya_train::{TrainError, TrainOptions, prepare, train_drafter};
 use tiny_data::{SHA, capture, train_config};
 
 /// Per-step losses and the held-out evaluations (loss, acceptance length) of a short run.
-fn run(dir: &std::path::Path, v: &Gemma3Model, ds: &std::path::Path, vocab: usize) -> Vec<f64> {
+fn run(dir: &std::path::Path, v: &GemmaModel, ds: &std::path::Path, vocab: usize) -> Vec<f64> {
     let cfg = train_config(ds, dir, 12, vocab);
     let prep = prepare(&cfg, v, SHA).unwrap();
     let opts = TrainOptions {
@@ -46,7 +46,7 @@ fn a_vocabulary_larger_than_one_buffer_trains_as_the_whole_table() {
     );
     let s = Scratch::new("drafter-blocks");
     // The verifier on the CPU that captured; the drafter trains on the GPU.
-    let v = Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(64), 11), &Device::flex())
+    let v = GemmaModel::from_checkpoint(random_checkpoint(&tiny_config(64), 11), &Device::flex())
         .unwrap();
     let ds = capture(&s.0, &v, 30, 16, "1, 3, 4");
     // The whole vocabulary (0) and a reduced one (40 tokens), each with the table whole on
@@ -111,7 +111,7 @@ fn training_a_drafter_larger_than_the_device_allocates_is_an_error_not_a_panic()
         return;
     }
     let s = Scratch::new("drafter-too-large");
-    let v = Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(64), 11), &Device::flex())
+    let v = GemmaModel::from_checkpoint(random_checkpoint(&tiny_config(64), 11), &Device::flex())
         .unwrap();
     let ds = capture(&s.0, &v, 10, 8, "1, 3, 4");
     let mut cfg = train_config(&ds, &s.0.join("run"), 2, 40);

@@ -9,7 +9,7 @@ mod f_theta_reference;
 use f_theta_reference::*;
 
 use burn::tensor::{Device, Tensor};
-use kakeya_models::Gemma3Model;
+use kakeya_models::GemmaModel;
 use kakeya_models::testing::{f_theta_config, random_checkpoint, tiny_config};
 use kakeya_train::ftheta::FThetaTrainConfig;
 use kakeya_train::ftheta::data::{LayerData, SeqData};
@@ -211,7 +211,7 @@ fn the_trainers_step_reaches_f_theta_only_not_the_verifiers_weights() {
     let d = Device::flex();
     let ad = d.clone().autodiff();
     let cfg = tiny_config(4);
-    let v = Gemma3Model::from_checkpoint(random_checkpoint(&cfg, 3), &d).unwrap();
+    let v = GemmaModel::from_checkpoint(random_checkpoint(&cfg, 3), &d).unwrap();
     let frozen = frozen_layers(&v, &ad);
     let kv = cfg.num_key_value_heads * cfg.head_dim;
     let q = cfg.num_attention_heads * cfg.head_dim;

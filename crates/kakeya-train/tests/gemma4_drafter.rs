@@ -9,7 +9,7 @@ use std::path::Path;
 
 use burn::tensor::Device;
 use kakeya_models::testing::Scratch;
-use kakeya_models::{DFlashDrafter, Gemma3Model};
+use kakeya_models::{DFlashDrafter, GemmaModel};
 use kakeya_runtime::{
     DFlashProposer, GenerationConfig, KvSetup, Session, SpecConfig, Verifier, generate,
     speculative_generate,
@@ -23,7 +23,7 @@ fn a_drafter_trains_on_a_gemma4_verifier_and_drafts_losslessly_for_it() {
     let s = Scratch::new("train-g4");
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let ck = Checkpoint::load(root.join("tests/fixtures/gemma4/dense")).unwrap();
-    let v = Gemma3Model::from_checkpoint(ck, &Device::flex()).unwrap();
+    let v = GemmaModel::from_checkpoint(ck, &Device::flex()).unwrap();
     // Target layers 1, 3 and 4 (4 reads layer 3's K/V).
     let ds = capture(&s.0, &v, 24, 16, "1, 3, 4");
     let cfg = train_config(&ds, &s.0.join("run"), 60, 0);

@@ -11,7 +11,7 @@ use std::path::Path;
 use burn::tensor::Device;
 use f_theta_data::{ALL, DSHA, VSHA, capture, config, opts, tiny_drafter};
 use kakeya_models::testing::Scratch;
-use kakeya_models::{FTheta, Gemma3Model};
+use kakeya_models::{FTheta, GemmaModel};
 use kakeya_runtime::kv::{FThetaRestorer, KvMode, KvPolicy};
 use kakeya_runtime::{
     DFlashProposer, GenerationConfig, KvSetup, Session, SpecConfig, Verifier, generate,
@@ -31,7 +31,7 @@ fn f_theta_trains_on_gemma4_verifiers_and_restores_their_kv() {
     for (name, widths) in [("dense", [32, 32, 32, 32]), ("dense-kv", [32, 32, 64, 32])] {
         let s = Scratch::new(&format!("ftheta-g4-{name}"));
         let ck = Checkpoint::load(root.join("tests/fixtures/gemma4").join(name)).unwrap();
-        let v = Gemma3Model::from_checkpoint(ck, &Device::flex()).unwrap();
+        let v = GemmaModel::from_checkpoint(ck, &Device::flex()).unwrap();
         let ds = capture(&s.0, &v, 25, ALL, true);
         // The least-squares start: one fit over every layer's columns, split into per-layer
         // decoders at their own widths and offsets.

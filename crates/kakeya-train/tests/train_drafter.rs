@@ -14,7 +14,7 @@ use tiny_data::{SHA, capture, train_config};
 use burn::tensor::{Device, Tensor, TensorData};
 use kakeya_models::testing::Scratch;
 use kakeya_models::testing::{random_checkpoint, tiny_config};
-use kakeya_models::{DFlashDrafter, DraftRequest, Gemma3Model};
+use kakeya_models::{DFlashDrafter, DraftRequest, GemmaModel};
 use kakeya_runtime::CompactStore;
 use kakeya_train::data::Sequence;
 use kakeya_train::drafter::{Batch, DrafterParams, Frozen};
@@ -24,8 +24,8 @@ use kakeya_weights::DraftCheckpoint;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-fn verifier() -> Gemma3Model {
-    Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(64), 11), &Device::flex()).unwrap()
+fn verifier() -> GemmaModel {
+    GemmaModel::from_checkpoint(random_checkpoint(&tiny_config(64), 11), &Device::flex()).unwrap()
 }
 
 fn opts() -> TrainOptions {

@@ -13,7 +13,7 @@ use f_theta_data::{ALL, DSHA, VSHA, capture, config, opts};
 use kakeya_capture::Dataset;
 use kakeya_models::testing::Scratch;
 use kakeya_models::testing::{random_checkpoint, tiny_config};
-use kakeya_models::{FTheta, Gemma3Model};
+use kakeya_models::{FTheta, GemmaModel};
 use kakeya_train::TrainError;
 use kakeya_train::ftheta::config::FThetaInit;
 use kakeya_train::ftheta::data::SeqData;
@@ -22,13 +22,13 @@ use kakeya_train::ftheta::train::FEval;
 use kakeya_train::ftheta::{FEvent, FThetaReport, FThetaTrainConfig, prepare, train_f_theta};
 use kakeya_weights::FThetaCheckpoint;
 
-fn verifier() -> Gemma3Model {
+fn verifier() -> GemmaModel {
     // Window 8: the sliding layers' masks cut into these 20–40-position sequences.
-    Gemma3Model::from_checkpoint(random_checkpoint(&tiny_config(8), 11), &Device::flex()).unwrap()
+    GemmaModel::from_checkpoint(random_checkpoint(&tiny_config(8), 11), &Device::flex()).unwrap()
 }
 
 /// Prepares and trains `cfg` on `v` with the default options, ignoring progress events.
-fn train_quietly(cfg: &FThetaTrainConfig, v: &Gemma3Model) -> FThetaReport {
+fn train_quietly(cfg: &FThetaTrainConfig, v: &GemmaModel) -> FThetaReport {
     train_f_theta(
         cfg,
         v,

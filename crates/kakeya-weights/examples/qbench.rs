@@ -5,8 +5,9 @@
 //! Usage: cargo run --release -p kakeya-weights --example qbench -- model.gguf [name-filter] [rows...]
 use std::time::Instant;
 
+use kakeya_kernels::QuantMatrix;
+use kakeya_weights::GgufFile;
 use kakeya_weights::checkpoint::gguf_to_hf;
-use kakeya_weights::{GgufFile, QuantMatrix};
 
 fn main() {
     let path = std::env::args().nth(1).expect("usage: qbench model.gguf");

@@ -13,12 +13,12 @@ use std::path::{Path, PathBuf};
 use half::{bf16, f16};
 use safetensors::{Dtype, SafeTensors};
 
-use crate::config::Gemma3Config;
-use crate::dequant::GgmlType;
+use crate::config::GemmaConfig;
 use crate::error::{Result, WeightsError};
 use crate::gguf::GgufFile;
 use crate::mapped::{Mapped, available_host_memory, check_fits};
-use crate::quant::QuantMatrix;
+use kakeya_kernels::QuantMatrix;
+use kakeya_kernels::dequant::GgmlType;
 
 /// A dense f32 tensor on the host.
 #[derive(Debug, Clone, PartialEq)]
@@ -35,7 +35,7 @@ pub struct Checkpoint {
     /// Where it was read from.
     pub source: PathBuf,
     /// Model hyper-parameters.
-    pub config: Gemma3Config,
+    pub config: GemmaConfig,
     /// Tensors by canonical (HF) name; norms as multipliers `1 + w`.
     pub tensors: BTreeMap<String, HostTensor>,
     /// The GGUF blocks of quantised 2-D tensors, by canonical name, for CPU kernels that read
@@ -137,7 +137,7 @@ fn hf_canonical(name: &str) -> Option<String> {
 }
 
 /// Every tensor a Gemma 3 (or Gemma 4) text model needs, with its shape.
-pub fn expected_tensors(c: &Gemma3Config) -> Vec<(String, Vec<usize>)> {
+pub fn expected_tensors(c: &GemmaConfig) -> Vec<(String, Vec<usize>)> {
     let h = c.hidden_size;
     let mut v = vec![
         (
@@ -253,7 +253,7 @@ impl Checkpoint {
 
     fn from_gguf_within(path: &Path, available: Option<u64>) -> Result<Self> {
         let f = GgufFile::open(path)?;
-        let config = Gemma3Config::from_gguf(&f)?;
+        let config = GemmaConfig::from_gguf(&f)?;
         config.validate(path)?;
         // What the loop below allocates: every tensor as f32, and the quantised matrices' blocks.
         let need: u64 = f
@@ -307,7 +307,7 @@ impl Checkpoint {
         let cfg_path = dir.join("config.json");
         let text =
             std::fs::read_to_string(&cfg_path).map_err(|e| WeightsError::io(&cfg_path, e))?;
-        let config = Gemma3Config::from_hf_json(&cfg_path, &text)?;
+        let config = GemmaConfig::from_hf_json(&cfg_path, &text)?;
         config.validate(&cfg_path)?;
         let mut tensors = BTreeMap::new();
         // Gemma 3 stores norms as `w` for a `1 + w` multiplier; Gemma 4 stores the multiplier.

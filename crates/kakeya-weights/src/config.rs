@@ -24,7 +24,7 @@ pub enum AttentionKind {
 
 /// Gemma 3 text-model hyper-parameters.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Gemma3Config {
+pub struct GemmaConfig {
     /// Vocabulary rows of the embedding (and tied LM head).
     pub vocab_size: usize,
     /// Residual width.
@@ -117,7 +117,7 @@ pub(crate) fn default_layer_types(n: usize, pattern: usize) -> Vec<AttentionKind
         .collect()
 }
 
-impl Gemma3Config {
+impl GemmaConfig {
     /// Parses an HF `config.json`: a `Gemma3TextConfig` or a `Gemma4TextConfig` (Gemma 4's
     /// additions go to [`Self::gemma4`]), alone or as the `text_config` of a multimodal
     /// config. Accepts both the legacy `rope_theta` keys and transformers 5's
@@ -373,10 +373,10 @@ mod tests {
 
     #[test]
     fn hf_json_round_trips() {
-        let c = Gemma3Config::from_hf_json(Path::new("config.json"), TINY).unwrap();
+        let c = GemmaConfig::from_hf_json(Path::new("config.json"), TINY).unwrap();
         assert_eq!(c.layer_types[5], AttentionKind::Full);
         assert_eq!(c.layer_types[0], AttentionKind::Sliding);
-        let back = Gemma3Config::from_hf_json(Path::new("x"), &c.to_hf_json().to_string()).unwrap();
+        let back = GemmaConfig::from_hf_json(Path::new("x"), &c.to_hf_json().to_string()).unwrap();
         assert_eq!(c, back);
     }
 
@@ -393,7 +393,7 @@ mod tests {
     fn other_model_families_are_refused_by_name() {
         // (Gemma 4: `gemma4_geometry_follows_transformers_rules`.)
         let llama = TINY.replace("{", r#"{"model_type": "llama", "#);
-        let e = Gemma3Config::from_hf_json(Path::new("c.json"), &llama)
+        let e = GemmaConfig::from_hf_json(Path::new("c.json"), &llama)
             .unwrap_err()
             .to_string();
         assert!(e.contains("`llama` is not supported"), "{e}");
@@ -401,7 +401,7 @@ mod tests {
         for t in ["gemma3_text", "gemma3"] {
             let ok = TINY.replace("{", &format!(r#"{{"model_type": "{t}", "#));
             assert!(
-                Gemma3Config::from_hf_json(Path::new("c.json"), &ok).is_ok(),
+                GemmaConfig::from_hf_json(Path::new("c.json"), &ok).is_ok(),
                 "{t}"
             );
         }
@@ -411,7 +411,7 @@ mod tests {
     fn gemma4_geometry_follows_transformers_rules() {
         // dense: layers 2 and 5 full (head dim 32, 1 KV head through k_eq_v), 4 and 5 share.
         let (p, text) = gemma4_fixture("dense");
-        let c = Gemma3Config::from_hf_json(&p, &text).unwrap();
+        let c = GemmaConfig::from_hf_json(&p, &text).unwrap();
         let g = c.gemma4.clone().unwrap();
         assert_eq!((g.global_head_dim, g.global_kv_heads), (32, 1));
         assert_eq!(g.global_partial_rotary, 0.25);
@@ -432,14 +432,14 @@ mod tests {
         assert_eq!(widths, [96, 96, 96, 96, 192, 192]);
         // Nested in a multimodal config, the same.
         let nested = format!(r#"{{"model_type": "gemma4", "text_config": {text}}}"#);
-        assert_eq!(Gemma3Config::from_hf_json(&p, &nested).unwrap(), c);
+        assert_eq!(GemmaConfig::from_hf_json(&p, &nested).unwrap(), c);
         // Without k_eq_v, full layers keep the sliding layers' KV-head count.
         let (p, text) = gemma4_fixture("dense-kv");
-        let c = Gemma3Config::from_hf_json(&p, &text).unwrap();
+        let c = GemmaConfig::from_hf_json(&p, &text).unwrap();
         assert_eq!((c.head_dim_of(5), c.kv_heads_of(5)), (32, 2));
         // The MoE model.
         let (p, text) = gemma4_fixture("moe");
-        let c = Gemma3Config::from_hf_json(&p, &text).unwrap();
+        let c = GemmaConfig::from_hf_json(&p, &text).unwrap();
         let g = c.gemma4.unwrap();
         assert_eq!(
             g.moe,
@@ -460,7 +460,7 @@ mod tests {
                 "sliding_attention": {"rope_theta": 10000.0},
                 "full_attention": {"rope_type": "proportional", "rope_theta": 1e6}}, "#,
         );
-        let c = Gemma3Config::from_hf_json(Path::new("c.json"), &legacy).unwrap();
+        let c = GemmaConfig::from_hf_json(Path::new("c.json"), &legacy).unwrap();
         assert_eq!(c.layer_types[5], AttentionKind::Full);
         assert_eq!(
             (c.head_dim_of(5), c.kv_heads_of(5), c.head_dim_of(0)),
@@ -495,7 +495,7 @@ mod tests {
         for (key, value, want) in cases {
             let old = v[key].clone();
             v[key] = value;
-            let e = Gemma3Config::from_hf_json(&p, &v.to_string())
+            let e = GemmaConfig::from_hf_json(&p, &v.to_string())
                 .unwrap_err()
                 .to_string();
             assert!(e.contains("config.json") && e.contains(want), "{key}: {e}");
@@ -523,14 +523,14 @@ mod tests {
         ] {
             let old = w["per_layer_config"].clone();
             w["per_layer_config"][key] = value;
-            let e = Gemma3Config::from_hf_json(&p2, &w.to_string())
+            let e = GemmaConfig::from_hf_json(&p2, &w.to_string())
                 .unwrap_err()
                 .to_string();
             assert!(e.contains(want), "{key}: {e}");
             w["per_layer_config"] = old;
         }
         w["per_layer_config"].as_object_mut().unwrap().remove("5");
-        let e = Gemma3Config::from_hf_json(&p2, &w.to_string())
+        let e = GemmaConfig::from_hf_json(&p2, &w.to_string())
             .unwrap_err()
             .to_string();
         assert!(e.contains("different geometries"), "{e}");
@@ -544,7 +544,7 @@ mod tests {
             "full_attention",
             "full_attention"
         ]);
-        let e = Gemma3Config::from_hf_json(&p, &v.to_string())
+        let e = GemmaConfig::from_hf_json(&p, &v.to_string())
             .unwrap_err()
             .to_string();
         assert!(e.contains("no layer before 4 is of its kind"), "{e}");
@@ -558,7 +558,7 @@ mod tests {
                 "\"num_hidden_layers\": 6",
                 &format!("\"num_hidden_layers\": {n}"),
             );
-            let e = Gemma3Config::from_hf_json(Path::new("c.json"), &text)
+            let e = GemmaConfig::from_hf_json(Path::new("c.json"), &text)
                 .unwrap_err()
                 .to_string();
             assert!(e.contains("decoder layers: expected 1..=1024"), "{e}");
@@ -568,7 +568,7 @@ mod tests {
     #[test]
     fn missing_field_names_file_and_field() {
         let text = TINY.replace("\"head_dim\": 8,", "");
-        let e = Gemma3Config::from_hf_json(Path::new("dir/config.json"), &text)
+        let e = GemmaConfig::from_hf_json(Path::new("dir/config.json"), &text)
             .unwrap_err()
             .to_string();
         assert_eq!(e, "dir/config.json: missing required field `head_dim`");

@@ -7,9 +7,9 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use crate::dequant::{GgmlType, dequantize};
 use crate::error::{Result, WeightsError};
 use crate::mapped::Mapped;
+use kakeya_kernels::dequant::{GgmlType, dequantize};
 
 const MAGIC: &[u8; 4] = b"GGUF";
 const DEFAULT_ALIGNMENT: u64 = 32;

@@ -15,7 +15,7 @@ use super::core::{BlockGroup, DraftWeights};
 use super::replay::{AppendReplayer, Replayer};
 use crate::cache::DraftContext;
 use crate::error::{ModelError, Result};
-use crate::gemma3::{DeviceRopes, Gemma3Model};
+use crate::gemma::{DeviceRopes, GemmaModel};
 
 /// One drafter forward: new context rows and the block to draft.
 #[derive(Debug, Clone)]
@@ -94,7 +94,7 @@ impl Take<'_> {
 impl DFlashDrafter {
     /// Builds the drafter for `verifier`, refusing a checkpoint made for another model
     /// (hidden size, vocabulary, target layers, mask token).
-    pub fn from_checkpoint(mut ck: DraftCheckpoint, verifier: &Gemma3Model) -> Result<Self> {
+    pub fn from_checkpoint(mut ck: DraftCheckpoint, verifier: &GemmaModel) -> Result<Self> {
         ck.check()?;
         let c = ck.config.clone();
         let v = &verifier.config;
@@ -227,7 +227,7 @@ impl DFlashDrafter {
     }
 
     fn embed_tokens(&self, tokens: &[u32]) -> Tensor<2> {
-        crate::gemma3::model::embedding_rows(&self.embed, tokens, self.embed_scale, &self.device)
+        crate::gemma::model::embedding_rows(&self.embed, tokens, self.embed_scale, &self.device)
     }
 
     /// Drafts one block: appends the new context rows (if any) to `store` and returns the

@@ -13,7 +13,7 @@
 use half::f16;
 use kakeya_models::ModelError;
 
-use kakeya_weights::codes::{Affine, MixedCodes, dequantize_codes, dequantize_mixed};
+use kakeya_kernels::codes::{Affine, MixedCodes, dequantize_codes, dequantize_mixed};
 
 use super::rows::{Bits, pack_codes, quantise_group, quantise_group_fitted};
 

@@ -16,7 +16,7 @@
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
-use kakeya_weights::codes::{Affine, dequantize_codes};
+use kakeya_kernels::codes::{Affine, dequantize_codes};
 
 /// Values per quantisation group.
 pub const GROUP: usize = 64;

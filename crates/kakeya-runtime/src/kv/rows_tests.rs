@@ -150,15 +150,15 @@ fn packed_codes_come_back_for_every_width() {
             );
             // The reader of every quantised tier: codes back, then as values.
             let back: Vec<u8> = (0..n)
-                .map(|i| kakeya_weights::codes::code_at(&packed, b, i))
+                .map(|i| kakeya_kernels::codes::code_at(&packed, b, i))
                 .collect();
             assert_eq!(back, codes, "{b} bits");
             let mut run = vec![0.0f32; n];
-            let affine = kakeya_weights::codes::Affine::Group {
+            let affine = kakeya_kernels::codes::Affine::Group {
                 scale: 1.0,
                 min: 0.0,
             };
-            kakeya_weights::codes::dequantize_codes(&packed, b, affine, &mut run);
+            kakeya_kernels::codes::dequantize_codes(&packed, b, affine, &mut run);
             let want: Vec<f32> = codes.iter().map(|&c| f32::from(c)).collect();
             assert_eq!(run, want, "{b} bits, read as a run");
         }

@@ -8,7 +8,7 @@ use kakeya_models::Logits;
 
 impl<'m> Session<'m> {
     /// Runs one token in each session in one stacked forward
-    /// ([`Gemma3Model::forward_batch`]: bit for bit each session's own [`Self::step_for`] while
+    /// ([`GemmaModel::forward_batch`]: bit for bit each session's own [`Self::step_for`] while
     /// the batch stays within the block kernel's rows); returns what each session's sampler
     /// picks from. The sessions must share one model and one drafter (or none).
     pub fn step_batch(
@@ -32,7 +32,7 @@ impl<'m> Session<'m> {
     /// steps beside a prompt chunk, continuous-batching style — and returns, per session, what
     /// its sampler picks the token after its chunk from. Bit for bit each session's own
     /// forward of its chunk while the rows stay within the block kernel's (or at any count
-    /// when [`Gemma3Model::rows_invariant_at_any_count`]) and at most
+    /// when [`GemmaModel::rows_invariant_at_any_count`]) and at most
     /// [`kakeya_models::linear::QUANT_MAX_ROWS`] sessions run. The sessions must share one
     /// model and one drafter (or none).
     pub fn run_batch(
@@ -85,7 +85,7 @@ impl<'m> Session<'m> {
                         let rows = logits_row(out.logits.expect("asked for logits"));
                         let vocab = s.model.config.vocab_size;
                         let first = s.len - block.len() + 1;
-                        crate::spec::sampled_posterior(&rows, vocab, first, sampler)
+                        crate::speculative::sampled_posterior(&rows, vocab, first, sampler)
                     }
                 }),
             });

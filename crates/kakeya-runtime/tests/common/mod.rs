@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use burn::tensor::Device;
-use kakeya_models::{DFlashDrafter, Gemma3Model};
+use kakeya_models::{DFlashDrafter, GemmaModel};
 use kakeya_runtime::{
     CompactStore, DFlashProposer, Generation, GenerationConfig, KvSetup, Proposer, ReplayProposer,
     Result, SpecConfig, Verifier, speculative_generate,
@@ -24,11 +24,11 @@ pub fn model_dir() -> PathBuf {
 
 /// The default model (GGUF Q4_K_M) on the test device (the CPU unless `KAKEYA_TEST_DEVICE`
 /// names another this binary was built for), and its tokenizer.
-pub fn load() -> (Gemma3Model, Tokenizer) {
+pub fn load() -> (GemmaModel, Tokenizer) {
     let ck = Checkpoint::load(model_dir().join("gemma-3-270m-q4_k_m.gguf")).expect("fetched model");
     let tok = Tokenizer::load(&model_dir().join("tokenizer.json"), ck.config.vocab_size).unwrap();
     (
-        Gemma3Model::from_checkpoint(ck, &kakeya_models::testing::test_device()).unwrap(),
+        GemmaModel::from_checkpoint(ck, &kakeya_models::testing::test_device()).unwrap(),
         tok,
     )
 }
@@ -40,7 +40,7 @@ pub fn trained_drafter_dir() -> PathBuf {
 }
 
 /// [`trained_drafter_dir`]'s drafter, loaded for `verifier`.
-pub fn trained_drafter(verifier: &Gemma3Model) -> DFlashDrafter {
+pub fn trained_drafter(verifier: &GemmaModel) -> DFlashDrafter {
     let ck = DraftCheckpoint::load(&trained_drafter_dir()).expect("trained drafter");
     DFlashDrafter::from_checkpoint(ck, verifier).unwrap()
 }
@@ -48,7 +48,7 @@ pub fn trained_drafter(verifier: &Gemma3Model) -> DFlashDrafter {
 /// The default model's default drafter (v2 fine-tuned on free-form prompts:
 /// `configs/train/drafter-270m-sampled.toml`),
 /// loaded for `verifier`.
-pub fn default_drafter(verifier: &Gemma3Model) -> DFlashDrafter {
+pub fn default_drafter(verifier: &GemmaModel) -> DFlashDrafter {
     let dir = root().join("checkpoints/drafter-gemma3-270m-v3");
     let ck = DraftCheckpoint::load(&dir).expect("default drafter");
     DFlashDrafter::from_checkpoint(ck, verifier).unwrap()
@@ -62,7 +62,7 @@ pub fn default_table() -> std::sync::Arc<kakeya_runtime::NgramTable> {
 
 /// Speculative greedy decoding of `prompt` with `drafter` at its own block size.
 pub fn speculative(
-    verifier: &Gemma3Model,
+    verifier: &GemmaModel,
     drafter: &DFlashDrafter,
     prompt: &[u32],
     cfg: &GenerationConfig,
@@ -84,15 +84,15 @@ pub fn speculative(
 
 /// A tiny random Gemma 4 of `tests/fixtures/gemma4` (`dense`, `dense-kv`, `moe`; written by
 /// its `make_gemma4.py` with transformers) from its HF folder, on the CPU.
-pub fn gemma4(name: &str) -> Gemma3Model {
+pub fn gemma4(name: &str) -> GemmaModel {
     let ck = Checkpoint::load(root().join("tests/fixtures/gemma4").join(name)).unwrap();
-    Gemma3Model::from_checkpoint(ck, &Device::flex()).unwrap()
+    GemmaModel::from_checkpoint(ck, &Device::flex()).unwrap()
 }
 
 /// Logits of the prompt's last position (prefilled in chunks of `chunk`) and of every step
 /// feeding `tokens`, under `setup`.
 pub fn trace(
-    v: &Gemma3Model,
+    v: &GemmaModel,
     setup: KvSetup<'_>,
     chunk: usize,
     p: &[u32],
@@ -117,13 +117,13 @@ pub fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
 /// Checks that a verify block's rows are bit for bit the logits of single decode steps over
 /// the same tokens (blocks of 2, 4, 8 and 16 after a 9-token prompt), the property lossless
 /// speculation rests on; `what` names the model in messages. Token ids are below 90.
-pub fn assert_blocks_equal_steps(m: &Gemma3Model, what: &str) {
+pub fn assert_blocks_equal_steps(m: &GemmaModel, what: &str) {
     assert_blocks_equal_steps_after(m, what, 9, 4);
 }
 
 /// [`assert_blocks_equal_steps`] after a prompt of `len` positions prefilled in chunks of
 /// `chunk`.
-pub fn assert_blocks_equal_steps_after(m: &Gemma3Model, what: &str, len: u32, chunk: usize) {
+pub fn assert_blocks_equal_steps_after(m: &GemmaModel, what: &str, len: u32, chunk: usize) {
     let prompt: Vec<u32> = (0..len).map(|j| (j * 37 + 5) % 90).collect();
     let block: Vec<u32> = (0..16u32).map(|j| (j * 29 + 11) % 90).collect();
     let mut steps = kakeya_runtime::Session::new(m, 0);
@@ -205,7 +205,7 @@ impl Proposer for NoisyReplay {
 /// The verifier's own raw K/V of every position of `seq`, per layer, as a restorer (restoration
 /// without f_θ's error; a Gemma 4 sharing layer's entry is its source's, and the restorer is
 /// only asked for layers with K/V of their own).
-pub fn oracle_restorer(v: &Gemma3Model, seq: &[u32]) -> kakeya_runtime::kv::OracleRestorer {
+pub fn oracle_restorer(v: &GemmaModel, seq: &[u32]) -> kakeya_runtime::kv::OracleRestorer {
     let mut req = kakeya_models::ForwardRequest::new(seq, 0, kakeya_models::Logits::None);
     req.capture_attention = true;
     // f32 caches: the exact K/V of a reference forward.
@@ -224,7 +224,7 @@ pub fn oracle_restorer(v: &Gemma3Model, seq: &[u32]) -> kakeya_runtime::kv::Orac
 /// A random f_θ (rank 16, seed 3) for `v` and `d` as a restorer: one decoder per layer with K/V
 /// of its own, each at that layer's width.
 pub fn random_f_theta_restorer(
-    v: &Gemma3Model,
+    v: &GemmaModel,
     d: &DFlashDrafter,
 ) -> kakeya_runtime::kv::FThetaRestorer {
     let widths = v.config.own_kv_widths();

@@ -1,7 +1,7 @@
 //! One decode turn's stacked forward: which prompt chunks join the decoding sequences' steps,
 //! which sequences verify drafts beside the others (and how many), and the forward itself.
 
-use kakeya_models::Gemma3Model;
+use kakeya_models::GemmaModel;
 use kakeya_models::linear::QUANT_MAX_ROWS;
 use kakeya_runtime::{RuntimeError, Sampler, Sampling, Session, Verified, Want, accept_greedy};
 
@@ -18,7 +18,7 @@ pub(super) fn prompt_batch(
     prefilling: &[usize],
     decoding: &[usize],
     chunk: usize,
-    model: &Gemma3Model,
+    model: &GemmaModel,
 ) -> Vec<usize> {
     if decoding.len() >= QUANT_MAX_ROWS {
         return Vec::new();

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use kakeya_models::{DFlashDrafter, Gemma3Model};
+use kakeya_models::{DFlashDrafter, GemmaModel};
 use kakeya_runtime::{
     DraftKind, KvSetup, NgramTable, PrefixCache, Proposer, RuntimeError, Sampler, Scores,
     SpecConfig, SpecDecoder, StopReason, TokenSink, Verifier,
@@ -39,7 +39,7 @@ impl<'m> Seq<'m> {
     /// prefix of the prompt.
     pub(super) fn new(
         job: Job,
-        model: &'m Gemma3Model,
+        model: &'m GemmaModel,
         setup: KvSetup<'m>,
         drafter: Option<&'m DFlashDrafter>,
         table: Option<&Arc<NgramTable>>,

@@ -4,7 +4,7 @@
 //! in one pass.
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use kakeya_models::gemma3::attention::Attention;
+use kakeya_models::gemma::attention::Attention;
 use kakeya_models::norm::RmsNorm;
 use kakeya_models::rope::Rope;
 use kakeya_models::sdpa::grouped_attention;

@@ -4,7 +4,7 @@
 //! diagnostics. The loop in [`super::train`] calls these; tests drive them directly.
 
 use burn::tensor::{AllocationProperty, Device, Tensor, TensorData};
-use kakeya_models::{FTheta, Gemma3Model};
+use kakeya_models::{FTheta, GemmaModel};
 use kakeya_weights::FThetaConfig;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -294,7 +294,7 @@ pub fn frozen_groups(layers: &[LayerFrozen], config: &FThetaConfig) -> Vec<Group
 /// The verifier's frozen attention pieces of every layer f_θ predicts (those with K/V of
 /// their own: Gemma 4's KV-sharing layers, the last ones, are left out) on `device` (the
 /// autodiff twin when training: they never require gradients).
-pub fn frozen_layers(verifier: &Gemma3Model, device: &Device) -> Vec<LayerFrozen> {
+pub fn frozen_layers(verifier: &GemmaModel, device: &Device) -> Vec<LayerFrozen> {
     verifier
         .layers
         .iter()

@@ -17,7 +17,7 @@ use super::pass::PassInputs;
 use super::replay::{RecordingGate, Replayer};
 use crate::optim::{Moments, StepValues};
 use kakeya_capture::Dataset;
-use kakeya_models::Gemma3Model;
+use kakeya_models::GemmaModel;
 use kakeya_weights::FThetaConfig;
 use kakeya_weights::ftheta::{FTHETA_FORMAT, FTHETA_VERSION, FThetaInputs, ModelRef};
 use rand::rngs::StdRng;
@@ -113,7 +113,7 @@ pub struct Setup {
 /// `kakeya capture` computes them). Errors here come before anything is trained or written.
 pub fn prepare(
     cfg: &FThetaTrainConfig,
-    verifier: &Gemma3Model,
+    verifier: &GemmaModel,
     verifier_sha: &str,
     drafter_sha: &str,
 ) -> Result<Setup> {
@@ -354,7 +354,7 @@ fn least_squares(
 /// `curves.png` into the run folder.
 pub fn train_f_theta(
     cfg: &FThetaTrainConfig,
-    verifier: &Gemma3Model,
+    verifier: &GemmaModel,
     setup: Setup,
     opts: &TrainOptions,
     on_event: &mut dyn FnMut(FEvent),

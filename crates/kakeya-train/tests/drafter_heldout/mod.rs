@@ -7,7 +7,7 @@ use std::path::Path;
 use burn::tensor::{Tensor, TensorData};
 use kakeya_capture::schema::aux_column;
 use kakeya_capture::{Dataset, Query};
-use kakeya_models::{DFlashDrafter, DraftRequest, Gemma3Model};
+use kakeya_models::{DFlashDrafter, DraftRequest, GemmaModel};
 use kakeya_runtime::CompactStore;
 use kakeya_train::DrafterTrainConfig;
 use kakeya_weights::DraftCheckpoint;
@@ -102,7 +102,7 @@ const NEAR_TIE: f32 = 1e-3;
 /// `⌈total / eval_anchors⌉`-th — scored as greedy verification against the captured
 /// continuation: 1 + the leading drafts equal to the verifier's tokens.
 pub fn runtime_heldout_acceptance(
-    v: &Gemma3Model,
+    v: &GemmaModel,
     cfg: &DrafterTrainConfig,
     ds: &Path,
 ) -> RuntimeEval {

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use kakeya_capture::schema::ModelInfo;
 use kakeya_capture::{CaptureConfig, Models, RunOptions};
 use kakeya_models::testing::{drafter_config, random_drafter, word_level_tokenizer_json};
-use kakeya_models::{DFlashDrafter, Gemma3Model};
+use kakeya_models::{DFlashDrafter, GemmaModel};
 use kakeya_train::TrainOptions;
 use kakeya_train::ftheta::FThetaTrainConfig;
 use kakeya_weights::Tokenizer;
@@ -18,7 +18,7 @@ pub const DSHA: &str = "d4af7e4d4af7e4d4af7e4d4af7e4d4af7e4d4af7e4d4af7e4d4af7e4
 
 /// Captures `n` random-word prompts (10–30 words) + 8 greedy tokens with `tensors` kept for
 /// every verifier layer and, with `drafter`, the context K/V of [`tiny_drafter`].
-pub fn capture(dir: &Path, v: &Gemma3Model, n: usize, tensors: &str, drafter: bool) -> PathBuf {
+pub fn capture(dir: &Path, v: &GemmaModel, n: usize, tensors: &str, drafter: bool) -> PathBuf {
     let vocab = v.config.vocab_size;
     std::fs::write(dir.join("tokenizer.json"), word_level_tokenizer_json(vocab)).unwrap();
     let tok = Tokenizer::load(&dir.join("tokenizer.json"), vocab).unwrap();
@@ -92,7 +92,7 @@ path = "{}"
 }
 
 /// The random 2-layer drafter (block 4) whose K/V [`capture`] records.
-pub fn tiny_drafter(v: &Gemma3Model) -> DFlashDrafter {
+pub fn tiny_drafter(v: &GemmaModel) -> DFlashDrafter {
     DFlashDrafter::from_checkpoint(random_drafter(&drafter_config(&v.config, 2, 4), 2), v).unwrap()
 }
 

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use kakeya_capture::schema::ModelInfo;
 use kakeya_capture::{CaptureConfig, Models, RunOptions};
-use kakeya_models::Gemma3Model;
+use kakeya_models::GemmaModel;
 use kakeya_models::testing::word_level_tokenizer_json;
 use kakeya_train::DrafterTrainConfig;
 use kakeya_weights::Tokenizer;
@@ -16,7 +16,7 @@ use rand::{Rng, SeedableRng};
 pub const SHA: &str = "5ha5ha5ha5ha5ha5ha5ha5ha5ha5ha5ha5ha5ha5ha5ha5ha5ha5ha5ha5ha5ha5";
 
 /// Captures `n` random-word prompts (words of `v`'s vocabulary) continued greedily by `v` (aux layers 1, 3, 4; f32).
-pub fn capture(dir: &Path, v: &Gemma3Model, n: usize, gen_len: usize, aux: &str) -> PathBuf {
+pub fn capture(dir: &Path, v: &GemmaModel, n: usize, gen_len: usize, aux: &str) -> PathBuf {
     let vocab = v.config.vocab_size;
     std::fs::write(dir.join("tokenizer.json"), word_level_tokenizer_json(vocab)).unwrap();
     let tok = Tokenizer::load(&dir.join("tokenizer.json"), vocab).unwrap();

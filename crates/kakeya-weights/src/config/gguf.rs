@@ -7,7 +7,7 @@
 //! `rope_freqs` tensor (frequency factor 1 for a rotated pair, ~1e30 for an unrotated one).
 
 use crate::config::{
-    AttentionKind, Gemma3Config, Gemma4Extras, MoeConfig, check_layers, default_layer_types,
+    AttentionKind, Gemma4Extras, GemmaConfig, MoeConfig, check_layers, default_layer_types,
 };
 use crate::error::{Result, WeightsError};
 use crate::gguf::{GgufFile, GgufValue};
@@ -16,7 +16,7 @@ use crate::gguf::{GgufFile, GgufValue};
 /// 1e30: the angle `pos · θ / factor` is 0 to f32 precision for any position).
 const UNROTATED_FACTOR: f32 = 1e20;
 
-impl Gemma3Config {
+impl GemmaConfig {
     /// Reads a GGUF file's `gemma3.*` or `gemma4.*` metadata. Gemma 3: GGUF does not store a
     /// few constants; they are filled in as llama.cpp does (local RoPE base 1e4, a global
     /// layer every 6th, `query_pre_attn_scalar = key_length`).
@@ -64,7 +64,7 @@ fn vocab_size(f: &GgufFile) -> Result<usize> {
     }
 }
 
-fn gemma3(f: &GgufFile) -> Result<Gemma3Config> {
+fn gemma3(f: &GgufFile) -> Result<GemmaConfig> {
     let u = |k: &str| f.req_u64(&format!("gemma3.{k}")).map(|v| v as usize);
     let n_layers = check_layers(&f.path, u("block_count")?)?;
     let head_dim = u("attention.key_length")?;
@@ -76,7 +76,7 @@ fn gemma3(f: &GgufFile) -> Result<Gemma3Config> {
         "linear" => f.req_f64("gemma3.rope.scaling.factor")?,
         _ => 1.0,
     };
-    Ok(Gemma3Config {
+    Ok(GemmaConfig {
         vocab_size: vocab_size(f)?,
         hidden_size: u("embedding_length")?,
         intermediate_size: u("feed_forward_length")?,
@@ -146,7 +146,7 @@ fn uniform(
     }
 }
 
-fn gemma4(f: &GgufFile) -> Result<Gemma3Config> {
+fn gemma4(f: &GgufFile) -> Result<GemmaConfig> {
     let path = &f.path;
     let bad = |msg: String| Err(WeightsError::format(path, msg));
     let key = |k: &str| format!("gemma4.{k}");
@@ -295,7 +295,7 @@ fn gemma4(f: &GgufFile) -> Result<Gemma3Config> {
             return bad(format!("gemma4.{what} must be positive"));
         }
     }
-    Ok(Gemma3Config {
+    Ok(GemmaConfig {
         vocab_size: vocab_size(f)?,
         hidden_size: u("embedding_length")?,
         intermediate_size,
@@ -375,12 +375,12 @@ mod tests {
     }
 
     fn refused(f: &GgufFile) -> String {
-        Gemma3Config::from_gguf(f).unwrap_err().to_string()
+        GemmaConfig::from_gguf(f).unwrap_err().to_string()
     }
 
     #[test]
     fn gemma4_metadata_gives_the_geometry() {
-        let c = Gemma3Config::from_gguf(&dense()).unwrap();
+        let c = GemmaConfig::from_gguf(&dense()).unwrap();
         let g = c.gemma4.as_ref().unwrap();
         assert_eq!((c.head_dim, g.global_head_dim), (16, 32));
         assert_eq!((c.num_key_value_heads, g.global_kv_heads), (2, 1));

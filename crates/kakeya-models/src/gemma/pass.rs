@@ -1,12 +1,12 @@
-//! A forward's decoder layers over the stacked chunks of its requests ([`Gemma3Model::pass`]),
+//! A forward's decoder layers over the stacked chunks of its requests ([`GemmaModel::pass`]),
 //! the checks of a batch, and the rows each request wants through the head: what the issued
-//! forward ([`Gemma3Model::forward_batch`]) and a recorded one (`super::replay`) share.
+//! forward ([`GemmaModel::forward_batch`]) and a recorded one (`super::replay`) share.
 
 use burn::tensor::Tensor;
 use kakeya_weights::AttentionKind;
 
 use super::attention::{AttentionCapture, SharedKv, Span};
-use super::model::{ForwardRequest, Gemma3Model};
+use super::model::{ForwardRequest, GemmaModel};
 use crate::cache::KvLayers;
 use crate::error::{ModelError, Result};
 use crate::gpu::StepInputs;
@@ -45,7 +45,7 @@ pub(super) fn head_input(
     (head_in, counts)
 }
 
-/// What the decoder layers of a forward leave ([`Gemma3Model::pass`]).
+/// What the decoder layers of a forward leave ([`GemmaModel::pass`]).
 pub(super) struct Pass {
     /// The last layer's rows, `[R, hidden]`.
     pub(super) x: Tensor<2>,
@@ -57,7 +57,7 @@ pub(super) struct Pass {
     pub(super) attention: Vec<Vec<AttentionCapture>>,
 }
 
-impl Gemma3Model {
+impl GemmaModel {
     /// The decoder layers over the stacked chunks of `reqs` (each sequence's caches in
     /// `kvs`): the last layer's rows and what the requests asked to keep. On a GPU the rows'
     /// ids and positions are read from `given` when the caller holds them on the device (a

@@ -2,7 +2,7 @@
 //! dequantiser, on real blocks of the default model (or blocks `gguf` quantised from real
 //! weights). Fixture and generator: `tests/fixtures/dequant/` at the workspace root.
 
-use kakeya_weights::dequant::{GgmlType, dequantize};
+use kakeya_kernels::dequant::{GgmlType, dequantize};
 
 fn fixture() -> serde_json::Value {
     let path = concat!(

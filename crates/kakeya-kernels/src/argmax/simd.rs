@@ -5,7 +5,7 @@
 use std::sync::OnceLock;
 
 use super::GROUP;
-use crate::kernel::{Layout, TILE};
+use crate::tiles::{Layout, TILE};
 
 pub(super) fn available() -> bool {
     static OK: OnceLock<bool> = OnceLock::new();
@@ -38,7 +38,7 @@ pub(super) fn approx(
                 res[r0 + i][..4].copy_from_slice(r);
             }
         };
-        // SAFETY (all calls): AVX2 and FMA are available and every slice was checked
+        // SAFETY: (all calls) AVX2 and FMA are available and every slice was checked
         // above; row ranges lie inside the tile.
         unsafe {
             match xn {
@@ -88,7 +88,7 @@ unsafe fn tile_avx2<const X: usize, const R: usize>(
     for g in 0..gpr {
         // SAFETY: block `g` lies inside the tile; prefetches never fault.
         let b = unsafe { tp.add(g * block) };
-        crate::kernel::prefetch_ahead(b, block);
+        crate::tiles::prefetch_ahead(b, block);
         for i in 0..R {
             let r = r0 + i;
             // SAFETY: the header holds TILE f32 scales; the values (32 per row) follow it.

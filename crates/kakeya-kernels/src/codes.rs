@@ -79,7 +79,7 @@ pub fn dequantize_codes(packed: &[u8], bits: u32, affine: Affine<'_>, out: &mut 
     }
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if crate::kernel::simd_available() {
+    if crate::tiles::simd_available() {
         // SAFETY: AVX2 is available; the lengths were checked above.
         done = unsafe { simd::eights(packed, bits, affine, out) };
     }
@@ -172,7 +172,7 @@ pub fn dequantize_mixed(row: &[u8], codes: &MixedCodes, out: &mut [f32]) {
     assert!(out.len() <= codes.len(), "dequantize_mixed: map too short");
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if crate::kernel::simd_available() && row.len() >= codes.reach {
+    if crate::tiles::simd_available() && row.len() >= codes.reach {
         // SAFETY: AVX2 is available; every code's four-byte window lies inside `row`.
         done = unsafe { simd::mixed_eights(row, codes, out) };
     }
@@ -246,7 +246,7 @@ mod simd {
         affine: Affine<'_>,
         out: &mut [f32],
     ) -> usize {
-        // SAFETY (every arm): as the caller's; the width is the arm's.
+        // SAFETY: (every arm) as the caller's; the width is the arm's.
         unsafe {
             match bits {
                 1 => eights_of::<1>(packed, affine, out),

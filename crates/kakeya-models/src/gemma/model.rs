@@ -1,7 +1,7 @@
 //! The Gemma 3 text decoder: embedding (× √hidden), decoder layers, final norm, tied LM head.
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use kakeya_weights::{AttentionKind, Gemma3Config};
+use kakeya_weights::{AttentionKind, GemmaConfig};
 
 use super::attention::{Attention, AttentionCapture, SharedKv, Span};
 use super::device::DeviceRopes;
@@ -26,7 +26,7 @@ pub enum Logits {
     All,
     /// Only the greedy choice after the last position ([`ForwardOutput::chosen`], one id):
     /// exactly the argmax (first on ties) of the row `Last` returns, found without most
-    /// logits where the head allows ([`Gemma3Model::greedy`]).
+    /// logits where the head allows ([`GemmaModel::greedy`]).
     GreedyLast,
     /// Only the greedy choice after every position (`T` ids), as `GreedyLast`.
     GreedyAll,
@@ -144,7 +144,7 @@ fn argmax_rows(logits: Tensor<2>) -> Vec<u32> {
         .try_into_vec::<f32>()
         .expect("logits are f32");
     host.chunks_exact(v)
-        .map(|row| kakeya_weights::argmax::first_max(row).unwrap_or(0) as u32)
+        .map(|row| kakeya_kernels::argmax::first_max(row).unwrap_or(0) as u32)
         .collect()
 }
 
@@ -249,9 +249,9 @@ impl DecoderLayer {
 
 /// The Gemma 3 text model.
 #[derive(Debug, Clone)]
-pub struct Gemma3Model {
+pub struct GemmaModel {
     /// Hyper-parameters.
-    pub config: Gemma3Config,
+    pub config: GemmaConfig,
     /// Token embedding, `[vocab, hidden]`.
     pub embed: Tensor<2>,
     /// Tied LM head: the embedding as a linear map `hidden → vocab`.
@@ -275,7 +275,7 @@ pub struct Gemma3Model {
     pub(super) max_buffer: Option<u64>,
 }
 
-impl Gemma3Model {
+impl GemmaModel {
     /// Chooses the products of the decoder layers' quantised weights ([`Kernel`]); the LM
     /// head keeps its exact greedy search. Returns how many weights take the kernel (0: the
     /// model has no quantised weights on the CPU, so nothing changed).
@@ -439,7 +439,7 @@ impl Gemma3Model {
     /// [`crate::linear::QUANT_MAX_ROWS`] rows in all), so each sequence's results are bit for
     /// bit those of its own [`Self::forward`]. All requests ask for the same `hidden_after` and
     /// `capture_attention`. On a GPU, a greedy forward of at most 16 rows replays a recording
-    /// of the same forward where one exists (`gemma3::replay`; [`Self::replay_stats`]): the
+    /// of the same forward where one exists (`gemma::replay`; [`Self::replay_stats`]): the
     /// same kernels on the same inputs, so the same bits.
     ///
     /// # Shapes

@@ -49,7 +49,7 @@ pub(super) fn tiles_fused(
         tiles.len() >= rows.div_ceil(TILE) * l.tile()
             && x.len() >= t * l.cols()
             && out.len() >= rows * t,
-        "kernel::tiles_fused: slices too short"
+        "tiles::tiles_fused: slices too short"
     );
     // SAFETY: AVX2 and FMA are available (checked by the caller through `available`),
     // AVX-512F where `zmm::available` says so, and the lengths were checked above.
@@ -82,7 +82,7 @@ unsafe fn fused_tiles_avx2<const ASYM: bool>(
         while j0 < t {
             let xn = (t - j0).min(super::FUSED_INPUTS);
             let xs = &x[j0 * cols..(j0 + xn) * cols];
-            // SAFETY (all arms): tile `k` and the inputs are inside their slices (checked by
+            // SAFETY: (all arms) tile `k` and the inputs are inside their slices (checked by
             // the caller).
             unsafe {
                 match xn {
@@ -118,13 +118,16 @@ unsafe fn chunk_avx2<const X: usize, const ASYM: bool>(
     const HALF: usize = TILE / 2;
     let at = super::TileOut { k, rows, t, j0 };
     let mut put = |r0: usize, res: &[[f32; X]]| at.put(r0, res, out);
-    // SAFETY (all calls): the tile and `x` are inside their slices (checked by the
-    // caller), and the row ranges lie inside the tile.
+    // The tile and `x` are inside their slices (checked by the caller), and each call's row
+    // range lies inside the tile.
     if X <= 2 {
+        // SAFETY: as above; rows 0..TILE.
         put(0, &unsafe { fused_avx2::<X, ASYM, TILE>(l, tile, 0, x) });
     } else {
+        // SAFETY: as above; rows 0..HALF.
         put(0, &unsafe { fused_avx2::<X, ASYM, HALF>(l, tile, 0, x) });
         if k * TILE + HALF < rows {
+            // SAFETY: as above; rows HALF..TILE, which the tile holds (`k·TILE + HALF < rows`).
             put(HALF, &unsafe {
                 fused_avx2::<X, ASYM, HALF>(l, tile, HALF, x)
             });
@@ -161,6 +164,7 @@ unsafe fn fused_avx2<const X: usize, const ASYM: bool, const R: usize>(
             // and `r < TILE`.
             sv[i] = _mm256_set1_ps(unsafe { b.add(4 * r).cast::<f32>().read_unaligned() });
             if ASYM {
+                // SAFETY: the offsets follow the scales in the header, and `r < TILE`.
                 ov[i] =
                     _mm256_set1_ps(unsafe { b.add(4 * (TILE + r)).cast::<f32>().read_unaligned() });
             }
@@ -217,7 +221,7 @@ pub(super) fn dense(
     };
     assert!(
         wlen >= rows * cols && x.len() >= t * cols && out.len() >= rows * t,
-        "kernel::dense: slices too short"
+        "tiles::dense: slices too short"
     );
     for r in 0..rows {
         let mut j0 = 0;
@@ -249,7 +253,7 @@ unsafe fn dense_chunk<const KIND: u8>(
     x: &[f32],
     out: &mut [f32],
 ) {
-    // SAFETY (all arms): as the caller's.
+    // SAFETY: (all arms) as the caller's.
     unsafe {
         match out.len() {
             1 => dense_row::<1, KIND>(w, r, cols, x, out),

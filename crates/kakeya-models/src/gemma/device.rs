@@ -8,7 +8,7 @@ use std::sync::{Mutex, MutexGuard};
 use burn::tensor::{Device, Tensor};
 use kakeya_weights::AttentionKind;
 
-use super::model::{ForwardRequest, Gemma3Model};
+use super::model::{ForwardRequest, GemmaModel};
 use super::pass::head_input;
 use crate::cache::KvLayers;
 use crate::error::{ModelError, Result};
@@ -90,7 +90,7 @@ pub struct CacheBuffers {
     pub v: (usize, u64),
 }
 
-impl Gemma3Model {
+impl GemmaModel {
     /// Whether a greedy decode step of this model can be recorded once and replayed: on a
     /// GPU whose kernels write in place (not under Burn's fusion), with every layer writing
     /// its own K/V ([`crate::gpu::span_attention`]), no Gemma 4 per-layer inputs (read from

@@ -27,7 +27,7 @@ pub fn sampled_posterior(rows: &[f32], vocab: usize, first: usize, sampler: &Sam
 mod tests {
     use super::*;
     use crate::sampler::Sampling;
-    use crate::spec::accept_greedy;
+    use crate::speculative::accept_greedy;
 
     #[test]
     fn acceptance_has_probability_p_of_the_draft_and_commits_p() {

@@ -1,14 +1,14 @@
 //! The verifier side of speculation: the target model and the sequence's KV state, checking a
 //! block of tokens in one forward and rolling back the rejected tail.
 
-use kakeya_models::{Gemma3Model, Logits};
+use kakeya_models::{GemmaModel, Logits};
 
 use crate::error::{Result, RuntimeError};
 use crate::kv::{CompactStore, KvBytes};
 use crate::sampler::Sampler;
 use crate::session::{KvSetup, Session, logits_row};
-use crate::spec::sampled::sampled_posterior;
-use crate::spec::tree::DraftTree;
+use crate::speculative::sampled::sampled_posterior;
+use crate::speculative::tree::DraftTree;
 
 /// The target model of one sequence, with rollback-capable caches.
 #[derive(Debug)]
@@ -19,7 +19,7 @@ pub struct Verifier<'m> {
 impl<'m> Verifier<'m> {
     /// A verifier checking blocks of up to `block_size` tokens: every cache keeps at least
     /// `block_size` positions of exact rollback, and the policy must allow the block.
-    pub fn new(model: &'m Gemma3Model, setup: KvSetup<'m>, block_size: usize) -> Result<Self> {
+    pub fn new(model: &'m GemmaModel, setup: KvSetup<'m>, block_size: usize) -> Result<Self> {
         setup
             .policy
             .check(model.config.max_position_embeddings, block_size)?;
@@ -55,7 +55,7 @@ impl<'m> Verifier<'m> {
     }
 
     /// The target model.
-    pub fn model(&self) -> &'m Gemma3Model {
+    pub fn model(&self) -> &'m GemmaModel {
         self.session.model()
     }
 

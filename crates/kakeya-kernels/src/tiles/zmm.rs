@@ -64,7 +64,7 @@ pub(super) unsafe fn tiles_fused<const ASYM: bool>(
             let xn = (t - j0).min(INPUTS);
             let xs = &x[j0 * cols..(j0 + xn) * cols];
             let at = super::TileOut { k, rows, t, j0 };
-            // SAFETY (all arms): tile `k` and the `xn` inputs lie inside their slices
+            // SAFETY: (all arms) tile `k` and the `xn` inputs lie inside their slices
             // (the caller's contract).
             unsafe {
                 match xn {

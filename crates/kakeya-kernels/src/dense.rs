@@ -4,7 +4,7 @@
 //! verify block differ in the last bits), which would let speculative decoding of an HF
 //! checkpoint diverge from plain decoding at a near-tie.
 
-use crate::kernel::{self, DenseRows};
+use crate::tiles::{self, DenseRows};
 
 /// Weight rows per parallel task.
 const ROWS_PER_TASK: usize = 32;
@@ -75,13 +75,13 @@ impl DenseMatrix {
         );
         let cols = self.cols;
         let mut y = vec![0.0f32; t * self.rows];
-        kernel::by_input_tasks(self.rows, t, ROWS_PER_TASK, &mut y, |r0, out| {
+        tiles::by_input_tasks(self.rows, t, ROWS_PER_TASK, &mut y, |r0, out| {
             let n = out.len() / t;
             let w = match &self.values {
                 Values::F32(v) => DenseRows::F32(&v[r0 * cols..(r0 + n) * cols]),
                 Values::Bf16(v) => DenseRows::Bf16(&v[r0 * cols..(r0 + n) * cols]),
             };
-            kernel::dense_tile(w, n, x, t, cols, out);
+            tiles::dense_tile(w, n, x, t, cols, out);
         });
         y
     }
@@ -126,7 +126,7 @@ mod tests {
                 for j in 0..16 {
                     for r in 0..rows {
                         let want =
-                            kernel::dot(&w[r * cols..(r + 1) * cols], &x[j * cols..(j + 1) * cols]);
+                            tiles::dot(&w[r * cols..(r + 1) * cols], &x[j * cols..(j + 1) * cols]);
                         assert_eq!(
                             all[j * rows + r].to_bits(),
                             want.to_bits(),

@@ -1,6 +1,6 @@
 //! Greedy and sampled forwards (their choices drawn on the device) recorded once and replayed
 //! on a GPU: decode steps, speculative verify blocks, and the server's batched steps of several
-//! sequences ([`Gemma3Model::forward_batch`]
+//! sequences ([`GemmaModel::forward_batch`]
 //! takes this path by itself). A decode step of the 270M model issues ~185 kernel launches,
 //! and on an H100 it was bound by issuing them (6.5–7.6 ms a step, far more than its kernels:
 //! `docs/gpu.md`). Recorded, a forward is one replay (a CUDA graph) plus one small upload and
@@ -11,7 +11,7 @@
 //! replay), which the recorded kernels
 //! read (the embedding and RoPE rows gathered there, the attention's first positions); the
 //! caches' buffers, written in place by the recorded attention while the host only advances
-//! their lengths ([`Gemma3Model::advance_in_place`]); the device RoPE tables; and the greedy
+//! their lengths ([`GemmaModel::advance_in_place`]); the device RoPE tables; and the greedy
 //! ids and requested hidden states, left on the device until the replay ran. A recording is
 //! keyed by each request's rows and wanted rows, the caches' allocations (CubeCL never reuses
 //! an id), and the tables' sizes: a full cache doubling, a ring filling, a fork's copy on
@@ -23,7 +23,7 @@
 use burn::tensor::Tensor;
 
 use super::device::CacheBuffers;
-use super::model::{ForwardOutput, ForwardRequest, Gemma3Model, Logits};
+use super::model::{ForwardOutput, ForwardRequest, GemmaModel, Logits};
 use crate::cache::KvLayers;
 use crate::error::{ModelError, Result};
 pub use crate::gpu::ReplayStats;
@@ -63,7 +63,7 @@ pub(crate) struct Recorded {
 /// A model's recorded forwards.
 pub(crate) type Replayer = gpu::Recorder<Key, Recorded>;
 
-impl Gemma3Model {
+impl GemmaModel {
     /// How this model's greedy forwards ran on a GPU so far.
     pub fn replay_stats(&self) -> ReplayStats {
         self.replayer.lock().stats

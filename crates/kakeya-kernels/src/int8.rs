@@ -27,8 +27,8 @@ use rayon::prelude::*;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
-use crate::kernel::TILE;
 use crate::quant::QuantMatrix;
+use crate::tiles::TILE;
 
 /// Weight rows per panel: one 32-bit lane each of a 512-bit register.
 pub(crate) const PANEL: usize = 16;

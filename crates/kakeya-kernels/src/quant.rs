@@ -4,9 +4,9 @@
 //! token. [`QuantMatrix`] repacks a GGML-quantised matrix into int8 values with one f32 scale
 //! (and, for the asymmetric formats, one f32 offset) per group of 16 or 32 — ~1.15 bytes per
 //! weight — taken straight from the block fields, stored in tiles of four rows that a decode
-//! step reads as one stream ([`crate::kernel::Layout`]). Each weight is rebuilt as `q·s` (`+ o`) with
+//! step reads as one stream ([`crate::tiles::Layout`]). Each weight is rebuilt as `q·s` (`+ o`) with
 //! exactly the f32 operations of [`crate::dequant`], so the weights are bit-identical to the
-//! dense model's; the dot products follow the canonical order of [`crate::kernel`] (8 lanes,
+//! dense model's; the dot products follow the canonical order of [`crate::tiles`] (8 lanes,
 //! FMA), which makes a row's result independent of how many input rows run together. Up to
 //! four input rows (decoding, short verify blocks): weights are rebuilt in registers, a tile
 //! (four rows) at a time, and used for every input row, so each tile is streamed once. More
@@ -14,10 +14,10 @@
 //! the inputs four at a time. Inputs of more than [`INPUTS_PER_PASS`] rows (prefill) go in
 //! passes of that many, so that a pass's inputs stay in L2. Rows are split across the rayon
 //! pool, each task putting its products straight into the output's `[t, rows]` layout
-//! ([`kernel::by_input_tasks_many`]).
+//! ([`tiles::by_input_tasks_many`]).
 
 use crate::dequant::GgmlType;
-use crate::kernel::{self, Layout, TILE};
+use crate::tiles::{self, Layout, TILE};
 
 /// Rows of output per parallel task.
 const ROWS_PER_TASK: usize = 32;
@@ -142,7 +142,7 @@ fn rows_kernel(m: &QuantMatrix, r0: usize, out: &mut [f32], x: &[f32], t: usize)
     let n = out.len() / t;
     let (k0, k1) = (r0 / TILE, (r0 + n).div_ceil(TILE));
     let tiles = &m.data[k0 * l.tile()..k1 * l.tile()];
-    if kernel::tiles_fused(l, tiles, x, t, n, out) {
+    if tiles::tiles_fused(l, tiles, x, t, n, out) {
         return;
     }
     let mut w = Vec::new();
@@ -154,9 +154,9 @@ fn rows_kernel(m: &QuantMatrix, r0: usize, out: &mut [f32], x: &[f32], t: usize)
         l.rebuild(tile, &mut w);
         // The next tile streams in while this one is multiplied by every input row.
         if (r0 + i) / TILE + 1 < m.rows.div_ceil(TILE) {
-            kernel::prefetch(m.tile((r0 + i) / TILE + 1));
+            tiles::prefetch(m.tile((r0 + i) / TILE + 1));
         }
-        kernel::tile(&w, rn, x, t, cols, &mut out[i * t..(i + rn) * t]);
+        tiles::tile(&w, rn, x, t, cols, &mut out[i * t..(i + rn) * t]);
         i += rn;
     }
 }
@@ -378,7 +378,7 @@ impl QuantMatrix {
                     &mut y[at..at + tc * r]
                 })
                 .collect();
-            kernel::by_input_tasks_many(&mut outs, &rows, tc, ROWS_PER_TASK, |m, r0, out| {
+            tiles::by_input_tasks_many(&mut outs, &rows, tc, ROWS_PER_TASK, |m, r0, out| {
                 rows_dispatch(ms[m], r0, out, xc, tc)
             });
         }

@@ -1,11 +1,11 @@
-//! Building a [`Gemma3Model`] from a checkpoint: Gemma 3, and Gemma 4 as configuration of
+//! Building a [`GemmaModel`] from a checkpoint: Gemma 3, and Gemma 4 as configuration of
 //! the same blocks (per-layer geometry, KV sharing, per-layer inputs, MoE).
 
 use burn::tensor::{Device, Tensor, TensorData};
 use kakeya_weights::{AttentionKind, Checkpoint, HostTensor};
 
 use super::attention::Attention;
-use super::model::{DecoderLayer, Gemma3Model};
+use super::model::{DecoderLayer, GemmaModel};
 use super::moe::{Expert, Moe};
 use super::per_layer::{PerLayerEmbed, PerLayerGate};
 use crate::error::{ModelError, Result};
@@ -129,7 +129,7 @@ impl Loader<'_> {
     }
 }
 
-impl Gemma3Model {
+impl GemmaModel {
     /// Builds the model from a checkpoint (consumed: tensors move to the device).
     pub fn from_checkpoint(mut ck: Checkpoint, device: &Device) -> Result<Self> {
         ck.check_tensors()?;

@@ -7,7 +7,7 @@
 use std::sync::OnceLock;
 
 use super::{MAX_X, PANEL, Panels, Rounded, block, header};
-use crate::kernel::prefetch_ahead;
+use crate::tiles::prefetch_ahead;
 
 /// Whether this machine has AVX-512 VNNI (Zen 4, Sapphire Rapids and later): the fastest path.
 pub(crate) fn vnni_available() -> bool {
@@ -216,7 +216,7 @@ unsafe fn by_inputs<const G: usize, const ASYM: bool>(
     xn: usize,
     out: &mut [f32],
 ) {
-    // SAFETY (every arm): the caller's guarantees.
+    // SAFETY: (every arm) the caller's guarantees.
     unsafe {
         match xn {
             1 => vnni::<1, 4, G, ASYM>(m, p, xr, j0, out),

@@ -1,4 +1,5 @@
-//! Gemma 3 text decoder [transformers `models/gemma3/modeling_gemma3.py`].
+//! The Gemma family's text decoder: Gemma 3 [transformers `models/gemma3/modeling_gemma3.py`]
+//! and what Gemma 4 adds (`moe`: mixture-of-experts MLPs; `per_layer`: per-layer embeddings).
 
 pub mod attention;
 mod device;
@@ -13,5 +14,5 @@ mod replay;
 pub use attention::AttentionCapture;
 pub use device::CacheBuffers;
 pub(crate) use device::DeviceRopes;
-pub use model::{ForwardOutput, ForwardRequest, Gemma3Model, Logits};
+pub use model::{ForwardOutput, ForwardRequest, GemmaModel, Logits};
 pub use replay::ReplayStats;

@@ -327,7 +327,7 @@ pub(crate) fn by_input_tasks_many(
     use rayon::prelude::*;
     assert!(
         ys.len() == rows.len() && ys.iter().zip(rows).all(|(y, &r)| y.len() == r * t),
-        "kernel::by_input_tasks: an output has the wrong length"
+        "tiles::by_input_tasks: an output has the wrong length"
     );
     let outs: Vec<Columns> = ys.iter_mut().map(|y| Columns(y.as_mut_ptr())).collect();
     let tasks: Vec<(usize, usize)> = rows

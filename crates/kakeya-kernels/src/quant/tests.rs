@@ -157,7 +157,7 @@ fn every_path_gives_the_canonical_bits() {
         .into_iter()
         .flat_map(|avx2| cases.iter().map(move |&(c, r)| (c, r, avx2)))
     {
-        kernel::force_avx2(avx2);
+        tiles::force_avx2(avx2);
         let data = blocks(ty, rows, cols);
         let dense = dequantize(ty, &data, rows * cols);
         let q = QuantMatrix::new(ty, rows, cols, &data).unwrap();
@@ -168,7 +168,7 @@ fn every_path_gives_the_canonical_bits() {
             let y = q.matmul(&x[..t * cols], t);
             for tt in 0..t {
                 for r in 0..rows {
-                    let want = kernel::dot(
+                    let want = tiles::dot(
                         &dense[r * cols..(r + 1) * cols],
                         &x[tt * cols..(tt + 1) * cols],
                     );
@@ -181,7 +181,7 @@ fn every_path_gives_the_canonical_bits() {
             }
         }
     }
-    kernel::force_avx2(false);
+    tiles::force_avx2(false);
 }
 
 #[test]

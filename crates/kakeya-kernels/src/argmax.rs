@@ -19,8 +19,8 @@
 use rayon::prelude::*;
 
 use crate::int8::PANEL;
-use crate::kernel::{self, Layout, TILE};
 use crate::quant::QuantMatrix;
+use crate::tiles::{self, Layout, TILE};
 
 /// Values per group this path handles.
 const GROUP: usize = 32;
@@ -421,10 +421,10 @@ impl QuantMatrix {
                     let k = r as usize / TILE;
                     if k != loaded {
                         let n = (rows - k * TILE).min(TILE);
-                        if !kernel::tiles_fused(l, self.tile(k), xj, 1, n, &mut four) {
+                        if !tiles::tiles_fused(l, self.tile(k), xj, 1, n, &mut four) {
                             w.resize(TILE * cols, 0.0);
                             l.rebuild(self.tile(k), &mut w);
-                            kernel::tile(&w, n, xj, 1, cols, &mut four);
+                            tiles::tile(&w, n, xj, 1, cols, &mut four);
                         }
                         loaded = k;
                     }

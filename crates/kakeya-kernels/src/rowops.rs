@@ -3,7 +3,7 @@
 //! packs both operands on every call). Both sums run in a fixed order, so each output is the
 //! same bits whatever else is computed beside it.
 
-use crate::kernel::{self, DenseRows};
+use crate::tiles::{self, DenseRows};
 
 /// Cached rows, `[n, dim]` row-major: f32, or f16 read in place (each value widened to f32
 /// exactly as it is loaded), so both products below take the same bits from an f16 row as from
@@ -51,7 +51,7 @@ pub fn row_dots(rows: Rows<'_>, n: usize, x: &[f32], t: usize, dim: usize, out: 
         Rows::F32(v) => DenseRows::F32(v),
         Rows::F16(v) => DenseRows::F16(v),
     };
-    kernel::dense_tile(rows, n, x, t, dim, out);
+    tiles::dense_tile(rows, n, x, t, dim, out);
 }
 
 /// `out_j += Σ_r p[r · t + j] · rows_r` for `j < t` (`out`: `[t, dim]`), over the `n` rows of
@@ -62,7 +62,7 @@ pub fn weighted_sum(p: &[f32], rows: Rows<'_>, n: usize, t: usize, dim: usize, o
         "weighted_sum: slices too short"
     );
     #[cfg(target_arch = "x86_64")]
-    if kernel::simd_available() {
+    if tiles::simd_available() {
         simd::weighted_sum(p, rows, n, t, dim, out);
         return;
     }
@@ -177,7 +177,7 @@ mod simd {
         /// AVX2, FMA and F16C are available; `c + 8·B <= dim`; `rows` holds the pass's rows.
         #[target_feature(enable = "avx2,fma,f16c")]
         unsafe fn block<const B: usize>(&self, rows: Rows<'_>, c: usize, o: &mut [f32]) {
-            // SAFETY (all arms): the caller's.
+            // SAFETY: (all arms) the caller's.
             unsafe {
                 match (rows, self.m) {
                     (Rows::F16(v), 4) => self.run::<B, 4, true>(v.as_ptr().cast(), c, o),
@@ -321,7 +321,7 @@ mod tests {
         row_dots(Rows::F32(&rows), n, &x, t, dim, &mut dots);
         for r in 0..n {
             for j in 0..t {
-                let want = kernel::dot(&rows[r * dim..(r + 1) * dim], &x[j * dim..(j + 1) * dim]);
+                let want = tiles::dot(&rows[r * dim..(r + 1) * dim], &x[j * dim..(j + 1) * dim]);
                 assert_eq!(dots[r * t + j].to_bits(), want.to_bits(), "dot [{r},{j}]");
             }
         }

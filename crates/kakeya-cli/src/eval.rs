@@ -2,14 +2,13 @@
 //! bytes each mode holds; per-item results are appended as they finish, so a killed run
 //! continues with `--resume`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
 use kakeya_capture::job::sha256_path;
-use kakeya_capture::prompts::keyed_needles;
 use kakeya_models::{DFlashDrafter, GemmaModel};
 use kakeya_runtime::{
     DFlashProposer, FThetaRestorer, Generation, GenerationConfig, KvMode, KvPolicy, KvSetup,
@@ -19,6 +18,7 @@ use kakeya_weights::Tokenizer;
 use serde::{Deserialize, Serialize};
 
 use crate::common::{ModelArgs, default_drafter, load_drafter};
+use crate::eval_prompts::{Item, ladder, read_prompts};
 use crate::eval_report::{ItemResult, SCHEMA_VERSION, report};
 use crate::kv::{f_theta_dir, load_f_theta};
 use kakeya_train::state::write_file_atomically as write_atomically;
@@ -108,24 +108,6 @@ pub struct NiahArgs {
     pub json: bool,
 }
 
-/// One prompt of the evaluation.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Item {
-    /// Identifier.
-    pub id: String,
-    /// Prompt text (`<bos>` is prepended).
-    pub text: String,
-    /// The string a correct output contains.
-    pub answer: String,
-    /// Further strings a correct output contains too (the other codes of a multi-key item).
-    #[serde(default)]
-    pub also: Vec<String>,
-    /// Length bucket (the ladder length, or for `--prompts` items the nearest one).
-    pub bucket: usize,
-    /// Needle depth, for generated prompts.
-    pub depth: Option<f64>,
-}
-
 /// What a resumed run must share with the run it continues.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Settings {
@@ -167,138 +149,6 @@ pub fn parse_modes(s: &str) -> Result<Vec<KvMode>> {
         }
     }
     Ok(out)
-}
-
-fn count_tokens(tok: &Tokenizer, text: &str) -> Result<usize> {
-    Ok(tok.encode(text)?.len() + 1)
-}
-
-/// The generated ladder: per length, depth and repeat, a keyed needle prompt of at most that
-/// many tokens (filler lines added or removed until it is within 16 tokens below); with
-/// `--multi-key N`, as many again with N needles each.
-fn ladder(a: &NiahArgs, tok: &Tokenizer) -> Result<Vec<Item>> {
-    let mut items = Vec::new();
-    let kinds: &[usize] = if a.multi_key >= 2 {
-        &[1, a.multi_key]
-    } else {
-        &[1]
-    };
-    for (li, &len) in a.lengths.iter().enumerate() {
-        for (di, &depth) in a.depths.iter().enumerate() {
-            for &keys in kinds {
-                for r in 0..a.per_cell {
-                    items.push(ladder_item(a, tok, (li, len), (di, depth), keys, r)?);
-                }
-            }
-        }
-    }
-    Ok(items)
-}
-
-/// One ladder prompt: `keys` needles, the first at `depth`, the others spread after it.
-fn ladder_item(
-    a: &NiahArgs,
-    tok: &Tokenizer,
-    (li, len): (usize, usize),
-    (di, depth): (usize, f64),
-    keys: usize,
-    r: usize,
-) -> Result<Item> {
-    let cell = ((li * a.depths.len() + di) * a.per_cell + r) as u64;
-    // Single needles keep their item numbers; multi-key items take others.
-    let key = if keys == 1 { cell } else { cell + (1 << 32) };
-    let mut depths: Vec<f64> = (0..keys)
-        .map(|i| (depth + i as f64 / keys as f64).fract())
-        .collect();
-    depths.sort_by(f64::total_cmp);
-    let make = |n: usize| keyed_needles(a.seed, key, n, &depths, a.distractors);
-    let mut n = (len / 12).max(1);
-    let mut p = make(n);
-    for _ in 0..24 {
-        let t = count_tokens(tok, &p.0.text)?;
-        if t <= len && len - t < 16 {
-            break;
-        }
-        let step = ((len as f64 - t as f64) / 11.0).round() as i64;
-        let step = if step != 0 {
-            step
-        } else if t > len {
-            -1
-        } else {
-            1
-        };
-        n = (n as i64 + step).max(1) as usize;
-        p = make(n);
-    }
-    while n > 1 && count_tokens(tok, &p.0.text)? > len {
-        n -= 1;
-        p = make(n);
-    }
-    let (prompt, mut codes) = p;
-    let answer = codes.remove(0);
-    Ok(Item {
-        id: match keys {
-            1 => format!("L{len}-d{depth:.2}-r{r}"),
-            k => format!("L{len}-d{depth:.2}-r{r}-k{k}"),
-        },
-        text: prompt.text,
-        answer,
-        also: codes,
-        bucket: len,
-        depth: Some(depth),
-    })
-}
-
-/// `{"id", "text", "answer"}` per line; other fields (common in JSONL datasets) are ignored.
-/// Each item goes to the ladder length nearest its token count (the larger on a tie), so a
-/// file of prompts of many lengths reports a few buckets, not one per length.
-fn read_prompts(path: &Path, lengths: &[usize], tok: &Tokenizer) -> Result<Vec<Item>> {
-    let body =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    let mut items = Vec::new();
-    for (n, line) in body.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        #[derive(Deserialize)]
-        struct Line {
-            id: String,
-            text: String,
-            answer: String,
-        }
-        let l: Line = serde_json::from_str(line).map_err(|e| {
-            anyhow::anyhow!(
-                "{}:{}: expected {{\"id\", \"text\", \"answer\"}}: {e}",
-                path.display(),
-                n + 1
-            )
-        })?;
-        if l.text.trim().is_empty() || l.answer.is_empty() {
-            bail!("{}:{}: empty text or answer", path.display(), n + 1);
-        }
-        let t = count_tokens(tok, &l.text)?;
-        items.push(Item {
-            id: l.id,
-            text: l.text,
-            answer: l.answer,
-            also: Vec::new(),
-            bucket: nearest_length(lengths, t),
-            depth: None,
-        });
-    }
-    if items.is_empty() {
-        bail!("{}: no prompts", path.display());
-    }
-    Ok(items)
-}
-
-/// The ladder length nearest `tokens` (the larger on a tie); `tokens` itself without a ladder.
-fn nearest_length(lengths: &[usize], tokens: usize) -> usize {
-    lengths
-        .iter()
-        .copied()
-        .min_by_key(|&b| (b.abs_diff(tokens), std::cmp::Reverse(b)))
-        .unwrap_or(tokens)
 }
 
 /// Everything one mode's run needs.
@@ -365,35 +215,49 @@ fn read_results(path: &Path) -> Result<Vec<ItemResult>> {
     Ok(out)
 }
 
-/// Runs `kakeya eval niah`.
-pub fn run(a: NiahArgs) -> Result<()> {
-    let modes = parse_modes(&a.modes)?;
-    if a.max_tokens == 0 {
-        bail!("--max-tokens must be at least 1");
+/// `--modes`' policy for `mode`, with the sink and window of the arguments.
+fn policy(a: &NiahArgs, mode: KvMode) -> KvPolicy {
+    KvPolicy {
+        mode,
+        sink: a.kv_sink,
+        window: a.kv_window,
+        ..KvPolicy::new(mode)
     }
+}
+
+/// The model and what the modes need beside it, loaded and checked.
+struct Loaded {
+    model_path: PathBuf,
+    model: GemmaModel,
+    tok: Tokenizer,
+    drafter_dir: PathBuf,
+    drafter: Option<DFlashDrafter>,
+    f_dir: Option<PathBuf>,
+    restorer: Option<FThetaRestorer>,
+    /// Speculative block size (`None`: plain decoding).
+    block: Option<usize>,
+}
+
+/// Loads the model, and the drafter and f_θ where a mode or `--speculative` needs them;
+/// checks every mode's policy against the model's context and the block.
+fn load(a: &NiahArgs, modes: &[KvMode]) -> Result<Loaded> {
     let model_path = a.model.model_path()?;
     let (model, tok) = a.model.load()?;
     let ctx = model.config.max_position_embeddings;
-    for &mode in &modes {
-        KvPolicy {
-            mode,
-            sink: a.kv_sink,
-            window: a.kv_window,
-            ..KvPolicy::new(mode)
-        }
-        .check(ctx, 1)?;
+    for &mode in modes {
+        policy(a, mode).check(ctx, 1)?;
     }
-    let needs_drafter = a.speculative || modes.iter().any(|m| m.restores());
+    let restores = modes.iter().any(|m| m.restores());
     let drafter_dir = a
         .drafter
         .clone()
-        .unwrap_or_else(|| PathBuf::from(default_drafter(modes.iter().any(|m| m.restores()))));
-    let drafter = if needs_drafter {
+        .unwrap_or_else(|| PathBuf::from(default_drafter(restores)));
+    let drafter = if a.speculative || restores {
         Some(load_drafter(&drafter_dir, &model)?)
     } else {
         None
     };
-    let f_dir = if modes.iter().any(|m| m.restores()) {
+    let f_dir = if restores {
         Some(f_theta_dir(
             a.f_theta.as_ref(),
             a.model.uses_default_model() && a.drafter.is_none(),
@@ -407,39 +271,40 @@ pub fn run(a: NiahArgs) -> Result<()> {
     };
     let block = match (&drafter, a.speculative) {
         (Some(d), true) => Some(a.block_size.unwrap_or(d.block_size())),
-        _ => {
-            if a.block_size.is_some() {
-                bail!("--block-size needs --speculative");
-            }
-            None
-        }
+        _ if a.block_size.is_some() => bail!("--block-size needs --speculative"),
+        _ => None,
     };
     if let Some(b) = block {
-        for &mode in &modes {
-            KvPolicy {
-                mode,
-                sink: a.kv_sink,
-                window: a.kv_window,
-                ..KvPolicy::new(mode)
-            }
-            .check(ctx, b)?;
+        for &mode in modes {
+            policy(a, mode).check(ctx, b)?;
         }
     }
-    let items = match &a.prompts {
-        Some(p) => read_prompts(p, &a.lengths, &tok)?,
-        None => ladder(&a, &tok)?,
-    };
-    let settings = Settings {
+    Ok(Loaded {
+        model_path,
+        model,
+        tok,
+        drafter_dir,
+        drafter,
+        f_dir,
+        restorer,
+        block,
+    })
+}
+
+/// The settings a resumed run must match.
+fn settings(a: &NiahArgs, modes: &[KvMode], l: &Loaded) -> Result<Settings> {
+    Ok(Settings {
         schema_version: SCHEMA_VERSION,
-        model_sha256: sha256_path(&model_path)?,
-        modes: modes.clone(),
+        model_sha256: sha256_path(&l.model_path)?,
+        modes: modes.to_vec(),
         sink: a.kv_sink,
         window: a.kv_window,
-        drafter_sha256: drafter
+        drafter_sha256: l
+            .drafter
             .as_ref()
-            .map(|_| sha256_path(&drafter_dir))
+            .map(|_| sha256_path(&l.drafter_dir))
             .transpose()?,
-        f_theta_sha256: f_dir.as_deref().map(sha256_path).transpose()?,
+        f_theta_sha256: l.f_dir.as_deref().map(sha256_path).transpose()?,
         prompts: match &a.prompts {
             Some(p) => format!("file sha256 {}", sha256_path(p)?),
             None => format!(
@@ -449,12 +314,18 @@ pub fn run(a: NiahArgs) -> Result<()> {
         },
         max_tokens: a.max_tokens,
         prefill_chunk: a.prefill_chunk,
-        block,
-    };
+        block: l.block,
+    })
+}
+
+/// The results so far (those of the run `--resume` continues, whose settings must be the
+/// same; none otherwise) and the results file opened for appending, rewritten without a torn
+/// last line.
+fn open_results(a: &NiahArgs, settings: &Settings) -> Result<(Vec<ItemResult>, std::fs::File)> {
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let settings_path = a.out.join("settings.json");
     let results_path = a.out.join("items.jsonl");
-    let mut results = if a.resume {
+    let results = if a.resume {
         let text = std::fs::read_to_string(&settings_path).with_context(|| {
             format!(
                 "--resume: {} has no evaluation to continue",
@@ -464,12 +335,12 @@ pub fn run(a: NiahArgs) -> Result<()> {
         let before: Settings = serde_json::from_str(&text).with_context(|| {
             format!("{}: not an evaluation's settings", settings_path.display())
         })?;
-        if before != settings {
+        if &before != settings {
             bail!(
                 "--resume: {} was made with other settings (model, modes, window, drafter, f_θ, prompts, max tokens, chunk or block); rerun without --resume or with the same settings\n  before: {}\n  now:    {}",
                 settings_path.display(),
                 serde_json::to_string(&before)?,
-                serde_json::to_string(&settings)?
+                serde_json::to_string(settings)?
             );
         }
         read_results(&results_path)?
@@ -482,38 +353,88 @@ pub fn run(a: NiahArgs) -> Result<()> {
         }
         write_atomically(
             &settings_path,
-            serde_json::to_string_pretty(&settings)?.as_bytes(),
+            serde_json::to_string_pretty(settings)?.as_bytes(),
         )?;
         Vec::new()
     };
-    // Rewrite the results file without a torn last line before appending.
-    let mut file = {
-        let mut body = String::new();
-        for r in &results {
-            body.push_str(&serde_json::to_string(r)?);
-            body.push('\n');
-        }
-        write_atomically(&results_path, body.as_bytes())?;
-        std::fs::OpenOptions::new()
-            .append(true)
-            .open(&results_path)
-            .with_context(|| format!("opening {}", results_path.display()))?
+    let mut body = String::new();
+    for r in &results {
+        body.push_str(&serde_json::to_string(r)?);
+        body.push('\n');
+    }
+    write_atomically(&results_path, body.as_bytes())?;
+    let file = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&results_path)
+        .with_context(|| format!("opening {}", results_path.display()))?;
+    Ok((results, file))
+}
+
+/// One item in one mode: generates, and scores the output against the item's codes and
+/// against `full`'s tokens for the item (when `full` has run it).
+fn run_item(
+    engine: &Engine<'_>,
+    tok: &Tokenizer,
+    (item, ids): (&Item, &[u32]),
+    policy: KvPolicy,
+    max_tokens: usize,
+    full: Option<&Vec<u32>>,
+) -> Result<ItemResult> {
+    let mode = policy.mode;
+    let g = engine
+        .run(policy, ids, max_tokens)
+        .with_context(|| format!("prompt {} in mode {mode}", item.id))?;
+    let output = tok.decode(&g.tokens)?;
+    let first_divergence = full.and_then(|f| {
+        let same = f.iter().zip(&g.tokens).take_while(|(x, y)| x == y).count();
+        (same < f.len().max(g.tokens.len())).then_some(same)
+    });
+    Ok(ItemResult {
+        id: item.id.clone(),
+        mode,
+        bucket: item.bucket,
+        depth: item.depth,
+        prompt_tokens: ids.len(),
+        correct: output.contains(&item.answer)
+            && item.also.iter().all(|c| output.contains(c.as_str())),
+        answer: item.answer.clone(),
+        also: item.also.clone(),
+        output,
+        first_divergence_from_full: first_divergence,
+        kv_bytes: g.stats.kv.total,
+        kv: g.stats.kv.clone(),
+        prefill_tok_s: g.stats.prefill_tok_s,
+        decode_tok_s: g.stats.decode_tok_s,
+        tokens: g.tokens,
+    })
+}
+
+/// Runs `kakeya eval niah`.
+pub fn run(a: NiahArgs) -> Result<()> {
+    let modes = parse_modes(&a.modes)?;
+    if a.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1");
+    }
+    let l = load(&a, &modes)?;
+    let (tok, ctx) = (&l.tok, l.model.config.max_position_embeddings);
+    let items = match &a.prompts {
+        Some(p) => read_prompts(p, &a.lengths, tok)?,
+        None => ladder(&a, tok)?,
     };
-    let done: HashMap<(String, KvMode), usize> = results
-        .iter()
-        .enumerate()
-        .map(|(i, r)| ((r.id.clone(), r.mode), i))
-        .collect();
+    let settings = settings(&a, &modes, &l)?;
+    let (mut results, mut file) = open_results(&a, &settings)?;
+    let results_path = a.out.join("items.jsonl");
+    let done: HashSet<(String, KvMode)> = results.iter().map(|r| (r.id.clone(), r.mode)).collect();
     let mut full_tokens: HashMap<String, Vec<u32>> = results
         .iter()
         .filter(|r| r.mode == KvMode::Full)
         .map(|r| (r.id.clone(), r.tokens.clone()))
         .collect();
     let engine = Engine {
-        model: &model,
-        drafter: drafter.as_ref(),
-        restorer: restorer.as_ref(),
-        block,
+        model: &l.model,
+        drafter: l.drafter.as_ref(),
+        restorer: l.restorer.as_ref(),
+        block: l.block,
         cfg: GenerationConfig {
             max_tokens: a.max_tokens,
             sampling: Sampling::Greedy,
@@ -525,8 +446,7 @@ pub fn run(a: NiahArgs) -> Result<()> {
             loop_guard: None,
         },
     };
-    let total = items.len() * modes.len();
-    let bar = indicatif::ProgressBar::new(total as u64);
+    let bar = indicatif::ProgressBar::new((items.len() * modes.len()) as u64);
     bar.set_style(
         indicatif::ProgressStyle::with_template("niah [{bar:30}] {pos}/{len} {msg} ({eta})")
             .expect("static template"),
@@ -535,56 +455,32 @@ pub fn run(a: NiahArgs) -> Result<()> {
     for item in &items {
         let mut ids = vec![tok.bos];
         ids.extend(tok.encode(&item.text)?);
-        let room = a.max_tokens * (1 + item.also.len());
-        if ids.len() + room > ctx {
+        // A multi-key answer lists every code: room for each.
+        let max_tokens = a.max_tokens * (1 + item.also.len());
+        if ids.len() + max_tokens > ctx {
             bail!(
-                "prompt {} has {} tokens: with {room} to generate, more than the model's context of {ctx}",
+                "prompt {} has {} tokens: with {max_tokens} to generate, more than the model's context of {ctx}",
                 item.id,
                 ids.len()
             );
         }
         for &mode in &modes {
-            if done.contains_key(&(item.id.clone(), mode)) {
+            if done.contains(&(item.id.clone(), mode)) {
                 continue;
             }
             bar.set_message(format!("{} {mode}", item.id));
-            let policy = KvPolicy {
-                mode,
-                sink: a.kv_sink,
-                window: a.kv_window,
-                ..KvPolicy::new(mode)
-            };
-            // A multi-key answer lists every code: room for each.
-            let max_tokens = a.max_tokens * (1 + item.also.len());
-            let g = engine
-                .run(policy, &ids, max_tokens)
-                .with_context(|| format!("prompt {} in mode {mode}", item.id))?;
-            let output = tok.decode(&g.tokens)?;
+            let full = full_tokens.get(&item.id);
+            let r = run_item(
+                &engine,
+                tok,
+                (item, &ids),
+                policy(&a, mode),
+                max_tokens,
+                full,
+            )?;
             if mode == KvMode::Full {
-                full_tokens.insert(item.id.clone(), g.tokens.clone());
+                full_tokens.insert(item.id.clone(), r.tokens.clone());
             }
-            let first_divergence = full_tokens.get(&item.id).and_then(|f| {
-                let same = f.iter().zip(&g.tokens).take_while(|(x, y)| x == y).count();
-                (same < f.len().max(g.tokens.len())).then_some(same)
-            });
-            let r = ItemResult {
-                id: item.id.clone(),
-                mode,
-                bucket: item.bucket,
-                depth: item.depth,
-                prompt_tokens: ids.len(),
-                correct: output.contains(&item.answer)
-                    && item.also.iter().all(|c| output.contains(c.as_str())),
-                answer: item.answer.clone(),
-                also: item.also.clone(),
-                output,
-                tokens: g.tokens.clone(),
-                first_divergence_from_full: first_divergence,
-                kv_bytes: g.stats.kv.total,
-                kv: g.stats.kv.clone(),
-                prefill_tok_s: g.stats.prefill_tok_s,
-                decode_tok_s: g.stats.decode_tok_s,
-            };
             let mut line = serde_json::to_string(&r)?;
             line.push('\n');
             file.write_all(line.as_bytes())
@@ -595,7 +491,12 @@ pub fn run(a: NiahArgs) -> Result<()> {
         }
     }
     bar.finish_and_clear();
-    let rep = report(&settings, &results);
+    write_report(&a, &settings, &results)
+}
+
+/// Writes report.json and recall.png to `--out` and prints the table (or the JSON).
+fn write_report(a: &NiahArgs, settings: &Settings, results: &[ItemResult]) -> Result<()> {
+    let rep = report(settings, results);
     write_atomically(
         &a.out.join("report.json"),
         serde_json::to_string_pretty(&rep)?.as_bytes(),
@@ -612,26 +513,4 @@ pub fn run(a: NiahArgs) -> Result<()> {
         );
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::nearest_length;
-
-    #[test]
-    fn prompts_go_to_the_nearest_ladder_length() {
-        let ladder = [512, 1024, 2048, 3584];
-        for (tokens, want) in [
-            (10, 512),
-            (700, 512),
-            (768, 1024),
-            (1500, 1024),
-            (1600, 2048),
-            (3000, 3584),
-            (16_000, 3584),
-        ] {
-            assert_eq!(nearest_length(&ladder, tokens), want, "{tokens} tokens");
-        }
-        assert_eq!(nearest_length(&[], 777), 777);
-    }
 }

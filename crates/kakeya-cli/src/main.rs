@@ -11,6 +11,7 @@ mod common;
 mod convert;
 mod draft;
 mod eval;
+mod eval_prompts;
 mod eval_report;
 mod eval_trees;
 mod infer;

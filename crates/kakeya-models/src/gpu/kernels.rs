@@ -1,5 +1,5 @@
 //! The row kernels behind [`super::DecodeKernels`] (RMSNorm with a residual add or RoPE after
-//! it, RoPE, the tanh GELU gate, the argmax) and what every kernel here shares: launch grids,
+//! it, RoPE, the tanh GELU gate; the argmax is `super::argmax`) and what every kernel here shares: launch grids,
 //! dense outputs, the fixed-order reductions. Written once for every CubeCL runtime (CUDA,
 //! wgpu/Vulkan/Metal); f32 throughout; every reduction runs in an order that does not depend on
 //! how many rows a launch carries.
@@ -12,8 +12,6 @@ use cubecl::prelude::*;
 
 /// Units of a row kernel's cube (a power of two).
 pub(super) const ROW_UNITS: usize = 128;
-/// Units of [`argmax_rows_kernel`]'s cube (a power of two).
-const ARGMAX_UNITS: usize = 256;
 /// Units of an element-wise kernel's cube.
 pub(super) const ELEMENT_UNITS: usize = 256;
 /// Most cubes along one axis of a launch grid (the common limit of CUDA's y/z and wgpu).
@@ -306,60 +304,6 @@ fn rope_kernel(
     }
 }
 
-/// One cube per row: the index of the row's largest entry, the first on ties (NaN never
-/// wins), written as an f32 (exact below 2²⁴).
-#[cube(launch)]
-fn argmax_rows_kernel(
-    x: &[f32],
-    out: &mut [f32],
-    rows: usize,
-    cols: usize,
-    #[comptime] units: usize,
-) {
-    let row = CUBE_POS;
-    if row >= rows {
-        terminate!();
-    }
-    let unit = UNIT_POS as usize;
-    let base = row * cols;
-    let mut vals = Shared::<[f32]>::new_slice(units);
-    let mut ids = Shared::<[u32]>::new_slice(units);
-    // (WGSL has no infinity literal: a unit's first entry seeds its search instead.)
-    let mut best = f32::new(f32::MIN);
-    let mut at = u32::new(4_294_967_295i64);
-    for c in 0..cols.div_ceil(units) {
-        let i = c * units + unit;
-        if i < cols {
-            let v = x[base + i];
-            // Each unit sees its indices in increasing order: strictly larger only.
-            if at == u32::MAX || v > best {
-                best = v;
-                at = u32::cast_from(i);
-            }
-        }
-    }
-    vals[unit] = best;
-    ids[unit] = at;
-    sync_cube();
-    let mut s = CUBE_DIM as usize / 2;
-    while s > 0 {
-        if unit < s {
-            let (v, i) = (vals[unit + s], ids[unit + s]);
-            let (b, j) = (vals[unit], ids[unit]);
-            // A unit that saw no entry (index MAX) never wins and always loses.
-            if i != u32::MAX && (j == u32::MAX || v > b || (v == b && i < j)) {
-                vals[unit] = v;
-                ids[unit] = i;
-            }
-        }
-        sync_cube();
-        s /= 2;
-    }
-    if unit == 0 {
-        out[row] = f32::cast_from(ids[0]);
-    }
-}
-
 /// A launch grid of `cubes` cubes (split over two axes past [`GRID_AXIS`]).
 pub(super) fn grid(cubes: usize) -> CubeCount {
     let x = cubes.min(GRID_AXIS);
@@ -576,32 +520,6 @@ pub(super) fn rope(x: CubeTensor, cos: CubeTensor, sin: CubeTensor) -> CubeTenso
         pairs,
         t,
         d / 2,
-    );
-    out
-}
-
-/// See [`super::DecodeKernels::argmax_rows`].
-pub(super) fn argmax_rows(x: CubeTensor) -> CubeTensor {
-    f32_only(&x, "argmax_rows");
-    let x = into_contiguous(x);
-    let (rows, cols) = (x.meta.shape()[0], x.meta.shape()[1]);
-    assert!(
-        cols < 1 << 24,
-        "argmax_rows: {cols} columns do not fit an f32 index"
-    );
-    let out = dense_output(&x, Shape::new([rows]));
-    if rows == 0 || cols == 0 {
-        return out;
-    }
-    argmax_rows_kernel::launch(
-        &x.client,
-        grid(rows),
-        CubeDim::new_1d(ARGMAX_UNITS as u32),
-        x.clone().into_buffer_arg(),
-        out.clone().into_buffer_arg(),
-        rows,
-        cols,
-        ARGMAX_UNITS,
     );
     out
 }

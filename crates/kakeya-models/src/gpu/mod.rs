@@ -21,6 +21,8 @@ use burn::backend::Dispatch;
 use burn::tensor::{Device, Tensor};
 
 #[cfg(feature = "cube")]
+mod argmax;
+#[cfg(feature = "cube")]
 mod attention;
 #[cfg(feature = "cube")]
 mod gather;

@@ -6,7 +6,7 @@ use burn::backend::{backend_extension, tensor::FloatTensor};
 use burn::tensor::Shape;
 use burn_cubecl::CubeBackend;
 
-use super::{attention, gather, kernels, linear, matmul, optim, sample};
+use super::{argmax, attention, gather, kernels, linear, matmul, optim, sample};
 
 /// The GPU kernels, on Burn's CubeCL backend (and its fused form).
 #[backend_extension(Cube: cfg(feature = "cube"), Fusion: cfg(feature = "fusion"))]
@@ -424,7 +424,7 @@ impl DecodeKernels for CubeBackend {
     }
 
     fn argmax_rows(x: FloatTensor<Self>) -> FloatTensor<Self> {
-        kernels::argmax_rows(x)
+        argmax::argmax_rows(x)
     }
 
     fn sample_rows(

@@ -2,7 +2,7 @@
 //! them continuous-batching style. Each turn of its loop admits waiting requests (up to
 //! `max_seqs` sequences) and advances every sequence: the next prompt chunks of new
 //! sequences (up to one chunk's rows in all) and one token of each decoding sequence in one
-//! stacked forward (of up to [`QUANT_MAX_ROWS`] sequences, where greedy speculative sequences
+//! stacked forward (of up to [`kakeya_models::linear::QUANT_MAX_ROWS`] sequences, where greedy speculative sequences
 //! verify the lookup drafts that pay for their rows beside the others: `verify_group`), or —
 //! when one sequence runs alone and nothing waits — one speculative block of it. Every path
 //! gives each sequence exactly the tokens plain decoding gives it alone: batched rows are bit
@@ -10,19 +10,18 @@
 //! ([`Session::step_batch`]), speculation is lossless, and sampling draws are keyed by
 //! position. A sequence whose client went away is dropped at the next turn, freeing its
 //! caches. A finished sequence's session goes to the prefix cache, where a later prompt that
-//! starts the same way takes its K/V instead of computing them (`PrefixCache`).
+//! starts the same way takes its K/V instead of computing them
+//! ([`kakeya_runtime::PrefixCache`]). The turns themselves are `scheduler.rs`.
 
-use std::collections::VecDeque;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
+use std::sync::atomic::AtomicUsize;
+use std::sync::mpsc::Receiver;
 use std::time::Instant;
 
-use kakeya_models::linear::QUANT_MAX_ROWS;
 use kakeya_models::{DFlashDrafter, GemmaModel};
 use kakeya_runtime::{
-    CostLine, Costs, DraftKind, GenerationConfig, KvBytes, KvMode, KvPolicy, KvSetup, NgramTable,
-    PrefixCache, Restorer, SpecConfig, StopReason,
+    DraftKind, GenerationConfig, KvBytes, KvMode, KvPolicy, KvSetup, NgramTable, Restorer,
+    SpecConfig, StopReason,
 };
 use serde::Serialize;
 use tokio::sync::mpsc::UnboundedSender;
@@ -30,9 +29,9 @@ use tokio::sync::mpsc::UnboundedSender;
 use crate::metrics::Metrics;
 
 mod group;
+mod scheduler;
 mod seq;
-use group::{Beside, PRIOR_ROW_COST, draft_threshold, prompt_batch, verify_group};
-use seq::Seq;
+use scheduler::Scheduler;
 
 /// What the engine runs on.
 #[derive(Debug)]
@@ -175,251 +174,29 @@ pub fn run(
     metrics: &Metrics,
     waiting: &AtomicUsize,
 ) {
-    let EngineParts {
-        model,
-        drafter,
-        speculation,
-        table,
-        policy,
-        restorer,
-        prefill_chunk,
-        max_seqs,
-        prefix_cache_bytes,
-        sampled_blocks,
-        beside_rows,
-    } = parts;
-    let prefix_budget = if PrefixCache::applies(&model, &policy) {
-        prefix_cache_bytes
-    } else {
-        0
-    };
-    let mut setup = KvSetup::new(policy);
-    if let Some(d) = &drafter {
+    let mut setup = KvSetup::new(parts.policy);
+    if let Some(d) = &parts.drafter {
         setup = setup.drafter(d);
     }
-    if let Some(r) = &restorer {
+    if let Some(r) = &parts.restorer {
         setup = setup.restorer(r.as_ref());
     }
-    let mut queue: VecDeque<Job> = VecDeque::new();
-    let mut active: Vec<Seq<'_>> = Vec::new();
-    let mut prefix = PrefixCache::new(prefix_budget);
-    let chunk = prefill_chunk.max(1);
-    // Seconds of the stacked decode forwards against their rows: what a draft row beside
-    // other sequences costs.
-    let mut costs = CostLine::new(PRIOR_ROW_COST);
-    // Or the model of them the speculation settings give (tests, simulations).
-    let modelled = match speculation {
-        Some((
-            _,
-            SpecConfig {
-                costs: Costs::Linear {
-                    step_us, row_us, ..
-                },
-                ..
-            },
-        )) => Some((f64::from(step_us) * 1e-6, f64::from(row_us) * 1e-6)),
-        _ => None,
-    };
-    let max_rows = if model.rows_invariant_at_any_count() {
-        usize::MAX
-    } else {
-        QUANT_MAX_ROWS
-    };
+    let mut turns = Scheduler::new(&parts, setup, metrics, waiting);
     loop {
-        // Intake: block while idle.
-        let mut commands_now = Vec::new();
-        if active.is_empty() && queue.is_empty() {
-            let next = match commands.recv_timeout(crate::memory::TRIM_AFTER_IDLE) {
-                Err(RecvTimeoutError::Timeout) => {
-                    crate::memory::release_free_memory();
-                    commands.recv().ok()
-                }
-                got => got.ok(),
-            };
-            match next {
-                Some(c) => commands_now.push(c),
-                None => return,
-            }
+        let Some(commands_now) = turns.intake(&commands) else {
+            return;
+        };
+        if turns.apply(commands_now) {
+            return;
         }
-        loop {
-            match commands.try_recv() {
-                Ok(c) => commands_now.push(c),
-                Err(TryRecvError::Empty) => break,
-                Err(TryRecvError::Disconnected) => {
-                    commands_now.push(Command::Shutdown);
-                    break;
-                }
-            }
-        }
-        for c in commands_now {
-            match c {
-                Command::Job(job) => queue.push_back(job),
-                Command::Abort | Command::Shutdown => {
-                    let shutdown = matches!(c, Command::Shutdown);
-                    for job in queue.drain(..) {
-                        waiting.fetch_sub(1, Ordering::SeqCst);
-                        let _ = job
-                            .events
-                            .send(Event::Failed(503, "the server is shutting down".into()));
-                        metrics.ended(true);
-                    }
-                    for s in active.drain(..) {
-                        let _ = s
-                            .job
-                            .events
-                            .send(Event::Failed(503, "the server is shutting down".into()));
-                        metrics.ended(true);
-                    }
-                    metrics.state(0, 0, 0);
-                    if shutdown {
-                        return;
-                    }
-                }
-            }
-        }
-        // Clients gone: free their sequences.
-        active.retain(|s| {
-            let gone = s.job.events.is_closed();
-            if gone {
-                metrics.ended(true);
-            }
-            !gone
-        });
-        queue.retain(|j| {
-            let gone = j.events.is_closed();
-            if gone {
-                waiting.fetch_sub(1, Ordering::SeqCst);
-                metrics.ended(true);
-            }
-            !gone
-        });
-        // Admission.
-        while active.len() < max_seqs.max(1) {
-            let Some(job) = queue.pop_front() else { break };
-            waiting.fetch_sub(1, Ordering::SeqCst);
-            metrics.admitted(job.prompt.len());
-            match Seq::new(
-                job,
-                &model,
-                setup,
-                drafter.as_ref(),
-                table.as_ref(),
-                speculation,
-                &mut prefix,
-            ) {
-                Ok(s) => active.push(s),
-                Err(failed) => {
-                    let (job, e) = *failed;
-                    let _ = job.events.send(Event::Failed(400, e.to_string()));
-                    metrics.ended(true);
-                }
-            }
-        }
-        if active.is_empty() {
-            metrics.state(0, queue.len(), 0);
+        turns.drop_abandoned();
+        turns.admit();
+        if turns.active.is_empty() {
+            metrics.state(0, turns.queue.len(), 0);
             continue;
         }
-        // Prompt chunks, oldest sequence first, up to `chunk` prompt rows in all (at least
-        // one chunk), in the same forward as the decoding sequences' steps when that gives
-        // every row its own bits (GGUF blocks on the CPU, or rows within the row-order
-        // kernel's 16), else the oldest one's chunk in a forward of its own.
-        let mut failed: Vec<(usize, String)> = Vec::new();
-        let prefilling: Vec<usize> = (0..active.len())
-            .filter(|&i| active[i].prefilled < active[i].job.prompt.len())
-            .collect();
-        let decoding: Vec<usize> = (0..active.len())
-            .filter(|&i| active[i].decoding())
-            .collect();
-        let batch = prompt_batch(&active, &prefilling, &decoding, chunk, &model);
-        if !batch.is_empty() {
-            // The decoding sequences step beside the prompt chunks, without drafts.
-            let group = verify_group(
-                &mut active,
-                &decoding,
-                &batch,
-                chunk,
-                None,
-                max_rows,
-                metrics,
-            );
-            if let Err(e) = group {
-                failed.extend(decoding.iter().chain(&batch).map(|&j| (j, e.to_string())));
-            }
-        } else if let Some(&i) = prefilling.first() {
-            metrics.prompt_chunks(1);
-            if let Err(e) = active[i].prefill_chunk(chunk) {
-                failed.push((i, e.to_string()));
-            }
-        }
-        // Decode: one speculative block when a sequence runs alone, else stacked plain steps.
-        let still_prefilling = active.iter().any(|s| s.prefilled < s.job.prompt.len());
-        if !batch.is_empty() {
-            // The decoding sequences took their step beside the prompt chunks.
-        } else if decoding.len() == 1
-            && !still_prefilling
-            && queue.is_empty()
-            && active[decoding[0]].dec.is_some()
-            && active[decoding[0]].proposer.is_some()
-        {
-            let i = decoding[0];
-            if let Err(e) = active[i].block(metrics) {
-                failed.push((i, e.to_string()));
-            }
-        } else {
-            let threshold = draft_threshold(modelled.or(costs.coefficients()), decoding.len());
-            // One forward for every decoding sequence where any row count keeps each row's
-            // bits (GGUF blocks on the CPU), else groups within the block kernel's rows.
-            let per_forward = if max_rows == usize::MAX {
-                decoding.len().max(1)
-            } else {
-                QUANT_MAX_ROWS
-            };
-            for group in decoding.chunks(per_forward) {
-                let t0 = Instant::now();
-                match verify_group(
-                    &mut active,
-                    group,
-                    &[],
-                    chunk,
-                    Some(Beside {
-                        threshold,
-                        sampled: sampled_blocks,
-                        rows: beside_rows,
-                    }),
-                    max_rows,
-                    metrics,
-                ) {
-                    Ok(rows) => costs.add(rows - 1, t0.elapsed().as_secs_f64()),
-                    Err(e) => failed.extend(group.iter().map(|&i| (i, e.to_string()))),
-                }
-            }
-        }
-        // Send tokens; retire finished, failed and abandoned sequences.
-        failed.sort_unstable();
-        failed.dedup_by_key(|(i, _)| *i);
-        for (i, msg) in failed.iter().rev() {
-            let s = active.remove(*i);
-            tracing::error!("sequence failed: {msg}");
-            let _ = s.job.events.send(Event::Failed(500, msg.clone()));
-            metrics.ended(true);
-        }
-        let mut i = 0;
-        while i < active.len() {
-            let alive = active[i].emit(metrics);
-            if active[i].stop.is_none() && alive {
-                i += 1;
-                continue;
-            }
-            metrics.ended(!alive);
-            let s = active.remove(i);
-            if alive {
-                prefix.insert(&s.tokens, s.verifier.into_session());
-            }
-        }
-        let kv: usize = active.iter().map(|s| s.verifier.kv_bytes().total).sum();
-        metrics.state(active.len(), queue.len(), kv);
-        metrics.prefix_cache(prefix.stats(), prefix.len(), prefix.bytes());
-        metrics.replays(model.replay_stats());
+        let failed = turns.advance();
+        turns.retire(failed);
     }
 }
 

@@ -214,6 +214,19 @@ pub fn run(a: BenchArgs) -> Result<()> {
         bar.inc(1);
     }
     bar.finish_and_clear();
+    let depth_rate = base.map(|(_, _, rate)| rate);
+    let figures = figures(&a, &sampling, (pp, tg), depth_rate);
+    print_figures(&a, kv.policy, &figures)
+}
+
+/// The table's rows: pp and tg (medians of the measured runs), and the depth context's
+/// prefill when there is one.
+fn figures(
+    a: &BenchArgs,
+    sampling: &Sampling,
+    (pp, tg): (Vec<f64>, Vec<f64>),
+    depth_rate: Option<f64>,
+) -> Vec<Figure> {
     let at_depth = if a.depth > 0 {
         format!(" @ d{}", a.depth)
     } else {
@@ -235,7 +248,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 } else {
                     String::new()
                 },
-                match &sampling {
+                match sampling {
                     Sampling::Greedy => String::new(),
                     Sampling::Sample {
                         temperature,
@@ -250,7 +263,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             runs_tok_s: tg,
         },
     ];
-    if let Some((_, _, rate)) = base {
+    if let Some(rate) = depth_rate {
         // The depth context itself: a prompt of `depth` tokens from empty caches (one run).
         figures.push(Figure {
             test: format!("pp{} (the depth context, one run)", a.depth),
@@ -259,20 +272,29 @@ pub fn run(a: BenchArgs) -> Result<()> {
             runs_tok_s: vec![rate],
         });
     }
+    figures
+}
+
+/// Prints the figures as a Markdown table, or as JSON with `--json`.
+fn print_figures(
+    a: &BenchArgs,
+    policy: kakeya_runtime::KvPolicy,
+    figures: &[Figure],
+) -> Result<()> {
     if a.json {
         println!(
             "{}",
             serde_json::to_string_pretty(&serde_json::json!({
                 "device": format!("{:?}", a.model.device),
                 "kernel": format!("{:?}", a.model.kernel).to_lowercase(),
-                "kv_policy": kv.policy,
+                "kv_policy": policy,
                 "results": figures
             }))?
         );
     } else {
         println!("| test | tok/s (median of {}) | runs |", a.runs);
         println!("|---|---|---|");
-        for f in &figures {
+        for f in figures {
             let runs: Vec<String> = f.runs_tok_s.iter().map(|r| format!("{r:.1}")).collect();
             println!(
                 "| {} | {:.2} | {} |",

@@ -212,6 +212,105 @@ fn run_spec(
     )?)
 }
 
+/// The speculative runs' sums over prompts.
+struct Totals {
+    /// Tokens decoded and the seconds they took at each prompt's median rate: AR, then
+    /// speculative.
+    ar_tok: usize,
+    ar_secs: f64,
+    sp_tok: usize,
+    sp_secs: f64,
+    blocks: usize,
+    committed: usize,
+    probes: usize,
+    by_length: Vec<usize>,
+    by_source: BTreeMap<&'static str, Vec<usize>>,
+    accepted_by_source: BTreeMap<&'static str, usize>,
+    slot_tried: Vec<usize>,
+    slot_hit: Vec<usize>,
+}
+
+impl Totals {
+    fn new(block: usize) -> Self {
+        Self {
+            ar_tok: 0,
+            ar_secs: 0.0,
+            sp_tok: 0,
+            sp_secs: 0.0,
+            blocks: 0,
+            committed: 0,
+            probes: 0,
+            by_length: vec![0; block],
+            by_source: BTreeMap::new(),
+            accepted_by_source: BTreeMap::new(),
+            slot_tried: vec![0; block.saturating_sub(1)],
+            slot_hit: vec![0; block.saturating_sub(1)],
+        }
+    }
+
+    /// One prompt: `decoded` tokens at the median rates, and its last run's statistics.
+    fn add(
+        &mut self,
+        decoded: usize,
+        (ar_rate, sp_rate): (f64, f64),
+        st: &kakeya_runtime::speculative::SpecStats,
+    ) {
+        self.ar_tok += decoded;
+        self.ar_secs += decoded as f64 / ar_rate.max(1e-9);
+        self.sp_tok += decoded;
+        self.sp_secs += decoded as f64 / sp_rate.max(1e-9);
+        self.blocks += st.blocks;
+        self.committed += st.blocks + st.accepted;
+        self.probes += st.schedule_stats.probes;
+        for (n, &c) in self
+            .by_length
+            .iter_mut()
+            .zip(&st.schedule_stats.blocks_by_length)
+        {
+            *n += c;
+        }
+        let block = self.by_length.len();
+        for (&name, counts) in &st.schedule_stats.blocks_by_source {
+            let sum = self.by_source.entry(name).or_insert_with(|| vec![0; block]);
+            for (n, &c) in sum.iter_mut().zip(counts) {
+                *n += c;
+            }
+        }
+        for (&name, &a) in &st.schedule_stats.accepted_by_source {
+            *self.accepted_by_source.entry(name).or_default() += a;
+        }
+        for (k, (&t, &h)) in st
+            .per_position_drafted
+            .iter()
+            .zip(&st.per_position_accepted)
+            .enumerate()
+        {
+            self.slot_tried[k] += t;
+            self.slot_hit[k] += h;
+        }
+    }
+}
+
+/// What drafted, as the report names it.
+fn drafts_label(drafts: &Drafts<'_>) -> String {
+    match drafts {
+        Drafts::Kind(k, _, t) => match (*k, t) {
+            (DraftKind::Ngram | DraftKind::Combined, Some(t)) => {
+                format!("{} (n-gram table: {} contexts)", k.name(), t.len())
+            }
+            _ => k.name().into(),
+        },
+        Drafts::Replay => "replay (AR output; every draft right)".into(),
+        Drafts::Tree(_, t) => format!(
+            "trees (drafter top-{DEFAULT_TOP_K}, lookups{})",
+            t.as_ref().map_or(String::new(), |t| format!(
+                ", n-gram table: {} contexts",
+                t.len()
+            ))
+        ),
+    }
+}
+
 /// Runs AR and speculative decoding on every prompt: `warmup` unmeasured rounds on the first
 /// prompt, then `runs` measured rounds per prompt, AR and speculative interleaved.
 #[allow(clippy::too_many_arguments)]
@@ -240,13 +339,7 @@ pub fn run(
     );
     bar.set_prefix("AR vs speculative");
     let mut figures = Vec::new();
-    let (mut ar_tok, mut ar_secs, mut sp_tok, mut sp_secs) = (0usize, 0.0, 0usize, 0.0);
-    let (mut blocks, mut committed, mut probes) = (0usize, 0usize, 0usize);
-    let mut by_length = vec![0usize; block];
-    let mut by_source: BTreeMap<&'static str, Vec<usize>> = BTreeMap::new();
-    let mut accepted_by_source: BTreeMap<&'static str, usize> = BTreeMap::new();
-    let mut slot_tried = vec![0usize; block.saturating_sub(1)];
-    let mut slot_hit = vec![0usize; block.saturating_sub(1)];
+    let mut sum = Totals::new(block);
     for (pi, text) in prompts.iter().enumerate() {
         let mut ids = vec![tok.bos];
         ids.extend(tok.encode(text)?);
@@ -279,38 +372,7 @@ pub fn run(
         let (ar, sp) = last.expect("at least one run");
         let st = sp.spec.as_ref().expect("speculative stats");
         let (ar_rate, sp_rate) = (median(ar_rates), median(sp_rates));
-        let decoded = sp.tokens.len().saturating_sub(1);
-        ar_tok += decoded;
-        ar_secs += decoded as f64 / ar_rate.max(1e-9);
-        sp_tok += decoded;
-        sp_secs += decoded as f64 / sp_rate.max(1e-9);
-        blocks += st.blocks;
-        committed += st.blocks + st.accepted;
-        probes += st.schedule_stats.probes;
-        for (n, &c) in by_length
-            .iter_mut()
-            .zip(&st.schedule_stats.blocks_by_length)
-        {
-            *n += c;
-        }
-        for (&name, counts) in &st.schedule_stats.blocks_by_source {
-            let sum = by_source.entry(name).or_insert_with(|| vec![0; block]);
-            for (n, &c) in sum.iter_mut().zip(counts) {
-                *n += c;
-            }
-        }
-        for (&name, &a) in &st.schedule_stats.accepted_by_source {
-            *accepted_by_source.entry(name).or_default() += a;
-        }
-        for (k, (&t, &h)) in st
-            .per_position_drafted
-            .iter()
-            .zip(&st.per_position_accepted)
-            .enumerate()
-        {
-            slot_tried[k] += t;
-            slot_hit[k] += h;
-        }
+        sum.add(sp.tokens.len().saturating_sub(1), (ar_rate, sp_rate), st);
         figures.push(PromptFigure {
             prompt_tokens: ids.len(),
             generated: sp.tokens.len(),
@@ -323,31 +385,16 @@ pub fn run(
         });
     }
     bar.finish_and_clear();
-    let ar_rate = ar_tok as f64 / ar_secs.max(1e-9);
-    let sp_rate = sp_tok as f64 / sp_secs.max(1e-9);
+    let ar_rate = sum.ar_tok as f64 / sum.ar_secs.max(1e-9);
+    let sp_rate = sum.sp_tok as f64 / sum.sp_secs.max(1e-9);
     Ok(SpecBench {
-        drafts: match drafts {
-            Drafts::Kind(k, _, t) => match (k, t) {
-                (DraftKind::Ngram | DraftKind::Combined, Some(t)) => {
-                    format!("{} (n-gram table: {} contexts)", k.name(), t.len())
-                }
-                _ => k.name().into(),
-            },
-            Drafts::Replay => "replay (AR output; every draft right)".into(),
-            Drafts::Tree(_, t) => format!(
-                "trees (drafter top-{DEFAULT_TOP_K}, lookups{})",
-                t.as_ref().map_or(String::new(), |t| format!(
-                    ", n-gram table: {} contexts",
-                    t.len()
-                ))
-            ),
-        },
+        drafts: drafts_label(&drafts),
         block_size: block,
         schedule: spec.schedule,
-        blocks_by_length: by_length,
-        blocks_by_source: by_source,
-        accepted_by_source,
-        probes,
+        blocks_by_length: sum.by_length,
+        blocks_by_source: sum.by_source,
+        accepted_by_source: sum.accepted_by_source,
+        probes: sum.probes,
         gen_tokens,
         runs,
         warmup,
@@ -356,10 +403,11 @@ pub fn run(
         ar_decode_tok_s: ar_rate,
         spec_decode_tok_s: sp_rate,
         speedup: sp_rate / ar_rate.max(1e-9),
-        mean_acceptance_length: committed as f64 / blocks.max(1) as f64,
-        per_position_acceptance: slot_tried
+        mean_acceptance_length: sum.committed as f64 / sum.blocks.max(1) as f64,
+        per_position_acceptance: sum
+            .slot_tried
             .iter()
-            .zip(&slot_hit)
+            .zip(&sum.slot_hit)
             .map(|(&t, &h)| if t > 0 { h as f64 / t as f64 } else { 0.0 })
             .collect(),
     })

@@ -179,6 +179,34 @@ fn decode(
     })
 }
 
+/// How `kakeya infer` speculates, if it does: the proposer, the drafter and table it drafts
+/// from, and the block schedule.
+fn speculation<'d>(
+    a: &InferArgs,
+    speculative: bool,
+    model: &GemmaModel,
+    drafter: Option<&'d DFlashDrafter>,
+) -> Result<Option<Spec<'d>>> {
+    Ok(if speculative {
+        let kind = a.draft.unwrap_or(DraftKind::Combined);
+        let longest = drafter.map_or(NGRAM_BLOCK, |d| d.block_size());
+        if let Some(b) = a.block_size {
+            check_block_size(b, model.config.max_position_embeddings)?;
+        }
+        Some(Spec {
+            kind,
+            drafter,
+            table: a.table.load(&a.model, model.config.vocab_size, kind)?,
+            config: crate::draft::schedule(a.block_size, longest),
+        })
+    } else {
+        if a.block_size.is_some() {
+            bail!("--block-size needs speculative decoding (--drafter or --draft)");
+        }
+        None
+    })
+}
+
 /// Runs `kakeya infer`.
 pub fn run(a: InferArgs) -> Result<()> {
     let sampling = a.sampling.sampling()?;
@@ -227,24 +255,7 @@ pub fn run(a: InferArgs) -> Result<()> {
         );
     }
     let setup = kv.setup();
-    let spec = if speculative {
-        let kind = a.draft.unwrap_or(DraftKind::Combined);
-        let longest = drafter.as_ref().map_or(NGRAM_BLOCK, |d| d.block_size());
-        if let Some(b) = a.block_size {
-            check_block_size(b, model.config.max_position_embeddings)?;
-        }
-        Some(Spec {
-            kind,
-            drafter: drafter.as_ref(),
-            table: a.table.load(&a.model, model.config.vocab_size, kind)?,
-            config: crate::draft::schedule(a.block_size, longest),
-        })
-    } else {
-        if a.block_size.is_some() {
-            bail!("--block-size needs speculative decoding (--drafter or --draft)");
-        }
-        None
-    };
+    let spec = speculation(&a, speculative, &model, drafter.as_ref())?;
     let cfg = GenerationConfig {
         max_tokens: a.max_tokens,
         sampling,
@@ -262,20 +273,7 @@ pub fn run(a: InferArgs) -> Result<()> {
         let mut chat = ChatSession::new(&model, &RunawayGuard::default());
         return chat_loop(&mut chat, &tok, &cfg);
     }
-    let text = if let Some(p) = &a.prompt {
-        p.clone()
-    } else if let Some(f) = &a.prompt_file {
-        std::fs::read_to_string(f)
-            .with_context(|| format!("reading prompt file {}", f.display()))?
-    } else {
-        let f = a.chat_file.as_ref().expect("clap requires one input");
-        let body = std::fs::read_to_string(f)
-            .with_context(|| format!("reading chat file {}", f.display()))?;
-        let msgs: Vec<Message> = serde_json::from_str(&body).with_context(|| {
-            format!("{}: expected a JSON list of {{role, content}}", f.display())
-        })?;
-        chat::format_chat(&msgs).with_context(|| format!("{}", f.display()))?
-    };
+    let text = prompt_text(&a)?;
     if text.trim().is_empty() {
         bail!("the prompt is empty");
     }
@@ -304,36 +302,19 @@ pub fn run(a: InferArgs) -> Result<()> {
         None
     };
     if a.json {
-        let mut stats = serde_json::to_value(&g.stats)?;
-        stats["kv_policy"] = serde_json::to_value(policy)?;
-        stats["weights_bytes"] = serde_json::json!({
+        let weights = serde_json::json!({
             "drafter": drafter.as_ref().or(kv.store_drafter.as_ref()).map(|d| d.nbytes()),
             "f_theta": kv.restorer.as_ref().map(kakeya_runtime::Restorer::nbytes),
             "ngram_table": table_bytes,
         });
-        if let Some(sp) = &g.spec {
-            stats["speculative"] = serde_json::to_value(sp)?;
-            stats["speculative"]["draft"] = draft_name.into();
-        }
-        if let Some(why) = &plain {
-            stats["plain_decoding"] = why.as_str().into();
-        }
-        if let Some(ar) = &ar {
-            stats["ar_decode_tok_s"] = ar.stats.decode_tok_s.into();
-            stats["identical_to_ar"] = (ar.tokens == g.tokens).into();
-            if g.stats.decode_tok_s > 0.0 && ar.stats.decode_tok_s > 0.0 {
-                stats["speedup_vs_ar"] = (g.stats.decode_tok_s / ar.stats.decode_tok_s).into();
-            }
-        }
-        let out = serde_json::json!({
-            "text": tok.decode(&g.tokens)?,
-            "prompt_ids": ids,
-            "tokens": g.tokens,
-            "stop_reason": g.stop_reason,
-            "stopped_on_runaway": g.stopped_on_runaway,
-            "stats": stats,
-        });
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        let extra = JsonExtra {
+            policy,
+            weights,
+            draft_name,
+            plain: plain.as_deref(),
+            ar: ar.as_ref(),
+        };
+        print_json(&tok, &ids, &g, extra)?;
     } else {
         println!();
         print_stats(&g, plain.as_deref());
@@ -345,6 +326,67 @@ pub fn run(a: InferArgs) -> Result<()> {
             );
         }
     }
+    Ok(())
+}
+
+/// The prompt of `--prompt`, `--prompt-file` or `--chat-file` (formatted with the chat
+/// template).
+fn prompt_text(a: &InferArgs) -> Result<String> {
+    if let Some(p) = &a.prompt {
+        return Ok(p.clone());
+    }
+    if let Some(f) = &a.prompt_file {
+        return std::fs::read_to_string(f)
+            .with_context(|| format!("reading prompt file {}", f.display()));
+    }
+    let f = a.chat_file.as_ref().expect("clap requires one input");
+    let body =
+        std::fs::read_to_string(f).with_context(|| format!("reading chat file {}", f.display()))?;
+    let msgs: Vec<Message> = serde_json::from_str(&body)
+        .with_context(|| format!("{}: expected a JSON list of {{role, content}}", f.display()))?;
+    chat::format_chat(&msgs).with_context(|| format!("{}", f.display()))
+}
+
+/// What `--json` reports beside the generation's own stats.
+struct JsonExtra<'a> {
+    policy: kakeya_runtime::KvPolicy,
+    /// Bytes of the drafter, f_θ and n-gram table held.
+    weights: serde_json::Value,
+    draft_name: Option<&'a str>,
+    /// Why decoding was plain, when it was.
+    plain: Option<&'a str>,
+    /// The `--compare-ar` run.
+    ar: Option<&'a Generation>,
+}
+
+/// Prints `--json`'s document: the text, ids, tokens, stop reason and stats.
+fn print_json(tok: &Tokenizer, ids: &[u32], g: &Generation, x: JsonExtra<'_>) -> Result<()> {
+    let mut stats = serde_json::to_value(&g.stats)?;
+    stats["kv_policy"] = serde_json::to_value(x.policy)?;
+    stats["weights_bytes"] = x.weights;
+    if let Some(sp) = &g.spec {
+        stats["speculative"] = serde_json::to_value(sp)?;
+        stats["speculative"]["draft"] = x.draft_name.into();
+    }
+    if let Some(why) = x.plain {
+        stats["plain_decoding"] = why.into();
+    }
+    if let Some(ar) = x.ar {
+        stats["ar_decode_tok_s"] = ar.stats.decode_tok_s.into();
+        stats["identical_to_ar"] = (ar.tokens == g.tokens).into();
+        if g.stats.decode_tok_s > 0.0 && ar.stats.decode_tok_s > 0.0 {
+            stats["speedup_vs_ar"] = (g.stats.decode_tok_s / ar.stats.decode_tok_s).into();
+        }
+    }
+    let out = serde_json::json!({
+        "text": tok.decode(&g.tokens)?,
+        "prompt_ids": ids,
+        "tokens": g.tokens,
+        "stop_reason": g.stop_reason,
+        "stopped_on_runaway": g.stopped_on_runaway,
+        "stats": stats,
+    });
+    println!("{}", serde_json::to_string_pretty(&out)?);
     Ok(())
 }
 

@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use kakeya_runtime::{Costs, DraftKind, Restorer};
+use kakeya_models::GemmaModel;
+use kakeya_runtime::{Costs, DraftKind, KvPolicy, NgramTable, Restorer, SpecConfig};
 use kakeya_server::{ApiKeys, ConnectionLimits, EngineParts, HttpConfig, Limits};
 
 use crate::common::{ModelArgs, check_block_size, drafter_dir, load_drafter};
@@ -161,6 +162,82 @@ fn api_keys(a: &ServeArgs) -> Result<ApiKeys> {
     Ok(ApiKeys::new(keys))
 }
 
+/// What the startup line says the server runs: speculative or plain (and why), how many
+/// sequences, the KV mode and the prefix cache.
+fn startup_summary(
+    a: &ServeArgs,
+    model: &GemmaModel,
+    speculation: Option<(DraftKind, SpecConfig)>,
+    table: Option<&NgramTable>,
+    policy: KvPolicy,
+) -> String {
+    format!(
+        "{}; up to {} sequences at once; KV {}; prefix cache {}",
+        match speculation {
+            Some((k, _)) => format!(
+                "speculative with {k} drafts{} when a request runs alone",
+                match (table, k) {
+                    (Some(t), DraftKind::Ngram | DraftKind::Combined) =>
+                        format!(" and an n-gram table of {} contexts", t.len()),
+                    _ => String::new(),
+                }
+            ),
+            None => format!(
+                "plain decoding: {}",
+                crate::common::plain_reason(a.no_drafter, false, &a.model, policy.mode.restores())
+            ),
+        },
+        a.max_seqs,
+        policy.mode.name(),
+        if a.prefix_cache_mib == 0 {
+            "off".to_string()
+        } else if kakeya_runtime::PrefixCache::applies(model, &policy) {
+            format!("{} MiB", a.prefix_cache_mib)
+        } else {
+            "off (it would change numbers with this KV mode or device)".to_string()
+        }
+    )
+}
+
+/// The HTTP side's settings: limits, keys, timeouts, connections (capped below the open-file
+/// limit) and TLS.
+fn http_config(
+    a: &ServeArgs,
+    model_name: String,
+    api_keys: ApiKeys,
+    tls: Option<kakeya_server::Tls>,
+) -> HttpConfig {
+    let file_limit = kakeya_server::connections::open_file_limit();
+    let connections = ConnectionLimits {
+        max_open: kakeya_server::connections::connection_cap(a.max_connections, file_limit),
+        header_timeout: Duration::from_secs_f64(a.header_timeout_secs),
+    };
+    if connections.max_open < a.max_connections {
+        tracing::warn!(
+            "at most {} connections: the process may open {} files",
+            connections.max_open,
+            file_limit.unwrap_or(0)
+        );
+    }
+    HttpConfig {
+        model_name,
+        limits: Limits {
+            max_tokens: a.max_tokens_limit,
+            default_completion_tokens: a.default_max_tokens,
+            max_prompt_tokens: a.max_prompt_tokens,
+        },
+        max_queue: a.max_queue,
+        max_body_bytes: a.max_body_bytes,
+        loop_guard: !a.no_loop_guard,
+        api_keys,
+        open_metrics: a.open_metrics,
+        body_timeout: Duration::from_secs_f64(a.body_timeout_secs),
+        stall_timeout: Duration::from_secs_f64(a.stall_timeout_secs),
+        connections,
+        tls,
+    }
+}
+
 /// Runs `kakeya serve`.
 pub fn run(a: ServeArgs) -> Result<()> {
     kakeya_server::keep_large_buffers_apart();
@@ -232,32 +309,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
     };
     let scheme = if tls.is_some() { "https" } else { "http" };
     let addr = listener.local_addr()?;
-    eprintln!(
-        "kakeya serve: {model_name} on {scheme}://{addr} ({}; up to {} sequences at once; KV {}; prefix cache {})",
-        match speculation {
-            Some((k, _)) => format!(
-                "speculative with {k} drafts{} when a request runs alone",
-                match (&table, k) {
-                    (Some(t), DraftKind::Ngram | DraftKind::Combined) =>
-                        format!(" and an n-gram table of {} contexts", t.len()),
-                    _ => String::new(),
-                }
-            ),
-            None => format!(
-                "plain decoding: {}",
-                crate::common::plain_reason(a.no_drafter, false, &a.model, policy.mode.restores())
-            ),
-        },
-        a.max_seqs,
-        policy.mode.name(),
-        if a.prefix_cache_mib == 0 {
-            "off".to_string()
-        } else if kakeya_runtime::PrefixCache::applies(&model, &policy) {
-            format!("{} MiB", a.prefix_cache_mib)
-        } else {
-            "off (it would change numbers with this KV mode or device)".to_string()
-        }
-    );
+    let what = startup_summary(&a, &model, speculation, table.as_deref(), policy);
+    eprintln!("kakeya serve: {model_name} on {scheme}://{addr} ({what})");
     let sampled_blocks = a
         .sampled_blocks
         .unwrap_or_else(|| EngineParts::sampled_blocks_by_default(&model));
@@ -279,35 +332,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         sampled_blocks,
         beside_rows,
     };
-    let file_limit = kakeya_server::connections::open_file_limit();
-    let connections = ConnectionLimits {
-        max_open: kakeya_server::connections::connection_cap(a.max_connections, file_limit),
-        header_timeout: Duration::from_secs_f64(a.header_timeout_secs),
-    };
-    if connections.max_open < a.max_connections {
-        tracing::warn!(
-            "at most {} connections: the process may open {} files",
-            connections.max_open,
-            file_limit.unwrap_or(0)
-        );
-    }
-    let cfg = HttpConfig {
-        model_name,
-        limits: Limits {
-            max_tokens: a.max_tokens_limit,
-            default_completion_tokens: a.default_max_tokens,
-            max_prompt_tokens: a.max_prompt_tokens,
-        },
-        max_queue: a.max_queue,
-        max_body_bytes: a.max_body_bytes,
-        loop_guard: !a.no_loop_guard,
-        api_keys,
-        open_metrics: a.open_metrics,
-        body_timeout: Duration::from_secs_f64(a.body_timeout_secs),
-        stall_timeout: Duration::from_secs_f64(a.stall_timeout_secs),
-        connections,
-        tls,
-    };
+    let cfg = http_config(&a, model_name, api_keys, tls);
     kakeya_server::serve(parts, tok, cfg, listener, Duration::from_secs(a.drain_secs))?;
     eprintln!("kakeya serve: stopped");
     Ok(())

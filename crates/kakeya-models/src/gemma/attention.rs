@@ -1,7 +1,7 @@
 //! Gemma 3 self-attention: q/k/v projections, per-head q_norm/k_norm, half-split RoPE,
 //! grouped-query attention with a causal or sliding mask, o_proj.
 
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::{Device, Tensor, TensorData};
 use kakeya_weights::AttentionKind;
 use rayon::prelude::*;
 
@@ -14,6 +14,7 @@ use crate::sdpa::grouped_attention;
 use crate::tree_rows::TreeRows;
 
 mod host;
+mod rows;
 mod tiled;
 
 /// Positions per tile of a deferred segment on a GPU: the most dequantised or restored K (or
@@ -219,28 +220,7 @@ impl Attention {
     ) -> Result<(Tensor<2>, Vec<AttentionCapture>)> {
         let device = x.device();
         let (cos, sin) = rope;
-        // The projections that read `x`, in one launch on a GPU: q, then k and v when this
-        // layer has its own.
-        let mut maps = vec![&self.q_proj];
-        maps.extend(&self.k_proj);
-        maps.extend(self.k_proj.as_ref().and(self.v_proj.as_ref()));
-        let mut raw = Linear::forward_many(&maps, x).into_iter();
-        let q_raw = raw.next().expect("q_proj's output");
-        // Queries, and own keys (normed and rotated, with the queries in one launch on a GPU)
-        // and values (v_proj's, or with k_eq_v the raw keys, through the value norm).
-        let q_heads = self.heads_first(q_raw.clone(), self.heads);
-        let (q, own) = match raw.next() {
-            Some(k_raw) => {
-                let v_raw = raw.next().unwrap_or_else(|| k_raw.clone());
-                let k_heads = self.heads_first(k_raw.clone(), self.kv_heads);
-                let (q, k) =
-                    self.q_norm
-                        .forward_rope_qk(q_heads, (&self.k_norm, k_heads), cos, sin);
-                let v = self.values_from_raw(v_raw.clone());
-                (q, Some((k_raw, v_raw, k, v)))
-            }
-            None => (self.q_norm.forward_rope(q_heads, cos, sin), None),
-        };
+        let (q_raw, q, own) = self.project(x, cos, sin);
         // On a GPU, chunks whose caches are plain buffers: written and attended in place.
         let (fused, in_place) = match own.as_ref() {
             Some((_, _, k, v)) if !self.shares_kv => {
@@ -248,49 +228,12 @@ impl Attention {
             }
             _ => (None, vec![false; spans.len()]),
         };
-        let rows_of = |t: &Tensor<3>, r: &std::ops::Range<usize>| {
-            let [h, _, d] = t.dims();
-            t.clone().slice([0..h, r.clone(), 0..d])
-        };
         // Each sequence writes its own caches and attends over them: on the CPU the
         // sequences of a stacked forward run in parallel (each result is the same bits on any
         // thread); on a GPU one after another (each launch is the device's).
-        let one = |s: usize,
-                   span: &Span,
-                   caches: &mut dyn KvLayers|
-         -> Result<(Tensor<2>, Option<Vec<KvSegment>>)> {
-            let r = &span.rows;
-            let (segments, read_layer, mine) = match (&own, self.kv_source) {
-                (Some((k_raw, v_raw, k, v)), _) => {
-                    if caches.wants_raw(layer) {
-                        let raw_rows = |t: &Tensor<2>| {
-                            let w = t.dims()[1];
-                            t.clone().slice([r.clone(), 0..w])
-                        };
-                        caches.record_raw(layer, raw_rows(k_raw), raw_rows(v_raw), span.start)?;
-                    }
-                    let segs = caches.update(layer, rows_of(k, r), rows_of(v, r), span.start)?;
-                    let mine = self.shares_kv.then(|| segs.clone());
-                    (segs, layer, mine)
-                }
-                (None, Some(src)) => {
-                    let segs = shared.segments.get(&src).and_then(|per| per.get(s)).ok_or_else(|| {
-                        ModelError::Cache(format!(
-                            "layer {layer} reads layer {src}'s K/V, which this forward did not keep"
-                        ))
-                    })?;
-                    (segs.clone(), src, None)
-                }
-                (None, None) => unreachable!("a layer without keys reads another's"),
-            };
-            let out = self.attend(
-                rows_of(&q, r),
-                (span.start, span.tree.as_deref()),
-                segments,
-                (caches, read_layer),
-                &device,
-            )?;
-            Ok((out, mine))
+        let read = &*shared;
+        let one = |s: usize, span: &Span, caches: &mut dyn KvLayers| {
+            self.span_attention((s, span), caches, (&q, own.as_ref()), layer, read, &device)
         };
         let results: Vec<Result<(Tensor<2>, Option<Vec<KvSegment>>)>> =
             if spans.len() > 1 && !crate::gpu::is_gpu(&device) {
@@ -337,36 +280,121 @@ impl Attention {
             Tensor::cat(outs, 0)
         };
         let out = self.o_proj.forward(attn);
+        if !capture {
+            return Ok((out, Vec::new()));
+        }
         // A sharing layer reports its source's raw K/V: what it attends over.
         let raw = match (own, self.kv_source) {
             (Some((k_raw, v_raw, _, _)), _) => Some((k_raw, v_raw)),
             (None, Some(src)) => shared.raw.get(&src).cloned(),
             (None, None) => None,
         };
-        if capture && raw.is_none() {
+        let Some((k_raw, v_raw)) = raw else {
             return Err(ModelError::Cache(format!(
                 "layer {layer}: the raw K/V it reads were not kept in this forward"
             )));
-        }
-        let caps = match raw {
-            Some((k_raw, v_raw)) if capture => {
-                let cols = |t: &Tensor<2>, r: &std::ops::Range<usize>| {
-                    let w = t.dims()[1];
-                    t.clone().slice([r.clone(), 0..w])
-                };
-                spans
-                    .iter()
-                    .map(|s| AttentionCapture {
-                        q_raw: cols(&q_raw, &s.rows),
-                        k_raw: cols(&k_raw, &s.rows),
-                        v_raw: cols(&v_raw, &s.rows),
-                        out: cols(&out, &s.rows),
-                    })
-                    .collect()
-            }
-            _ => Vec::new(),
         };
+        let caps = spans
+            .iter()
+            .map(|s| AttentionCapture {
+                q_raw: row_range(&q_raw, &s.rows),
+                k_raw: row_range(&k_raw, &s.rows),
+                v_raw: row_range(&v_raw, &s.rows),
+                out: row_range(&out, &s.rows),
+            })
+            .collect();
         Ok((out, caps))
+    }
+
+    /// The projections of the rows `x` (in one launch on a GPU): the raw queries; the
+    /// queries normed and rotated; and, when this layer has its own keys, its raw keys and
+    /// values and the keys normed and rotated (with the queries, in one launch on a GPU) and
+    /// the values through the value norm (v_proj's, or with k_eq_v the raw keys).
+    ///
+    /// # Shapes
+    /// - `x`: `[R, hidden]` → raw queries `[R, heads·head_dim]`, queries
+    ///   `[heads, R, head_dim]`; own K/V raw `[R, kv_heads·head_dim]`, normed
+    ///   `[kv_heads, R, head_dim]`
+    /// - `cos`, `sin`: `[R, head_dim/2]`
+    fn project(
+        &self,
+        x: Tensor<2>,
+        cos: &Tensor<2>,
+        sin: &Tensor<2>,
+    ) -> (Tensor<2>, Tensor<3>, Option<OwnKv>) {
+        let mut maps = vec![&self.q_proj];
+        maps.extend(&self.k_proj);
+        maps.extend(self.k_proj.as_ref().and(self.v_proj.as_ref()));
+        let mut raw = Linear::forward_many(&maps, x).into_iter();
+        let q_raw = raw.next().expect("q_proj's output");
+        let q_heads = self.heads_first(q_raw.clone(), self.heads);
+        let (q, own) = match raw.next() {
+            Some(k_raw) => {
+                let v_raw = raw.next().unwrap_or_else(|| k_raw.clone());
+                let k_heads = self.heads_first(k_raw.clone(), self.kv_heads);
+                let (q, k) =
+                    self.q_norm
+                        .forward_rope_qk(q_heads, (&self.k_norm, k_heads), cos, sin);
+                let v = self.values_from_raw(v_raw.clone());
+                (q, Some((k_raw, v_raw, k, v)))
+            }
+            None => (self.q_norm.forward_rope(q_heads, cos, sin), None),
+        };
+        (q_raw, q, own)
+    }
+
+    /// Sequence `s`'s chunk: writes its own K/V rows to its cache (when the layer has its
+    /// own) and attends its queries over what the cache returns — or over the source layer's
+    /// segments kept in `shared`. Returns the attention output and, for a layer that
+    /// [`Self::shares_kv`], the segments to keep.
+    ///
+    /// # Shapes
+    /// - `q`: `[heads, R, head_dim]` for every stacked row; the span's rows are taken
+    /// - returns `[T, heads·head_dim]` for the span's `T` rows
+    fn span_attention(
+        &self,
+        (s, span): (usize, &Span),
+        caches: &mut dyn KvLayers,
+        (q, own): (&Tensor<3>, Option<&OwnKv>),
+        layer: usize,
+        shared: &SharedKv,
+        device: &Device,
+    ) -> Result<(Tensor<2>, Option<Vec<KvSegment>>)> {
+        let r = &span.rows;
+        let (segments, read_layer, mine) =
+            match (own, self.kv_source) {
+                (Some((k_raw, v_raw, k, v)), _) => {
+                    if caches.wants_raw(layer) {
+                        caches.record_raw(
+                            layer,
+                            row_range(k_raw, r),
+                            row_range(v_raw, r),
+                            span.start,
+                        )?;
+                    }
+                    let segs =
+                        caches.update(layer, head_rows(k, r), head_rows(v, r), span.start)?;
+                    let mine = self.shares_kv.then(|| segs.clone());
+                    (segs, layer, mine)
+                }
+                (None, Some(src)) => {
+                    let segs = shared.segments.get(&src).and_then(|per| per.get(s)).ok_or_else(|| {
+                    ModelError::Cache(format!(
+                        "layer {layer} reads layer {src}'s K/V, which this forward did not keep"
+                    ))
+                })?;
+                    (segs.clone(), src, None)
+                }
+                (None, None) => unreachable!("a layer without keys reads another's"),
+            };
+        let out = self.attend(
+            head_rows(q, r),
+            (span.start, span.tree.as_deref()),
+            segments,
+            (caches, read_layer),
+            device,
+        )?;
+        Ok((out, mine))
     }
 
     /// One sequence's chunk of `T` queries at positions `start..start+T` (or, as a `tree`, at
@@ -422,98 +450,6 @@ impl Attention {
         let groups = self.heads / self.kv_heads;
         let mask = self.mask(start, t, &ready, groups, device);
         Ok(grouped_attention(q, as_f32(k), as_f32(v), self.scale, mask))
-    }
-
-    /// Each query row alone, over exactly the keys it sees in position order: a row's result
-    /// is then the same bits whether it is a decode step or a row of a verify block (one
-    /// [`grouped_attention`] over all rows lets the matmuls' sums depend on the row count,
-    /// and a causal mask makes the softmax and the value sums run over other lengths). Keys
-    /// that form one run of the concatenated segments are a view; others are gathered.
-    ///
-    /// # Shapes
-    /// - `q`: `[heads, T, head_dim]`; `k`, `v`: `[kv_heads, S, head_dim]` (the segments' keys
-    ///   in order) → `[T, heads · head_dim]`
-    fn attend_rows(
-        &self,
-        q: Tensor<3>,
-        start: usize,
-        segments: &[KvSegment],
-        k: Tensor<3>,
-        v: Tensor<3>,
-        device: &Device,
-    ) -> Tensor<2> {
-        let [heads, t, d] = q.dims();
-        let [kvh, s, _] = k.dims();
-        let keys = segment_keys(segments);
-        // Per row, the keys it sees: (position, index in `k`), in position order.
-        let seen: Vec<Vec<(usize, usize)>> = (0..t)
-            .map(|i| {
-                let mut seen: Vec<(usize, usize)> = keys
-                    .iter()
-                    .enumerate()
-                    .filter(|&(_, &key)| self.sees(start + i, key))
-                    .map(|(j, &(p, _))| (p, j))
-                    .collect();
-                seen.sort_unstable();
-                seen
-            })
-            .collect();
-        // On a GPU every row takes the attention kernel, so a row's bits never depend on the
-        // path: runs moving in step need no upload, other rows' keys are listed.
-        if crate::gpu::applies(&q) {
-            let runs: Option<Vec<std::ops::Range<usize>>> = seen
-                .iter()
-                .map(|seen| {
-                    let (first, last) = (seen[0].1, seen[seen.len() - 1].1);
-                    let run = seen.windows(2).all(|w| w[1].1 == w[0].1 + 1);
-                    run.then_some(first..last + 1)
-                })
-                .collect();
-            let lists: Vec<Vec<usize>>;
-            let keys = match runs.as_deref().and_then(crate::gpu::KeyRuns::from_ranges) {
-                Some(runs) => crate::gpu::RowKeys::Runs(runs),
-                None => {
-                    lists = seen
-                        .iter()
-                        .map(|s| s.iter().map(|&(_, j)| j).collect())
-                        .collect();
-                    crate::gpu::RowKeys::Lists(&lists)
-                }
-            };
-            if let Some(out) = crate::gpu::attention_rows(&q, &k, &v, self.scale, keys) {
-                return out;
-            }
-        }
-        // The rows in parallel (each row's bits do not depend on the thread).
-        let (k, v) = (as_f32(k), as_f32(v));
-        let rows = seen.into_par_iter().enumerate().map(|(i, seen)| {
-            let (first, last) = (seen[0].1, seen[seen.len() - 1].1);
-            let run = seen.windows(2).all(|w| w[1].1 == w[0].1 + 1);
-            let (ki, vi) = if run && first == 0 && last + 1 == s {
-                (k.clone(), v.clone())
-            } else if run {
-                let r = first..last + 1;
-                (
-                    k.clone().slice([0..kvh, r.clone(), 0..d]),
-                    v.clone().slice([0..kvh, r, 0..d]),
-                )
-            } else {
-                let ids: Vec<i64> = seen.iter().map(|&(_, j)| j as i64).collect();
-                let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [seen.len()]), device);
-                (k.clone().select(1, ids.clone()), v.clone().select(1, ids))
-            };
-            let qi = if t == 1 {
-                q.clone()
-            } else {
-                q.clone().slice([0..heads, i..i + 1, 0..d])
-            };
-            grouped_attention(qi, ki, vi, self.scale, None)
-        });
-        let mut rows: Vec<Tensor<2>> = rows.collect();
-        if rows.len() == 1 {
-            return rows.pop().expect("one row");
-        }
-        Tensor::cat(rows, 0)
     }
 }
 
@@ -572,4 +508,20 @@ pub struct Span {
     /// The rows as a tree (row `i` at `start + depth(i)`, seeing its ancestors), or `None`
     /// for a causal chunk (row `i` at `start + i`).
     pub tree: Option<std::sync::Arc<TreeRows>>,
+}
+
+/// A layer's own K/V for the stacked rows: raw keys and values `[R, kv_heads·head_dim]`, then
+/// keys normed and rotated and values normed, `[kv_heads, R, head_dim]`.
+type OwnKv = (Tensor<2>, Tensor<2>, Tensor<3>, Tensor<3>);
+
+/// Rows `r` of a row-major `[R, width]` tensor.
+fn row_range(t: &Tensor<2>, r: &std::ops::Range<usize>) -> Tensor<2> {
+    let w = t.dims()[1];
+    t.clone().slice([r.clone(), 0..w])
+}
+
+/// Rows `r` of a heads-first `[heads, R, head_dim]` tensor.
+fn head_rows(t: &Tensor<3>, r: &std::ops::Range<usize>) -> Tensor<3> {
+    let [h, _, d] = t.dims();
+    t.clone().slice([0..h, r.clone(), 0..d])
 }

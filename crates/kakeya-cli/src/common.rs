@@ -87,8 +87,8 @@ pub struct ModelArgs {
     pub device: DeviceKind,
     /// Products of the quantised layer weights on the CPU: `exact` (f32, the model's own
     /// greedy choices) or `int8` (inputs rounded to int8, integer dot products, as llama.cpp:
-    /// faster than `exact` for batches and prefill on AMD Zen 4 when last measured, slower on
-    /// Zen 5; outputs move by ≈ 1 %, so greedy text can differ from the f32 model's at
+    /// faster or slower than `exact` depending on the CPU, see docs/benchmarks.md; outputs
+    /// move by ≈ 1 %, so greedy text can differ from the f32 model's at
     /// near-ties). Speculation stays lossless either way.
     #[arg(long, value_enum, default_value_t = KernelKind::Exact)]
     pub kernel: KernelKind,

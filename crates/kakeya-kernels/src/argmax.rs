@@ -310,9 +310,8 @@ impl QuantMatrix {
     /// Whether [`Self::argmax`] beats the exact products for `t` input rows on this machine.
     /// From two rows it does everywhere. One row is another matter: its exact products are
     /// bound by their int→float rebuilds, not by memory. Through the int8 panels (AVX-512
-    /// VNNI) the search costs less: Gemma 3 270M's head, Zen 5, two threads, 2.9 against
-    /// 3.7 ms (`qbench token_embd`), tg128 +8–16 %. Through AVX2's tiles it costs more (Zen 4:
-    /// 6.4 against 5.4 ms), so one row keeps the exact products there.
+    /// VNNI) the search costs less than the exact products; through AVX2's tiles it costs more,
+    /// so one row keeps the exact products there (`qbench token_embd` measures both).
     pub fn argmax_pays(&self, t: usize) -> bool {
         t >= 2 || (t == 1 && crate::int8::simd_available())
     }

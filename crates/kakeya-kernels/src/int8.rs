@@ -34,9 +34,8 @@ use crate::tiles::TILE;
 pub(crate) const PANEL: usize = 16;
 
 /// Input rows per kernel pass: sixteen inputs' integer and float accumulators, 32 registers,
-/// so LLVM keeps a few on the stack — still 10–25 % faster at 12–16 inputs than two passes of
-/// at most eight (the head's certified argmax, Zen 5: 12 rows 6.4 → 4.8–5.1 ms, 16 rows 7.9 →
-/// 6.9–7.2 ms on two threads).
+/// so LLVM keeps a few on the stack — still faster at 12–16 inputs than two passes of at most
+/// eight (`qbench` on the head measures it).
 const MAX_X: usize = 16;
 
 /// Panels per parallel task.

@@ -10,8 +10,8 @@ const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 /// GELU, tanh approximation (PyTorch `gelu(approximate="tanh")`, Gemma's `gelu_pytorch_tanh`):
 /// `0.5·x·(1 + tanh(u))` with `u = √(2/π)·(x + 0.044715·x³)`, computed as `x·σ(2u)` — the same
 /// function, since `0.5·(1 + tanh(u)) = σ(2u)` — with `x³` as products. Burn's
-/// `gelu_approximate` evaluates `powf` and `tanh` per element, about 9 % of a batched decode
-/// step on the CPU; this form needs one `exp` per element. The two agree to float rounding
+/// `gelu_approximate` evaluates `powf` and `tanh` per element; this form needs one `exp` per
+/// element. The two agree to float rounding
 /// (tested).
 ///
 /// # Shapes

@@ -1,6 +1,6 @@
 //! Decode-row attention on the CPU, read straight from the caches' buffers: a few query rows
 //! over a few hundred keys are too small for a GEMM (Burn's matmul packs the keys and the
-//! values for every call, ≈ 11 % of an eight-sequence decode step), so each row's scores,
+//! values for every call), so each row's scores,
 //! softmax and value sums run here over the buffers in place, as the fixed-order sums of
 //! [`kakeya_kernels::rowops`]. A row's result depends only on its query and the keys it
 //! reads, never on the other rows.

@@ -184,8 +184,8 @@ impl Linear {
             return Tensor::from_data(TensorData::new(y, [t, q.rows()]), &device);
         }
         if let Some(q) = self.quant.as_deref() {
-            // Prefill too: a short prompt's rows cost the dense matmul a copy of every weight
-            // (18 rows: 172 → 325 tok/s), and a long one's run as fast either way.
+            // Prefill too: a short prompt's rows cost the dense matmul a copy of every weight,
+            // and a long one's run as fast either way.
             let device = x.device();
             let y = q.matmul(&host_rows(x), t);
             return Tensor::from_data(TensorData::new(y, [t, q.rows()]), &device);

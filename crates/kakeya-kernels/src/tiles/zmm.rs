@@ -6,9 +6,8 @@
 //! one 16-wide FMA does the work of two 8-wide ones. Every lane still takes
 //! `fma(w_k, x_k, acc)` over its columns in ascending order, and the halves are reduced
 //! separately in the canonical order, so each output has the bits of [`super::dot`] — only
-//! half as many FMA, convert and scale instructions are issued. On AMD Zen 5 (measured) that
-//! is 1.2–1.4× the AVX2 path's products per second at 4–16 inputs; Zen 4 splits each 16-wide
-//! instruction into two 256-bit halves and saves only the issue slots (not measured).
+//! half as many FMA, convert and scale instructions are issued. CPUs that split each 16-wide
+//! instruction into two 256-bit halves save only the issue slots.
 
 use std::arch::x86_64::{
     __m512, _mm_castpd_si128, _mm_castsi128_pd, _mm_loadh_pd, _mm_loadl_epi64, _mm256_castpd_ps,
@@ -25,9 +24,8 @@ use super::{LANES, Layout, TILE};
 /// the tile re-read from L1): sixteen accumulators, two weights, two scales (two offsets),
 /// one input — 21–23 of the 32 zmm registers. The half- and quarter-width instructions
 /// around them (the int8 loads, the reductions) need AVX-512VL to reach registers 16–31:
-/// without it LLVM kept every accumulator in zmm0–15, and eight inputs spilled (1.3× slower
-/// than four). With it, eight inputs run 1.1–1.2× four's products per second at 8–32 input
-/// rows (Zen 5, `qbench`, layer 3); twelve were no faster.
+/// without it LLVM keeps every accumulator in zmm0–15 and eight inputs spill. With it, eight
+/// inputs beat four per pass and twelve do not (`qbench` measures it).
 const INPUTS: usize = 8;
 
 /// Weight-row pairs of a tile.

@@ -1,9 +1,9 @@
 //! Greedy and sampled forwards (their choices drawn on the device) recorded once and replayed
 //! on a GPU: decode steps, speculative verify blocks, and the server's batched steps of several
 //! sequences ([`GemmaModel::forward_batch`]
-//! takes this path by itself). A decode step of the 270M model issues ~185 kernel launches,
-//! and on an H100 it was bound by issuing them (6.5–7.6 ms a step, far more than its kernels:
-//! `docs/gpu.md`). Recorded, a forward is one replay (a CUDA graph) plus one small upload and
+//! takes this path by itself). A decode step of the 270M model issues about two hundred
+//! kernel launches, and issuing them costs more than the kernels themselves (`docs/gpu.md`).
+//! Recorded, a forward is one replay (a CUDA graph) plus one small upload and
 //! one copy.
 //!
 //! What a replay must find where the recording left it: the token ids and positions (and a

@@ -2,11 +2,10 @@
 //! composition of tensor ops launches several, few-row products and attention in full f32, and
 //! the greedy argmax on the device.
 //!
-//! A decode step of the 270M model launched ≈ 1 685 kernels on an H200 (`docs/gpu.md`): each
-//! RMSNorm was seven element-wise kernels, RoPE eight, the tanh GELU eight, softmax five, and
-//! every one-row projection went through a tensor-core matmul built for many rows (TF32
-//! operands); the argmax over the 262k-entry vocabulary took Burn's reduction ≈ 9.6 ms on an
-//! H100. Here each of these is one kernel: RMSNorm (with the residual add after it, or RoPE),
+//! Built from Burn's generic operations, each RMSNorm is several element-wise kernels (so are
+//! RoPE, the tanh GELU and softmax), every one-row projection goes through a tensor-core matmul
+//! built for many rows (TF32 operands), and the argmax over the 262k-entry vocabulary is a
+//! slow generic reduction (`docs/gpu.md`). Here each of these is one kernel: RMSNorm (with the residual add after it, or RoPE),
 //! `gelu(gate)·up`, the argmax, a few rows' attention, and products of up to [`GPU_ROWS_MAX`]
 //! input rows — q/k/v (and gate/up) in one launch. Each output of a product or of attention is
 //! a fixed-order f32 sum, the same bits whatever the row count, so a verify block's rows equal

@@ -52,186 +52,27 @@ pub struct Gemma4Extras {
 /// forced to full attention, as transformers does), or a clear error for what Kakeya does not
 /// support.
 pub(super) fn parse(path: &Path, c: &Value, layer_types: &[AttentionKind]) -> Result<Gemma4Extras> {
-    let bad = |msg: String| Err(WeightsError::format(path, msg));
+    let bad = |msg: String| WeightsError::format(path, msg);
     let int = |k: &str| c.get(k).and_then(Value::as_u64).map(|v| v as usize);
     let flag = |k: &str| c.get(k).and_then(Value::as_bool).unwrap_or(false);
-    if flag("attention_bias") {
-        return bad(
-            "attention_bias = true is not supported (Gemma 4 checkpoints have none)".into(),
-        );
-    }
-    match c.get("use_bidirectional_attention").and_then(Value::as_str) {
-        None | Some("vision") => {} // "vision" changes image tokens' masks only
-        Some(other) => {
-            return bad(format!(
-                "use_bidirectional_attention = \"{other}\" is not supported (a causal text model only)"
-            ));
-        }
-    }
-    if let Some(act) = c.get("hidden_activation").and_then(Value::as_str)
-        && act != "gelu_pytorch_tanh"
-    {
-        return bad(format!(
-            "hidden_activation `{act}` is not supported (only gelu_pytorch_tanh)"
-        ));
-    }
-    let head_dim = int("head_dim").unwrap_or(256);
-    let kv_heads = int("num_key_value_heads").unwrap_or(4);
+    check_supported(c).map_err(bad)?;
     let k_eq_v = flag("attention_k_eq_v");
-    // A full layer's geometry: `per_layer_config` (written by transformers >= 5.24, keys are
-    // layer indices such as "05") wins over the `global_head_dim` /
-    // `num_global_key_value_heads` keys it is made from. Kakeya runs one geometry per layer
-    // kind: overrides on sliding layers, or full layers that differ, are refused.
-    let (global_head_dim, global_kv_heads) =
-        match c.get("per_layer_config").filter(|v| !v.is_null()) {
-            Some(per) => {
-                let Some(per) = per.as_object() else {
-                    return bad("per_layer_config is not an object".into());
-                };
-                let mut full_geometry = None;
-                for (key, entry) in per {
-                    let Some(i) = key.parse::<usize>().ok().filter(|&i| i < layer_types.len())
-                    else {
-                        return bad(format!("per_layer_config key `{key}` is not a layer index"));
-                    };
-                    let get = |k: &str, default: usize| {
-                        entry
-                            .get(k)
-                            .and_then(Value::as_u64)
-                            .map_or(default, |v| v as usize)
-                    };
-                    let geometry = (
-                        get("head_dim", head_dim),
-                        get("num_key_value_heads", kv_heads),
-                    );
-                    if layer_types[i] != AttentionKind::Full {
-                        return bad(format!(
-                            "per_layer_config overrides sliding layer {i}: not supported"
-                        ));
-                    }
-                    if full_geometry.is_some_and(|g| g != geometry) {
-                        return bad(
-                        "per_layer_config gives full layers different geometries: not supported"
-                            .into(),
-                    );
-                    }
-                    full_geometry = Some(geometry);
-                }
-                let plain = (head_dim, kv_heads);
-                let covered = per.len();
-                let fulls = layer_types
-                    .iter()
-                    .filter(|&&k| k == AttentionKind::Full)
-                    .count();
-                match full_geometry {
-                    // A full layer without an entry keeps the plain geometry.
-                    Some(g) if g != plain && covered < fulls => {
-                        return bad(
-                        "per_layer_config gives full layers different geometries: not supported"
-                            .into(),
-                    );
-                    }
-                    Some(g) => g,
-                    None => plain,
-                }
-            }
-            None => (
-                int("global_head_dim").unwrap_or(512),
-                match int("num_global_key_value_heads") {
-                    Some(n) if k_eq_v => n,
-                    _ => kv_heads,
-                },
-            ),
-        };
-    let rope = |kind: &str| c.get("rope_parameters").and_then(|p| p.get(kind));
-    let mut global_partial_rotary = 1.0;
-    for kind in ["sliding_attention", "full_attention"] {
-        let Some(p) = rope(kind) else {
-            return bad(format!("rope_parameters.{kind} is missing"));
-        };
-        if p.get("rope_theta").and_then(Value::as_f64).is_none() {
-            return bad(format!("rope_parameters.{kind}.rope_theta is missing"));
-        }
-        let ty = p
-            .get("rope_type")
-            .and_then(Value::as_str)
-            .unwrap_or("default");
-        match (kind, ty) {
-            (_, "default") => {}
-            ("full_attention", "proportional") => {
-                global_partial_rotary = p
-                    .get("partial_rotary_factor")
-                    .and_then(Value::as_f64)
-                    .unwrap_or(1.0);
-                if p.get("factor").and_then(Value::as_f64).unwrap_or(1.0) != 1.0 {
-                    return bad("a proportional RoPE `factor` other than 1 is not supported".into());
-                }
-            }
-            _ => {
-                return bad(format!(
-                    "rope_parameters.{kind}.rope_type `{ty}` is not supported"
-                ));
-            }
-        }
-    }
-    if !(0.0..=1.0).contains(&global_partial_rotary) {
-        return bad(format!(
-            "partial_rotary_factor {global_partial_rotary} is not in [0, 1]"
-        ));
-    }
-    let n = layer_types.len();
-    let shared = int("num_kv_shared_layers").unwrap_or(0);
-    if shared >= n {
-        return bad(format!(
-            "num_kv_shared_layers {shared} leaves no layer to share from ({n} layers)"
-        ));
-    }
-    // Every kind among the shared layers needs an earlier layer of that kind to read.
-    for (i, &kind) in layer_types.iter().enumerate().skip(n - shared) {
-        if !layer_types[..n - shared].contains(&kind) {
-            return bad(format!(
-                "layer {i} shares K/V, but no layer before {} is of its kind ({kind:?})",
-                n - shared
-            ));
-        }
-    }
-    let ple = int("hidden_size_per_layer_input").unwrap_or(256);
-    let moe = if flag("enable_moe_block") {
-        let (Some(experts), Some(top_k), Some(intermediate)) = (
-            int("num_experts"),
-            int("top_k_experts"),
-            int("moe_intermediate_size"),
-        ) else {
-            return bad(
-                "enable_moe_block needs num_experts, top_k_experts and moe_intermediate_size"
-                    .into(),
-            );
-        };
-        if top_k == 0 || top_k > experts {
-            return bad(format!("top_k_experts {top_k} must be in 1..={experts}"));
-        }
-        Some(MoeConfig {
-            experts,
-            top_k,
-            intermediate,
-        })
-    } else {
-        None
-    };
+    let (global_head_dim, global_kv_heads) = full_geometry(c, layer_types, k_eq_v).map_err(bad)?;
     for (what, v) in [
         ("global_head_dim", global_head_dim),
         ("global key/value heads", global_kv_heads),
     ] {
         if v == 0 {
-            return bad(format!("{what} must be positive"));
+            return Err(bad(format!("{what} must be positive")));
         }
     }
+    let ple = int("hidden_size_per_layer_input").unwrap_or(256);
     Ok(Gemma4Extras {
         global_head_dim,
         global_kv_heads,
-        global_partial_rotary,
+        global_partial_rotary: global_partial_rotary(c).map_err(bad)?,
         attention_k_eq_v: k_eq_v,
-        num_kv_shared_layers: shared,
+        num_kv_shared_layers: shared_layers(c, layer_types).map_err(bad)?,
         double_wide_mlp: flag("use_double_wide_mlp"),
         per_layer_input_size: ple,
         // Meaningless without per-layer inputs: 0 then, as from a GGUF file.
@@ -240,6 +81,174 @@ pub(super) fn parse(path: &Path, c: &Value, layer_types: &[AttentionKind]) -> Re
         } else {
             0
         },
-        moe,
+        moe: moe(c).map_err(bad)?,
     })
+}
+
+fn int(c: &Value, k: &str) -> Option<usize> {
+    c.get(k).and_then(Value::as_u64).map(|v| v as usize)
+}
+
+/// Refuses what a causal text model of Kakeya's cannot run: attention biases, bidirectional
+/// attention, activations other than the tanh GELU.
+fn check_supported(c: &Value) -> std::result::Result<(), String> {
+    if c.get("attention_bias").and_then(Value::as_bool) == Some(true) {
+        return Err(
+            "attention_bias = true is not supported (Gemma 4 checkpoints have none)".into(),
+        );
+    }
+    match c.get("use_bidirectional_attention").and_then(Value::as_str) {
+        None | Some("vision") => {} // "vision" changes image tokens' masks only
+        Some(other) => {
+            return Err(format!(
+                "use_bidirectional_attention = \"{other}\" is not supported (a causal text model only)"
+            ));
+        }
+    }
+    match c.get("hidden_activation").and_then(Value::as_str) {
+        Some(act) if act != "gelu_pytorch_tanh" => Err(format!(
+            "hidden_activation `{act}` is not supported (only gelu_pytorch_tanh)"
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// A full layer's head size and key/value heads. `per_layer_config` (written by transformers
+/// 5.24 and later, keys are layer indices such as "05") wins over the `global_head_dim` /
+/// `num_global_key_value_heads` keys it is made from. Kakeya runs one geometry per layer
+/// kind: overrides on sliding layers, or full layers that differ, are refused.
+fn full_geometry(
+    c: &Value,
+    layer_types: &[AttentionKind],
+    k_eq_v: bool,
+) -> std::result::Result<(usize, usize), String> {
+    let head_dim = int(c, "head_dim").unwrap_or(256);
+    let kv_heads = int(c, "num_key_value_heads").unwrap_or(4);
+    let Some(per) = c.get("per_layer_config").filter(|v| !v.is_null()) else {
+        let global_kv = match int(c, "num_global_key_value_heads") {
+            Some(n) if k_eq_v => n,
+            _ => kv_heads,
+        };
+        return Ok((int(c, "global_head_dim").unwrap_or(512), global_kv));
+    };
+    let Some(per) = per.as_object() else {
+        return Err("per_layer_config is not an object".into());
+    };
+    let differ = || "per_layer_config gives full layers different geometries: not supported";
+    let mut full_geometry = None;
+    for (key, entry) in per {
+        let Some(i) = key.parse::<usize>().ok().filter(|&i| i < layer_types.len()) else {
+            return Err(format!("per_layer_config key `{key}` is not a layer index"));
+        };
+        let get = |k: &str, default: usize| int(entry, k).unwrap_or(default);
+        let geometry = (
+            get("head_dim", head_dim),
+            get("num_key_value_heads", kv_heads),
+        );
+        if layer_types[i] != AttentionKind::Full {
+            return Err(format!(
+                "per_layer_config overrides sliding layer {i}: not supported"
+            ));
+        }
+        if full_geometry.is_some_and(|g| g != geometry) {
+            return Err(differ().into());
+        }
+        full_geometry = Some(geometry);
+    }
+    let plain = (head_dim, kv_heads);
+    let fulls = layer_types
+        .iter()
+        .filter(|&&k| k == AttentionKind::Full)
+        .count();
+    match full_geometry {
+        // A full layer without an entry keeps the plain geometry.
+        Some(g) if g != plain && per.len() < fulls => Err(differ().into()),
+        Some(g) => Ok(g),
+        None => Ok(plain),
+    }
+}
+
+/// The full layers' partial rotary factor (a proportional RoPE's), after checking both layer
+/// kinds' `rope_parameters`.
+fn global_partial_rotary(c: &Value) -> std::result::Result<f64, String> {
+    let rope = |kind: &str| c.get("rope_parameters").and_then(|p| p.get(kind));
+    let mut partial = 1.0;
+    for kind in ["sliding_attention", "full_attention"] {
+        let Some(p) = rope(kind) else {
+            return Err(format!("rope_parameters.{kind} is missing"));
+        };
+        if p.get("rope_theta").and_then(Value::as_f64).is_none() {
+            return Err(format!("rope_parameters.{kind}.rope_theta is missing"));
+        }
+        let ty = p
+            .get("rope_type")
+            .and_then(Value::as_str)
+            .unwrap_or("default");
+        match (kind, ty) {
+            (_, "default") => {}
+            ("full_attention", "proportional") => {
+                partial = p
+                    .get("partial_rotary_factor")
+                    .and_then(Value::as_f64)
+                    .unwrap_or(1.0);
+                if p.get("factor").and_then(Value::as_f64).unwrap_or(1.0) != 1.0 {
+                    return Err("a proportional RoPE `factor` other than 1 is not supported".into());
+                }
+            }
+            _ => {
+                return Err(format!(
+                    "rope_parameters.{kind}.rope_type `{ty}` is not supported"
+                ));
+            }
+        }
+    }
+    if !(0.0..=1.0).contains(&partial) {
+        return Err(format!("partial_rotary_factor {partial} is not in [0, 1]"));
+    }
+    Ok(partial)
+}
+
+/// `num_kv_shared_layers`, checked: every kind among the shared (last) layers needs an
+/// earlier layer of that kind to read.
+fn shared_layers(c: &Value, layer_types: &[AttentionKind]) -> std::result::Result<usize, String> {
+    let n = layer_types.len();
+    let shared = int(c, "num_kv_shared_layers").unwrap_or(0);
+    if shared >= n {
+        return Err(format!(
+            "num_kv_shared_layers {shared} leaves no layer to share from ({n} layers)"
+        ));
+    }
+    for (i, &kind) in layer_types.iter().enumerate().skip(n - shared) {
+        if !layer_types[..n - shared].contains(&kind) {
+            return Err(format!(
+                "layer {i} shares K/V, but no layer before {} is of its kind ({kind:?})",
+                n - shared
+            ));
+        }
+    }
+    Ok(shared)
+}
+
+/// The MoE branch of `enable_moe_block`, checked.
+fn moe(c: &Value) -> std::result::Result<Option<MoeConfig>, String> {
+    if c.get("enable_moe_block").and_then(Value::as_bool) != Some(true) {
+        return Ok(None);
+    }
+    let (Some(experts), Some(top_k), Some(intermediate)) = (
+        int(c, "num_experts"),
+        int(c, "top_k_experts"),
+        int(c, "moe_intermediate_size"),
+    ) else {
+        return Err(
+            "enable_moe_block needs num_experts, top_k_experts and moe_intermediate_size".into(),
+        );
+    };
+    if top_k == 0 || top_k > experts {
+        return Err(format!("top_k_experts {top_k} must be in 1..={experts}"));
+    }
+    Ok(Some(MoeConfig {
+        experts,
+        top_k,
+        intermediate,
+    }))
 }

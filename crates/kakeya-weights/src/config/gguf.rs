@@ -151,33 +151,11 @@ fn gemma4(f: &GgufFile) -> Result<GemmaConfig> {
     let bad = |msg: String| Err(WeightsError::format(path, msg));
     let key = |k: &str| format!("gemma4.{k}");
     let u = |k: &str| f.req_u64(&key(k)).map(|v| v as usize);
-    let opt_u = |k: &str| {
-        f.get(&key(k))
-            .and_then(GgufValue::as_u64)
-            .map(|v| v as usize)
-    };
     let n = check_layers(path, u("block_count")?)?;
-    let pattern = match f.get(&key("attention.sliding_window_pattern")) {
-        Some(GgufValue::Array(a)) if a.len() == n => a,
-        _ => {
-            return bad(format!(
-                "gemma4.attention.sliding_window_pattern must be an array of {n} booleans"
-            ));
-        }
-    };
-    let mut layer_types = Vec::with_capacity(n);
-    for v in pattern {
-        layer_types.push(match v {
-            GgufValue::Bool(true) => AttentionKind::Sliding,
-            GgufValue::Bool(false) => AttentionKind::Full,
-            _ => return bad("gemma4.attention.sliding_window_pattern holds a non-boolean".into()),
-        });
-    }
-    // transformers makes Gemma 4's last layer global whatever the config says.
-    layer_types[n - 1] = AttentionKind::Full;
+    let layer_types = layer_kinds(f, n)?;
     let types = &layer_types;
     let is = |kind: AttentionKind| move |i: usize| types[i] == kind;
-    let shared = opt_u("attention.shared_kv_layers").unwrap_or(0);
+    let shared = opt_u(f, "attention.shared_kv_layers").unwrap_or(0);
     if shared >= n {
         return bad(format!(
             "gemma4.attention.shared_kv_layers {shared} leaves no layer to share from ({n} layers)"
@@ -191,7 +169,7 @@ fn gemma4(f: &GgufFile) -> Result<GemmaConfig> {
         ("attention.value_length", global_head_dim),
         ("attention.value_length_swa", head_dim),
     ] {
-        if let Some(v) = opt_u(k)
+        if let Some(v) = opt_u(f, k)
             && v != want
         {
             return bad(format!(
@@ -212,69 +190,21 @@ fn gemma4(f: &GgufFile) -> Result<GemmaConfig> {
     let global_kv_heads = global_kv.unwrap_or(0);
     let num_key_value_heads = kv_heads.unwrap_or(global_kv_heads);
 
-    // MLP widths: the shared layers may be twice as wide (use_double_wide_mlp).
-    let ff = per_layer(f, &key("feed_forward_length"), n)?;
-    let intermediate_size = uniform(f, "feed_forward_length", &ff, |i| i < first_shared)?
-        .expect("at least one layer has its own K/V");
-    let shared_width = uniform(f, "feed_forward_length", &ff, |i| i >= first_shared)?;
-    let double_wide_mlp = match shared_width {
-        None => false,
-        Some(w) if w == intermediate_size => false,
-        Some(w) if w == 2 * intermediate_size => true,
-        Some(w) => {
-            return bad(format!(
-                "gemma4.feed_forward_length: the shared layers' {w} is neither the other \
-                 layers' {intermediate_size} nor twice it"
-            ));
-        }
-    };
+    let (intermediate_size, double_wide_mlp) = mlp_widths(f, n, first_shared)?;
 
-    // RoPE: sliding layers rotate the whole head; full layers the pairs rope_freqs marks.
-    if let Some(t) = f.get(&key("rope.scaling.type")).and_then(GgufValue::as_str)
-        && t != "none"
-    {
-        return bad(format!("gemma4.rope.scaling.type `{t}` is not supported"));
-    }
-    for (k, want) in [
-        ("rope.dimension_count", global_head_dim),
-        ("rope.dimension_count_swa", head_dim),
-    ] {
-        if let Some(v) = opt_u(k)
-            && v != want
-        {
-            return bad(format!(
-                "gemma4.{k} {v}: only whole-head rotary tables are supported (head dim {want})"
-            ));
-        }
-    }
-    let global_partial_rotary = partial_rotary(f, global_head_dim)?;
+    let global_partial_rotary = rope_checks(f, global_head_dim, head_dim)?;
 
     // Values from keys: a full layer with its own K/V but no `attn_v` (llama.cpp infers it so).
     let first_own_full = (0..first_shared).find(|&i| layer_types[i] == AttentionKind::Full);
     let attention_k_eq_v =
         first_own_full.is_some_and(|i| f.info(&format!("blk.{i}.attn_v.weight")).is_none());
 
-    let per_layer_input_size = opt_u("embedding_length_per_layer_input").unwrap_or(0);
+    let per_layer_input_size = opt_u(f, "embedding_length_per_layer_input").unwrap_or(0);
     let per_layer_vocab = match f.info("per_layer_token_embd.weight") {
         Some(t) if per_layer_input_size > 0 && t.dims.len() == 2 => t.torch_shape()[0],
         _ => 0,
     };
-    let experts = opt_u("expert_count").unwrap_or(0);
-    let moe = if experts > 0 {
-        let top_k = u("expert_used_count")?;
-        if top_k == 0 || top_k > experts {
-            return bad(format!(
-                "gemma4.expert_used_count {top_k} must be in 1..={experts}"
-            ));
-        }
-        Some(MoeConfig {
-            experts,
-            top_k,
-            intermediate: u("expert_feed_forward_length")?,
-        })
-    } else {
-        None
-    };
+    let moe = moe(f)?;
     let extras = Gemma4Extras {
         global_head_dim,
         global_kv_heads,
@@ -320,6 +250,109 @@ fn gemma4(f: &GgufFile) -> Result<GemmaConfig> {
         layer_types,
         gemma4: Some(extras),
     })
+}
+
+/// Key `gemma4.{k}` as an integer, if present.
+fn opt_u(f: &GgufFile, k: &str) -> Option<usize> {
+    f.get(&format!("gemma4.{k}"))
+        .and_then(GgufValue::as_u64)
+        .map(|v| v as usize)
+}
+
+/// Each layer's attention kind from `attention.sliding_window_pattern` (the last layer made
+/// global whatever it says, as transformers does).
+fn layer_kinds(f: &GgufFile, n: usize) -> Result<Vec<AttentionKind>> {
+    let bad = |msg: String| Err(WeightsError::format(&f.path, msg));
+    let key = |k: &str| format!("gemma4.{k}");
+    let pattern = match f.get(&key("attention.sliding_window_pattern")) {
+        Some(GgufValue::Array(a)) if a.len() == n => a,
+        _ => {
+            return bad(format!(
+                "gemma4.attention.sliding_window_pattern must be an array of {n} booleans"
+            ));
+        }
+    };
+    let mut layer_types = Vec::with_capacity(n);
+    for v in pattern {
+        layer_types.push(match v {
+            GgufValue::Bool(true) => AttentionKind::Sliding,
+            GgufValue::Bool(false) => AttentionKind::Full,
+            _ => return bad("gemma4.attention.sliding_window_pattern holds a non-boolean".into()),
+        });
+    }
+    layer_types[n - 1] = AttentionKind::Full;
+    Ok(layer_types)
+}
+
+/// The MLP width of the layers with their own K/V, and whether the shared layers' is twice
+/// it (`use_double_wide_mlp`).
+fn mlp_widths(f: &GgufFile, n: usize, first_shared: usize) -> Result<(usize, bool)> {
+    let key = |k: &str| format!("gemma4.{k}");
+    let ff = per_layer(f, &key("feed_forward_length"), n)?;
+    let intermediate_size = uniform(f, "feed_forward_length", &ff, |i| i < first_shared)?
+        .expect("at least one layer has its own K/V");
+    let shared_width = uniform(f, "feed_forward_length", &ff, |i| i >= first_shared)?;
+    let double_wide_mlp = match shared_width {
+        None => false,
+        Some(w) if w == intermediate_size => false,
+        Some(w) if w == 2 * intermediate_size => true,
+        Some(w) => {
+            return Err(WeightsError::format(
+                &f.path,
+                format!(
+                    "gemma4.feed_forward_length: the shared layers' {w} is neither the other \
+                     layers' {intermediate_size} nor twice it"
+                ),
+            ));
+        }
+    };
+    Ok((intermediate_size, double_wide_mlp))
+}
+
+/// Checks the RoPE keys (sliding layers rotate the whole head; full layers the pairs
+/// `rope_freqs` marks) and returns the full layers' partial rotary factor.
+fn rope_checks(f: &GgufFile, global_head_dim: usize, head_dim: usize) -> Result<f64> {
+    let bad = |msg: String| Err(WeightsError::format(&f.path, msg));
+    let key = |k: &str| format!("gemma4.{k}");
+    if let Some(t) = f.get(&key("rope.scaling.type")).and_then(GgufValue::as_str)
+        && t != "none"
+    {
+        return bad(format!("gemma4.rope.scaling.type `{t}` is not supported"));
+    }
+    for (k, want) in [
+        ("rope.dimension_count", global_head_dim),
+        ("rope.dimension_count_swa", head_dim),
+    ] {
+        if let Some(v) = opt_u(f, k)
+            && v != want
+        {
+            return bad(format!(
+                "gemma4.{k} {v}: only whole-head rotary tables are supported (head dim {want})"
+            ));
+        }
+    }
+    partial_rotary(f, global_head_dim)
+}
+
+/// The MoE branch (`expert_count` > 0), checked.
+fn moe(f: &GgufFile) -> Result<Option<MoeConfig>> {
+    let experts = opt_u(f, "expert_count").unwrap_or(0);
+    if experts == 0 {
+        return Ok(None);
+    }
+    let u = |k: &str| f.req_u64(&format!("gemma4.{k}")).map(|v| v as usize);
+    let top_k = u("expert_used_count")?;
+    if top_k == 0 || top_k > experts {
+        return Err(WeightsError::format(
+            &f.path,
+            format!("gemma4.expert_used_count {top_k} must be in 1..={experts}"),
+        ));
+    }
+    Ok(Some(MoeConfig {
+        experts,
+        top_k,
+        intermediate: u("expert_feed_forward_length")?,
+    }))
 }
 
 /// The share of a full layer's rotary pairs that rotate, from `rope_freqs.weight` (absent:

@@ -31,6 +31,10 @@ use crate::schema::{
     drafter_column, verifier_column,
 };
 
+mod merge;
+
+pub use merge::merge;
+
 /// How this process takes part in the job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RunOptions {
@@ -393,6 +397,95 @@ fn write_shard(
     })
 }
 
+/// The manifest of a job before any shard: models, layers, columns, config and sequences.
+fn new_manifest(
+    cfg: &CaptureConfig,
+    m: &Models<'_>,
+    sel: &Selection,
+    columns: Vec<ColumnInfo>,
+    prompts: &[Prompt],
+) -> Manifest {
+    let per = cfg.output.sequences_per_shard;
+    let c = &m.verifier.config;
+    Manifest {
+        schema_version: SCHEMA_VERSION,
+        created_by: format!("kakeya {}", env!("CARGO_PKG_VERSION")),
+        verifier: m.verifier_info.clone(),
+        tokenizer: m.tokenizer_info.clone(),
+        drafter: m
+            .drafter_info
+            .clone()
+            .filter(|_| !sel.drafter_layers.is_empty()),
+        dims: serde_json::json!({
+            "hidden": c.hidden_size, "heads": c.num_attention_heads,
+            "kv_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+            "layers": c.num_hidden_layers, "vocab": c.vocab_size,
+        }),
+        verifier_layers: sel.verifier_layers.clone(),
+        aux_layers: sel.aux_layers.clone(),
+        drafter_layers: sel.drafter_layers.clone(),
+        dtype: cfg.output.dtype,
+        columns,
+        config: {
+            let mut c = cfg.clone();
+            // Where the dataset lives is not part of what it is.
+            c.output.dir = PathBuf::new();
+            c
+        },
+        sequences: prompts.len(),
+        shards_total: prompts.len().div_ceil(per),
+        sequence_sources: prompts
+            .iter()
+            .map(|p| SequenceInfo {
+                source: p.source,
+                item: p.item,
+            })
+            .collect(),
+        shards: Vec::new(),
+    }
+}
+
+/// Makes the dataset folder, or — with `resume` — checks that the manifest there is of the
+/// same job and keeps its finished shards whose files are intact (into `fresh`); removes a
+/// killed run's temporary files.
+fn prepare_dir(dir: &Path, resume: bool, fresh: &mut Manifest) -> Result<()> {
+    let manifest_path = dir.join("manifest.json");
+    if manifest_path.exists() {
+        if !resume {
+            return Err(CaptureError::dataset(
+                dir,
+                "a dataset already exists here; pass --resume to continue it or choose another output.dir",
+            ));
+        }
+        let old = read_manifest(dir)?;
+        if old.fingerprint() != fresh.fingerprint() {
+            return Err(CaptureError::dataset(
+                &manifest_path,
+                "was made with a different config or models; --resume needs the same ones",
+            ));
+        }
+        // Keep only finished shards whose files are still there, intact.
+        for s in old.shards {
+            let p = dir.join(&s.file);
+            if p.is_file() && sha256_path(&p)? == s.sha256 {
+                fresh.shards.push(s);
+            }
+        }
+    } else {
+        std::fs::create_dir_all(dir).map_err(|e| CaptureError::io(dir, e))?;
+    }
+    // Leftovers of a killed run are never valid shards.
+    if let Ok(rd) = std::fs::read_dir(dir) {
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.starts_with(".shard-") && name.contains(".tmp-") {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Runs (or resumes) a capture job; `on` receives progress events.
 pub fn run(
     cfg: &CaptureConfig,
@@ -429,78 +522,9 @@ pub fn run(
     };
     let per = cfg.output.sequences_per_shard;
     let shards_total = prompts.len().div_ceil(per);
-    let c = &m.verifier.config;
-    let mut fresh = Manifest {
-        schema_version: SCHEMA_VERSION,
-        created_by: format!("kakeya {}", env!("CARGO_PKG_VERSION")),
-        verifier: m.verifier_info.clone(),
-        tokenizer: m.tokenizer_info.clone(),
-        drafter: m
-            .drafter_info
-            .clone()
-            .filter(|_| !sel.drafter_layers.is_empty()),
-        dims: serde_json::json!({
-            "hidden": c.hidden_size, "heads": c.num_attention_heads,
-            "kv_heads": c.num_key_value_heads, "head_dim": c.head_dim,
-            "layers": c.num_hidden_layers, "vocab": c.vocab_size,
-        }),
-        verifier_layers: sel.verifier_layers.clone(),
-        aux_layers: sel.aux_layers.clone(),
-        drafter_layers: sel.drafter_layers.clone(),
-        dtype: cfg.output.dtype,
-        columns,
-        config: {
-            let mut c = cfg.clone();
-            // Where the dataset lives is not part of what it is.
-            c.output.dir = PathBuf::new();
-            c
-        },
-        sequences: prompts.len(),
-        shards_total,
-        sequence_sources: prompts
-            .iter()
-            .map(|p| SequenceInfo {
-                source: p.source,
-                item: p.item,
-            })
-            .collect(),
-        shards: Vec::new(),
-    };
+    let mut fresh = new_manifest(cfg, m, &sel, columns, &prompts);
     let dir = &cfg.output.dir;
-    let manifest_path = dir.join("manifest.json");
-    if manifest_path.exists() {
-        if !opts.resume {
-            return Err(CaptureError::dataset(
-                dir,
-                "a dataset already exists here; pass --resume to continue it or choose another output.dir",
-            ));
-        }
-        let old = read_manifest(dir)?;
-        if old.fingerprint() != fresh.fingerprint() {
-            return Err(CaptureError::dataset(
-                &manifest_path,
-                "was made with a different config or models; --resume needs the same ones",
-            ));
-        }
-        // Keep only finished shards whose files are still there, intact.
-        for s in old.shards {
-            let p = dir.join(&s.file);
-            if p.is_file() && sha256_path(&p)? == s.sha256 {
-                fresh.shards.push(s);
-            }
-        }
-    } else {
-        std::fs::create_dir_all(dir).map_err(|e| CaptureError::io(dir, e))?;
-    }
-    // Leftovers of a killed run are never valid shards.
-    if let Ok(rd) = std::fs::read_dir(dir) {
-        for e in rd.flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            if name.starts_with(".shard-") && name.contains(".tmp-") {
-                let _ = std::fs::remove_file(e.path());
-            }
-        }
-    }
+    prepare_dir(dir, opts.resume, &mut fresh)?;
     write_manifest(dir, &fresh)?;
     let todo: Vec<usize> = (0..shards_total)
         .filter(|s| s % n == i)
@@ -550,39 +574,4 @@ pub fn run(
     }
     summary.secs = t0.elapsed().as_secs_f64();
     Ok(summary)
-}
-
-/// Merges datasets made by `--shard i/n` runs of one config into `out` (files copied; the
-/// manifests must have equal fingerprints).
-pub fn merge(out: &Path, inputs: &[PathBuf]) -> Result<Manifest> {
-    let mut merged: Option<Manifest> = None;
-    std::fs::create_dir_all(out).map_err(|e| CaptureError::io(out, e))?;
-    for dir in inputs {
-        let m = read_manifest(dir)?;
-        if let Some(acc) = &merged
-            && acc.fingerprint() != m.fingerprint()
-        {
-            return Err(CaptureError::dataset(
-                dir.join("manifest.json"),
-                "was made with a different config or models than the first input",
-            ));
-        }
-        for s in &m.shards {
-            let (from, to) = (dir.join(&s.file), out.join(&s.file));
-            kakeya_weights::fsio::copy_file(&from, &to).map_err(|e| CaptureError::io(&to, e))?;
-        }
-        let acc = merged.get_or_insert_with(|| Manifest {
-            shards: Vec::new(),
-            ..m.clone()
-        });
-        for s in m.shards {
-            if !acc.shards.iter().any(|x| x.index == s.index) {
-                acc.shards.push(s);
-            }
-        }
-    }
-    let mut m = merged.ok_or_else(|| CaptureError::dataset(out, "nothing to merge"))?;
-    m.shards.sort_by_key(|s| s.index);
-    write_manifest(out, &m)?;
-    Ok(m)
 }

@@ -22,7 +22,14 @@ use std::collections::BTreeMap;
 use burn::tensor::{Device, Tensor, TensorData};
 use kakeya_weights::{FThetaConfig, HostTensor};
 
+use kakeya_capture::Dataset;
+use kakeya_weights::ftheta::FThetaInputs;
+
+use super::config::FThetaTrainConfig;
+use super::data::{self, DataInfo};
 use super::params::FThetaParams;
+use super::train::FEvent;
+use crate::error::{Result, TrainError};
 
 /// Means and centred cross-products of `(x, y)` observations.
 #[derive(Debug, Clone)]
@@ -423,6 +430,70 @@ pub fn params_from_fits(
         })
         .collect();
     FThetaParams::from_host(config, &mut tensors, device).expect("every tensor was fitted")
+}
+
+/// The least-squares start: one pass over the training sequences'
+/// drafter K/V and raw verifier K/V.
+pub(super) fn least_squares(
+    cfg: &FThetaTrainConfig,
+    info: &DataInfo,
+    ds: &Dataset,
+    f_theta: &FThetaConfig,
+    device: &Device,
+    on_event: &mut dyn FnMut(FEvent),
+) -> Result<FThetaParams> {
+    let raw_only = DataInfo {
+        attention: false,
+        ..info.clone()
+    };
+    let (inp, out) = (f_theta.in_dim(), f_theta.layer_widths().iter().sum());
+    let mut nk = Normal::new(inp, out, f_theta.bias);
+    let mut nv = Normal::new(inp, out, f_theta.bias);
+    let total = info.train.len();
+    for (i, &seq) in info.train.iter().enumerate() {
+        let s = raw_only.read(ds, seq)?;
+        let rows_of = |k: bool| -> Vec<&[f32]> {
+            s.layers
+                .iter()
+                .map(|l| if k { &l.k[..] } else { &l.v[..] })
+                .collect()
+        };
+        let (yk, yv) = (
+            data::side_by_side(&rows_of(true), s.len),
+            data::side_by_side(&rows_of(false), s.len),
+        );
+        match f_theta.inputs {
+            FThetaInputs::Own => {
+                nk.add(&s.dk, &yk, s.len, device);
+                nv.add(&s.dv, &yv, s.len, device);
+            }
+            FThetaInputs::Both => {
+                let x = data::side_by_side(&[&s.dk, &s.dv], s.len);
+                nk.add(&x, &yk, s.len, device);
+                nv.add(&x, &yv, s.len, device);
+            }
+        }
+        on_event(FEvent::Fitting { done: i + 1, total });
+    }
+    let singular = || {
+        TrainError::invalid(
+            &info.dir,
+            "the least-squares start is singular (constant drafter K/V?); set model.init_ridge > 0 or model.init = \"random\"",
+        )
+    };
+    let rank = f_theta.rank;
+    let kf = nk
+        .solve_rank(cfg.model.init_ridge, rank)
+        .ok_or_else(singular)?;
+    let vf = nv
+        .solve_rank(cfg.model.init_ridge, rank)
+        .ok_or_else(singular)?;
+    tracing::info!(
+        positions = nk.count(),
+        ridge = cfg.model.init_ridge,
+        "f_θ least-squares start fitted"
+    );
+    Ok(params_from_fits(f_theta.clone(), &kf, &vf, device))
 }
 
 #[cfg(test)]

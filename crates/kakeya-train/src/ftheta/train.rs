@@ -19,7 +19,7 @@ use crate::optim::{Moments, StepValues};
 use kakeya_capture::Dataset;
 use kakeya_models::GemmaModel;
 use kakeya_weights::FThetaConfig;
-use kakeya_weights::ftheta::{FTHETA_FORMAT, FTHETA_VERSION, FThetaInputs, ModelRef};
+use kakeya_weights::ftheta::{FTHETA_FORMAT, FTHETA_VERSION, ModelRef};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
@@ -27,7 +27,7 @@ use serde::{Deserialize, Serialize};
 use super::config::{FThetaInit, FThetaTrainConfig};
 use super::data::{self, DataInfo, SeqData};
 use super::loss::Diagnostics;
-use super::lstsq::{Normal, params_from_fits};
+use super::lstsq::least_squares;
 use super::params::FThetaParams;
 use super::step::{
     GroupFrozen, GroupLayout, Passes, Prepared, adamw, evaluate, frozen_groups, frozen_layers,
@@ -286,68 +286,30 @@ type Step = (usize, Vec<SeqData>, Prepared);
 /// What the reader sends: each step, in step order.
 type Batches = mpsc::Receiver<Result<Step>>;
 
-/// The least-squares start (see [`super::lstsq`]): one pass over the training sequences'
-/// drafter K/V and raw verifier K/V.
-fn least_squares(
-    cfg: &FThetaTrainConfig,
-    info: &DataInfo,
-    ds: &Dataset,
-    f_theta: &FThetaConfig,
-    device: &Device,
-    on_event: &mut dyn FnMut(FEvent),
-) -> Result<FThetaParams> {
-    let raw_only = DataInfo {
-        attention: false,
-        ..info.clone()
+/// `curves.png`: the training loss, and the held-out metric (the mean MSE-over-O² ratio of
+/// the attention losses, else the held-out loss).
+fn curves(evals: &[FEval], steps: &[crate::run::StepRecord], attention: bool) -> Vec<u8> {
+    let metric: Vec<(f64, f64)> = evals
+        .iter()
+        .map(|e| {
+            let v = if attention {
+                let n = e.per_layer.len().max(1) as f64;
+                e.per_layer.iter().map(|d| d.mse_o_ratio).sum::<f64>() / n
+            } else {
+                e.loss
+            };
+            (e.step as f64, v)
+        })
+        .collect();
+    let right = if attention {
+        "HELD-OUT MSEO/MEAN O2"
+    } else {
+        "HELD-OUT LOSS"
     };
-    let (inp, out) = (f_theta.in_dim(), f_theta.layer_widths().iter().sum());
-    let mut nk = Normal::new(inp, out, f_theta.bias);
-    let mut nv = Normal::new(inp, out, f_theta.bias);
-    let total = info.train.len();
-    for (i, &seq) in info.train.iter().enumerate() {
-        let s = raw_only.read(ds, seq)?;
-        let rows_of = |k: bool| -> Vec<&[f32]> {
-            s.layers
-                .iter()
-                .map(|l| if k { &l.k[..] } else { &l.v[..] })
-                .collect()
-        };
-        let (yk, yv) = (
-            data::side_by_side(&rows_of(true), s.len),
-            data::side_by_side(&rows_of(false), s.len),
-        );
-        match f_theta.inputs {
-            FThetaInputs::Own => {
-                nk.add(&s.dk, &yk, s.len, device);
-                nv.add(&s.dv, &yv, s.len, device);
-            }
-            FThetaInputs::Both => {
-                let x = data::side_by_side(&[&s.dk, &s.dv], s.len);
-                nk.add(&x, &yk, s.len, device);
-                nv.add(&x, &yv, s.len, device);
-            }
-        }
-        on_event(FEvent::Fitting { done: i + 1, total });
-    }
-    let singular = || {
-        TrainError::invalid(
-            &info.dir,
-            "the least-squares start is singular (constant drafter K/V?); set model.init_ridge > 0 or model.init = \"random\"",
-        )
-    };
-    let rank = f_theta.rank;
-    let kf = nk
-        .solve_rank(cfg.model.init_ridge, rank)
-        .ok_or_else(singular)?;
-    let vf = nv
-        .solve_rank(cfg.model.init_ridge, rank)
-        .ok_or_else(singular)?;
-    tracing::info!(
-        positions = nk.count(),
-        ridge = cfg.model.init_ridge,
-        "f_θ least-squares start fitted"
-    );
-    Ok(params_from_fits(f_theta.clone(), &kf, &vf, device))
+    plot::two_panels(
+        ("TRAIN LOSS", &plot::smoothed_loss(steps)),
+        (right, &metric),
+    )
 }
 
 /// Trains (or resumes) f_θ as `cfg` says, exports it, and writes `report.json` and
@@ -466,28 +428,7 @@ pub fn train_f_theta(
         export: cfg.output.export.clone(),
         replayed_steps,
     };
-    let metric: Vec<(f64, f64)> = st
-        .evals
-        .iter()
-        .map(|e| {
-            let v = if attention {
-                let n = e.per_layer.len().max(1) as f64;
-                e.per_layer.iter().map(|d| d.mse_o_ratio).sum::<f64>() / n
-            } else {
-                e.loss
-            };
-            (e.step as f64, v)
-        })
-        .collect();
-    let right = if attention {
-        "HELD-OUT MSEO/MEAN O2"
-    } else {
-        "HELD-OUT LOSS"
-    };
-    let png = plot::two_panels(
-        ("TRAIN LOSS", &plot::smoothed_loss(&st.steps)),
-        (right, &metric),
-    );
+    let png = curves(&st.evals, &st.steps, attention);
     run::write_outputs(out, &report, &png)?;
     Ok(report)
 }

@@ -73,53 +73,23 @@ pub(super) struct Beside {
 /// Most drafts a padded block beside other sequences holds.
 const PADDED_DRAFTS_MAX: usize = 7;
 
-/// One decode step of the sequences `group` (indices into `active`) in one stacked forward,
-/// where each speculative sequence that `beside` admits (`None`: none) verifies a block — its
-/// newest token, then the drafts its lookups offer whose chance of being committed is at
-/// least the threshold — and every other sequence takes a plain step; with, in the same forward, the next
-/// prompt chunk (of at most `chunk` tokens) of each sequence in `prefill` (not in `group`); at
-/// most `max_rows` rows in all (the drafts give way). Returns the rows run.
-pub(super) fn verify_group(
+/// Blocks of rows, and per block how many drafts were proposed (`None`: a plain step).
+type Blocks = (Vec<Vec<u32>>, Vec<Option<usize>>);
+
+/// Each sequence of `group`'s block: its newest token, then — for a sequence `beside` admits
+/// — the drafts its lookups offer (a padded length when `padded` is given, else those that
+/// pay, within `spare` rows in all). Returns the blocks, and per block how many drafts were
+/// proposed (`None`: a plain step).
+fn group_blocks(
     active: &mut [Seq<'_>],
     group: &[usize],
-    prefill: &[usize],
-    chunk: usize,
     beside: Option<Beside>,
-    max_rows: usize,
-    metrics: &Metrics,
-) -> Result<usize, RuntimeError> {
-    let prompt_chunks: Vec<Vec<u32>> = prefill
-        .iter()
-        .map(|&i| {
-            let s = &active[i];
-            let end = (s.prefilled + chunk).min(s.job.prompt.len());
-            s.job.prompt[s.prefilled..end].to_vec()
-        })
-        .collect();
-    let prompt_rows: usize = prompt_chunks.iter().map(Vec::len).sum();
-    let mut spare = max_rows.saturating_sub(group.len() + prompt_rows);
-    if group.len() + prefill.len() > 1 {
-        for &i in group {
-            active[i].beside_others();
-        }
-    }
-    // A sampled block's rows are drawn with their positions' uniforms (speculative sampling's
-    // rule).
-    let admits = |s: &Seq<'_>| {
-        s.dec.is_some()
-            && s.proposer.is_some()
-            && beside.is_some_and(|b| b.sampled || s.sampler.mode() == &Sampling::Greedy)
-    };
-    let verifying = group.iter().filter(|&&i| admits(&active[i])).count();
-    // Padded blocks: one length for every verifying sequence, the rows shared evenly.
-    let padded = beside.and_then(|b| b.rows).map(|rows| {
-        (rows.min(max_rows).saturating_sub(group.len() + prompt_rows) / verifying.max(1))
-            .min(PADDED_DRAFTS_MAX)
-    });
-    let mut blocks: Vec<Vec<u32>> = Vec::with_capacity(group.len() + prefill.len());
-    let mut verifies: Vec<Option<usize>> = Vec::with_capacity(group.len() + prefill.len());
+    (padded, mut spare): (Option<usize>, usize),
+) -> Result<Blocks, RuntimeError> {
+    let mut blocks: Vec<Vec<u32>> = Vec::with_capacity(group.len());
+    let mut verifies: Vec<Option<usize>> = Vec::with_capacity(group.len());
     for &i in group {
-        let admitted = admits(&active[i]);
+        let admitted = admits(&active[i], beside);
         let s = &mut active[i];
         let last = *s.tokens.last().expect("a decoding sequence has tokens");
         let ctx_room = (s.verifier.model().config.max_position_embeddings)
@@ -150,6 +120,96 @@ pub(super) fn verify_group(
         blocks.push(block);
         verifies.push(proposed);
     }
+    Ok((blocks, verifies))
+}
+
+/// Whether sequence `s` verifies drafts beside others: speculative, and greedy unless
+/// `beside` lets sampled sequences in (a sampled block's rows are drawn with their
+/// positions' uniforms, speculative sampling's rule).
+fn admits(s: &Seq<'_>, beside: Option<Beside>) -> bool {
+    s.dec.is_some()
+        && s.proposer.is_some()
+        && beside.is_some_and(|b| b.sampled || s.sampler.mode() == &Sampling::Greedy)
+}
+
+/// Takes each sequence's verified rows (in `order`, the first `n_group` decoding, the rest
+/// prompt chunks): a prompt chunk's scores end its prefill; a block commits its accepted
+/// drafts and the verifier's token; a plain step commits the token its sampler picks.
+fn commit_verified(
+    active: &mut [Seq<'_>],
+    (order, n_group): (&[usize], usize),
+    (blocks, verifies): (&[Vec<u32>], &[Option<usize>]),
+    verified: Vec<Verified>,
+    metrics: &Metrics,
+) -> Result<(), RuntimeError> {
+    for (k, (&i, v)) in order.iter().zip(verified).enumerate() {
+        let (s, block) = (&mut active[i], &blocks[k]);
+        if k >= n_group {
+            let Verified::Scores(l) = v else {
+                unreachable!("a prompt chunk gets its sampler's scores")
+            };
+            s.prefilled_to(s.prefilled + block.len(), &l);
+            continue;
+        }
+        s.batched_steps += 1;
+        let before = s.tokens.len();
+        match v {
+            Verified::Block(posterior) => {
+                let a = accept_greedy(&block[1..], &posterior);
+                metrics.drafts_beside(block.len() - 1, a);
+                let proposed = verifies[k].expect("a verified block was drafted");
+                s.commit_beside((&block[1..], proposed), &posterior)?;
+            }
+            Verified::Scores(l) => {
+                let tok = s.sampler.pick_scores(&l, s.verifier.len());
+                s.accept(tok);
+            }
+        }
+        metrics.committed(s.tokens.len() - before);
+    }
+    Ok(())
+}
+
+/// One decode step of the sequences `group` (indices into `active`) in one stacked forward,
+/// where each speculative sequence that `beside` admits (`None`: none) verifies a block — its
+/// newest token, then the drafts its lookups offer whose chance of being committed is at
+/// least the threshold — and every other sequence takes a plain step; with, in the same forward, the next
+/// prompt chunk (of at most `chunk` tokens) of each sequence in `prefill` (not in `group`); at
+/// most `max_rows` rows in all (the drafts give way). Returns the rows run.
+pub(super) fn verify_group(
+    active: &mut [Seq<'_>],
+    group: &[usize],
+    prefill: &[usize],
+    chunk: usize,
+    beside: Option<Beside>,
+    max_rows: usize,
+    metrics: &Metrics,
+) -> Result<usize, RuntimeError> {
+    let prompt_chunks: Vec<Vec<u32>> = prefill
+        .iter()
+        .map(|&i| {
+            let s = &active[i];
+            let end = (s.prefilled + chunk).min(s.job.prompt.len());
+            s.job.prompt[s.prefilled..end].to_vec()
+        })
+        .collect();
+    let prompt_rows: usize = prompt_chunks.iter().map(Vec::len).sum();
+    let spare = max_rows.saturating_sub(group.len() + prompt_rows);
+    if group.len() + prefill.len() > 1 {
+        for &i in group {
+            active[i].beside_others();
+        }
+    }
+    let verifying = group
+        .iter()
+        .filter(|&&i| admits(&active[i], beside))
+        .count();
+    // Padded blocks: one length for every verifying sequence, the rows shared evenly.
+    let padded = beside.and_then(|b| b.rows).map(|rows| {
+        (rows.min(max_rows).saturating_sub(group.len() + prompt_rows) / verifying.max(1))
+            .min(PADDED_DRAFTS_MAX)
+    });
+    let (mut blocks, mut verifies) = group_blocks(active, group, beside, (padded, spare))?;
     blocks.extend(prompt_chunks);
     verifies.extend(prefill.iter().map(|_| None));
     let order: Vec<usize> = group.iter().chain(prefill).copied().collect();
@@ -185,30 +245,12 @@ pub(super) fn verify_group(
     if !prefill.is_empty() {
         metrics.prompt_chunks(prefill.len());
     }
-    for (k, (&i, v)) in order.iter().zip(verified).enumerate() {
-        let (s, block) = (&mut active[i], &blocks[k]);
-        if k >= group.len() {
-            let Verified::Scores(l) = v else {
-                unreachable!("a prompt chunk gets its sampler's scores")
-            };
-            s.prefilled_to(s.prefilled + block.len(), &l);
-            continue;
-        }
-        s.batched_steps += 1;
-        let before = s.tokens.len();
-        match v {
-            Verified::Block(posterior) => {
-                let a = accept_greedy(&block[1..], &posterior);
-                metrics.drafts_beside(block.len() - 1, a);
-                let proposed = verifies[k].expect("a verified block was drafted");
-                s.commit_beside((&block[1..], proposed), &posterior)?;
-            }
-            Verified::Scores(l) => {
-                let tok = s.sampler.pick_scores(&l, s.verifier.len());
-                s.accept(tok);
-            }
-        }
-        metrics.committed(s.tokens.len() - before);
-    }
+    commit_verified(
+        active,
+        (&order, group.len()),
+        (&blocks, &verifies),
+        verified,
+        metrics,
+    )?;
     Ok(rows)
 }

@@ -69,6 +69,49 @@ pub fn default_target_layers(num_target_layers: usize, num_draft_layers: usize) 
         .collect()
 }
 
+/// Each drafter layer's attention window (`None`: full attention) from `layer_types` and
+/// `sliding_window`; all full when there are no `layer_types`.
+fn layer_windows(path: &Path, c: &Value, n_layers: usize) -> Result<Vec<Option<usize>>> {
+    Ok(match c.get("layer_types").and_then(Value::as_array) {
+        None => vec![None; n_layers],
+        Some(types) => {
+            let window = c
+                .get("sliding_window")
+                .and_then(Value::as_u64)
+                .filter(|&w| w > 0);
+            let mut out = Vec::with_capacity(types.len());
+            for t in types {
+                out.push(match (t.as_str(), window) {
+                    (Some("full_attention"), _) => None,
+                    (Some("sliding_attention"), Some(w)) => Some(w as usize),
+                    (Some("sliding_attention"), None) => {
+                        return Err(WeightsError::format(
+                            path,
+                            "layer_types has sliding layers but sliding_window is not a positive integer",
+                        ));
+                    }
+                    (other, _) => {
+                        return Err(WeightsError::format(
+                            path,
+                            format!("unknown drafter layer type {other:?} in layer_types"),
+                        ));
+                    }
+                });
+            }
+            if out.len() != n_layers {
+                return Err(WeightsError::format(
+                    path,
+                    format!(
+                        "layer_types has {} entries but num_hidden_layers is {n_layers}",
+                        out.len()
+                    ),
+                ));
+            }
+            out
+        }
+    })
+}
+
 impl DFlashConfig {
     /// Parses a drafter `config.json`.
     pub fn from_json(path: &Path, text: &str) -> Result<Self> {
@@ -92,44 +135,7 @@ impl DFlashConfig {
             ));
         }
         let n_layers = int("num_hidden_layers")?;
-        let layer_windows = match c.get("layer_types").and_then(Value::as_array) {
-            None => vec![None; n_layers],
-            Some(types) => {
-                let window = c
-                    .get("sliding_window")
-                    .and_then(Value::as_u64)
-                    .filter(|&w| w > 0);
-                let mut out = Vec::with_capacity(types.len());
-                for t in types {
-                    out.push(match (t.as_str(), window) {
-                        (Some("full_attention"), _) => None,
-                        (Some("sliding_attention"), Some(w)) => Some(w as usize),
-                        (Some("sliding_attention"), None) => {
-                            return Err(WeightsError::format(
-                                path,
-                                "layer_types has sliding layers but sliding_window is not a positive integer",
-                            ));
-                        }
-                        (other, _) => {
-                            return Err(WeightsError::format(
-                                path,
-                                format!("unknown drafter layer type {other:?} in layer_types"),
-                            ));
-                        }
-                    });
-                }
-                if out.len() != n_layers {
-                    return Err(WeightsError::format(
-                        path,
-                        format!(
-                            "layer_types has {} entries but num_hidden_layers is {n_layers}",
-                            out.len()
-                        ),
-                    ));
-                }
-                out
-            }
-        };
+        let layer_windows = layer_windows(path, &c, n_layers)?;
         if let Some(kind) = c
             .get("rope_scaling")
             .filter(|v| !v.is_null())

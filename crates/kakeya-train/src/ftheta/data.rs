@@ -89,6 +89,54 @@ fn short(s: &str) -> &str {
     &s[..s.len().min(12)]
 }
 
+/// Checks that the manifest `m` lists every column the loss reads: the drafter's K/V, each
+/// verifier layer's raw K/V, and with `attention` its raw queries and attention outputs.
+fn check_columns(
+    dir: &std::path::Path,
+    m: &kakeya_capture::Manifest,
+    layers: usize,
+    attention: bool,
+) -> Result<()> {
+    let mut need: Vec<String> = Vec::new();
+    for &l in &m.drafter_layers {
+        need.push(drafter_column(l, true));
+        need.push(drafter_column(l, false));
+    }
+    for l in 0..layers {
+        need.push(verifier_column(l, VerifierTensor::KRaw));
+        need.push(verifier_column(l, VerifierTensor::VRaw));
+        if attention {
+            need.push(verifier_column(l, VerifierTensor::QRaw));
+            need.push(verifier_column(l, VerifierTensor::AttnOut));
+        }
+    }
+    let missing: Vec<&String> = need
+        .iter()
+        .filter(|n| !m.columns.iter().any(|c| &c.name == *n))
+        .collect();
+    if !missing.is_empty() {
+        let shown: Vec<&String> = missing.iter().copied().take(6).collect();
+        return Err(TrainError::invalid(
+            dir,
+            format!(
+                "the dataset lacks {} column(s) the loss needs ({shown:?}{}); recapture with tensors.verifier = [{}], verifier_layers = \"all\"",
+                missing.len(),
+                if missing.len() > shown.len() {
+                    ", …"
+                } else {
+                    ""
+                },
+                if attention {
+                    "\"q_raw\", \"k_raw\", \"v_raw\", \"attn_out\""
+                } else {
+                    "\"k_raw\", \"v_raw\""
+                }
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Checks, before anything is trained, that the dataset was captured with this verifier and
 /// drafter and holds every column the loss needs; then splits its sequences.
 pub fn check(
@@ -135,43 +183,7 @@ pub fn check(
             "the dataset has no drafter K/V columns; recapture with tensors.drafter_kv = true",
         ));
     }
-    let mut need: Vec<String> = Vec::new();
-    for &l in &m.drafter_layers {
-        need.push(drafter_column(l, true));
-        need.push(drafter_column(l, false));
-    }
-    for l in 0..layers {
-        need.push(verifier_column(l, VerifierTensor::KRaw));
-        need.push(verifier_column(l, VerifierTensor::VRaw));
-        if attention {
-            need.push(verifier_column(l, VerifierTensor::QRaw));
-            need.push(verifier_column(l, VerifierTensor::AttnOut));
-        }
-    }
-    let missing: Vec<&String> = need
-        .iter()
-        .filter(|n| !m.columns.iter().any(|c| &c.name == *n))
-        .collect();
-    if !missing.is_empty() {
-        let shown: Vec<&String> = missing.iter().copied().take(6).collect();
-        return Err(TrainError::invalid(
-            &dir,
-            format!(
-                "the dataset lacks {} column(s) the loss needs ({shown:?}{}); recapture with tensors.verifier = [{}], verifier_layers = \"all\"",
-                missing.len(),
-                if missing.len() > shown.len() {
-                    ", …"
-                } else {
-                    ""
-                },
-                if attention {
-                    "\"q_raw\", \"k_raw\", \"v_raw\", \"attn_out\""
-                } else {
-                    "\"k_raw\", \"v_raw\""
-                }
-            ),
-        ));
-    }
+    check_columns(&dir, m, layers, attention)?;
     let dim = |name: &str| {
         m.columns
             .iter()

@@ -6,7 +6,8 @@ const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 /// `g ← gelu_tanh(g) · u` elementwise over host rows (Gemma's gated MLP on the CPU): GELU's
 /// tanh approximation `0.5·g·(1 + tanh(t))`, `t = √(2/π)·(g + 0.044715·g³)`, computed as
 /// `g·σ(2t)` (the same function), with `e^x` from [`exp`] so that the loop vectorises
-/// (libm's `expf` is one call per element). Elementwise, so a row's values never depend on the other rows.
+/// (libm's `expf` is one call per element). Elementwise, so a row's values never depend on
+/// the other rows.
 pub fn gelu_tanh_mul(g: &mut [f32], u: &[f32]) {
     assert_eq!(
         g.len(),

@@ -28,6 +28,6 @@ pub use session::{KvSetup, Session, Verified, Want};
 pub use speculative::{
     CombinedProposer, CostLine, Costs, DFlashProposer, DraftKind, DraftSource, NgramProposer,
     NgramTable, Proposer, ReplayProposer, Schedule, SpecConfig, SpecDecoder, SpecStats, TreeDrafts,
-    Verifier, accept_greedy, speculative_generate, speculative_generate_tree,
+    Verifier, accepted_count, speculative_generate, speculative_generate_tree,
 };
 pub use stream::TextStream;

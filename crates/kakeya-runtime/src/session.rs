@@ -249,8 +249,9 @@ impl<'m> Session<'m> {
     /// Stops keeping the drafter's compact store: frees it, with the hidden states waiting for
     /// their rows, and later forwards take no hidden states at the drafter's target layers for
     /// this sequence. For a sequence that will not draft with the drafter — a server's
-    /// sequence decoding beside others, whose drafts come from lookups — that work is waste. Returns whether a store was released:
-    /// false when there is none, or when the KV mode's restoration reads it (kept).
+    /// sequence decoding in a batch, whose drafts come from lookups — that work is waste.
+    /// Returns whether a store was released: false when there is none, or when the KV mode's
+    /// restoration reads it (kept).
     pub fn release_store(&mut self) -> bool {
         if self.policy.mode.restores() || self.kv.store().is_none() {
             return false;

@@ -67,8 +67,8 @@ struct Inner {
     committed_per_forward: Histogram,
     batch_rows: Histogram,
     prompt_chunks: Histogram,
-    drafts_beside: u64,
-    drafts_beside_accepted: u64,
+    drafts_in_batch: u64,
+    drafts_in_batch_accepted: u64,
     kv_bytes: usize,
     queue_depth: usize,
     running: usize,
@@ -100,8 +100,8 @@ impl Default for Metrics {
                 committed_per_forward: Histogram::new(COMMITTED),
                 batch_rows: Histogram::new(COMMITTED),
                 prompt_chunks: Histogram::new(COMMITTED),
-                drafts_beside: 0,
-                drafts_beside_accepted: 0,
+                drafts_in_batch: 0,
+                drafts_in_batch_accepted: 0,
                 kv_bytes: 0,
                 queue_depth: 0,
                 running: 0,
@@ -168,10 +168,10 @@ impl Metrics {
 
     /// A block verified beside other sequences in a batched decode forward: `drafted` draft
     /// rows, `accepted` of them accepted.
-    pub fn drafts_beside(&self, drafted: usize, accepted: usize) {
+    pub fn drafts_in_batch(&self, drafted: usize, accepted: usize) {
         self.with(|m| {
-            m.drafts_beside += drafted as u64;
-            m.drafts_beside_accepted += accepted as u64;
+            m.drafts_in_batch += drafted as u64;
+            m.drafts_in_batch_accepted += accepted as u64;
         });
     }
 
@@ -255,12 +255,12 @@ impl Metrics {
                 (
                     "kakeya_batched_drafts_total",
                     "Draft tokens verified beside other sequences' steps in batched decode forwards.",
-                    m.drafts_beside,
+                    m.drafts_in_batch,
                 ),
                 (
                     "kakeya_batched_drafts_accepted_total",
                     "Of those, the drafts accepted.",
-                    m.drafts_beside_accepted,
+                    m.drafts_in_batch_accepted,
                 ),
                 (
                     "kakeya_prefix_cache_hits_total",

@@ -85,7 +85,7 @@ impl<'m> Session<'m> {
                         let rows = logits_row(out.logits.expect("asked for logits"));
                         let vocab = s.model.config.vocab_size;
                         let first = s.len - block.len() + 1;
-                        crate::speculative::sampled_posterior(&rows, vocab, first, sampler)
+                        crate::speculative::sampled_choices(&rows, vocab, first, sampler)
                     }
                 }),
             });

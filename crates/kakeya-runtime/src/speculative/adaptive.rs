@@ -289,7 +289,7 @@ impl BlockSchedule {
     /// `source` whose every one is expected to be committed that often. Drafts that need a
     /// forward of their own (a model drafter's) are not run beside others, whatever the
     /// schedule: a plain step, as with nothing to draft from.
-    pub fn next_len_beside(&mut self, source: DraftSource, threshold: f64) -> usize {
+    pub fn next_len_in_batch(&mut self, source: DraftSource, threshold: f64) -> usize {
         if matches!(source, DraftSource::Model | DraftSource::Nothing) {
             self.current = (source.index(), false);
             return 1;
@@ -373,15 +373,15 @@ impl BlockSchedule {
     }
 
     /// A block beside other sequences of a length the batch fixed, drafted from `source`:
-    /// what [`Self::record_beside`] then credits (no length is chosen, nothing probed).
-    pub fn fixed_beside(&mut self, source: DraftSource) {
+    /// what [`Self::record_in_batch`] then credits (no length is chosen, nothing probed).
+    pub fn fixed_in_batch(&mut self, source: DraftSource) {
         self.current = (source.index(), false);
     }
 
-    /// Records the block [`Self::next_len_beside`] chose: `drafted` drafts, `accepted` of
+    /// Records the block [`Self::next_len_in_batch`] chose: `drafted` drafts, `accepted` of
     /// them. Its seconds were the batch's, not this sequence's, and are not recorded; a
     /// probe wins when its draft was accepted.
-    pub fn record_beside(&mut self, drafted: usize, accepted: usize) {
+    pub fn record_in_batch(&mut self, drafted: usize, accepted: usize) {
         let won = drafted > 0 && accepted == drafted;
         self.outcome(drafted + 1, (drafted, accepted), won);
     }

@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use super::accept_greedy;
+use super::accepted_count;
 use super::adaptive::{BlockSchedule, DraftSource, Schedule, ScheduleStats};
 use super::proposer::Proposer;
 use super::tree::DraftTree;
@@ -203,13 +203,13 @@ impl SpecDecoder {
         block.push(last);
         block.extend(&drafts);
         let tv = Instant::now();
-        let posterior = verifier.verify_sampled(&block, &self.sampler)?;
-        let a = accept_greedy(&drafts, &posterior);
+        let choices = verifier.verify_sampled(&block, &self.sampler)?;
+        let a = accepted_count(&drafts, &choices);
         verifier.rollback(pos + a + 1)?;
         let verify_secs = tv.elapsed().as_secs_f64();
         let rows = drafts.len() + 1;
         self.account(rows, (drafts.len(), a), (draft_secs, verify_secs));
-        Ok(self.commit(&drafts, &posterior, a, tokens, sink))
+        Ok(self.commit(&drafts, &choices, a, tokens, sink))
     }
 
     /// The length of the next block drafted by `source`: the schedule's, within the `room`
@@ -280,15 +280,15 @@ impl SpecDecoder {
         };
         let draft_secs = td.elapsed().as_secs_f64();
         let tv = Instant::now();
-        let posterior = verifier.verify_tree(&tree, &self.sampler)?;
-        let path = tree.accepted_path(&posterior);
+        let choices = verifier.verify_tree(&tree, &self.sampler)?;
+        let path = tree.accepted_path(&choices);
         verifier.keep_path(&path)?;
         let verify_secs = tv.elapsed().as_secs_f64();
         let a = path.len() - 1;
         let committed: Vec<u32> = path[1..]
             .iter()
             .map(|&i| tree.nodes()[i].token)
-            .chain([posterior[path[a]]])
+            .chain([choices[path[a]]])
             .collect();
         drafts.observe(&tree, &committed);
         let drafted = tree.len() - 1;
@@ -301,11 +301,11 @@ impl SpecDecoder {
     /// Drafts for a block whose rows are verified beside other sequences' in one stacked
     /// forward (a server's batch), after `tokens` (its newest not yet in the caches), at most
     /// `room − 1` of them: as many as the schedule expects each to be committed with chance
-    /// at least `threshold` ([`BlockSchedule::next_len_beside`]). None where the drafts
+    /// at least `threshold` ([`BlockSchedule::next_len_in_batch`]). None where the drafts
     /// would need a forward of their own (a model drafter). Verify `[newest, drafts...]` with
     /// the batch (`Want::Block` with this decoder's sampler), then call
-    /// [`Self::commit_beside`].
-    pub fn drafts_beside(
+    /// [`Self::commit_in_batch`].
+    pub fn drafts_in_batch(
         &mut self,
         proposer: &mut dyn Proposer,
         tokens: &[u32],
@@ -315,7 +315,7 @@ impl SpecDecoder {
         let source = proposer.source(tokens);
         let b = self
             .schedule
-            .next_len_beside(source, threshold)
+            .next_len_in_batch(source, threshold)
             .min(room)
             .max(1);
         if b == 1 {
@@ -334,15 +334,15 @@ impl SpecDecoder {
     /// proposer's lookups (at most `k`; none where it would need the drafter's forward), then
     /// the last of them — or `tokens`' newest — repeated. The filler rows cost the recorded
     /// forward nothing more and are committed only where right. Returns the drafts and how
-    /// many the proposer made (what [`Self::commit_beside`] credits the schedule with).
-    pub fn padded_drafts_beside(
+    /// many the proposer made (what [`Self::commit_in_batch`] credits the schedule with).
+    pub fn padded_drafts_in_batch(
         &mut self,
         proposer: &mut dyn Proposer,
         tokens: &[u32],
         k: usize,
     ) -> Result<(Vec<u32>, usize)> {
         let source = proposer.source(tokens);
-        self.schedule.fixed_beside(source);
+        self.schedule.fixed_in_batch(source);
         // No longer than the schedule's blocks: the verifier rolls back at most that far.
         let k = k.min(self.schedule.max() - 1);
         if k == 0 {
@@ -362,31 +362,31 @@ impl SpecDecoder {
         Ok((drafts, proposed))
     }
 
-    /// Commits a block from [`Self::drafts_beside`] (`proposed` = its drafts) or
-    /// [`Self::padded_drafts_beside`] that the batch verified: `posterior` holds the sampler's
+    /// Commits a block from [`Self::drafts_in_batch`] (`proposed` = its drafts) or
+    /// [`Self::padded_drafts_in_batch`] that the batch verified: `choices` holds the sampler's
     /// choice after each of its rows (greedy, or drawn). Rolls the verifier back past the
     /// rejected drafts and appends the committed tokens to `tokens`, offering them to `sink`;
     /// `Some(reason)` when generation stops. The schedule's evidence counts the `proposed`
     /// drafts alone, not the filler after them.
-    pub fn commit_beside(
+    pub fn commit_in_batch(
         &mut self,
         verifier: &mut Verifier<'_>,
         (drafts, proposed): (&[u32], usize),
-        posterior: &[u32],
+        choices: &[u32],
         tokens: &mut Vec<u32>,
         sink: &mut TokenSink<'_>,
     ) -> Result<Option<StopReason>> {
-        if posterior.len() != drafts.len() + 1 || proposed > drafts.len() {
+        if choices.len() != drafts.len() + 1 || proposed > drafts.len() {
             return Err(RuntimeError::Input(format!(
                 "{} choices for a block of {} drafts ({proposed} proposed)",
-                posterior.len(),
+                choices.len(),
                 drafts.len()
             )));
         }
-        let a = accept_greedy(drafts, posterior);
+        let a = accepted_count(drafts, choices);
         verifier.rollback(verifier.len() - drafts.len() + a)?;
-        self.schedule.record_beside(proposed, a.min(proposed));
-        Ok(self.commit(drafts, posterior, a, tokens, sink))
+        self.schedule.record_in_batch(proposed, a.min(proposed));
+        Ok(self.commit(drafts, choices, a, tokens, sink))
     }
 
     /// The stats of a verified chain block whose first `a` drafts were accepted, and its
@@ -394,13 +394,13 @@ impl SpecDecoder {
     fn commit(
         &mut self,
         drafts: &[u32],
-        posterior: &[u32],
+        choices: &[u32],
         a: usize,
         tokens: &mut Vec<u32>,
         sink: &mut TokenSink<'_>,
     ) -> Option<StopReason> {
         self.tally(drafts.len(), drafts.len(), a);
-        let committed: Vec<u32> = drafts[..a].iter().chain([&posterior[a]]).copied().collect();
+        let committed: Vec<u32> = drafts[..a].iter().chain([&choices[a]]).copied().collect();
         self.emit(&committed, tokens, sink)
     }
 
@@ -458,7 +458,7 @@ impl SpecDecoder {
 
 /// Generates from `prompt` with speculation: the output is token-for-token what
 /// [`crate::generate`] produces for the same verifier and `cfg`, greedy or sampled (the
-/// sampled rule is [`sampled_posterior`]: speculative sampling with position-keyed draws).
+/// sampled rule is [`sampled_choices`]: speculative sampling with position-keyed draws).
 pub fn speculative_generate(
     verifier: &mut Verifier<'_>,
     proposer: &mut dyn Proposer,

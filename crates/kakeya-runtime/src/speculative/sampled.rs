@@ -15,8 +15,8 @@ use crate::sampler::Sampler;
 
 /// The verifier's token after each block row: row `i` of `rows` (`B × vocab` logits) predicts
 /// position `first + i`. Greedy sampling gives the arg-max. The block's accepted length is
-/// then [`super::accept_greedy`] of the drafts against these tokens.
-pub fn sampled_posterior(rows: &[f32], vocab: usize, first: usize, sampler: &Sampler) -> Vec<u32> {
+/// then [`super::accepted_count`] of the drafts against these tokens.
+pub fn sampled_choices(rows: &[f32], vocab: usize, first: usize, sampler: &Sampler) -> Vec<u32> {
     rows.chunks_exact(vocab)
         .enumerate()
         .map(|(i, row)| sampler.pick(row, first + i))
@@ -27,7 +27,7 @@ pub fn sampled_posterior(rows: &[f32], vocab: usize, first: usize, sampler: &Sam
 mod tests {
     use super::*;
     use crate::sampler::Sampling;
-    use crate::speculative::accept_greedy;
+    use crate::speculative::accepted_count;
 
     #[test]
     fn acceptance_has_probability_p_of_the_draft_and_commits_p() {
@@ -44,8 +44,8 @@ mod tests {
         let n = 60_000;
         let (mut h, mut accepted) = ([0usize; 3], 0);
         for k in 0..n {
-            let post = sampled_posterior(&rows, 3, 2 * k, &s);
-            let a = accept_greedy(&[1], &post);
+            let post = sampled_choices(&rows, 3, 2 * k, &s);
+            let a = accepted_count(&[1], &post);
             accepted += a;
             h[if a == 1 { 1 } else { post[0] as usize }] += 1;
         }
@@ -62,6 +62,6 @@ mod tests {
     fn greedy_gives_the_arg_max_rows() {
         let rows = [0.0f32, 2.0, 1.0, 3.0, 0.0, 1.0];
         let s = Sampler::new(Sampling::Greedy);
-        assert_eq!(sampled_posterior(&rows, 3, 9, &s), vec![1, 0]);
+        assert_eq!(sampled_choices(&rows, 3, 9, &s), vec![1, 0]);
     }
 }

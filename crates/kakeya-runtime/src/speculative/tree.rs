@@ -273,12 +273,12 @@ impl DraftTree {
     }
 
     /// The nodes greedy verification keeps when the verifier's token after node `i` is
-    /// `posterior[i]`: from the root, the child holding the verifier's token while there is
+    /// `choices[i]`: from the root, the child holding the verifier's token while there is
     /// one. The block commits their tokens after the root, then the verifier's token after
     /// the last of them.
-    pub fn accepted_path(&self, posterior: &[u32]) -> Vec<usize> {
+    pub fn accepted_path(&self, choices: &[u32]) -> Vec<usize> {
         let mut path = vec![0];
-        while let Some(next) = posterior
+        while let Some(next) = choices
             .get(path[path.len() - 1])
             .and_then(|&t| self.child(path[path.len() - 1], t))
         {

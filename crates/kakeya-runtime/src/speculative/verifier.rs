@@ -7,7 +7,7 @@ use crate::error::{Result, RuntimeError};
 use crate::kv::{CompactStore, KvBytes};
 use crate::sampler::Sampler;
 use crate::session::{KvSetup, Session, logits_row};
-use crate::speculative::sampled::sampled_posterior;
+use crate::speculative::sampled::sampled_choices;
 use crate::speculative::tree::DraftTree;
 
 /// The target model of one sequence, with rollback-capable caches.
@@ -90,7 +90,7 @@ impl<'m> Verifier<'m> {
     /// [`Self::rollback`].
     ///
     /// # Shapes
-    /// - `block`: `B` ids → posterior `B` ids
+    /// - `block`: `B` ids → choices `B` ids
     pub fn verify(&mut self, block: &[u32]) -> Result<Vec<u32>> {
         if block.is_empty() {
             return Err(RuntimeError::Input("empty block".into()));
@@ -102,10 +102,10 @@ impl<'m> Verifier<'m> {
     /// Runs a block like [`Self::verify`] and returns the token `sampler` draws after each
     /// row (row `i` predicts the position after it, with that position's uniform): drawn on
     /// a GPU by the forward ([`Logits::DrawAll`]), else from the rows copied to the host
-    /// ([`sampled_posterior`]). Greedy: [`Self::verify`].
+    /// ([`sampled_choices`]). Greedy: [`Self::verify`].
     ///
     /// # Shapes
-    /// - `block`: `B` ids → posterior `B` ids
+    /// - `block`: `B` ids → choices `B` ids
     pub fn verify_sampled(&mut self, block: &[u32], sampler: &Sampler) -> Result<Vec<u32>> {
         let Some(draw) = sampler.draw() else {
             return self.verify(block);
@@ -121,7 +121,7 @@ impl<'m> Verifier<'m> {
         }
         let rows = logits_row(out.logits.expect("asked for logits"));
         let vocab = self.model().config.vocab_size;
-        Ok(sampled_posterior(&rows, vocab, first, sampler))
+        Ok(sampled_choices(&rows, vocab, first, sampler))
     }
 
     /// Runs `tree` (its root the last committed token) at the next positions in one forward
@@ -131,7 +131,7 @@ impl<'m> Verifier<'m> {
     /// the caches until [`Self::keep_path`]. On the CPU.
     ///
     /// # Shapes
-    /// - `tree`: `T` nodes → posterior `T` ids
+    /// - `tree`: `T` nodes → choices `T` ids
     pub fn verify_tree(&mut self, tree: &DraftTree, sampler: &Sampler) -> Result<Vec<u32>> {
         let rows = tree.rows()?;
         let tokens: Vec<u32> = tree.nodes().iter().map(|n| n.token).collect();

@@ -3,7 +3,7 @@
 
 use kakeya_models::GemmaModel;
 use kakeya_models::linear::QUANT_MAX_ROWS;
-use kakeya_runtime::{RuntimeError, Sampler, Sampling, Session, Verified, Want, accept_greedy};
+use kakeya_runtime::{RuntimeError, Sampler, Sampling, Session, Verified, Want, accepted_count};
 
 use super::seq::Seq;
 use crate::metrics::Metrics;
@@ -99,14 +99,14 @@ fn group_blocks(
             (Some(dec), Some(proposer), Some(b)) if admitted => {
                 let (drafts, proposed) = match padded {
                     Some(k) => {
-                        dec.padded_drafts_beside(proposer.as_mut(), &s.tokens, k.min(ctx_room))?
+                        dec.padded_drafts_in_batch(proposer.as_mut(), &s.tokens, k.min(ctx_room))?
                     }
                     None => {
                         let room = 1 + spare
                             .min(s.sink.remaining().saturating_sub(1))
                             .min(ctx_room);
                         let d =
-                            dec.drafts_beside(proposer.as_mut(), &s.tokens, room, b.threshold)?;
+                            dec.drafts_in_batch(proposer.as_mut(), &s.tokens, room, b.threshold)?;
                         let n = d.len();
                         (d, n)
                     }
@@ -154,11 +154,11 @@ fn commit_verified(
         s.batched_steps += 1;
         let before = s.tokens.len();
         match v {
-            Verified::Block(posterior) => {
-                let a = accept_greedy(&block[1..], &posterior);
-                metrics.drafts_beside(block.len() - 1, a);
+            Verified::Block(choices) => {
+                let a = accepted_count(&block[1..], &choices);
+                metrics.drafts_in_batch(block.len() - 1, a);
                 let proposed = verifies[k].expect("a verified block was drafted");
-                s.commit_beside((&block[1..], proposed), &posterior)?;
+                s.commit_in_batch((&block[1..], proposed), &choices)?;
             }
             Verified::Scores(l) => {
                 let tok = s.sampler.pick_scores(&l, s.verifier.len());
@@ -197,7 +197,7 @@ pub(super) fn verify_group(
     let spare = max_rows.saturating_sub(group.len() + prompt_rows);
     if group.len() + prefill.len() > 1 {
         for &i in group {
-            active[i].beside_others();
+            active[i].join_batch();
         }
     }
     let verifying = group

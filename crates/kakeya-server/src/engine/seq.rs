@@ -112,7 +112,7 @@ impl<'m> Seq<'m> {
     /// on (the drafter's drafts need a forward of their own, taken only alone), so it stops
     /// keeping the drafter's compact store ([`kakeya_runtime::Session::release_store`]; kept
     /// where the KV mode reads it).
-    pub(super) fn beside_others(&mut self) {
+    pub(super) fn join_batch(&mut self) {
         self.verifier.session_mut().release_store();
         self.match_proposer_to_store();
     }
@@ -181,20 +181,20 @@ impl<'m> Seq<'m> {
     }
 
     /// Commits a block the batch verified beside other sequences' rows
-    /// ([`SpecDecoder::commit_beside`]): `drafts` after the newest token (and how many of
-    /// them the proposer made, the rest filler), `posterior` the choice after each row.
-    pub(super) fn commit_beside(
+    /// ([`SpecDecoder::commit_in_batch`]): `drafts` after the newest token (and how many of
+    /// them the proposer made, the rest filler), `choices` the choice after each row.
+    pub(super) fn commit_in_batch(
         &mut self,
         drafts: (&[u32], usize),
-        posterior: &[u32],
+        choices: &[u32],
     ) -> Result<(), RuntimeError> {
         let Some(dec) = self.dec.as_mut() else {
             return Err(RuntimeError::Input("no speculation configured".into()));
         };
-        self.stop = dec.commit_beside(
+        self.stop = dec.commit_in_batch(
             &mut self.verifier,
             drafts,
-            posterior,
+            choices,
             &mut self.tokens,
             &mut self.sink,
         )?;

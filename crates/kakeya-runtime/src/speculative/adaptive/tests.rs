@@ -163,35 +163,35 @@ fn beside_others_drafts_only_what_is_committed_often_enough() {
     // Slot k (0-based) accepted with chance 0.9 for k < 3, then never.
     let mut s = BlockSchedule::new(Schedule::Adaptive, 8);
     for _ in 0..400 {
-        let b = s.next_len_beside(src, 0.3);
+        let b = s.next_len_in_batch(src, 0.3);
         let a = (0..b - 1).take_while(|&k| k < 3).count();
-        s.record_beside(b - 1, a);
+        s.record_in_batch(b - 1, a);
     }
     // Reach after 1, 2, 3 slots ≈ 0.988 (the decayed evidence, 20 tries, and the prior's half
     // a try at ½), then ≈ 0.
-    assert_eq!(s.next_len_beside(src, 0.3), 4);
-    assert_eq!(s.next_len_beside(src, 0.98), 4);
-    assert_eq!(s.next_len_beside(src, 0.995), 1);
+    assert_eq!(s.next_len_in_batch(src, 0.3), 4);
+    assert_eq!(s.next_len_in_batch(src, 0.98), 4);
+    assert_eq!(s.next_len_in_batch(src, 0.995), 1);
     assert!(s.expected_tokens(src, 5) < 4.2);
     // A source with no evidence: tried at a low threshold (its warm-up block), not at a high one.
     let mut fresh = BlockSchedule::new(Schedule::Adaptive, 8);
-    assert_eq!(fresh.next_len_beside(DraftSource::Table(1), 0.7), 1);
+    assert_eq!(fresh.next_len_in_batch(DraftSource::Table(1), 0.7), 1);
     for _ in 0..200 {
         assert_eq!(
-            fresh.next_len_beside(DraftSource::Table(1), 0.7),
+            fresh.next_len_in_batch(DraftSource::Table(1), 0.7),
             1,
             "no probes"
         );
-        fresh.record_beside(0, 0);
+        fresh.record_in_batch(0, 0);
     }
     assert_eq!(fresh.stats().probes, 0);
-    assert_eq!(fresh.next_len_beside(DraftSource::Table(1), 0.3), 2);
+    assert_eq!(fresh.next_len_in_batch(DraftSource::Table(1), 0.3), 2);
     // Nothing to draft from, or a drafter that needs a forward: plain steps.
-    assert_eq!(fresh.next_len_beside(DraftSource::Nothing, 0.0), 1);
-    assert_eq!(fresh.next_len_beside(DraftSource::Model, 0.0), 1);
+    assert_eq!(fresh.next_len_in_batch(DraftSource::Nothing, 0.0), 1);
+    assert_eq!(fresh.next_len_in_batch(DraftSource::Model, 0.0), 1);
     // A fixed schedule drafts its length from lookups, and nothing without one.
     let mut fixed = BlockSchedule::new(Schedule::Fixed, 8);
-    assert_eq!(fixed.next_len_beside(src, 0.99), 8);
-    assert_eq!(fixed.next_len_beside(DraftSource::Nothing, 0.0), 1);
-    assert_eq!(fixed.next_len_beside(DraftSource::Model, 0.0), 1);
+    assert_eq!(fixed.next_len_in_batch(src, 0.99), 8);
+    assert_eq!(fixed.next_len_in_batch(DraftSource::Nothing, 0.0), 1);
+    assert_eq!(fixed.next_len_in_batch(DraftSource::Model, 0.0), 1);
 }

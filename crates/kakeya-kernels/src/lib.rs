@@ -11,8 +11,8 @@
 //!   codes back to values); [`activation`] (the gated GELU over host rows).
 //!
 //! Every `unsafe` site in this crate is a SIMD routine called after a run-time CPU-feature
-//! check, or a pointer read inside bounds checked by its caller; each carries a `SAFETY:`
-//! comment saying which (enforced by `clippy::undocumented_unsafe_blocks`). The other crates
+//! check, a pointer read inside bounds checked by its caller, or parallel tasks' disjoint
+//! writes into one output; each carries a `SAFETY:` comment saying which (enforced by `clippy::undocumented_unsafe_blocks`). The other crates
 //! deny `unsafe` for their CPU code.
 #![allow(unsafe_code)]
 #![deny(clippy::undocumented_unsafe_blocks)]

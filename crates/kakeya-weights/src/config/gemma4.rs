@@ -53,10 +53,8 @@ pub struct Gemma4Extras {
 /// support.
 pub(super) fn parse(path: &Path, c: &Value, layer_types: &[AttentionKind]) -> Result<Gemma4Extras> {
     let bad = |msg: String| WeightsError::format(path, msg);
-    let int = |k: &str| c.get(k).and_then(Value::as_u64).map(|v| v as usize);
-    let flag = |k: &str| c.get(k).and_then(Value::as_bool).unwrap_or(false);
     check_supported(c).map_err(bad)?;
-    let k_eq_v = flag("attention_k_eq_v");
+    let k_eq_v = flag(c, "attention_k_eq_v");
     let (global_head_dim, global_kv_heads) = full_geometry(c, layer_types, k_eq_v).map_err(bad)?;
     for (what, v) in [
         ("global_head_dim", global_head_dim),
@@ -66,18 +64,18 @@ pub(super) fn parse(path: &Path, c: &Value, layer_types: &[AttentionKind]) -> Re
             return Err(bad(format!("{what} must be positive")));
         }
     }
-    let ple = int("hidden_size_per_layer_input").unwrap_or(256);
+    let ple = int(c, "hidden_size_per_layer_input").unwrap_or(256);
     Ok(Gemma4Extras {
         global_head_dim,
         global_kv_heads,
         global_partial_rotary: global_partial_rotary(c).map_err(bad)?,
         attention_k_eq_v: k_eq_v,
         num_kv_shared_layers: shared_layers(c, layer_types).map_err(bad)?,
-        double_wide_mlp: flag("use_double_wide_mlp"),
+        double_wide_mlp: flag(c, "use_double_wide_mlp"),
         per_layer_input_size: ple,
         // Meaningless without per-layer inputs: 0 then, as from a GGUF file.
         per_layer_vocab: if ple > 0 {
-            int("vocab_size_per_layer_input").unwrap_or(262_144)
+            int(c, "vocab_size_per_layer_input").unwrap_or(262_144)
         } else {
             0
         },
@@ -89,10 +87,15 @@ fn int(c: &Value, k: &str) -> Option<usize> {
     c.get(k).and_then(Value::as_u64).map(|v| v as usize)
 }
 
+/// A boolean key (absent: false).
+fn flag(c: &Value, k: &str) -> bool {
+    c.get(k).and_then(Value::as_bool).unwrap_or(false)
+}
+
 /// Refuses what a causal text model of Kakeya's cannot run: attention biases, bidirectional
 /// attention, activations other than the tanh GELU.
 fn check_supported(c: &Value) -> std::result::Result<(), String> {
-    if c.get("attention_bias").and_then(Value::as_bool) == Some(true) {
+    if flag(c, "attention_bias") {
         return Err(
             "attention_bias = true is not supported (Gemma 4 checkpoints have none)".into(),
         );
@@ -231,7 +234,7 @@ fn shared_layers(c: &Value, layer_types: &[AttentionKind]) -> std::result::Resul
 
 /// The MoE branch of `enable_moe_block`, checked.
 fn moe(c: &Value) -> std::result::Result<Option<MoeConfig>, String> {
-    if c.get("enable_moe_block").and_then(Value::as_bool) != Some(true) {
+    if !flag(c, "enable_moe_block") {
         return Ok(None);
     }
     let (Some(experts), Some(top_k), Some(intermediate)) = (

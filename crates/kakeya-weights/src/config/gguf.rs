@@ -149,7 +149,6 @@ fn uniform(
 fn gemma4(f: &GgufFile) -> Result<GemmaConfig> {
     let path = &f.path;
     let bad = |msg: String| Err(WeightsError::format(path, msg));
-    let key = |k: &str| format!("gemma4.{k}");
     let u = |k: &str| f.req_u64(&key(k)).map(|v| v as usize);
     let n = check_layers(path, u("block_count")?)?;
     let layer_types = layer_kinds(f, n)?;
@@ -252,9 +251,14 @@ fn gemma4(f: &GgufFile) -> Result<GemmaConfig> {
     })
 }
 
+/// Gemma 4's metadata key `k`: `gemma4.{k}`.
+fn key(k: &str) -> String {
+    format!("gemma4.{k}")
+}
+
 /// Key `gemma4.{k}` as an integer, if present.
 fn opt_u(f: &GgufFile, k: &str) -> Option<usize> {
-    f.get(&format!("gemma4.{k}"))
+    f.get(&key(k))
         .and_then(GgufValue::as_u64)
         .map(|v| v as usize)
 }
@@ -263,7 +267,6 @@ fn opt_u(f: &GgufFile, k: &str) -> Option<usize> {
 /// global whatever it says, as transformers does).
 fn layer_kinds(f: &GgufFile, n: usize) -> Result<Vec<AttentionKind>> {
     let bad = |msg: String| Err(WeightsError::format(&f.path, msg));
-    let key = |k: &str| format!("gemma4.{k}");
     let pattern = match f.get(&key("attention.sliding_window_pattern")) {
         Some(GgufValue::Array(a)) if a.len() == n => a,
         _ => {
@@ -287,7 +290,6 @@ fn layer_kinds(f: &GgufFile, n: usize) -> Result<Vec<AttentionKind>> {
 /// The MLP width of the layers with their own K/V, and whether the shared layers' is twice
 /// it (`use_double_wide_mlp`).
 fn mlp_widths(f: &GgufFile, n: usize, first_shared: usize) -> Result<(usize, bool)> {
-    let key = |k: &str| format!("gemma4.{k}");
     let ff = per_layer(f, &key("feed_forward_length"), n)?;
     let intermediate_size = uniform(f, "feed_forward_length", &ff, |i| i < first_shared)?
         .expect("at least one layer has its own K/V");
@@ -313,7 +315,6 @@ fn mlp_widths(f: &GgufFile, n: usize, first_shared: usize) -> Result<(usize, boo
 /// `rope_freqs` marks) and returns the full layers' partial rotary factor.
 fn rope_checks(f: &GgufFile, global_head_dim: usize, head_dim: usize) -> Result<f64> {
     let bad = |msg: String| Err(WeightsError::format(&f.path, msg));
-    let key = |k: &str| format!("gemma4.{k}");
     if let Some(t) = f.get(&key("rope.scaling.type")).and_then(GgufValue::as_str)
         && t != "none"
     {
@@ -340,7 +341,7 @@ fn moe(f: &GgufFile) -> Result<Option<MoeConfig>> {
     if experts == 0 {
         return Ok(None);
     }
-    let u = |k: &str| f.req_u64(&format!("gemma4.{k}")).map(|v| v as usize);
+    let u = |k: &str| f.req_u64(&key(k)).map(|v| v as usize);
     let top_k = u("expert_used_count")?;
     if top_k == 0 || top_k > experts {
         return Err(WeightsError::format(

@@ -11,27 +11,43 @@ use kakeya_kernels::{DenseMatrix, QuantMatrix};
 /// kernel, longer ones the dense f32 matmul.
 pub const QUANT_MAX_ROWS: usize = 16;
 
-/// A weight `[out, in]` (PyTorch layout) applied as `x · Wᵀ`, with its GGUF blocks when the
-/// checkpoint had them. Both hold the same values; the block kernel reads ~4× fewer bytes.
+/// A weight `[out, in]` (PyTorch layout) applied as `x · Wᵀ`, in the one form chosen for its
+/// device and kernel when it is loaded (or moved): that form alone decides how
+/// [`Self::forward`] multiplies.
 #[derive(Debug, Clone)]
-pub struct Linear {
-    /// Dense weight, `[out, in]`.
-    pub weight: Tensor<2>,
-    /// The same weight repacked from its GGML blocks, when quantised in the checkpoint and
-    /// the weight lives on the CPU (the kernel reads host memory).
-    pub quant: Option<Arc<QuantMatrix>>,
-    /// The same weight for the row-order kernel, when not quantised and on the CPU (the
-    /// verifier's f32/bf16 weights): inputs of up to [`QUANT_MAX_ROWS`] rows then give each
-    /// row the same bits however many run together, as the block kernel does.
-    pub rows: Option<Arc<DenseMatrix>>,
-    /// Which products the quantised weight takes ([`Kernel`]).
-    pub kernel: Kernel,
-    /// Where the weight is larger than the GPU's largest buffer
+pub enum Linear {
+    /// A tensor on its device: a GPU's few-row kernel ([`crate::gpu::linear_rows`]) or the
+    /// device's matmul. Training (autodiff) and weights not prepared for a CPU kernel.
+    Dense(Tensor<2>),
+    /// On the CPU, a weight that was not quantised in the checkpoint (f32/bf16): inputs of up
+    /// to [`QUANT_MAX_ROWS`] rows take the row-order kernel's copy `rows` (each row the same
+    /// bits however many run together, as the block kernel gives), longer ones the dense
+    /// matmul of `tensor`.
+    HostRows {
+        /// The weight, `[out, in]`.
+        tensor: Tensor<2>,
+        /// The same values for the row-order kernel (bf16 when every value is one).
+        rows: Arc<DenseMatrix>,
+    },
+    /// On the CPU, the weight's GGUF blocks repacked for the block kernel, at any row count.
+    /// No dense copy is held: [`Self::dense_values`] rebuilds it bit for bit when asked.
+    Quant {
+        /// The blocks.
+        matrix: Arc<QuantMatrix>,
+        /// Which products they take.
+        kernel: Kernel,
+    },
+    /// On a GPU, a weight larger than the device's largest buffer
     /// ([`crate::gpu::max_buffer_bytes`]: 128 MiB on Mesa's lavapipe, against the 270M
-    /// model's 640 MiB tied embedding), its rows in blocks on that device, in order, each
-    /// within the limit; `weight` then stays on the host (the CPU device) for what reads it
-    /// whole (training, the reduced draft head's rows). Empty: `weight` is on its device.
-    pub blocks: Vec<Tensor<2>>,
+    /// model's 640 MiB tied embedding): its rows in blocks on that device, in order, each
+    /// within the limit, and the whole weight on the host (the CPU device) for what reads it
+    /// whole (training, the reduced draft head's rows).
+    RowBlocks {
+        /// The row blocks, each `[rows_b, in]`, `Σ rows_b = out`.
+        blocks: Vec<Tensor<2>>,
+        /// The whole weight `[out, in]` on the host.
+        host: Tensor<2>,
+    },
 }
 
 /// How a linear map with quantised weights multiplies on the CPU.
@@ -50,47 +66,49 @@ pub enum Kernel {
 }
 
 impl Linear {
-    /// A dense-only linear map.
-    pub fn dense(weight: Tensor<2>) -> Self {
-        Self {
-            weight,
-            quant: None,
-            rows: None,
+    /// GGUF blocks for the block kernel (exact products).
+    pub fn quant(matrix: QuantMatrix) -> Self {
+        Self::Quant {
+            matrix: Arc::new(matrix),
             kernel: Kernel::Exact,
-            blocks: Vec::new(),
         }
     }
 
-    /// A dense weight `[out, in]` from host values, with the row-order kernel's copy (bf16
-    /// when every value is one) when it lives on the CPU; on a GPU held in row blocks when it
-    /// is larger than one buffer there ([`Self::within`]).
+    /// A weight `[out, in]` from host values in the form its device takes: on the CPU with
+    /// the row-order kernel's copy ([`Self::HostRows`]); on a GPU whole, or in row blocks
+    /// where it is larger than one buffer there ([`Self::RowBlocks`]).
     pub fn host(values: Vec<f32>, shape: [usize; 2], device: &Device) -> Self {
         if let Some(max) = crate::gpu::max_buffer_bytes(device)
             && (values.len() * 4) as u64 > max
         {
             return Self::blocked(values, shape, device, max);
         }
-        let rows = row_copy(&values, shape, device);
-        Self {
-            rows,
-            ..Self::dense(Tensor::from_data(TensorData::new(values, shape), device))
+        let [r, c] = shape;
+        if *device == Device::flex() {
+            let rows = Arc::new(DenseMatrix::new(r, c, &values));
+            return Self::HostRows {
+                tensor: Tensor::from_data(TensorData::new(values, shape), device),
+                rows,
+            };
         }
+        Self::Dense(Tensor::from_data(TensorData::new(values, shape), device))
     }
 
-    /// This map held in row blocks of at most `max_bytes` each on its GPU, its whole weight
-    /// moved to the host, when the weight is larger than that; unchanged otherwise (and on the
-    /// CPU). The products and the embedding lookups give the same values either way
+    /// This map in row blocks of at most `max_bytes` each on its GPU, its whole weight moved
+    /// to the host, when the weight is larger than that; unchanged otherwise (and on the CPU).
+    /// The products and the embedding lookups give the same values either way
     /// ([`Self::forward`], [`crate::gpu::StepInputs::embed`]).
     pub fn within(self, max_bytes: u64) -> Self {
-        let device = self.device();
-        let shape = self.weight.dims();
-        if !self.blocks.is_empty()
-            || !crate::gpu::is_gpu(&device)
-            || (shape[0] * shape[1] * 4) as u64 <= max_bytes
-        {
-            return self;
+        match self {
+            Self::Dense(w)
+                if crate::gpu::is_gpu(&w.device())
+                    && (w.shape().num_elements() * 4) as u64 > max_bytes =>
+            {
+                let (shape, device) = (w.dims(), w.device());
+                Self::blocked(host_rows(w), shape, &device, max_bytes)
+            }
+            other => other,
         }
-        Self::blocked(host_rows(self.weight), shape, &device, max_bytes)
     }
 
     /// `values` `[out, in]` in even row blocks of at most `max_bytes` on `device`, the whole
@@ -111,148 +129,147 @@ impl Linear {
             max_bytes,
             "weight held in row blocks: larger than one buffer on the device"
         );
-        Self {
+        Self::RowBlocks {
             blocks,
-            ..Self::dense(Tensor::from_data(
-                TensorData::new(values, [out, cols]),
-                &Device::flex(),
-            ))
+            host: Tensor::from_data(TensorData::new(values, [out, cols]), &Device::flex()),
+        }
+    }
+
+    /// `[out, in]`.
+    pub fn dims(&self) -> [usize; 2] {
+        match self {
+            Self::Dense(w) | Self::HostRows { tensor: w, .. } | Self::RowBlocks { host: w, .. } => {
+                w.dims()
+            }
+            Self::Quant { matrix, .. } => [matrix.rows(), matrix.cols()],
         }
     }
 
     /// The device the products run on (the blocks' where the weight is held in blocks).
     pub fn device(&self) -> Device {
-        self.blocks
-            .first()
-            .map_or_else(|| self.weight.device(), Tensor::device)
+        match self {
+            Self::Dense(w) | Self::HostRows { tensor: w, .. } => w.device(),
+            Self::Quant { .. } => Device::flex(),
+            Self::RowBlocks { blocks, host } => blocks.first().unwrap_or(host).device(),
+        }
     }
 
-    /// This map's dense weight on `device` as [`Self::host`] places it there (in row blocks
-    /// where it is larger than one buffer there); unchanged where it runs there already. Any
-    /// GGUF blocks stay behind: the copy is dense.
+    /// The GGUF blocks, when the block kernel takes this map.
+    pub fn quant_matrix(&self) -> Option<&Arc<QuantMatrix>> {
+        match self {
+            Self::Quant { matrix, .. } => Some(matrix),
+            _ => None,
+        }
+    }
+
+    /// The row blocks on a GPU ([`Self::RowBlocks`]); empty when the weight is held whole.
+    pub fn row_blocks(&self) -> &[Tensor<2>] {
+        match self {
+            Self::RowBlocks { blocks, .. } => blocks,
+            _ => &[],
+        }
+    }
+
+    /// The whole weight `[out, in]` as a tensor: the one held (on the host where it is held
+    /// in row blocks), or, for GGUF blocks, their values rebuilt bit for bit on the CPU (a
+    /// copy: for training and fitting, not for the products).
+    pub fn dense_weight(&self) -> Tensor<2> {
+        match self {
+            Self::Dense(w) | Self::HostRows { tensor: w, .. } | Self::RowBlocks { host: w, .. } => {
+                w.clone()
+            }
+            Self::Quant { matrix, .. } => Tensor::from_data(
+                TensorData::new(matrix.to_dense(), [matrix.rows(), matrix.cols()]),
+                &Device::flex(),
+            ),
+        }
+    }
+
+    /// This map's weight on `device` as [`Self::host`] places it there; unchanged where it
+    /// runs there already. GGUF blocks stay behind: the copy is dense.
     pub fn to_device(self, device: &Device) -> Self {
         if self.device() == *device {
             return self;
         }
-        let shape = self.weight.dims();
-        Self::host(host_rows(self.weight), shape, device)
+        let shape = self.dims();
+        Self::host(host_rows(self.dense_weight()), shape, device)
     }
 
-    /// This map with the row-order kernel's copy of its dense weight when it lives on the CPU
-    /// ([`Self::host`]): inputs of up to [`QUANT_MAX_ROWS`] rows then skip the dense matmul,
-    /// whose per-call packing of the weight dominates a few-row product. Unchanged when it
-    /// has GGUF blocks or a copy already, or lives on another device.
+    /// This map with the row-order kernel's copy when it is a dense weight on the CPU
+    /// ([`Self::HostRows`]): inputs of up to [`QUANT_MAX_ROWS`] rows then skip the dense
+    /// matmul, whose per-call packing of the weight dominates a few-row product. Any other
+    /// form is unchanged.
     pub fn with_host_rows(self) -> Self {
-        let device = self.weight.device();
-        if self.quant.is_some()
-            || self.rows.is_some()
-            || !self.blocks.is_empty()
-            || device != Device::flex()
-        {
-            return self;
-        }
-        let values = host_rows(self.weight.clone());
-        Self {
-            rows: row_copy(&values, self.weight.dims(), &device),
-            ..self
+        match self {
+            Self::Dense(w) if w.device() == Device::flex() => {
+                let shape = w.dims();
+                Self::host(host_rows(w), shape, &Device::flex())
+            }
+            other => other,
         }
     }
 
-    /// Bytes held: the dense weight (f32), its row blocks on a GPU, and every kernel copy
-    /// (GGUF blocks with their norms and panels, the row-order copy).
+    /// Bytes held: the weight in its form (f32 tensors, GGUF blocks with their norms and
+    /// panels, the row-order copy beside its tensor, the row blocks beside the host copy).
     pub fn nbytes(&self) -> usize {
-        self.weight.shape().num_elements() * 4
-            + self
-                .blocks
-                .iter()
-                .map(|b| b.shape().num_elements() * 4)
-                .sum::<usize>()
-            + self.quant.as_deref().map_or(0, QuantMatrix::nbytes)
-            + self.rows.as_deref().map_or(0, DenseMatrix::nbytes)
+        let f32s = |w: &Tensor<2>| w.shape().num_elements() * 4;
+        match self {
+            Self::Dense(w) => f32s(w),
+            Self::HostRows { tensor, rows } => f32s(tensor) + rows.nbytes(),
+            Self::Quant { matrix, .. } => matrix.nbytes(),
+            Self::RowBlocks { blocks, host } => f32s(host) + blocks.iter().map(f32s).sum::<usize>(),
+        }
     }
 
     /// # Shapes
     /// - `x`: `[T, in]` → `[T, out]`
     pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
         let t = x.dims()[0];
-        if !self.blocks.is_empty() {
-            return self.forward_blocks(x);
-        }
-        if let (Some(q), Kernel::Int8) = (self.quant.as_deref(), self.kernel) {
-            let device = x.device();
-            let y = q.matmul_int8(&host_rows(x), t);
-            return Tensor::from_data(TensorData::new(y, [t, q.rows()]), &device);
-        }
-        if let Some(q) = self.quant.as_deref() {
+        let on_host = |y: Vec<f32>, out: usize, x: &Tensor<2>| {
+            Tensor::from_data(TensorData::new(y, [t, out]), &x.device())
+        };
+        match self {
+            Self::RowBlocks { blocks, .. } => forward_blocks(blocks, x),
             // Prefill too: a short prompt's rows cost the dense matmul a copy of every weight,
             // and a long one's run as fast either way.
-            let device = x.device();
-            let y = q.matmul(&host_rows(x), t);
-            return Tensor::from_data(TensorData::new(y, [t, q.rows()]), &device);
+            Self::Quant { matrix, kernel } => {
+                let y = match kernel {
+                    Kernel::Exact => matrix.matmul(&host_rows(x.clone()), t),
+                    Kernel::Int8 => matrix.matmul_int8(&host_rows(x.clone()), t),
+                };
+                on_host(y, matrix.rows(), &x)
+            }
+            Self::HostRows { rows, .. } if t <= QUANT_MAX_ROWS => {
+                on_host(rows.matmul(&host_rows(x.clone()), t), rows.rows(), &x)
+            }
+            Self::HostRows { tensor: w, .. } => crate::gpu::matmul(x, w.clone().transpose()),
+            Self::Dense(w) => crate::gpu::linear_rows(&x, &[w])
+                .unwrap_or_else(|| crate::gpu::matmul(x, w.clone().transpose())),
         }
-        if let Some(d) = self.rows.as_deref().filter(|_| t <= QUANT_MAX_ROWS) {
-            let device = x.device();
-            let y = d.matmul(&host_rows(x), t);
-            return Tensor::from_data(TensorData::new(y, [t, d.rows()]), &device);
-        }
-        if let Some(y) = crate::gpu::linear_rows(&x, &[&self.weight]) {
-            return y;
-        }
-        crate::gpu::matmul(x, self.weight.clone().transpose())
     }
 
-    /// [`Self::forward`] over the row blocks: each block's outputs side by side, a few rows
-    /// taking one launch for up to three blocks.
-    ///
-    /// # Shapes
-    /// - `x`: `[T, in]` → `[T, out]`
-    fn forward_blocks(&self, x: Tensor<2>) -> Tensor<2> {
-        let parts = self
-            .blocks
-            .chunks(3)
-            .flat_map(|group| {
-                let group: Vec<&Tensor<2>> = group.iter().collect();
-                match crate::gpu::linear_rows(&x, &group) {
-                    Some(y) => vec![y],
-                    None => group
-                        .into_iter()
-                        .map(|b| crate::gpu::matmul(x.clone(), b.clone().transpose()))
-                        .collect(),
-                }
-            })
-            .collect();
-        Tensor::cat(parts, 1)
-    }
-
-    /// [`Self::forward`] of each of `maps` (1 to 3) on the same input: on a GPU, a few rows take
-    /// one launch for all of them ([`crate::gpu::linear_rows`]).
+    /// [`Self::forward`] of each of `maps` (1 to 3) on the same input: on the CPU with GGUF
+    /// blocks, one host copy of the input and one parallel loop for all of them; on a GPU, a
+    /// few rows take one launch for all of them ([`crate::gpu::linear_rows`]).
     ///
     /// # Shapes
     /// - `x`: `[T, in]` → per map `[T, out_i]`
     pub fn forward_many(maps: &[&Self], x: Tensor<2>) -> Vec<Tensor<2>> {
+        let (t, device) = (x.dims()[0], x.device());
         if let Some(qs) = exact_quants(maps) {
-            // On the CPU: one host copy of the input, one parallel loop for all the maps.
-            let (t, device) = (x.dims()[0], x.device());
             return QuantMatrix::matmul_many(&qs, &host_rows(x), t)
                 .into_iter()
                 .zip(&qs)
                 .map(|(y, q)| Tensor::from_data(TensorData::new(y, [t, q.rows()]), &device))
                 .collect();
         }
-        let weights: Vec<&Tensor<2>> = maps.iter().map(|m| &m.weight).collect();
-        let whole = maps.iter().all(|m| m.blocks.is_empty());
-        let Some(y) = whole
-            .then(|| crate::gpu::linear_rows(&x, &weights))
-            .flatten()
-        else {
+        let Some(y) = dense_tensors(maps).and_then(|w| crate::gpu::linear_rows(&x, &w)) else {
             return maps.iter().map(|m| m.forward(x.clone())).collect();
         };
-        let t = x.dims()[0];
         let mut at = 0;
-        weights
-            .iter()
-            .map(|w| {
-                let n = w.dims()[0];
+        maps.iter()
+            .map(|m| {
+                let n = m.dims()[0];
                 at += n;
                 y.clone().slice([0..t, at - n..at])
             })
@@ -270,11 +287,9 @@ impl Linear {
         if Self::gelu_mlp_on_host(gate, up, down) {
             let (t, device) = (x.dims()[0], x.device());
             let y = Self::gelu_mlp_host(gate, up, down, &host_rows(x), t);
-            return Tensor::from_data(TensorData::new(y, [t, down.weight.dims()[0]]), &device);
+            return Tensor::from_data(TensorData::new(y, [t, down.dims()[0]]), &device);
         }
-        let gu = (gate.blocks.is_empty() && up.blocks.is_empty())
-            .then(|| crate::gpu::linear_rows(&x, &[&gate.weight, &up.weight]))
-            .flatten();
+        let gu = dense_tensors(&[gate, up]).and_then(|w| crate::gpu::linear_rows(&x, &w));
         let m = match gu.and_then(|gu| crate::gpu::gelu_mul_halves(&gu)) {
             Some(m) => m,
             None => crate::activation::gelu_tanh(gate.forward(x.clone())) * up.forward(x),
@@ -308,7 +323,7 @@ impl Linear {
     /// - `x`: `[T, in]` → `T` ids
     pub fn argmax(&self, x: &Tensor<2>) -> Option<Vec<u32>> {
         let [t, cols] = x.dims();
-        let q = self.quant.as_deref()?;
+        let q = self.quant_matrix()?;
         if !q.argmax_pays(t) {
             return None;
         }
@@ -325,17 +340,50 @@ impl Linear {
     }
 }
 
+/// [`Linear::forward`] over row blocks: each block's outputs side by side, a few rows taking
+/// one launch for up to three blocks.
+///
+/// # Shapes
+/// - `x`: `[T, in]`, blocks `[rows_b, in]` → `[T, Σ rows_b]`
+fn forward_blocks(blocks: &[Tensor<2>], x: Tensor<2>) -> Tensor<2> {
+    let parts = blocks
+        .chunks(3)
+        .flat_map(|group| {
+            let group: Vec<&Tensor<2>> = group.iter().collect();
+            match crate::gpu::linear_rows(&x, &group) {
+                Some(y) => vec![y],
+                None => group
+                    .into_iter()
+                    .map(|b| crate::gpu::matmul(x.clone(), b.clone().transpose()))
+                    .collect(),
+            }
+        })
+        .collect();
+    Tensor::cat(parts, 1)
+}
+
+/// The tensors of `maps` when every one is held whole as a plain tensor ([`Linear::Dense`]).
+fn dense_tensors<'a>(maps: &[&'a Linear]) -> Option<Vec<&'a Tensor<2>>> {
+    maps.iter()
+        .map(|m| match m {
+            Linear::Dense(w) => Some(w),
+            _ => None,
+        })
+        .collect()
+}
+
 /// The block kernel's matrices of `maps` when every one takes the exact block kernel (their
 /// weights quantised, on the CPU), else `None`.
 fn exact_quants<'a>(maps: &[&'a Linear]) -> Option<Vec<&'a QuantMatrix>> {
     maps.iter()
-        .map(|m| m.quant.as_deref().filter(|_| m.kernel == Kernel::Exact))
+        .map(|m| match m {
+            Linear::Quant {
+                matrix,
+                kernel: Kernel::Exact,
+            } => Some(&**matrix),
+            _ => None,
+        })
         .collect()
-}
-
-/// The row-order kernel's copy of `values` (`[out, in]`) when they live on the CPU.
-fn row_copy(values: &[f32], [r, c]: [usize; 2], device: &Device) -> Option<Arc<DenseMatrix>> {
-    (*device == Device::flex()).then(|| Arc::new(DenseMatrix::new(r, c, values)))
 }
 
 /// The activations on the host, row-major.

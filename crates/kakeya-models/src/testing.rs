@@ -117,8 +117,8 @@ pub fn random_quantized_checkpoint(config: &GemmaConfig, seed: u64) -> Checkpoin
 }
 
 /// A `[rows, cols]` linear map (`cols` a multiple of 32) of seeded values ~ U(±`scale`) held
-/// as Q8_0 blocks, its dense weight their exact dequantisation, on the CPU: the block kernel
-/// and the certified argmax apply to it.
+/// as Q8_0 blocks on the CPU: the block kernel and the certified argmax apply to it, and
+/// [`crate::linear::Linear::dense_weight`] rebuilds their exact dequantisation.
 pub fn random_q8_0_linear(
     rows: usize,
     cols: usize,
@@ -127,15 +127,8 @@ pub fn random_q8_0_linear(
 ) -> crate::linear::Linear {
     let mut s = seed;
     let bytes = q8_0_blocks(&values(rows * cols, &mut s, scale));
-    let dense = dequantize(GgmlType::Q8_0, &bytes, rows * cols);
     let q = QuantMatrix::new(GgmlType::Q8_0, rows, cols, &bytes).expect("whole Q8_0 blocks");
-    crate::linear::Linear {
-        quant: Some(std::sync::Arc::new(q)),
-        ..crate::linear::Linear::dense(burn::tensor::Tensor::from_data(
-            burn::tensor::TensorData::new(dense, [rows, cols]),
-            &burn::tensor::Device::flex(),
-        ))
-    }
+    crate::linear::Linear::quant(q)
 }
 
 /// GGML Q8_0 blocks of `values` (32 per block: an f16 scale, then 32 int8).

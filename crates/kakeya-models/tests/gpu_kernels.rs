@@ -209,22 +209,29 @@ fn a_weight_in_row_blocks_multiplies_as_the_whole_weight() {
     let d = device();
     let (out, k) = (103, 48);
     let whole = Linear::host(values(out * k, 61), [out, k], &d);
-    assert!(whole.blocks.is_empty(), "a small weight is held whole");
+    assert!(
+        whole.row_blocks().is_empty(),
+        "a small weight is held whole"
+    );
     // 20 rows a block at most: six blocks of 18, 17, … rows (even split of 103).
     let blocked = whole.clone().within(20 * k as u64 * 4);
-    assert_eq!(blocked.blocks.len(), 6);
-    assert!(blocked.blocks.iter().all(|b| b.dims()[0] <= 20));
+    assert_eq!(blocked.row_blocks().len(), 6);
+    assert!(blocked.row_blocks().iter().all(|b| b.dims()[0] <= 20));
     assert_eq!(
-        blocked.blocks.iter().map(|b| b.dims()[0]).sum::<usize>(),
+        blocked
+            .row_blocks()
+            .iter()
+            .map(|b| b.dims()[0])
+            .sum::<usize>(),
         out
     );
     assert_eq!(
-        blocked.weight.device(),
+        blocked.dense_weight().device(),
         Device::flex(),
         "the whole weight on the host"
     );
     assert_eq!(blocked.device(), d);
-    assert_eq!(host(blocked.weight.clone()), host(whole.weight.clone()));
+    assert_eq!(host(blocked.dense_weight()), host(whole.dense_weight()));
     for t in [1, 5, GPU_ROWS_MAX, 40] {
         let x = tensor(values(t * k, 62 + t as u32), [t, k], &d);
         let (got, want) = (host(blocked.forward(x.clone())), host(whole.forward(x)));
@@ -239,7 +246,7 @@ fn a_weight_in_row_blocks_multiplies_as_the_whole_weight() {
         whole
             .clone()
             .within(out as u64 * k as u64 * 4)
-            .blocks
+            .row_blocks()
             .is_empty()
     );
 }

@@ -219,7 +219,7 @@ fn greedy_choices_equal_the_argmax_of_the_logits() {
             random_checkpoint(&tiny_config(4), 5)
         };
         let m = GemmaModel::from_checkpoint(ck, &Device::flex()).unwrap();
-        assert_eq!(m.head.quant.is_some(), quantised);
+        assert_eq!(m.head.quant_matrix().is_some(), quantised);
         for n in [1, 2, 5, 8, 16, 17, 30] {
             let toks = tokens(n);
             let run = |logits: Logits| {

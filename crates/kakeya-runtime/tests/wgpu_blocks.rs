@@ -47,7 +47,7 @@ fn a_vocabulary_in_row_blocks_decodes_as_the_whole_table() {
     let config = tiny_config(8);
     let ck = random_checkpoint(&config, 11);
     let whole = GemmaModel::from_checkpoint(ck.clone(), &d).unwrap();
-    assert!(whole.head.blocks.is_empty(), "the tiny head fits");
+    assert!(whole.head.row_blocks().is_empty(), "the tiny head fits");
     let cfg = GenerationConfig::greedy(40, 7);
     let p = tiny_prompt(1, 12);
     let want = generate(&mut Session::new(&whole, 0), &p, &cfg, &mut |_| {})
@@ -66,7 +66,7 @@ fn a_vocabulary_in_row_blocks_decodes_as_the_whole_table() {
         // SAFETY: no other thread of this process reads the environment now.
         unsafe { std::env::set_var("KAKEYA_GPU_MAX_BUFFER_BYTES", limit.to_string()) };
         let m = GemmaModel::from_checkpoint(ck.clone(), &d).unwrap();
-        assert_eq!(m.head.blocks.len(), head_blocks, "limit {limit}");
+        assert_eq!(m.head.row_blocks().len(), head_blocks, "limit {limit}");
         assert_eq!(
             m.embed.device(),
             Device::flex(),

@@ -78,7 +78,7 @@ impl Frozen {
             embed.to_device(&Device::flex())
         };
         let head = DraftHead::new(
-            Linear::dense(embed.clone()),
+            Linear::Dense(embed.clone()),
             &embed,
             d2t.map(<[u32]>::to_vec),
         )

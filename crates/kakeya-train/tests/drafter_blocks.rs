@@ -68,12 +68,12 @@ fn a_vocabulary_larger_than_one_buffer_trains_as_the_whole_table() {
         );
         match &f.head {
             DraftHead::Verifier(h) => {
-                assert_eq!(h.blocks.len(), 2, "the whole head in two blocks");
-                assert!(h.blocks.iter().all(|b| b.device() == gpu));
+                assert_eq!(h.row_blocks().len(), 2, "the whole head in two blocks");
+                assert!(h.row_blocks().iter().all(|b| b.device() == gpu));
             }
             DraftHead::Reduced { head, .. } => {
-                assert!(head.blocks.is_empty(), "40 rows fit one buffer");
-                assert_eq!(head.weight.device(), gpu);
+                assert!(head.row_blocks().is_empty(), "40 rows fit one buffer");
+                assert_eq!(head.device(), gpu);
             }
         }
     }

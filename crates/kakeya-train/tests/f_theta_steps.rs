@@ -376,7 +376,7 @@ export = "unused"
         assert!(!fr.o_proj.is_require_grad() && !fr.k_norm.scale.is_require_grad());
         assert!(!fr.q_norm.scale.is_require_grad(), "layer {l}");
         assert!(
-            same(host(&fr.o_proj), host(&layer.attn.o_proj.weight)),
+            same(host(&fr.o_proj), host(&layer.attn.o_proj.dense_weight())),
             "layer {l} o_proj"
         );
         assert!(

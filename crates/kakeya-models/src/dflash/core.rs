@@ -73,13 +73,13 @@ impl DraftWeights {
                 eps,
             }
         };
-        let fc = Linear::dense(lin("fc.weight")?);
+        let fc = Linear::Dense(lin("fc.weight")?);
         let hidden_norm = norm(lin("hidden_norm.weight")?);
         let final_norm = norm(lin("norm.weight")?);
         let mut layers = Vec::with_capacity(config.num_hidden_layers);
         for i in 0..config.num_hidden_layers {
             let p = |s: &str| format!("layers.{i}.{s}");
-            let mut dense = |s: &str| lin(&p(s)).map(Linear::dense);
+            let mut dense = |s: &str| lin(&p(s)).map(Linear::Dense);
             layers.push(DraftLayer {
                 q_proj: dense("self_attn.q_proj.weight")?,
                 k_proj: dense("self_attn.k_proj.weight")?,

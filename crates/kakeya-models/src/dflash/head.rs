@@ -31,22 +31,15 @@ impl DraftHead {
                 let ids: Vec<i64> = d2t.iter().map(|&t| i64::from(t)).collect();
                 let ids =
                     Tensor::<1, Int>::from_data(TensorData::new(ids, [d2t.len()]), &embed.device());
-                let quant = head
-                    .quant
-                    .as_deref()
-                    .and_then(|q| q.select_rows(&d2t))
-                    .map(|q| {
-                        q.prepare(true, false);
-                        std::sync::Arc::new(q)
-                    });
+                let quant = head.quant_matrix().and_then(|q| q.select_rows(&d2t));
                 // On the head's device (the table may be on the host: `Linear::within`).
-                let reduced = Linear::dense(embed.clone().select(0, ids).to_device(&head.device()));
+                let reduced = Linear::Dense(embed.clone().select(0, ids).to_device(&head.device()));
                 let head = match quant {
-                    Some(quant) => Linear {
-                        quant: Some(quant),
-                        ..reduced
-                    },
-                    None if head.rows.is_some() => reduced.with_host_rows(),
+                    Some(quant) => {
+                        quant.prepare(true, false);
+                        Linear::quant(quant)
+                    }
+                    None if matches!(head, Linear::HostRows { .. }) => reduced.with_host_rows(),
                     None => reduced,
                 };
                 Self::Reduced { head, d2t }
@@ -57,15 +50,12 @@ impl DraftHead {
     /// The same head with its weight passed through `f` (e.g. lifted into autodiff): each
     /// row block's where it is held in blocks ([`Linear::within`]).
     pub fn map_weight(&self, mut f: impl FnMut(Tensor<2>) -> Tensor<2>) -> Self {
-        let mut map = |h: &Linear| {
-            if h.blocks.is_empty() {
-                Linear::dense(f(h.weight.clone()))
-            } else {
-                Linear {
-                    blocks: h.blocks.iter().cloned().map(&mut f).collect(),
-                    ..Linear::dense(h.weight.clone())
-                }
-            }
+        let mut map = |h: &Linear| match h {
+            Linear::RowBlocks { blocks, host } => Linear::RowBlocks {
+                blocks: blocks.iter().cloned().map(&mut f).collect(),
+                host: host.clone(),
+            },
+            whole => Linear::Dense(f(whole.dense_weight())),
         };
         match self {
             Self::Verifier(h) => Self::Verifier(map(h)),
@@ -91,7 +81,7 @@ impl DraftHead {
     /// Size of the vocabulary scored.
     pub fn vocab(&self) -> usize {
         match self {
-            Self::Verifier(h) => h.weight.dims()[0],
+            Self::Verifier(h) => h.dims()[0],
             Self::Reduced { d2t, .. } => d2t.len(),
         }
     }
@@ -195,13 +185,16 @@ mod tests {
         let dev = burn::tensor::Device::flex();
         let (vocab, hidden) = (96, 64);
         let head = crate::testing::random_q8_0_linear(vocab, hidden, 0.5, 7);
-        let embed = head.weight.clone();
+        let embed = head.dense_weight();
         let d2t: Vec<u32> = (0..vocab as u32).rev().step_by(3).collect();
         let reduced = DraftHead::new(head, &embed, Some(d2t));
         let DraftHead::Reduced { head: h, .. } = &reduced else {
             panic!("a reduced head")
         };
-        assert!(h.quant.is_some(), "the reduced head keeps GGUF blocks");
+        assert!(
+            h.quant_matrix().is_some(),
+            "the reduced head keeps GGUF blocks"
+        );
         let x: Vec<f32> = (0..5 * hidden)
             .map(|i| ((i * 37 + 11) % 41) as f32 * 0.05 - 1.0)
             .collect();

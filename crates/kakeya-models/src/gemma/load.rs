@@ -28,14 +28,6 @@ impl Loader<'_> {
         })
     }
 
-    fn t2(&mut self, name: &str) -> Result<Tensor<2>> {
-        let t = self.take(name)?;
-        Ok(Tensor::from_data(
-            TensorData::new(t.data, [t.shape[0], t.shape[1]]),
-            self.device,
-        ))
-    }
-
     /// A lookup table `[rows, width]` (Gemma 4's per-layer embedding) on the device where it
     /// fits one buffer there, else on the host, where its rows are looked up
     /// ([`super::model::embedding_rows`]).
@@ -53,23 +45,45 @@ impl Loader<'_> {
         ))
     }
 
-    fn lin(&mut self, name: &str) -> Result<Linear> {
-        // The kernels run on host memory: only worth it when the model is on the CPU. A
-        // quantised weight gets the block kernel, any other the row-order one.
-        let quant = self
-            .ck
+    /// The GGUF blocks of `name` for the block kernel, when it was quantised in the checkpoint
+    /// and the model is on the CPU (the kernels run on host memory).
+    fn quant_blocks(&mut self, name: &str) -> Option<kakeya_kernels::QuantMatrix> {
+        self.ck
             .quantized
             .remove(name)
             .filter(|_| *self.device == Device::flex())
-            .map(std::sync::Arc::new);
-        if quant.is_some() {
-            return Ok(Linear {
-                quant,
-                ..Linear::dense(self.t2(name)?)
-            });
-        }
+    }
+
+    /// A weight as a linear map: its GGUF blocks where the block kernel takes them (the
+    /// dense values then dropped), else dense in the form the device takes
+    /// ([`Linear::host`]).
+    fn lin(&mut self, name: &str) -> Result<Linear> {
+        let quant = self.quant_blocks(name);
         let t = self.take(name)?;
-        Ok(self.host_lin(t.data, [t.shape[0], t.shape[1]]))
+        Ok(match quant {
+            Some(q) => Linear::quant(q),
+            None => self.host_lin(t.data, [t.shape[0], t.shape[1]]),
+        })
+    }
+
+    /// The tied embedding `name` `[vocab, hidden]`: the lookup table (on the host where the
+    /// device holds the head in row blocks) and the LM head (its blocks prepared for the
+    /// certified argmax).
+    fn tied_head(&mut self, name: &str) -> Result<(Tensor<2>, Linear)> {
+        let quant = self.quant_blocks(name);
+        let t = self.take(name)?;
+        let shape = [t.shape[0], t.shape[1]];
+        Ok(match quant {
+            Some(q) => {
+                q.prepare(true, false);
+                let table = Tensor::from_data(TensorData::new(t.data, shape), self.device);
+                (table, Linear::quant(q))
+            }
+            None => {
+                let head = self.host_lin(t.data, shape);
+                (head.dense_weight(), head)
+            }
+        })
     }
 
     /// A non-quantised weight `[out, in]` as a linear map (with the row-order kernel's copy
@@ -223,12 +237,7 @@ impl GemmaModel {
             }),
             _ => None,
         };
-        let head = l.lin("model.embed_tokens.weight")?;
-        if let Some(q) = &head.quant {
-            q.prepare(true, false);
-        }
-        // Where the device held the head in row blocks, the whole table stays on the host.
-        let embed = head.weight.clone();
+        let (embed, head) = l.tied_head("model.embed_tokens.weight")?;
         let norm = l.norm("model.norm.weight", eps)?;
         Ok(Self {
             config: c,

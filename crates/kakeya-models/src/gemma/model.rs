@@ -282,10 +282,10 @@ impl GemmaModel {
     pub fn set_kernel(&mut self, kernel: Kernel) -> usize {
         let mut n = 0;
         let mut set = |l: &mut Linear| {
-            if let Some(q) = &l.quant {
+            if let Linear::Quant { matrix, kernel: k } = l {
                 // The int8 panels are made now, not in the first request.
-                q.prepare(false, kernel == Kernel::Int8);
-                l.kernel = kernel;
+                matrix.prepare(false, kernel == Kernel::Int8);
+                *k = kernel;
                 n += 1;
             }
         };
@@ -328,7 +328,7 @@ impl GemmaModel {
             .into_iter()
             .flatten()
             .chain([&l.gate_proj, &l.up_proj, &l.down_proj])
-            .all(|p| p.quant.is_some())
+            .all(|p| p.quant_matrix().is_some())
                 && l.per_layer.is_none()
                 && l.moe.is_none()
         })
@@ -371,10 +371,9 @@ impl GemmaModel {
     /// # Shapes
     /// - → `[rows_b, hidden]` each, `Σ rows_b = vocab`
     pub(crate) fn embed_blocks(&self) -> &[Tensor<2>] {
-        if self.head.blocks.is_empty() {
-            std::slice::from_ref(&self.embed)
-        } else {
-            &self.head.blocks
+        match self.head.row_blocks() {
+            [] => std::slice::from_ref(&self.embed),
+            blocks => blocks,
         }
     }
 

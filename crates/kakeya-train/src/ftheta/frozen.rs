@@ -53,7 +53,7 @@ impl LayerFrozen {
             q_norm: copy(&a.q_norm),
             k_norm: copy(&a.k_norm),
             v_norm: a.v_norm.as_ref().map(copy),
-            o_proj: Tensor::from_data(a.o_proj.weight.to_data(), device),
+            o_proj: Tensor::from_data(a.o_proj.dense_weight().to_data(), device),
             heads: a.heads,
             kv_heads: a.kv_heads,
             head_dim: a.head_dim,

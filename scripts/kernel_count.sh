@@ -3,7 +3,7 @@
 # Mesa's lavapipe (no GPU needed; the launches are Burn's and Kakeya's, the same on CUDA) with
 # CubeCL's kernel log on (cubecl.toml, level "minimal": one line per launch, no timing).
 #   scripts/kernel_count.sh [decode]   one decode step of the tiny Gemma 3 (6 layers):
-#       `decode_steps_for_the_kernel_count` (kakeya-runtime's tests/wgpu_device.rs) at 4 and 12
+#       `decode_steps_for_the_kernel_count` (kakeya-runtime's tests/wgpu_replay.rs) at 4 and 12
 #       tokens; the difference over 8 is one step's launches.
 #   scripts/kernel_count.sh batch      one batched decode step of 8 sequences (the server's
 #       stacked forward): `batched_decode_steps_for_the_kernel_count` (same test file) at 4 and
@@ -25,14 +25,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-decode}
 case $what in
-decode) pkg=kakeya-runtime; test=wgpu_device; probe=decode_steps_for_the_kernel_count
+decode) pkg=kakeya-runtime; test=wgpu_replay; probe=decode_steps_for_the_kernel_count
     var=KAKEYA_DECODE_STEPS; lo=4; hi=12; unit="decode step (6 layers)";;
-batch) pkg=kakeya-runtime; test=wgpu_device; probe=batched_decode_steps_for_the_kernel_count
+batch) pkg=kakeya-runtime; test=wgpu_replay; probe=batched_decode_steps_for_the_kernel_count
     var=KAKEYA_DECODE_STEPS; lo=4; hi=12; unit="batched decode step (${KAKEYA_DECODE_SEQS:=8} sequences, 6 layers)"
     export KAKEYA_DECODE_SEQS;;
-draft) pkg=kakeya-runtime; test=wgpu_device; probe=drafts_for_the_kernel_count
+draft) pkg=kakeya-runtime; test=wgpu_replay; probe=drafts_for_the_kernel_count
     var=KAKEYA_DECODE_STEPS; lo=4; hi=12; unit="draft (block of 8, 2 drafter layers)";;
-spec) pkg=kakeya-runtime; test=wgpu_device; probe=speculative_blocks_for_the_kernel_count
+spec) pkg=kakeya-runtime; test=wgpu_replay; probe=speculative_blocks_for_the_kernel_count
     var=KAKEYA_DECODE_STEPS; lo=12; hi=20; unit="speculative block (verify, draft, store row; 6 + 2 layers)";;
 f-theta) pkg=kakeya-train; test=train_f_theta; probe=f_theta_steps_for_the_kernel_count
     var=KAKEYA_FTHETA_STEPS; lo=6; hi=10; unit="f_θ training step";;

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The tiny-model equivalences on the wgpu device over Mesa's lavapipe (a Vulkan driver that runs
 # on the CPU): no GPU needed. Installs the driver when missing (Debian/Ubuntu, as root), then
-# runs kakeya-runtime's `tests/wgpu_device.rs` (inference, speculative decoding, KV modes) and
+# runs kakeya-runtime's `tests/wgpu_device.rs` (inference, speculative decoding, KV modes),
+# `tests/wgpu_replay.rs` (recorded forwards against the forwards issued kernel by kernel) and
 # `tests/wgpu_sampling.rs` (sampling on the device), the
 # trainer tests of kakeya-train with training on the device, `kakeya serve --device wgpu`
 # (kakeya-cli's `tests/serve_device.rs`), kakeya-capture's capture tests with the verifier
@@ -33,7 +34,7 @@ log="runs/wgpu/lavapipe-$(date -u +%Y%m%dT%H%M%SZ).log"
     grep -m1 "model name" /proc/cpuinfo || true
     # The GPU decode kernels one by one (kakeya_models::gpu), then the whole model on the device.
     KAKEYA_TEST_DEVICE=wgpu cargo test -p kakeya-models --features wgpu --locked --test gpu_kernels --test gpu_attention --test gpu_sample
-    cargo test -p kakeya-runtime --features wgpu --locked --test wgpu_device -- --nocapture --test-threads 1
+    cargo test -p kakeya-runtime --features wgpu --locked --test wgpu_device --test wgpu_replay -- --nocapture --test-threads 1
     # Sampling at a temperature on the device: draws against the host's, speculative against plain.
     KAKEYA_TEST_DEVICE=wgpu cargo test -p kakeya-runtime --features wgpu --locked --test wgpu_sampling
     # Weights larger than one buffer, in row blocks; then the real model on the device.

@@ -22,7 +22,7 @@
 #            (run_all.sh): f_θ step time (FTHETA_DATA, default data/capture-f-theta-270m-s8:
 #            a capture of the first 8 prompts with the v2 drafter; with the fused build too),
 #            the golden test, the further test binaries with KAKEYA_TEST_DEVICE=cuda (e.g.
-#            kakeya-runtime's wgpu_device, kakeya-models' gpu_kernels and gpu_attention; the Gemma 4 fixtures go
+#            kakeya-runtime's wgpu_device and wgpu_replay, kakeya-models' gpu_kernels and gpu_attention; the Gemma 4 fixtures go
 #            along), AR and speculative decoding (the default settings: the v3 drafter
 #            and the n-gram table), `kakeya serve`'s load test on the GPU, the drafter's capture
 #            and step time, and transformers on the same GGUF.

@@ -249,3 +249,25 @@ pub fn f32_kv(p: kakeya_runtime::KvPolicy) -> kakeya_runtime::KvPolicy {
         ..p
     }
 }
+
+/// The device under test: wgpu, or CUDA with `KAKEYA_TEST_DEVICE=cuda`.
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+pub fn gpu() -> Device {
+    #[cfg(feature = "cuda")]
+    if std::env::var("KAKEYA_TEST_DEVICE").as_deref() == Ok("cuda") {
+        return Device::cuda(0);
+    }
+    #[cfg(not(feature = "wgpu"))]
+    panic!("built with --features cuda only: run with KAKEYA_TEST_DEVICE=cuda");
+    #[cfg(feature = "wgpu")]
+    {
+        let d = Device::wgpu(Default::default());
+        assert_ne!(d, Device::flex(), "the wgpu device, not the CPU");
+        d
+    }
+}
+
+/// A 2-D tensor's values, row-major, on the host.
+pub fn host(t: burn::tensor::Tensor<2>) -> Vec<f32> {
+    t.into_data().try_into_vec::<f32>().unwrap()
+}

@@ -15,8 +15,8 @@ use kakeya_train::ftheta::FThetaTrainConfig;
 use kakeya_train::ftheta::data::{LayerData, SeqData};
 use kakeya_train::ftheta::params::FThetaParams;
 use kakeya_train::ftheta::step::{
-    Passes, Prepared, batch_loss, batch_loss_in, frozen_groups, frozen_layers, layouts,
-    optimizer_step, prepare_step, prepared_loss,
+    GroupFrozen, LayerFrozen, Passes, Prepared, batch_loss, batch_loss_in, frozen_groups,
+    frozen_layers, layouts, optimizer_step, prepare_step, prepared_loss,
 };
 use kakeya_train::optim::Moments;
 use kakeya_train::run::leaves;
@@ -206,8 +206,20 @@ fn five_trainer_steps_match_torch_adamw_with_a_clipped_global_norm() {
     assert!(dev > 100.0 * tol, "the clip is invisible: {dev:.3e}");
 }
 
-#[test]
-fn the_trainers_step_reaches_f_theta_only_not_the_verifiers_weights() {
+/// A tiny verifier (its attention's pieces frozen on the autodiff device), f_θ's parameters,
+/// two sequences of 9 and 7 positions and the trainer's config (4 query positions drawn in
+/// each, the normalised hybrid loss): what the step tests below share.
+struct StepFixture {
+    ad: Device,
+    v: GemmaModel,
+    frozen: Vec<LayerFrozen>,
+    params: FThetaParams,
+    groups: Vec<GroupFrozen>,
+    batch: Vec<SeqData>,
+    tc: FThetaTrainConfig,
+}
+
+fn step_fixture() -> StepFixture {
     let d = Device::flex();
     let ad = d.clone().autodiff();
     let cfg = tiny_config(4);
@@ -219,7 +231,7 @@ fn the_trainers_step_reaches_f_theta_only_not_the_verifiers_weights() {
         loss: "attn_distill_hybrid".into(),
         ..f_theta_config(1, 6, FThetaInputs::Own, 5, cfg.num_hidden_layers, kv)
     };
-    let mut params = FThetaParams::init(config, 1, &d);
+    let params = FThetaParams::init(config, 1, &d);
     let groups = frozen_groups(&frozen, &params.config);
     let r = |n: usize, s: u64| -> Vec<f32> {
         (0..n)
@@ -268,13 +280,33 @@ export = "unused"
 "#,
     )
     .unwrap();
-    // The trainer's loss, differentiated: every f_θ tensor gets a gradient, no verifier one.
+    StepFixture {
+        ad,
+        v,
+        frozen,
+        params,
+        groups,
+        batch,
+        tc,
+    }
+}
+
+/// A step's sequences in one padded pass (as on a GPU: rows one after the other, each query
+/// masked to its own sequence, 16 rows padded to 24 and 8 queries to 12) give the loss of one
+/// pass per sequence for every loss kind, and the gradients of the trainer's own pass.
+#[test]
+fn one_padded_pass_over_two_sequences_equals_a_pass_per_sequence() {
+    let StepFixture {
+        ad,
+        params,
+        groups,
+        batch,
+        tc,
+        ..
+    } = step_fixture();
     let leaves0 = leaves(&params.tensors);
     let model = params.model(&leaves0);
     let grads = batch_loss(&model, &groups, &batch, &tc, 0, &ad).backward();
-    // Both sequences in one pass, padded (as on a GPU: rows one after the other, each query
-    // masked to its own sequence, 16 rows padded to 24 and 8 queries to 12) give the loss and
-    // gradients of one pass per sequence.
     let leaves_joint = leaves(&params.tensors);
     let joint = batch_loss_in(
         &params.model(&leaves_joint),
@@ -329,6 +361,23 @@ export = "unused"
             "{name}: gradients differ by {worst:e} of {scale:e}"
         );
     }
+}
+
+/// The trainer's loss, differentiated: every f_θ tensor gets a gradient, no verifier one.
+#[test]
+fn the_trainers_gradients_reach_f_theta_only() {
+    let StepFixture {
+        ad,
+        frozen,
+        params,
+        groups,
+        batch,
+        tc,
+        ..
+    } = step_fixture();
+    let leaves0 = leaves(&params.tensors);
+    let model = params.model(&leaves0);
+    let grads = batch_loss(&model, &groups, &batch, &tc, 0, &ad).backward();
     for ((name, _, _), leaf) in params.tensors.iter().zip(&leaves0) {
         let g = leaf
             .grad(&grads)
@@ -350,7 +399,20 @@ export = "unused"
             "layer {l} k_norm got a gradient"
         );
     }
-    // A real step: every f_θ tensor moves, the verifier's pieces stay its own weights.
+}
+
+/// A real step: every f_θ tensor moves, the verifier's pieces stay its own weights.
+#[test]
+fn the_trainers_step_moves_f_theta_only_not_the_verifiers_weights() {
+    let StepFixture {
+        ad,
+        v,
+        frozen,
+        mut params,
+        groups,
+        batch,
+        tc,
+    } = step_fixture();
     let before: Vec<Vec<f32>> = params.tensors.iter().map(|(_, _, p)| host(p)).collect();
     let mut moments: Vec<Moments> = params
         .tensors

@@ -425,40 +425,7 @@ fn eval_niah_reports_resumes_and_refuses_other_settings() {
     let a = args(&out);
     let a: Vec<&str> = a.iter().map(String::as_str).collect();
     let rep = json(&run_ok(&a));
-    assert_eq!(rep["schema_version"], 1);
-    assert_eq!(rep["full_cache_dtype"], "f16");
-    let modes: Vec<&str> = rep["modes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| m["mode"].as_str().unwrap())
-        .collect();
-    assert_eq!(modes, ["full", "sink-window", "quant4", "restored"]);
-    let items = rep["items"].as_array().unwrap();
-    assert_eq!(items.len(), 5 * 4);
-    for it in items {
-        let output = it["output"].as_str().unwrap();
-        let answer = it["answer"].as_str().unwrap();
-        assert_eq!(it["correct"], output.contains(answer));
-        assert!(it["kv_bytes"].as_u64().unwrap() > 0);
-        if it["mode"] == "full" {
-            assert!(it["first_divergence_from_full"].is_null());
-        }
-    }
-    let full = &rep["modes"][0];
-    assert_eq!(full["delta_points"], 0.0);
-    assert_eq!(full["identical_to_full"], 5);
-    let buckets: Vec<u64> = full["by_length"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|b| b["length"].as_u64().unwrap())
-        .collect();
-    assert_eq!(
-        buckets,
-        [40, 80],
-        "prompts of 31..71 tokens (<bos> included)"
-    );
+    assert_report(&rep);
     assert!(out.join("recall.png").is_file());
 
     // Kill after 7 results (the 8th line torn), resume: the same results as uninterrupted.
@@ -500,6 +467,52 @@ fn eval_niah_reports_resumes_and_refuses_other_settings() {
     assert!(e.contains("other settings"), "{e}");
     let e = fails(&a);
     assert!(e.contains("--resume"), "{e}");
+}
+
+/// The report of the run above: `full` then the modes asked for, every item scored against its
+/// answer, prompts bucketed by the nearest ladder length.
+fn assert_report(rep: &serde_json::Value) {
+    assert_eq!(rep["schema_version"], 1);
+    assert_eq!(rep["full_cache_dtype"], "f16");
+    let modes: Vec<&str> = rep["modes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["mode"].as_str().unwrap())
+        .collect();
+    assert_eq!(modes, ["full", "sink-window", "quant4", "restored"]);
+    let items = rep["items"].as_array().unwrap();
+    assert_eq!(items.len(), 5 * 4);
+    for it in items {
+        let output = it["output"].as_str().unwrap();
+        let answer = it["answer"].as_str().unwrap();
+        assert_eq!(it["correct"], output.contains(answer));
+        assert!(it["kv_bytes"].as_u64().unwrap() > 0);
+        if it["mode"] == "full" {
+            assert!(it["first_divergence_from_full"].is_null());
+        }
+    }
+    let full = &rep["modes"][0];
+    assert_eq!(full["delta_points"], 0.0);
+    assert_eq!(full["identical_to_full"], 5);
+    let buckets: Vec<u64> = full["by_length"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["length"].as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        buckets,
+        [40, 80],
+        "prompts of 31..71 tokens (<bos> included)"
+    );
+}
+
+#[test]
+fn eval_niah_refuses_bad_prompts_and_unknown_modes() {
+    let sc = Scratch::new("kv-cli-eval-bad");
+    let (m, _, _) = pair(&sc);
+    let prompts = prompts_file(&sc.0);
     // Bad prompts files.
     let bad = sc.0.join("bad.jsonl");
     std::fs::write(&bad, "{\"id\": \"x\", \"text\": \"w5\"}\n").unwrap();

@@ -290,7 +290,15 @@ fn bench_prints_the_documented_json() {
             "{test}: the median"
         );
     }
-    // Batched decoding: the tg test steps 3 sequences together and counts all their tokens.
+}
+
+/// Batched decoding: the tg test steps 3 sequences together and counts all their tokens;
+/// sampled decoding: the tg test says how it chose its tokens.
+#[test]
+fn bench_names_batched_and_sampled_decoding() {
+    let s = Scratch::new("cli-bench-batch");
+    let m = tiny_model_dir(&s.0, "tiny", 4, 44);
+    let mm = m.to_str().unwrap();
     let j = json(&run_ok(&[
         "bench",
         "--model",
@@ -311,7 +319,6 @@ fn bench_prints_the_documented_json() {
     assert_eq!(tg["test"], "tg5 × 3 sequences (aggregate)");
     assert_eq!(tg["tokens"], 15);
     assert!(tg["median_tok_s"].as_f64().unwrap() > 0.0);
-    // Sampled decoding: the tg test says how it chose its tokens.
     let j = json(&run_ok(&[
         "bench",
         "--model",
@@ -334,7 +341,14 @@ fn bench_prints_the_documented_json() {
         j["results"][1]["test"],
         "tg5, sampled (T 0.8, top-k 5, top-p 1)"
     );
-    // The speculative comparison with replayed drafts: every draft is right.
+}
+
+/// The speculative comparison with replayed drafts: every draft is right.
+#[test]
+fn bench_compares_speculative_decoding_with_replayed_drafts() {
+    let s = Scratch::new("cli-bench-spec");
+    let m = tiny_model_dir(&s.0, "tiny", 4, 44);
+    let mm = m.to_str().unwrap();
     let prompts = s.0.join("p.jsonl");
     std::fs::write(
         &prompts,

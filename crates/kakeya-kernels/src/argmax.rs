@@ -402,39 +402,7 @@ impl QuantMatrix {
         let ids: Vec<Option<u32>> = cands
             .par_iter()
             .enumerate()
-            .map(|(j, c)| {
-                let xj = &x[j * cols..(j + 1) * cols];
-                if c.len() > rows / FULL_ROW_SHARE {
-                    // A flat row (the bound excludes little): one streamed pass over every
-                    // row is cheaper than this many scattered tiles. The same products.
-                    let all = self.matmul(xj, 1);
-                    if all.iter().any(|v| !v.is_finite()) {
-                        return None;
-                    }
-                    return first_max(&all).map(|b| b as u32);
-                }
-                let (mut loaded, mut four) = (usize::MAX, [0.0f32; TILE]);
-                let mut w = Vec::new();
-                let mut vals = Vec::with_capacity(c.len());
-                for &r in c {
-                    let k = r as usize / TILE;
-                    if k != loaded {
-                        let n = (rows - k * TILE).min(TILE);
-                        if !tiles::tiles_fused(l, self.tile(k), xj, 1, n, &mut four) {
-                            w.resize(TILE * cols, 0.0);
-                            l.rebuild(self.tile(k), &mut w);
-                            tiles::tile(&w, n, xj, 1, cols, &mut four);
-                        }
-                        loaded = k;
-                    }
-                    let v = four[r as usize % TILE];
-                    if !v.is_finite() {
-                        return None;
-                    }
-                    vals.push(v);
-                }
-                Some(c[first_max(&vals)?])
-            })
+            .map(|(j, c)| self.best_candidate(&x[j * cols..(j + 1) * cols], c))
             .collect();
         let ids: Vec<u32> = ids.into_iter().collect::<Option<_>>()?;
         tracing::trace!(candidates = ?cands.iter().map(Vec::len).collect::<Vec<_>>(), "certified argmax");
@@ -442,6 +410,43 @@ impl QuantMatrix {
             ids,
             candidates: cands.iter().map(Vec::len).collect(),
         })
+    }
+
+    /// Pass 3 of [`Self::certified_argmax`] for one input row `xj`: the exact products of its
+    /// candidate rows `c` (ascending; the matmul kernel's, so the same bits, a tile of four
+    /// rows at a time), and the largest, first on ties. `None` for a non-finite product.
+    fn best_candidate(&self, xj: &[f32], c: &[u32]) -> Option<u32> {
+        let (l, rows, cols) = (self.layout(), self.rows(), self.cols());
+        if c.len() > rows / FULL_ROW_SHARE {
+            // A flat row (the bound excludes little): one streamed pass over every
+            // row is cheaper than this many scattered tiles. The same products.
+            let all = self.matmul(xj, 1);
+            if all.iter().any(|v| !v.is_finite()) {
+                return None;
+            }
+            return first_max(&all).map(|b| b as u32);
+        }
+        let (mut loaded, mut four) = (usize::MAX, [0.0f32; TILE]);
+        let mut w = Vec::new();
+        let mut vals = Vec::with_capacity(c.len());
+        for &r in c {
+            let k = r as usize / TILE;
+            if k != loaded {
+                let n = (rows - k * TILE).min(TILE);
+                if !tiles::tiles_fused(l, self.tile(k), xj, 1, n, &mut four) {
+                    w.resize(TILE * cols, 0.0);
+                    l.rebuild(self.tile(k), &mut w);
+                    tiles::tile(&w, n, xj, 1, cols, &mut four);
+                }
+                loaded = k;
+            }
+            let v = four[r as usize % TILE];
+            if !v.is_finite() {
+                return None;
+            }
+            vals.push(v);
+        }
+        Some(c[first_max(&vals)?])
     }
 }
 

@@ -8,7 +8,6 @@ use super::{Attention, SHARED_ROWS};
 use crate::cache::{KvLayers, KvSegment, SegmentKv};
 use crate::error::{ModelError, Result};
 use crate::host_attention::{self, HostView, KEY_SPAN, RowSource, SourcedKey};
-use crate::linear::QUANT_MAX_ROWS;
 use crate::tree_rows::TreeRows;
 
 /// A key a row reads: its position, its segment, and where its rows are read.
@@ -147,9 +146,8 @@ impl HostChunk<'_, '_> {
 
 impl Attention {
     /// [`Self::attend`] on the CPU: `None` when `q` or a segment does not live in CPU memory
-    /// (a GPU, autodiff), or a deferred segment is read by a chunk of more than
-    /// [`QUANT_MAX_ROWS`] rows or its cache has no [`crate::HostTier`]. Rows run in blocks of
-    /// [`SHARED_ROWS`], in parallel.
+    /// (a GPU, autodiff), or a deferred segment's cache has no [`crate::HostTier`]. Rows run in
+    /// blocks of [`SHARED_ROWS`], in parallel.
     ///
     /// # Shapes
     /// - `q`: `[heads, T, head_dim]` → `[T, heads · head_dim]`
@@ -164,13 +162,9 @@ impl Attention {
         let Some(qh) = HostView::of(q) else {
             return Ok(None);
         };
-        // Each row dequantises what it reads of a tier: right for decode steps and verify
-        // blocks, not for a prompt chunk of hundreds of rows (the tile-by-tile tensor path
-        // dequantises each tile once for all of them).
+        // A tier's rows are dequantised a tile at a time, once for each block of
+        // `SHARED_ROWS` rows that share their keys (a prompt chunk at depth).
         let deferred = segments.iter().any(|s| matches!(s.kv, SegmentKv::Deferred));
-        if deferred && q.dims()[1] > QUANT_MAX_ROWS {
-            return Ok(None);
-        }
         let tier = if deferred {
             match caches.host_tier(layer) {
                 Some(t) => Some(t),

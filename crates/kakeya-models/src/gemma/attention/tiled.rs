@@ -1,5 +1,6 @@
-//! [`Attention::attend`] over deferred segments with tensor ops (a GPU, autodiff, or a prompt
-//! chunk too long for the CPU's row loops): deferred K/V read a tile at a time.
+//! [`Attention::attend`] over deferred segments with tensor ops (a GPU, autodiff, or a cache
+//! whose deferred K/V have no host tier to read in place, as f_θ's restored rows): deferred K/V
+//! read a tile at a time.
 
 use burn::tensor::{Device, Tensor};
 

@@ -219,6 +219,16 @@ struct StepFixture {
     tc: FThetaTrainConfig,
 }
 
+impl StepFixture {
+    /// f_θ's tensors as fresh leaves, and the trainer's loss over them differentiated.
+    fn trainer_gradients(&self) -> (Vec<Tensor<2>>, burn::tensor::Gradients) {
+        let leaves = leaves(&self.params.tensors);
+        let model = self.params.model(&leaves);
+        let loss = batch_loss(&model, &self.groups, &self.batch, &self.tc, 0, &self.ad);
+        (leaves, loss.backward())
+    }
+}
+
 fn step_fixture() -> StepFixture {
     let d = Device::flex();
     let ad = d.clone().autodiff();
@@ -296,6 +306,8 @@ export = "unused"
 /// pass per sequence for every loss kind, and the gradients of the trainer's own pass.
 #[test]
 fn one_padded_pass_over_two_sequences_equals_a_pass_per_sequence() {
+    let fx = step_fixture();
+    let (leaves0, grads) = fx.trainer_gradients();
     let StepFixture {
         ad,
         params,
@@ -303,10 +315,8 @@ fn one_padded_pass_over_two_sequences_equals_a_pass_per_sequence() {
         batch,
         tc,
         ..
-    } = step_fixture();
-    let leaves0 = leaves(&params.tensors);
+    } = fx;
     let model = params.model(&leaves0);
-    let grads = batch_loss(&model, &groups, &batch, &tc, 0, &ad).backward();
     let leaves_joint = leaves(&params.tensors);
     let joint = batch_loss_in(
         &params.model(&leaves_joint),
@@ -366,18 +376,9 @@ fn one_padded_pass_over_two_sequences_equals_a_pass_per_sequence() {
 /// The trainer's loss, differentiated: every f_θ tensor gets a gradient, no verifier one.
 #[test]
 fn the_trainers_gradients_reach_f_theta_only() {
-    let StepFixture {
-        ad,
-        frozen,
-        params,
-        groups,
-        batch,
-        tc,
-        ..
-    } = step_fixture();
-    let leaves0 = leaves(&params.tensors);
-    let model = params.model(&leaves0);
-    let grads = batch_loss(&model, &groups, &batch, &tc, 0, &ad).backward();
+    let fx = step_fixture();
+    let (leaves0, grads) = fx.trainer_gradients();
+    let StepFixture { frozen, params, .. } = fx;
     for ((name, _, _), leaf) in params.tensors.iter().zip(&leaves0) {
         let g = leaf
             .grad(&grads)

@@ -5,8 +5,8 @@ use std::time::Instant;
 
 use anyhow::Result;
 use clap::Args;
-use kakeya_runtime::Session;
 use kakeya_runtime::{Sampler, Sampling};
+use kakeya_runtime::{Session, Want};
 use serde::Serialize;
 
 use crate::common::{ModelArgs, SamplingArgs};
@@ -194,10 +194,12 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 next[0] = picker.pick_scores(&s.step_for(next[0], &picker)?, s.len());
             } else {
                 let mut refs: Vec<&mut Session<'_>> = seqs.iter_mut().collect();
-                let samplers = vec![&picker; a.batch];
-                let scores = Session::step_batch(&mut refs, &next, &samplers)?;
-                for ((n, sc), s) in next.iter_mut().zip(&scores).zip(&seqs) {
-                    *n = picker.pick_scores(sc, s.len());
+                let chunks: Vec<&[u32]> = next.iter().map(std::slice::from_ref).collect();
+                let wants = vec![Want::Next(&picker); a.batch];
+                let verified = Session::run_batch(&mut refs, &chunks, &wants)?;
+                for ((n, v), s) in next.iter_mut().zip(verified).zip(&seqs) {
+                    let sc = v.into_scores().expect("every session ran its next token");
+                    *n = picker.pick_scores(&sc, s.len());
                 }
             }
         }

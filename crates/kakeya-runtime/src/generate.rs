@@ -8,7 +8,7 @@ use crate::error::{Result, RuntimeError};
 use crate::guard::RunawayGuard;
 use crate::kv::{KvBytes, KvMode};
 use crate::sampler::{Sampler, Sampling};
-use crate::session::Session;
+use crate::session::{Session, Want};
 
 /// Generation settings.
 #[derive(Debug, Clone)]
@@ -278,7 +278,7 @@ fn finished(
 
 /// Generates for several prompts at once, `sessions[i]` for `prompts[i]`: each prompt is
 /// prefilled alone, then the sequences still running decode in lock-step, one stacked forward
-/// per step ([`Session::step_batch`]), so each sequence's output is exactly what [`generate`]
+/// per step ([`Session::run_batch`]), so each sequence's output is exactly what [`generate`]
 /// gives it alone (same stop rules, same position-keyed sampling). Keep the batch within
 /// [`kakeya_models::linear::QUANT_MAX_ROWS`] sequences for the bit-for-bit guarantee on the CPU.
 /// A sequence's `decode_secs` is the wall time of the steps it took part in.
@@ -337,10 +337,12 @@ pub fn generate_batch(
             .filter(|(i, _)| stop[*i].is_none())
             .map(|(_, s)| s)
             .collect();
-        let out = Session::step_batch(&mut running, &next, &vec![&sampler; next.len()])?;
+        let chunks: Vec<&[u32]> = next.iter().map(std::slice::from_ref).collect();
+        let wants = vec![Want::Next(&sampler); next.len()];
+        let out = Session::run_batch(&mut running, &chunks, &wants)?;
         let secs = t.elapsed().as_secs_f64();
         for (&i, l) in live.iter().zip(out) {
-            scores[i] = l;
+            scores[i] = l.into_scores().expect("every session ran its next token");
             steps[i] += 1;
             decode_secs[i] += secs;
         }

@@ -31,7 +31,7 @@ pub fn logits_row(logits: Tensor<2>) -> Vec<f32> {
         .expect("logits are f32")
 }
 
-/// What one session of [`Session::verify_batch`] asks of its chunk.
+/// What one session of [`Session::run_batch`] asks of its chunk.
 #[derive(Debug, Clone, Copy)]
 pub enum Want<'s> {
     /// Run the chunk; give what the sampler picks the token after it from.
@@ -42,13 +42,23 @@ pub enum Want<'s> {
     Block(&'s Sampler),
 }
 
-/// What [`Session::verify_batch`] gives one session.
+/// What [`Session::run_batch`] gives one session.
 #[derive(Debug, Clone)]
 pub enum Verified {
     /// The sampler's choice after every row of its block ([`Want::Block`]).
     Block(Vec<u32>),
     /// What its sampler picks the token after its chunk from ([`Want::Next`]).
     Scores(Scores),
+}
+
+impl Verified {
+    /// The scores of a session that ran its next chunk ([`Want::Next`]); `None` for a block.
+    pub fn into_scores(self) -> Option<Scores> {
+        match self {
+            Verified::Scores(s) => Some(s),
+            Verified::Block(_) => None,
+        }
+    }
 }
 
 /// The [`Scores`] of a forward that asked for what `sampler` wants: the choice made on the

@@ -16,7 +16,7 @@ use kakeya_models::{DFlashDrafter, DraftContext, GemmaModel};
 use kakeya_runtime::chat::ChatSession;
 use kakeya_runtime::{
     Generation, GenerationConfig, KvSetup, RunawayGuard, Sampler, Sampling, Session, StopReason,
-    TextStream, generate, generate_batch,
+    TextStream, Want, generate, generate_batch,
 };
 use kakeya_weights::Tokenizer;
 
@@ -340,14 +340,16 @@ fn batched_steps_refuse_mismatched_inputs() {
     a.prefill(&[1, 2], 4).unwrap();
     b.prefill(&[1, 2], 4).unwrap();
     let g = Sampler::new(Sampling::Greedy);
-    let err = Session::step_batch(&mut [&mut a, &mut b], &[3, 4], &[&g, &g]).unwrap_err();
+    let (three, four): (&[u32], &[u32]) = (&[3], &[4]);
+    let next = Want::Next(&g);
+    let err = Session::run_batch(&mut [&mut a, &mut b], &[three, four], &[next, next]).unwrap_err();
     assert!(err.to_string().contains("share one model"), "{err}");
     let mut c = Session::new(&v, 0);
     c.prefill(&[1], 4).unwrap();
-    let err = Session::step_batch(&mut [&mut a, &mut c], &[3], &[&g]).unwrap_err();
+    let err = Session::run_batch(&mut [&mut a, &mut c], &[three], &[next]).unwrap_err();
     assert!(
         err.to_string()
-            .contains("1 tokens and 1 samplers for 2 sessions"),
+            .contains("1 chunks and 1 samplers for 2 sessions"),
         "{err}"
     );
     let mut sessions = vec![Session::new(&v, 0)];

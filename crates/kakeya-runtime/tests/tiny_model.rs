@@ -383,7 +383,7 @@ fn the_int8_kernel_keeps_blocks_bit_for_bit_and_speculation_lossless() {
 fn a_prompt_chunk_beside_decode_steps_is_bit_for_bit_its_own_forward() {
     use kakeya_models::linear::Kernel;
     use kakeya_models::testing::random_quantized_checkpoint;
-    use kakeya_runtime::{Sampler, Sampling, Scores};
+    use kakeya_runtime::{Sampler, Sampling, Scores, Verified, Want};
     let exact = GemmaModel::from_checkpoint(
         random_quantized_checkpoint(&tiny_config(4), 9),
         &Device::flex(),
@@ -399,10 +399,11 @@ fn a_prompt_chunk_beside_decode_steps_is_bit_for_bit_its_own_forward() {
         top_p: 1.0,
         seed: 0,
     });
-    let flat = |s: Scores| match s {
+    let flat = |v: Verified| match v.into_scores().expect("a chunk's scores") {
         Scores::Logits(l) => l.iter().map(|v| v.to_bits()).collect::<Vec<u32>>(),
         Scores::Greedy(id) | Scores::Drawn(id) => vec![id],
     };
+    let next = Want::Next(&logits);
     for (m, prompt_len, what) in [
         (&exact, 12, "exact, 15 rows"),
         (&exact, 20, "exact, 23 rows"),
@@ -416,14 +417,14 @@ fn a_prompt_chunk_beside_decode_steps_is_bit_for_bit_its_own_forward() {
             let mut s = Session::new(m, 0);
             s.prefill(p, 4).unwrap();
             alone.push(flat(
-                Session::run_batch(&mut [&mut s], &[&[3u32][..]], &[&logits])
+                Session::run_batch(&mut [&mut s], &[&[3u32][..]], &[next])
                     .unwrap()
                     .remove(0),
             ));
         }
         let mut s = Session::new(m, 0);
         alone.push(flat(
-            Session::run_batch(&mut [&mut s], &[&new_prompt[..]], &[&logits])
+            Session::run_batch(&mut [&mut s], &[&new_prompt[..]], &[next])
                 .unwrap()
                 .remove(0),
         ));
@@ -439,7 +440,7 @@ fn a_prompt_chunk_beside_decode_steps_is_bit_for_bit_its_own_forward() {
             .collect();
         let chunks: Vec<&[u32]> = vec![&[3], &[3], &[3], &new_prompt];
         let mut refs: Vec<&mut Session<'_>> = sessions.iter_mut().collect();
-        let together: Vec<Vec<u32>> = Session::run_batch(&mut refs, &chunks, &[&logits; 4])
+        let together: Vec<Vec<u32>> = Session::run_batch(&mut refs, &chunks, &[next; 4])
             .unwrap()
             .into_iter()
             .map(flat)

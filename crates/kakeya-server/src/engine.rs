@@ -7,7 +7,7 @@
 //! when one sequence runs alone and nothing waits — one speculative block of it. Every path
 //! gives each sequence exactly the tokens plain decoding gives it alone: batched rows are bit
 //! for bit single rows
-//! ([`Session::step_batch`]), speculation is lossless, and sampling draws are keyed by
+//! ([`Session::run_batch`]), speculation is lossless, and sampling draws are keyed by
 //! position. A sequence whose client went away is dropped at the next turn, freeing its
 //! caches. A finished sequence's session goes to the prefix cache, where a later prompt that
 //! starts the same way takes its K/V instead of computing them

@@ -236,7 +236,7 @@ pub(super) fn verify_group(
         .map(|&i| slots[i].take().expect("each sequence once"))
         .collect();
     let block_refs: Vec<&[u32]> = blocks.iter().map(Vec::as_slice).collect();
-    let verified = Session::verify_batch(&mut sessions, &block_refs, &wants)?;
+    let verified = Session::run_batch(&mut sessions, &block_refs, &wants)?;
     drop(sessions);
     drop(slots);
     if !group.is_empty() {

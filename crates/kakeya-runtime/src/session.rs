@@ -19,7 +19,10 @@ use crate::kv::{CompactStore, KvBytes, KvPolicy, Restorer, SequenceKv};
 use crate::sampler::{Sampler, Sampling, Scores};
 
 mod batch;
+mod store_feed;
 mod tree_block;
+
+use store_feed::StoreFeed;
 
 use tree_block::{Recording, TreeBlock};
 
@@ -134,20 +137,12 @@ pub struct Session<'m> {
     policy: KvPolicy,
     kv: SequenceKv<'m>,
     drafter: Option<&'m DFlashDrafter>,
-    /// Hidden states at the drafter's target layers of positions `from..`, not yet committed.
-    pending: Option<(usize, Tensor<2>)>,
-    /// Committed positions whose store rows are not computed yet, as (first position, hidden
-    /// states) chunks in order: the rows are computed in one batch when the store is read
-    /// (a draft), when [`BACKLOG_MAX`] positions wait, or at once in the restored modes, so
-    /// plain decode steps between drafts pay no drafter projections.
-    backlog: Vec<(usize, Tensor<2>)>,
+    /// The hidden states waiting for their compact-store rows.
+    feed: StoreFeed,
     /// A tree verified by the last forward, until its path is kept.
     tree_block: Option<TreeBlock>,
     len: usize,
 }
-
-/// Most committed positions that wait for their store rows.
-const BACKLOG_MAX: usize = 64;
 
 impl<'m> Session<'m> {
     /// An empty sequence with the model's native caches; rings keep `slack` positions of
@@ -201,8 +196,7 @@ impl<'m> Session<'m> {
                 setup.restorer.filter(|_| mode.restores()),
             ),
             drafter: setup.drafter,
-            pending: None,
-            backlog: Vec::new(),
+            feed: StoreFeed::default(),
             tree_block: None,
             len: 0,
         })
@@ -231,11 +225,7 @@ impl<'m> Session<'m> {
     /// Bytes of K/V held, by part (hidden states waiting for their store rows count as store).
     pub fn kv_bytes(&self) -> KvBytes {
         let mut b = self.kv.bytes();
-        let waiting: usize = self
-            .backlog
-            .iter()
-            .map(|(_, h)| h.dims().iter().product::<usize>() * 4)
-            .sum();
+        let waiting = self.feed.waiting_bytes();
         b.store += waiting;
         b.total += waiting;
         b.ratio_to_full_f16 = b.full_f16 as f64 / b.total.max(1) as f64;
@@ -267,8 +257,7 @@ impl<'m> Session<'m> {
             return false;
         }
         self.kv.drop_store();
-        self.pending = None;
-        self.backlog.clear();
+        self.feed.clear();
         true
     }
 
@@ -281,39 +270,18 @@ impl<'m> Session<'m> {
     /// Commits every position in the caches: their hidden states join the backlog of store
     /// rows (computed at once in the restored modes, whose forwards read the store).
     pub fn commit(&mut self) -> Result<()> {
-        let Some((from, aux)) = self.pending.take() else {
-            return Ok(());
-        };
-        let n = self.len.saturating_sub(from);
-        if n == 0 {
-            return Ok(());
-        }
-        let w = aux.dims()[1];
-        self.backlog.push((from, aux.slice([0..n, 0..w])));
-        let waiting = self.len - self.backlog[0].0;
-        if self.policy.mode.restores() || waiting >= BACKLOG_MAX {
+        if self.feed.commit(self.len, self.policy.mode.restores()) {
             self.flush_backlog()?;
         }
         Ok(())
     }
 
-    /// Computes the store rows of the backlog in one batch and appends them.
+    /// Computes the store rows of the committed positions waiting for them, in one batch.
     fn flush_backlog(&mut self) -> Result<()> {
-        if self.backlog.is_empty() {
+        let (Some(d), Some(store)) = (self.drafter, self.kv.store_mut()) else {
             return Ok(());
-        }
-        let from = self.backlog[0].0;
-        let aux = Tensor::cat(self.backlog.drain(..).map(|(_, h)| h).collect(), 0);
-        let d = self.drafter.expect("store rows only with a drafter");
-        let store = self.kv.store_mut().expect("a drafter comes with a store");
-        if store.len() != from {
-            return Err(RuntimeError::Input(format!(
-                "store holds {} positions, committing rows from {from}",
-                store.len()
-            )));
-        }
-        d.append_context(aux, store)?;
-        Ok(())
+        };
+        self.feed.flush(d, store)
     }
 
     /// Runs `tokens` in chunks of at most `chunk`; returns the last position's logits.
@@ -456,7 +424,7 @@ impl<'m> Session<'m> {
             if !targets.is_empty() {
                 let aux = out.hidden.split_off(hidden_after.len());
                 if s.keeps_store() {
-                    s.pending = Some((s.len, Tensor::cat(aux, 1)));
+                    s.feed.hold(s.len, Tensor::cat(aux, 1));
                 }
             }
             s.len += tokens.len();
@@ -500,16 +468,7 @@ impl<'m> Session<'m> {
             store.truncate(len);
         }
         // Waiting rows past `len` go too.
-        self.backlog.retain(|(from, _)| *from < len);
-        if let Some((from, h)) = self.backlog.last_mut()
-            && *from + h.dims()[0] > len
-        {
-            let w = h.dims()[1];
-            *h = h.clone().slice([0..len - *from, 0..w]);
-        }
-        if self.pending.as_ref().is_some_and(|(from, _)| *from > len) {
-            self.pending = None;
-        }
+        self.feed.truncate(len);
         self.len = len;
         self.commit()
     }

@@ -166,8 +166,8 @@ impl Session<'_> {
         let block = self.tree_block.take().expect("checked above");
         // The drafter's target-layer rows waiting for the store: the path's.
         let pending = self
-            .pending
-            .take()
+            .feed
+            .take_pending()
             .filter(|(from, _)| *from == block.start)
             .map(|(from, h)| (from, select_rows(h, 0, path)));
         self.kv.truncate(block.start)?;
@@ -177,7 +177,9 @@ impl Session<'_> {
                 self.kv.update(layer, k, v, block.start)?;
             }
         }
-        self.pending = pending;
+        if let Some((from, h)) = pending {
+            self.feed.hold(from, h);
+        }
         self.len = block.start + path.len();
         self.commit()
     }

@@ -95,7 +95,7 @@ fn captured_raw_keys_become_the_runtime_keys() {
         ..KvPolicy::default()
     };
     let mut s = Session::with_kv(&v, KvSetup::new(policy)).unwrap();
-    s.prefill(&b.token, 512).unwrap();
+    s.run(&b.token, 512).unwrap();
     let device = Device::flex();
     let mut worst = 0.0f32;
     for (l, layer) in v.layers.iter().enumerate() {

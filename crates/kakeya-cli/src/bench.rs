@@ -137,7 +137,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let context = synthetic_prompt(a.depth, model.config.vocab_size, tok.bos);
         let mut s = Session::with_kv(&model, kv.setup())?;
         let t = Instant::now();
-        let first = picker.pick_scores(&s.prefill_for(&context, 512, &picker)?, context.len());
+        let first = picker.pick_scores(&s.run_for(&context, 512, &picker)?, context.len());
         let rate = a.depth as f64 / t.elapsed().as_secs_f64();
         tracing::info!(depth = a.depth, rate, "depth context prefilled");
         Some((s, first, rate))
@@ -163,7 +163,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         // Prefill: the whole prompt after the depth context (if any).
         let (mut s, _) = fresh()?;
         let t = Instant::now();
-        s.prefill(&prompt, a.prompt_tokens)?;
+        s.run(&prompt, a.prompt_tokens)?;
         let pp_rate = a.prompt_tokens as f64 / t.elapsed().as_secs_f64();
         drop(s);
         // Decode: gen_tokens steps of `batch` sequences (one token each) after the depth
@@ -182,7 +182,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
                     [vec![tok.bos], ctx].concat()
                 };
                 let end = s.len() + ctx.len();
-                first = picker.pick_scores(&s.prefill_for(&ctx, 512, &picker)?, end);
+                first = picker.pick_scores(&s.run_for(&ctx, 512, &picker)?, end);
             }
             seqs.push(s);
             next.push(first);
@@ -191,7 +191,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         for _ in 0..a.gen_tokens {
             if a.batch == 1 {
                 let s = &mut seqs[0];
-                next[0] = picker.pick_scores(&s.step_for(next[0], &picker)?, s.len());
+                next[0] = picker.pick_scores(&s.run_for(&[next[0]], 1, &picker)?, s.len());
             } else {
                 let mut refs: Vec<&mut Session<'_>> = seqs.iter_mut().collect();
                 let chunks: Vec<&[u32]> = next.iter().map(std::slice::from_ref).collect();

@@ -138,7 +138,7 @@ fn divergence(
         return Ok(None);
     };
     let context: Vec<u32> = ids.iter().chain(&ar[..step]).copied().collect();
-    let logits = Session::with_kv(model, setup)?.prefill(&context, 512)?;
+    let logits = Session::with_kv(model, setup)?.run(&context, 512)?;
     let (a, b) = (ar[step], spec[step]);
     Ok(Some(Divergence {
         step,

@@ -449,7 +449,7 @@ fn convert_writes_the_folder_transformers_loads() {
         };
         let logits = kakeya_runtime::Session::with_kv(&model, kakeya_runtime::KvSetup::new(policy))
             .unwrap()
-            .prefill(&ids, 512)
+            .run(&ids, 512)
             .unwrap();
         let top: Vec<usize> = serde_json::from_value(case["top_ids"].clone()).unwrap();
         let want: Vec<f32> = serde_json::from_value(case["top_logits"].clone()).unwrap();

@@ -197,7 +197,7 @@ impl<'m> ChatSession<'m> {
                 "the conversation has filled the model's context of {ctx} tokens; start a new chat"
             )));
         }
-        self.session.prefill(&close, close.len())?;
+        self.session.run(&close, close.len())?;
         self.transcript.extend(&close);
         Ok(g)
     }

@@ -220,7 +220,7 @@ pub fn generate(
     let sampler = Sampler::new(cfg.sampling.clone());
     let ctx = session.model().config.max_position_embeddings;
     let t0 = Instant::now();
-    let mut scores = session.prefill_for(prompt, cfg.prefill_chunk, &sampler)?;
+    let mut scores = session.run_for(prompt, cfg.prefill_chunk, &sampler)?;
     let prefill_secs = t0.elapsed().as_secs_f64();
     let mut sink = TokenSink::new(cfg, on_token);
     let t1 = Instant::now();
@@ -233,7 +233,7 @@ pub fn generate(
         if session.len() >= ctx {
             break StopReason::ContextFull;
         }
-        scores = session.step_for(tok, &sampler)?;
+        scores = session.run_for(&[tok], 1, &sampler)?;
         steps += 1;
     };
     let decode_secs = t1.elapsed().as_secs_f64();
@@ -302,7 +302,7 @@ pub fn generate_batch(
     let mut prefill_secs = Vec::with_capacity(prompts.len());
     for (session, prompt) in sessions.iter_mut().zip(prompts) {
         let t0 = Instant::now();
-        scores.push(session.prefill_for(prompt, cfg.prefill_chunk, &sampler)?);
+        scores.push(session.run_for(prompt, cfg.prefill_chunk, &sampler)?);
         prefill_secs.push(t0.elapsed().as_secs_f64());
     }
     let mut sinks: Vec<TokenSink<'_>> = prompts.iter().map(|_| TokenSink::silent(cfg)).collect();

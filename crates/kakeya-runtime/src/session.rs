@@ -284,25 +284,21 @@ impl<'m> Session<'m> {
         self.feed.flush(d, store)
     }
 
-    /// Runs `tokens` in chunks of at most `chunk`; returns the last position's logits.
-    pub fn prefill(&mut self, tokens: &[u32], chunk: usize) -> Result<Vec<f32>> {
-        let out = self.prefill_out(tokens, chunk, Logits::Last)?;
+    /// Runs `tokens` at the next positions — a prompt, or one decode step — in forwards of at
+    /// most `chunk` tokens, and commits them; returns the last position's logits.
+    pub fn run(&mut self, tokens: &[u32], chunk: usize) -> Result<Vec<f32>> {
+        let out = self.run_out(tokens, chunk, Logits::Last)?;
         Ok(logits_row(out.logits.expect("last chunk returns logits")))
     }
 
-    /// Runs `tokens` like [`Self::prefill`]; returns what `sampler` picks the next token from.
-    pub fn prefill_for(
-        &mut self,
-        tokens: &[u32],
-        chunk: usize,
-        sampler: &Sampler,
-    ) -> Result<Scores> {
-        let out = self.prefill_out(tokens, chunk, sampler.wants())?;
+    /// Runs `tokens` like [`Self::run`]; returns what `sampler` picks the next token from.
+    pub fn run_for(&mut self, tokens: &[u32], chunk: usize, sampler: &Sampler) -> Result<Scores> {
+        let out = self.run_out(tokens, chunk, sampler.wants())?;
         Ok(scores(out, sampler))
     }
 
     /// Runs `tokens` in chunks of at most `chunk`; the last chunk returns what `last` asks for.
-    fn prefill_out(&mut self, tokens: &[u32], chunk: usize, last: Logits) -> Result<ForwardOutput> {
+    fn run_out(&mut self, tokens: &[u32], chunk: usize, last: Logits) -> Result<ForwardOutput> {
         if tokens.is_empty() {
             return Err(RuntimeError::Input("empty prompt: nothing to run".into()));
         }
@@ -430,18 +426,6 @@ impl<'m> Session<'m> {
             s.len += tokens.len();
         }
         Ok(outs)
-    }
-
-    /// Runs one token; returns its logits.
-    pub fn step(&mut self, token: u32) -> Result<Vec<f32>> {
-        let out = self.forward(&[token], Logits::Last, &[])?;
-        Ok(logits_row(out.logits.expect("asked for logits")))
-    }
-
-    /// Runs one token; returns what `sampler` picks the next token from.
-    pub fn step_for(&mut self, token: u32, sampler: &Sampler) -> Result<Scores> {
-        let out = self.forward(&[token], sampler.wants(), &[])?;
-        Ok(scores(out, sampler))
     }
 
     /// Whether a [`Self::truncate`] to `len` would succeed with every cache native (a

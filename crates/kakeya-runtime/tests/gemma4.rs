@@ -117,7 +117,7 @@ fn matches_transformers_from(name: &str, src: Source) {
         ..KvPolicy::new(KvMode::Full)
     };
     let mut s = Session::with_kv(&m, KvSetup::new(f32_kv)).unwrap();
-    let mut row = s.prefill(&prompt, 5).unwrap();
+    let mut row = s.run(&prompt, 5).unwrap();
     let mut seq = prompt.clone();
     let mut generated = Vec::new();
     for _ in 0..want["greedy"].as_array().unwrap().len() {
@@ -133,7 +133,7 @@ fn matches_transformers_from(name: &str, src: Source) {
                     .unwrap(),
             )
         };
-        row = s.step(next).unwrap();
+        row = s.run(&[next], 1).unwrap();
         let d = max_diff(&row, &full[0]);
         assert!(
             d <= TOL,

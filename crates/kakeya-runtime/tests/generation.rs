@@ -317,8 +317,8 @@ fn batched_generation_equals_each_sequence_alone() {
             assert_eq!(alone.len(), s.len(), "sequence {i}");
             let next = 11;
             assert_eq!(
-                s.step(next).unwrap(),
-                alone.step(next).unwrap(),
+                s.run(&[next], 1).unwrap(),
+                alone.run(&[next], 1).unwrap(),
                 "sequence {i}"
             );
             let store = |s: &mut Session| {
@@ -337,15 +337,15 @@ fn batched_steps_refuse_mismatched_inputs() {
     let v = verifier(3);
     let other = verifier(4);
     let (mut a, mut b) = (Session::new(&v, 0), Session::new(&other, 0));
-    a.prefill(&[1, 2], 4).unwrap();
-    b.prefill(&[1, 2], 4).unwrap();
+    a.run(&[1, 2], 4).unwrap();
+    b.run(&[1, 2], 4).unwrap();
     let g = Sampler::new(Sampling::Greedy);
     let (three, four): (&[u32], &[u32]) = (&[3], &[4]);
     let next = Want::Next(&g);
     let err = Session::run_batch(&mut [&mut a, &mut b], &[three, four], &[next, next]).unwrap_err();
     assert!(err.to_string().contains("share one model"), "{err}");
     let mut c = Session::new(&v, 0);
-    c.prefill(&[1], 4).unwrap();
+    c.run(&[1], 4).unwrap();
     let err = Session::run_batch(&mut [&mut a, &mut c], &[three], &[next]).unwrap_err();
     assert!(
         err.to_string()

@@ -93,7 +93,7 @@ fn compare(
         assert_eq!(ours, want_ids, "tokenisation of {prompt:?}");
 
         let mut s = session(model, dtype);
-        let logits = s.prefill(&want_ids, 512).unwrap();
+        let logits = s.run(&want_ids, 512).unwrap();
         let d = logit_diff(&logits, case);
         eprintln!(
             "{dtype} K/V: {} prompt tokens: max |Δlogit| = {d:.2e}",
@@ -141,7 +141,7 @@ fn the_int8_kernel_stays_near_transformers_and_diverges_only_at_near_ties() {
     assert!(model.set_kernel(kakeya_models::linear::Kernel::Int8) > 0);
     for case in fixture()["cases"].as_array().unwrap() {
         let prompt = ids(&case["prompt_ids"]);
-        let logits = Session::new(&model, 0).prefill(&prompt, 512).unwrap();
+        let logits = Session::new(&model, 0).run(&prompt, 512).unwrap();
         let d = logit_diff(&logits, case);
         eprintln!(
             "int8: {} prompt tokens: max |Δlogit| = {d:.3}",

@@ -261,9 +261,9 @@ fn rolling_back_past_the_slack_is_refused_not_wrong() {
             ..KvSetup::new(policy(mode, 2, 8))
         };
         let mut s = Session::with_kv(&v, setup).unwrap();
-        s.prefill(&p, 16).unwrap();
+        s.run(&p, 16).unwrap();
         for t in [5, 6, 7] {
-            s.step(t).unwrap();
+            s.run(&[t], 1).unwrap();
         }
         // Rolling back the last forward is exact; going further than the window's slack is not
         // possible for windowed modes and must be refused.

@@ -44,7 +44,7 @@ fn run(
     chunk: usize,
     steps: usize,
 ) -> (Vec<Vec<f32>>, Vec<u32>) {
-    let mut seen = vec![s.prefill(tokens, chunk).unwrap()];
+    let mut seen = vec![s.run(tokens, chunk).unwrap()];
     let mut all: Vec<u32> = held.iter().chain(tokens).copied().collect();
     for _ in 0..steps {
         let last = seen.last().unwrap();
@@ -52,7 +52,7 @@ fn run(
             .max_by(|&a, &b| last[a].total_cmp(&last[b]))
             .unwrap() as u32;
         all.push(next);
-        seen.push(s.step(next).unwrap());
+        seen.push(s.run(&[next], 1).unwrap());
     }
     (seen, all)
 }
@@ -144,7 +144,7 @@ fn a_ring_that_dropped_the_prefix_is_not_forked_and_a_shorter_entry_serves() {
     // 40 positions: the sliding layers' rings (window 8) no longer hold the start.
     let long = ids(2, 40);
     let mut s = Session::with_kv(&v, setup).unwrap();
-    s.prefill(&long, 16).unwrap();
+    s.run(&long, 16).unwrap();
     cache.insert(&long, s);
     let mut prompt = long[..6].to_vec();
     prompt.extend(ids(3, 4));
@@ -158,7 +158,7 @@ fn a_ring_that_dropped_the_prefix_is_not_forked_and_a_shorter_entry_serves() {
     assert_eq!(cache.fork(&near).unwrap().len(), 39);
     // A shorter entry with the same opening serves the short prefix.
     let mut s = Session::with_kv(&v, setup).unwrap();
-    s.prefill(&long[..7], 16).unwrap();
+    s.run(&long[..7], 16).unwrap();
     cache.insert(&long[..7], s);
     assert_eq!(
         cache.len(),
@@ -167,10 +167,10 @@ fn a_ring_that_dropped_the_prefix_is_not_forked_and_a_shorter_entry_serves() {
     );
     let mut forked = cache.fork(&prompt).expect("the short entry");
     assert_eq!(forked.len(), 6);
-    let got = forked.prefill(&prompt[6..], 4).unwrap();
+    let got = forked.run(&prompt[6..], 4).unwrap();
     let want = Session::with_kv(&v, setup)
         .unwrap()
-        .prefill(&prompt, 4)
+        .run(&prompt, 4)
         .unwrap();
     assert_eq!(got, want);
 }
@@ -182,7 +182,7 @@ fn the_budget_keeps_the_most_recently_used_entries() {
     let setup = KvSetup::full(1);
     let session = |toks: &[u32]| {
         let mut s = Session::with_kv(&v, setup).unwrap();
-        s.prefill(toks, 16).unwrap();
+        s.run(toks, 16).unwrap();
         s
     };
     let a = ids(1, 12);

@@ -124,7 +124,7 @@ fn quantised_kv_of_the_real_model_is_within_half_a_step() {
             ..KvPolicy::new(mode)
         };
         let mut s = Session::with_kv(&v, KvSetup::new(policy)).unwrap();
-        s.prefill(p, 256).unwrap();
+        s.run(p, 256).unwrap();
         let mut worst = 0.0f32;
         for l in 0..v.layers.len() {
             let LayerKv::Tiered(t) = &s.kv().layers()[l] else {
@@ -177,7 +177,7 @@ fn quantised_formats_on_the_real_models_global_layers() {
         ..KvPolicy::new(KvMode::Full)
     };
     let mut s = Session::with_kv(&v, KvSetup::new(policy)).unwrap();
-    s.prefill(p, 256).unwrap();
+    s.run(p, 256).unwrap();
     let (width, head_dim) = (v.config.kv_width_of(0), v.config.head_dim);
     let rel = |a: &[f32], b: &[f32]| {
         let num: f32 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
@@ -298,7 +298,7 @@ fn f_theta_residuals_against_direct_quantisation_on_the_global_layers() {
         .drafter(&d)
         .restorer(&r);
     let mut s = Session::with_kv(&v, setup).unwrap();
-    s.prefill(p, 256).unwrap();
+    s.run(p, 256).unwrap();
     let store = s.store_mut().unwrap().expect("a compact store").clone();
     let n = store.len() / 64 * 64;
     let oracle = common::oracle_restorer(&v, p);

@@ -90,9 +90,9 @@ fn cfg(max_tokens: usize) -> GenerationConfig {
 fn divergence(v: &GemmaModel, p: &[u32], want: &[u32], got: &[u32]) -> String {
     let i = want.iter().zip(got).take_while(|(a, b)| a == b).count();
     let mut s = Session::new(v, 0);
-    let mut logits = s.prefill(p, 512).unwrap();
+    let mut logits = s.run(p, 512).unwrap();
     for &t in &want[..i] {
-        logits = s.step(t).unwrap();
+        logits = s.run(&[t], 1).unwrap();
     }
     logits.sort_by(|a, b| b.total_cmp(a));
     format!(

@@ -87,9 +87,9 @@ fn exact(v: &GemmaModel, p: &[u32], temperature: f32, k: usize) -> HashMap<Vec<u
         for (prefix, pp) in out {
             // The logits generation sees: the prompt's prefill, then one step per token.
             let mut sess = Session::new(v, 0);
-            let mut logits = sess.prefill(p, 16).unwrap();
+            let mut logits = sess.run(p, 16).unwrap();
             for &t in &prefix {
-                logits = sess.step(t).unwrap();
+                logits = sess.run(&[t], 1).unwrap();
             }
             for (t, pt) in s.distribution(&logits) {
                 let mut seq = prefix.clone();

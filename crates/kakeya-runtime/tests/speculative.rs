@@ -52,9 +52,9 @@ fn greedy(v: &GemmaModel, p: &[u32], max_tokens: usize) -> Vec<u32> {
 fn explain_divergence(v: &GemmaModel, p: &[u32], want: &[u32], got: &[u32]) -> String {
     let i = want.iter().zip(got).take_while(|(a, b)| a == b).count();
     let mut s = Session::new(v, 0);
-    let mut logits = s.prefill(p, 64).unwrap();
+    let mut logits = s.run(p, 64).unwrap();
     for &t in &want[..i] {
-        logits = s.step(t).unwrap();
+        logits = s.run(&[t], 1).unwrap();
     }
     let mut sorted = logits.clone();
     sorted.sort_by(|a, b| b.total_cmp(a));
@@ -289,7 +289,7 @@ fn random_accept_counts_leave_caches_as_if_only_committed_tokens_were_seen() {
         seq.extend(&g.tokens[..g.tokens.len() - 1]);
         let held = ver.len();
         let mut reference = Session::with_kv(&v, f32_kv).unwrap();
-        reference.prefill(&seq[..held], 5).unwrap();
+        reference.run(&seq[..held], 5).unwrap();
         for l in 0..v.layers.len() {
             let a = ver.session().kv().native(l).unwrap();
             let b = reference.kv().native(l).unwrap();

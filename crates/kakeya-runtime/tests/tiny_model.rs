@@ -58,10 +58,10 @@ fn prefill_then_decode_equals_one_full_forward() {
         ..KvPolicy::new(KvMode::Full)
     };
     let mut s = Session::with_kv(&m, KvSetup::new(policy)).unwrap();
-    let first = s.prefill(&toks[..7], 3).unwrap();
+    let first = s.run(&toks[..7], 3).unwrap();
     assert_close(&first, &full[6], "prefill last row");
     for (i, &t) in toks.iter().enumerate().skip(7) {
-        let row = s.step(t).unwrap();
+        let row = s.run(&[t], 1).unwrap();
         assert_close(&row, &full[i], &format!("decode position {i}"));
     }
 }
@@ -97,23 +97,23 @@ fn truncate_after_wrap_equals_never_having_appended() {
     let junk = [5u32, 6, 9, 90];
     // Reference: never sees the junk.
     let mut reference = Session::new(&m, 4);
-    reference.prefill(&toks[..15], 15).unwrap();
+    reference.run(&toks[..15], 15).unwrap();
     // Sees the junk after the ring has wrapped, then rolls it back.
     let mut rolled = Session::new(&m, 4);
-    rolled.prefill(&toks[..15], 15).unwrap();
+    rolled.run(&toks[..15], 15).unwrap();
     for &j in &junk {
-        rolled.step(j).unwrap();
+        rolled.run(&[j], 1).unwrap();
     }
     rolled.truncate(15).unwrap();
     for &t in &toks[15..] {
-        let a = reference.step(t).unwrap();
-        let b = rolled.step(t).unwrap();
+        let a = reference.run(&[t], 1).unwrap();
+        let b = rolled.run(&[t], 1).unwrap();
         assert_eq!(a, b, "rollback must be exact (bit-identical)");
     }
     // Rolling back further than the ring holds is refused (slack 1, plus the native ring's
     // spare slot: two positions back is the most).
     let mut s = Session::new(&m, 1);
-    s.prefill(&toks[..12], 12).unwrap();
+    s.run(&toks[..12], 12).unwrap();
     assert!(s.truncate(9).is_err());
     s.truncate(10).unwrap();
 }
@@ -293,7 +293,7 @@ fn rows_sharing_keys_at_depth_equal_single_steps() {
     // one by one.
     let toks: Vec<u32> = (0..depth + 40).map(|j| (j * 11 + 3) % 90).collect();
     let mut chunked = kakeya_runtime::Session::new(&m, 0);
-    chunked.prefill(&toks[..depth as usize], 256).unwrap();
+    chunked.run(&toks[..depth as usize], 256).unwrap();
     let rows = chunked
         .forward(&toks[depth as usize..], kakeya_models::Logits::All, &[])
         .unwrap()
@@ -303,10 +303,10 @@ fn rows_sharing_keys_at_depth_equal_single_steps() {
         .try_into_vec::<f32>()
         .unwrap();
     let mut steps = kakeya_runtime::Session::new(&m, 0);
-    steps.prefill(&toks[..depth as usize], 256).unwrap();
+    steps.run(&toks[..depth as usize], 256).unwrap();
     let vocab = config.vocab_size;
     for (i, &t) in toks[depth as usize..].iter().enumerate() {
-        let want = steps.step(t).unwrap();
+        let want = steps.run(&[t], 1).unwrap();
         assert_close(
             &rows[i * vocab..(i + 1) * vocab],
             &want,
@@ -336,8 +336,8 @@ fn the_int8_kernel_keeps_blocks_bit_for_bit_and_speculation_lossless() {
     );
     let p = common::tiny_prompt(1, 9);
     let (a, b) = (
-        Session::new(&exact, 0).prefill(&p, 4).unwrap(),
-        Session::new(&q, 0).prefill(&p, 4).unwrap(),
+        Session::new(&exact, 0).run(&p, 4).unwrap(),
+        Session::new(&q, 0).run(&p, 4).unwrap(),
     );
     let moved = a
         .iter()
@@ -415,7 +415,7 @@ fn a_prompt_chunk_beside_decode_steps_is_bit_for_bit_its_own_forward() {
         let mut alone = Vec::new();
         for p in &prompts {
             let mut s = Session::new(m, 0);
-            s.prefill(p, 4).unwrap();
+            s.run(p, 4).unwrap();
             alone.push(flat(
                 Session::run_batch(&mut [&mut s], &[&[3u32][..]], &[next])
                     .unwrap()
@@ -433,7 +433,7 @@ fn a_prompt_chunk_beside_decode_steps_is_bit_for_bit_its_own_forward() {
             .iter()
             .map(|p| {
                 let mut s = Session::new(m, 0);
-                s.prefill(p, 4).unwrap();
+                s.run(p, 4).unwrap();
                 s
             })
             .chain([Session::new(m, 0)])
@@ -451,15 +451,15 @@ fn a_prompt_chunk_beside_decode_steps_is_bit_for_bit_its_own_forward() {
             "{what}: sessions {differ:?} differ from their own forward"
         );
         for (i, s) in sessions.iter_mut().enumerate() {
-            let next = s.step(5).unwrap();
+            let next = s.run(&[5], 1).unwrap();
             let mut own = Session::new(m, 0);
             if i < 3 {
-                own.prefill(&prompts[i], 4).unwrap();
-                own.step(3).unwrap();
+                own.run(&prompts[i], 4).unwrap();
+                own.run(&[3], 1).unwrap();
             } else {
-                own.prefill(&new_prompt, 64).unwrap();
+                own.run(&new_prompt, 64).unwrap();
             }
-            let want = own.step(5).unwrap();
+            let want = own.run(&[5], 1).unwrap();
             let same = next
                 .iter()
                 .zip(&want)

@@ -71,13 +71,13 @@ fn a_trees_rows_are_bit_for_bit_forwards_of_their_paths() {
                 let (parents, tokens) = random_tree(&mut rng, n, 7);
                 let tree = TreeRows::new(&parents).unwrap();
                 let mut s = Session::new(&m, 16);
-                s.prefill(&p, 16).unwrap();
+                s.run(&p, 16).unwrap();
                 let out = s.forward_tree(&tokens, &tree, Logits::All).unwrap();
                 let got = rows(out.logits.unwrap());
                 for (i, row) in got.iter().enumerate() {
                     let path: Vec<u32> = tree.path_to(i).iter().map(|&j| tokens[j]).collect();
                     let mut plain = Session::new(&m, 16);
-                    plain.prefill(&p, 16).unwrap();
+                    plain.run(&p, 16).unwrap();
                     let want = rows(
                         plain
                             .forward(&path, Logits::All, &[])
@@ -113,8 +113,8 @@ fn trees_against_steps(
     let mut tree_side = Session::with_kv(m, setup).unwrap();
     let mut step_side = Session::with_kv(m, setup).unwrap();
     let p = tiny_prompt(rng.below(50), 20 + rng.below(30));
-    tree_side.prefill(&p, 16).unwrap();
-    step_side.prefill(&p, 16).unwrap();
+    tree_side.run(&p, 16).unwrap();
+    step_side.run(&p, 16).unwrap();
     let mut last = 5u32;
     for round in 0..12 {
         let n = 1 + rng.below(16);
@@ -128,7 +128,7 @@ fn trees_against_steps(
         let path = tree.path_to(leaf);
         tree_side.keep_path(&path).unwrap();
         for &j in &path {
-            let want = step_side.step(tokens[j]).unwrap();
+            let want = step_side.run(&[tokens[j]], 1).unwrap();
             assert!(
                 got[j] == want,
                 "{what}, round {round}: row {j} on the path {path:?} of {parents:?}"
@@ -138,7 +138,10 @@ fn trees_against_steps(
         last = rng.below(90) as u32;
     }
     for t in [last, 3, 50] {
-        let (a, b) = (tree_side.step(t).unwrap(), step_side.step(t).unwrap());
+        let (a, b) = (
+            tree_side.run(&[t], 1).unwrap(),
+            step_side.run(&[t], 1).unwrap(),
+        );
         assert!(a == b, "{what}: a step after the trees");
     }
     Ok(())
@@ -187,10 +190,10 @@ fn a_forward_before_the_path_is_kept_is_refused() {
     let m = GemmaModel::from_checkpoint(random_checkpoint(&tiny_config(8), 11), &Device::flex())
         .unwrap();
     let mut s = Session::new(&m, 16);
-    s.prefill(&tiny_prompt(0, 10), 16).unwrap();
+    s.run(&tiny_prompt(0, 10), 16).unwrap();
     let tree = TreeRows::new(&[0, 0, 0, 1]).unwrap();
     s.forward_tree(&[1, 2, 3, 4], &tree, Logits::Last).unwrap();
-    let e = s.step(5).unwrap_err().to_string();
+    let e = s.run(&[5], 1).unwrap_err().to_string();
     assert!(e.contains("must be kept"), "{e}");
     let e = s.truncate(12).unwrap_err().to_string();
     assert!(e.contains("inside a verified tree"), "{e}");
@@ -203,5 +206,5 @@ fn a_forward_before_the_path_is_kept_is_refused() {
     s.forward_tree(&[1, 2, 3, 4], &tree, Logits::Last).unwrap();
     s.truncate(13).unwrap();
     assert_eq!(s.len(), 13);
-    s.step(5).unwrap();
+    s.run(&[5], 1).unwrap();
 }

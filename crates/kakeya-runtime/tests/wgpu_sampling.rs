@@ -58,8 +58,8 @@ fn draws_on_the_device_equal_the_hosts_picks_from_the_same_logits() {
         let sampler = Sampler::new(sample(temperature, top_k, top_p, 5 + i as u64));
         let p = tiny_prompt(i, 9 + 4 * i);
         let (mut on, mut off) = (Session::new(&v, 0), Session::new(&v, 0));
-        let mut drawn = on.prefill_for(&p, 16, &sampler).unwrap();
-        let mut logits = off.prefill(&p, 16).unwrap();
+        let mut drawn = on.run_for(&p, 16, &sampler).unwrap();
+        let mut logits = off.run(&p, 16).unwrap();
         for step in 0..30 {
             let Scores::Drawn(tok) = drawn else {
                 panic!("prompt {i}, step {step}: no draw on the device: {drawn:?}");
@@ -70,8 +70,8 @@ fn draws_on_the_device_equal_the_hosts_picks_from_the_same_logits() {
                 "prompt {i}, step {step}, T {temperature}, top-k {top_k}, top-p {top_p}"
             );
             distinct.insert(tok);
-            drawn = on.step_for(tok, &sampler).unwrap();
-            logits = off.step(tok).unwrap();
+            drawn = on.run_for(&[tok], 1, &sampler).unwrap();
+            logits = off.run(&[tok], 1).unwrap();
         }
     }
     assert!(distinct.len() > 20, "draws vary: {} tokens", distinct.len());

@@ -82,7 +82,7 @@ impl<'m> Verifier<'m> {
 
     /// Prefills the prompt in chunks; returns the last position's logits.
     pub fn prefill(&mut self, prompt: &[u32], chunk: usize) -> Result<Vec<f32>> {
-        self.session.prefill(prompt, chunk)
+        self.session.run(prompt, chunk)
     }
 
     /// Runs a block `[last committed, drafts...]` at the next positions in one forward and

@@ -99,9 +99,9 @@ pub fn trace(
     tokens: &[u32],
 ) -> Vec<Vec<f32>> {
     let mut session = kakeya_runtime::Session::with_kv(v, setup).unwrap();
-    let mut out = vec![session.prefill(p, chunk).unwrap()];
+    let mut out = vec![session.run(p, chunk).unwrap()];
     for &t in tokens {
-        out.push(session.step(t).unwrap());
+        out.push(session.run(&[t], 1).unwrap());
     }
     out
 }
@@ -127,11 +127,11 @@ pub fn assert_blocks_equal_steps_after(m: &GemmaModel, what: &str, len: u32, chu
     let prompt: Vec<u32> = (0..len).map(|j| (j * 37 + 5) % 90).collect();
     let block: Vec<u32> = (0..16u32).map(|j| (j * 29 + 11) % 90).collect();
     let mut steps = kakeya_runtime::Session::new(m, 0);
-    steps.prefill(&prompt, chunk).unwrap();
-    let single: Vec<Vec<f32>> = block.iter().map(|&t| steps.step(t).unwrap()).collect();
+    steps.run(&prompt, chunk).unwrap();
+    let single: Vec<Vec<f32>> = block.iter().map(|&t| steps.run(&[t], 1).unwrap()).collect();
     for t in [2, 4, 8, 16] {
         let mut s = kakeya_runtime::Session::new(m, 0);
-        s.prefill(&prompt, chunk).unwrap();
+        s.run(&prompt, chunk).unwrap();
         let out = s
             .forward(&block[..t], kakeya_models::Logits::All, &[])
             .unwrap();

@@ -141,7 +141,7 @@ impl<'m> Seq<'m> {
     pub(super) fn prefill_chunk(&mut self, chunk: usize) -> Result<(), RuntimeError> {
         let prompt = &self.job.prompt;
         let end = (self.prefilled + chunk).min(prompt.len());
-        let scores = self.verifier.session_mut().prefill_for(
+        let scores = self.verifier.session_mut().run_for(
             &prompt[self.prefilled..end],
             chunk,
             &self.sampler,

@@ -4,8 +4,8 @@
 
 pub mod activation;
 pub mod cache;
+pub mod choice;
 pub mod dflash;
-pub mod draw;
 pub mod error;
 pub mod ftheta;
 pub mod gemma;
@@ -22,8 +22,8 @@ pub use cache::{
     CacheSpec, DeferredKv, DraftContext, HostTier, InPlace, KvLayers, KvPart, KvSegment,
     LayerCache, Reach, SegmentKv,
 };
+pub use choice::{Choice, Draw};
 pub use dflash::{DFlashDrafter, DraftOutput, DraftRequest};
-pub use draw::Draw;
 pub use error::{ModelError, Result};
 pub use ftheta::FTheta;
 pub use gemma::{ForwardOutput, ForwardRequest, GemmaModel, Logits};

@@ -1,6 +1,7 @@
-//! Token selection from logits: greedy, or seeded sampling with temperature, top-k, top-p.
+//! How a run chooses its tokens: greedy, or seeded sampling with temperature, top-k, top-p
+//! (the rule itself is `kakeya_models::choice`, shared with the GPU's draw).
 
-use kakeya_models::Draw;
+use kakeya_models::choice::{Choice, Draw};
 use serde::{Deserialize, Serialize};
 
 /// How the next token is chosen. Closed: every mode is listed here.
@@ -37,7 +38,7 @@ pub use kakeya_kernels::argmax::first_max as argmax;
 
 /// What the next token is chosen from: a forward's logits, or — for greedy decoding — the
 /// greedy choice alone (exactly the logits' argmax, found without most of them where the
-/// model's head allows: [`kakeya_models::Logits::GreedyLast`]).
+/// model's head allows: [`Choice::Greedy`]).
 #[derive(Debug, Clone, PartialEq)]
 pub enum Scores {
     /// The position's logits, `vocab` values.
@@ -45,7 +46,7 @@ pub enum Scores {
     /// The greedy choice.
     Greedy(u32),
     /// The token the sampler's rule already drew for the position the forward predicts, on
-    /// the GPU that held the logits ([`kakeya_models::Logits::DrawLast`]).
+    /// the GPU that held the logits ([`Choice::Draw`]).
     Drawn(u32),
 }
 
@@ -60,14 +61,10 @@ impl Sampler {
         &self.mode
     }
 
-    /// What a forward must return for [`Self::pick_scores`]: the greedy choice alone when
-    /// greedy, else the draw after the last position (on a GPU drawn there, elsewhere the
-    /// logits for [`Self::pick`]).
-    pub fn wants(&self) -> kakeya_models::Logits {
-        match self.draw() {
-            None => kakeya_models::Logits::GreedyLast,
-            Some(d) => kakeya_models::Logits::DrawLast(d),
-        }
+    /// The choice a forward makes for [`Self::pick_scores`]: greedy, or this sampler's draw
+    /// (on a GPU drawn there, elsewhere from the logits by [`Self::pick`]).
+    pub fn choice(&self) -> Choice {
+        self.draw().map_or(Choice::Greedy, Choice::Draw)
     }
 
     /// The sampling rule as a forward's request ([`kakeya_models::Draw`]: the same rule and
@@ -105,14 +102,12 @@ impl Sampler {
         }
     }
 
-    /// Picks the token at position `pos` from the logits that predict it.
+    /// Picks the token at position `pos` from the logits that predict it: the first largest,
+    /// or [`Draw::pick`].
     pub fn pick(&self, logits: &[f32], pos: usize) -> u32 {
-        match self.mode {
-            Sampling::Greedy => argmax(logits).unwrap_or(0) as u32,
-            Sampling::Sample { .. } => {
-                let dist = self.distribution(logits);
-                draw(&dist, self.uniform(pos))
-            }
+        match self.draw() {
+            None => argmax(logits).unwrap_or(0) as u32,
+            Some(d) => d.pick(logits, pos),
         }
     }
 
@@ -122,125 +117,17 @@ impl Sampler {
             Sampling::Sample { seed, .. } => seed,
             Sampling::Greedy => 0,
         };
-        kakeya_models::draw::uniform(seed, pos)
+        kakeya_models::choice::uniform(seed, pos)
     }
 
-    /// The distribution [`Self::pick`] draws from: the kept token ids with their
-    /// probabilities (summing to 1) — most likely first when top-k or top-p cut it, in id
-    /// order otherwise. Greedy: the arg-max with probability 1.
+    /// The distribution [`Self::pick`] draws from ([`Draw::distribution`]). Greedy: the
+    /// arg-max with probability 1.
     pub fn distribution(&self, logits: &[f32]) -> Vec<(u32, f64)> {
-        let Sampling::Sample {
-            temperature,
-            top_k,
-            top_p,
-            ..
-        } = self.mode
-        else {
-            return argmax(logits).map_or_else(Vec::new, |i| vec![(i as u32, 1.0)]);
-        };
-        if logits.is_empty() {
-            return Vec::new();
-        }
-        // Most likely first (lower id on ties); only the kept part is sorted.
-        let order = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
-        if top_k == 0 && top_p < 1.0 {
-            return nucleus(logits, temperature, top_p, order);
-        }
-        let mut idx: Vec<usize> = (0..logits.len()).collect();
-        if top_k > 0 && top_k < idx.len() {
-            idx.select_nth_unstable_by(top_k - 1, order);
-            idx.truncate(top_k);
-        }
-        if top_k > 0 || top_p < 1.0 {
-            idx.sort_unstable_by(order);
-        }
-        let max = idx
-            .iter()
-            .map(|&i| logits[i])
-            .fold(f32::NEG_INFINITY, f32::max);
-        let mut probs: Vec<f64> = idx
-            .iter()
-            .map(|&i| (((logits[i] - max) / temperature) as f64).exp())
-            .collect();
-        let total: f64 = probs.iter().sum();
-        probs.iter_mut().for_each(|p| *p /= total);
-        if top_p < 1.0 {
-            let mut acc = 0.0;
-            let keep = probs.iter().position(|p| {
-                acc += p;
-                acc >= top_p as f64
-            });
-            let keep = keep.map_or(probs.len(), |k| k + 1);
-            idx.truncate(keep);
-            probs.truncate(keep);
-            let total: f64 = probs.iter().sum();
-            probs.iter_mut().for_each(|p| *p /= total);
-        }
-        idx.into_iter().map(|i| i as u32).zip(probs).collect()
-    }
-}
-
-/// Top-p alone: the smallest most-likely-first prefix holding `top_p` of the probability,
-/// renormalised — found by sorting a growing head of the row (64, 256, … entries, chosen with
-/// a selection) instead of the whole vocabulary, which took as long as a decode step. The
-/// same tokens in the same order as sorting everything.
-fn nucleus(
-    logits: &[f32],
-    temperature: f32,
-    top_p: f32,
-    order: impl Fn(&usize, &usize) -> std::cmp::Ordering + Copy,
-) -> Vec<(u32, f64)> {
-    let n = logits.len();
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let weight = |l: f32| (((l - max) / temperature) as f64).exp();
-    let total: f64 = logits.iter().map(|&l| weight(l)).sum();
-    let mut head = 64.min(n);
-    loop {
-        let mut idx: Vec<usize> = (0..n).collect();
-        if head < n {
-            idx.select_nth_unstable_by(head - 1, order);
-            idx.truncate(head);
-        }
-        idx.sort_unstable_by(order);
-        let mut acc = 0.0;
-        let keep = idx.iter().position(|&i| {
-            acc += weight(logits[i]) / total;
-            acc >= f64::from(top_p)
-        });
-        if keep.is_some() || head == n {
-            idx.truncate(keep.map_or(idx.len(), |k| k + 1));
-            let probs: Vec<f64> = idx.iter().map(|&i| weight(logits[i]) / total).collect();
-            let kept: f64 = probs.iter().sum();
-            return idx
-                .into_iter()
-                .map(|i| i as u32)
-                .zip(probs.into_iter().map(|p| p / kept))
-                .collect();
-        }
-        head = (head * 4).min(n);
-    }
-}
-
-/// The token of `dist` ((id, probability) pairs, in their order) where the cumulative
-/// probability first reaches `u` times the total: inverse-CDF sampling.
-///
-/// # Panics
-/// If `dist` is empty.
-pub fn draw(dist: &[(u32, f64)], u: f64) -> u32 {
-    let total: f64 = dist.iter().map(|(_, p)| p).sum();
-    let mut r = u * total;
-    for &(i, p) in dist {
-        r -= p;
-        if r < 0.0 && p > 0.0 {
-            return i;
+        match self.draw() {
+            Some(d) => d.distribution(logits),
+            None => argmax(logits).map_or_else(Vec::new, |i| vec![(i as u32, 1.0)]),
         }
     }
-    dist.iter()
-        .rev()
-        .find(|(_, p)| *p > 0.0)
-        .or(dist.last())
-        .expect("a non-empty distribution")
-        .0
 }
 
 #[cfg(test)]

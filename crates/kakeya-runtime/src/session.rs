@@ -10,8 +10,8 @@
 
 use burn::tensor::Tensor;
 use kakeya_models::{
-    DFlashDrafter, DraftContext, ForwardOutput, ForwardRequest, GemmaModel, KvLayers, Logits,
-    TreeRows,
+    Choice, DFlashDrafter, DraftContext, ForwardOutput, ForwardRequest, GemmaModel, KvLayers,
+    Logits, TreeRows,
 };
 
 use crate::error::{Result, RuntimeError};
@@ -287,18 +287,24 @@ impl<'m> Session<'m> {
     /// Runs `tokens` at the next positions — a prompt, or one decode step — in forwards of at
     /// most `chunk` tokens, and commits them; returns the last position's logits.
     pub fn run(&mut self, tokens: &[u32], chunk: usize) -> Result<Vec<f32>> {
-        let out = self.run_out(tokens, chunk, Logits::Last)?;
+        let out = self.run_out(tokens, chunk, None)?;
         Ok(logits_row(out.logits.expect("last chunk returns logits")))
     }
 
     /// Runs `tokens` like [`Self::run`]; returns what `sampler` picks the next token from.
     pub fn run_for(&mut self, tokens: &[u32], chunk: usize, sampler: &Sampler) -> Result<Scores> {
-        let out = self.run_out(tokens, chunk, sampler.wants())?;
+        let out = self.run_out(tokens, chunk, Some(sampler.choice()))?;
         Ok(scores(out, sampler))
     }
 
-    /// Runs `tokens` in chunks of at most `chunk`; the last chunk returns what `last` asks for.
-    fn run_out(&mut self, tokens: &[u32], chunk: usize, last: Logits) -> Result<ForwardOutput> {
+    /// Runs `tokens` in chunks of at most `chunk`; the last chunk returns the last position's
+    /// logits, or the token `choice` chooses after it.
+    fn run_out(
+        &mut self,
+        tokens: &[u32],
+        chunk: usize,
+        choice: Option<Choice>,
+    ) -> Result<ForwardOutput> {
         if tokens.is_empty() {
             return Err(RuntimeError::Input("empty prompt: nothing to run".into()));
         }
@@ -313,15 +319,20 @@ impl<'m> Session<'m> {
         let mut out = None;
         let n = tokens.chunks(chunk.max(1)).count();
         for (i, part) in tokens.chunks(chunk.max(1)).enumerate() {
-            let logits = if i + 1 == n { last } else { Logits::None };
-            out = Some(self.forward(part, logits, &[])?);
+            let logits = if i + 1 == n {
+                Logits::Last
+            } else {
+                Logits::None
+            };
+            out = Some(self.forward(part, logits, choice, &[])?);
         }
         self.commit()?;
         Ok(out.expect("at least one chunk"))
     }
 
     /// Runs `tokens` at the next positions in one forward (committing what the caches held
-    /// before), returning what `logits` and `hidden_after` ask for.
+    /// before), returning what `logits`, `choice` ([`kakeya_models::ForwardRequest::choice`])
+    /// and `hidden_after` ask for.
     ///
     /// # Shapes
     /// - returns logits `[1 or T, vocab]`, hidden states `[T, hidden]` per requested layer
@@ -329,15 +340,17 @@ impl<'m> Session<'m> {
         &mut self,
         tokens: &[u32],
         logits: Logits,
+        choice: Option<Choice>,
         hidden_after: &[usize],
     ) -> Result<ForwardOutput> {
-        let mut out = Self::forward_many(&mut [self], &[tokens], &[logits], hidden_after, &[])?;
+        let heads = [(logits, choice)];
+        let mut out = Self::forward_many(&mut [self], &[tokens], &heads, hidden_after, &[])?;
         Ok(out.pop().expect("one output per session"))
     }
 
     /// Runs `chunks[i]` at session `i`'s next positions, all in one forward (committing what
-    /// each session's caches held before); each output holds what `logits` and `hidden_after`
-    /// ask for (`logits[i]` for session `i`), the drafter's target layers going to the
+    /// each session's caches held before); each output holds what `heads` and `hidden_after`
+    /// ask for (`heads[i]`, its rows and choice, for session `i`), the drafter's target layers going to the
     /// session's pending rows. `trees[i]`, when given, runs chunk `i` as a tree whose K/V the
     /// session keeps for [`Self::keep_path`] (no `trees`: every chunk causal). The sessions
     /// must share one model and one drafter (or none).
@@ -347,7 +360,7 @@ impl<'m> Session<'m> {
     fn forward_many(
         sessions: &mut [&mut Session<'m>],
         chunks: &[&[u32]],
-        logits: &[Logits],
+        heads: &[(Logits, Option<Choice>)],
         hidden_after: &[usize],
         trees: &[Option<&TreeRows>],
     ) -> Result<Vec<ForwardOutput>> {
@@ -382,10 +395,11 @@ impl<'m> Session<'m> {
         let reqs: Vec<ForwardRequest<'_>> = sessions
             .iter()
             .zip(chunks)
-            .zip(logits)
+            .zip(heads)
             .enumerate()
-            .map(|(i, ((s, tokens), &logits))| {
+            .map(|(i, ((s, tokens), &(logits, choice)))| {
                 let mut req = ForwardRequest::new(tokens, s.len, logits);
+                req.choice = choice;
                 req.hidden_after = &layers;
                 req.tree = tree_of(i);
                 req

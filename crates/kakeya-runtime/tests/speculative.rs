@@ -313,6 +313,7 @@ fn random_accept_counts_leave_caches_as_if_only_committed_tokens_were_seen() {
             .forward(
                 &seq[..ctx_len],
                 kakeya_models::Logits::None,
+                None,
                 &d.config.target_layer_ids,
             )
             .unwrap()

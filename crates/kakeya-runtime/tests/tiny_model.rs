@@ -5,7 +5,9 @@ mod common;
 
 use burn::tensor::{Device, Tensor};
 use kakeya_models::testing::{random_checkpoint, tiny_config};
-use kakeya_models::{ForwardRequest, GemmaModel, KvSegment, LayerCache, Logits, Reach, SegmentKv};
+use kakeya_models::{
+    Choice, ForwardRequest, GemmaModel, KvSegment, LayerCache, Logits, Reach, SegmentKv,
+};
 use kakeya_runtime::{FullCache, KvCache, KvDtype, KvMode, KvPolicy, KvSetup, Session};
 
 /// Tolerance of f32 comparisons between differently-chunked computations of the same values.
@@ -222,17 +224,18 @@ fn greedy_choices_equal_the_argmax_of_the_logits() {
         assert_eq!(m.head.quant_matrix().is_some(), quantised);
         for n in [1, 2, 5, 8, 16, 17, 30] {
             let toks = tokens(n);
-            let run = |logits: Logits| {
+            let run = |logits: Logits, choice: Option<Choice>| {
                 let mut caches = KvCache::for_specs(&m.cache_specs(), 0, KvDtype::F32);
-                m.forward(&ForwardRequest::new(&toks, 0, logits), &mut caches)
-                    .unwrap()
+                let mut req = ForwardRequest::new(&toks, 0, logits);
+                req.choice = choice;
+                m.forward(&req, &mut caches).unwrap()
             };
-            let all = rows(run(Logits::All).logits.unwrap());
+            let all = rows(run(Logits::All, None).logits.unwrap());
             let want: Vec<u32> = all.iter().map(|r| argmax(r).unwrap() as u32).collect();
-            let got = run(Logits::GreedyAll);
+            let got = run(Logits::All, Some(Choice::Greedy));
             assert!(got.logits.is_none());
             assert_eq!(got.chosen.unwrap(), want, "n={n} quantised={quantised}");
-            let last = run(Logits::GreedyLast).chosen.unwrap();
+            let last = run(Logits::Last, Some(Choice::Greedy)).chosen.unwrap();
             assert_eq!(last, vec![*want.last().unwrap()], "n={n}");
         }
         // Mixed batch: one greedy and one logits request in one forward.
@@ -242,7 +245,7 @@ fn greedy_choices_equal_the_argmax_of_the_logits() {
         let outs = m
             .forward_batch(
                 &[
-                    ForwardRequest::new(&a, 0, Logits::GreedyAll),
+                    ForwardRequest::new(&a, 0, Logits::All).choose(Choice::Greedy),
                     ForwardRequest::new(&b, 0, Logits::Last),
                 ],
                 &mut [&mut ca, &mut cb],
@@ -295,7 +298,12 @@ fn rows_sharing_keys_at_depth_equal_single_steps() {
     let mut chunked = kakeya_runtime::Session::new(&m, 0);
     chunked.run(&toks[..depth as usize], 256).unwrap();
     let rows = chunked
-        .forward(&toks[depth as usize..], kakeya_models::Logits::All, &[])
+        .forward(
+            &toks[depth as usize..],
+            kakeya_models::Logits::All,
+            None,
+            &[],
+        )
         .unwrap()
         .logits
         .unwrap()

@@ -72,7 +72,7 @@ fn a_trees_rows_are_bit_for_bit_forwards_of_their_paths() {
                 let tree = TreeRows::new(&parents).unwrap();
                 let mut s = Session::new(&m, 16);
                 s.run(&p, 16).unwrap();
-                let out = s.forward_tree(&tokens, &tree, Logits::All).unwrap();
+                let out = s.forward_tree(&tokens, &tree, Logits::All, None).unwrap();
                 let got = rows(out.logits.unwrap());
                 for (i, row) in got.iter().enumerate() {
                     let path: Vec<u32> = tree.path_to(i).iter().map(|&j| tokens[j]).collect();
@@ -80,7 +80,7 @@ fn a_trees_rows_are_bit_for_bit_forwards_of_their_paths() {
                     plain.run(&p, 16).unwrap();
                     let want = rows(
                         plain
-                            .forward(&path, Logits::All, &[])
+                            .forward(&path, Logits::All, None, &[])
                             .unwrap()
                             .logits
                             .unwrap(),
@@ -121,7 +121,7 @@ fn trees_against_steps(
         let (parents, tokens) = random_tree(rng, n, last);
         let tree = TreeRows::new(&parents).unwrap();
         let out = tree_side
-            .forward_tree(&tokens, &tree, Logits::All)
+            .forward_tree(&tokens, &tree, Logits::All, None)
             .map_err(|e| e.to_string())?;
         let got = rows(out.logits.unwrap());
         let leaf = rng.below(n);
@@ -192,7 +192,8 @@ fn a_forward_before_the_path_is_kept_is_refused() {
     let mut s = Session::new(&m, 16);
     s.run(&tiny_prompt(0, 10), 16).unwrap();
     let tree = TreeRows::new(&[0, 0, 0, 1]).unwrap();
-    s.forward_tree(&[1, 2, 3, 4], &tree, Logits::Last).unwrap();
+    s.forward_tree(&[1, 2, 3, 4], &tree, Logits::Last, None)
+        .unwrap();
     let e = s.run(&[5], 1).unwrap_err().to_string();
     assert!(e.contains("must be kept"), "{e}");
     let e = s.truncate(12).unwrap_err().to_string();
@@ -203,7 +204,8 @@ fn a_forward_before_the_path_is_kept_is_refused() {
     s.keep_path(&[0, 1, 3]).unwrap();
     assert_eq!(s.len(), 13);
     // Dropping the whole tree is a truncate to its start.
-    s.forward_tree(&[1, 2, 3, 4], &tree, Logits::Last).unwrap();
+    s.forward_tree(&[1, 2, 3, 4], &tree, Logits::Last, None)
+        .unwrap();
     s.truncate(13).unwrap();
     assert_eq!(s.len(), 13);
     s.run(&[5], 1).unwrap();

@@ -1,4 +1,4 @@
-//! Sampling on the device (`kakeya_models::Logits::DrawLast`, `DrawAll`): on a GPU, a sampled
+//! Sampling on the device (`kakeya_models::Choice::Draw`): on a GPU, a sampled
 //! decode step and a sampled verify block send only token ids to the host, and are recorded
 //! once and replayed like greedy ones. On the tiny model over wgpu (Mesa's
 //! lavapipe, `scripts/test_wgpu.sh`), or CUDA on a lent GPU:

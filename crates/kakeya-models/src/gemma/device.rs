@@ -129,9 +129,8 @@ impl GemmaModel {
         held
     }
 
-    /// A forward whose every request asks for the greedy choices or a draw
-    /// ([`crate::Logits::GreedyLast`], [`crate::Logits::GreedyAll`], [`crate::Logits::DrawLast`],
-    /// [`crate::Logits::DrawAll`]: decode steps, verify blocks), whose token ids, positions and
+    /// A forward whose every request asks for a [`crate::Choice`] (greedy or a draw: decode
+    /// steps, verify blocks), whose token ids, positions and
     /// uniforms are read from `inputs` (the buffer a recording reads; the draws' uniforms
     /// after the positions, in request order: [`Self::uniforms_of`]) and whose choices stay on
     /// the device: the form of [`Self::forward_batch`] that a recording can hold (nothing read
@@ -146,18 +145,17 @@ impl GemmaModel {
         kvs: &mut [&mut dyn KvLayers],
         inputs: &StepInputs,
     ) -> Result<(Tensor<1>, Vec<Tensor<2>>)> {
-        if let Some(r) = reqs.iter().find(|r| !r.logits.chosen_on_device()) {
-            return Err(ModelError::Input(format!(
-                "chosen_on_device returns greedy choices or draws, not {:?}",
-                r.logits
-            )));
+        if !reqs.iter().all(ForwardRequest::chosen_on_device) {
+            return Err(ModelError::Input(
+                "chosen_on_device returns greedy choices or draws, not logits".into(),
+            ));
         }
         let pass = self.pass(reqs, kvs, Some(inputs))?;
         let (head_in, counts) = head_input(reqs, &pass.spans, &pass.x);
         let head_in = head_in.ok_or_else(|| ModelError::Input("no row wanted".into()))?;
         let logits = self.logits(head_in);
         let no_gpu = || ModelError::Input("chosen_on_device needs a GPU".into());
-        let ids = if reqs.iter().all(|r| r.logits.greedy()) {
+        let ids = if reqs.iter().all(|r| r.greedy()) {
             gpu::argmax_on_device(&logits).ok_or_else(no_gpu)?
         } else {
             // Each request's rows by its own rule; its uniforms where `uniforms_of` put them.
@@ -165,7 +163,7 @@ impl GemmaModel {
             let v = logits.dims()[1];
             for (req, n) in reqs.iter().zip(counts) {
                 let rows = logits.clone().slice([row..row + n, 0..v]);
-                let ids = match req.logits.draw(req.start, req.tokens.len()) {
+                let ids = match req.draw() {
                     Some((d, _)) => {
                         drawn += n;
                         d.ids_on_device(&rows, inputs.extra(drawn - n, n))
@@ -190,7 +188,7 @@ impl GemmaModel {
     pub(super) fn uniforms_of(reqs: &[ForwardRequest<'_>]) -> Vec<f32> {
         let mut u = Vec::new();
         for req in reqs {
-            if let Some((d, first)) = req.logits.draw(req.start, req.tokens.len()) {
+            if let Some((d, first)) = req.draw() {
                 let n = req.logits.rows(&(0..req.tokens.len())).len();
                 u.extend(d.uniforms(first, n));
             }

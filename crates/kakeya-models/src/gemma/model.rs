@@ -10,12 +10,13 @@ use super::pass::{Pass, head_input};
 use super::per_layer::{PerLayerEmbed, PerLayerGate};
 use super::replay::Replayer;
 use crate::cache::{CacheSpec, KvLayers};
+use crate::choice::Choice;
 use crate::error::{ModelError, Result};
 use crate::linear::{Kernel, Linear};
 use crate::norm::RmsNorm;
 use crate::tree_rows::TreeRows;
 
-/// Which logits a forward returns.
+/// Which rows of a chunk go through the LM head.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Logits {
     /// None (e.g. capture of hidden states only).
@@ -24,18 +25,6 @@ pub enum Logits {
     Last,
     /// Every position's, `[T, vocab]`.
     All,
-    /// Only the greedy choice after the last position ([`ForwardOutput::chosen`], one id):
-    /// exactly the argmax (first on ties) of the row `Last` returns, found without most
-    /// logits where the head allows ([`GemmaModel::greedy`]).
-    GreedyLast,
-    /// Only the greedy choice after every position (`T` ids), as `GreedyLast`.
-    GreedyAll,
-    /// The token drawn after the last position: on a GPU drawn there, one id in
-    /// [`ForwardOutput::chosen`]; elsewhere the logits `Last` returns, for the caller's sampler.
-    DrawLast(crate::Draw),
-    /// The token drawn after every position (row `i` predicts position `start + i + 1`), as
-    /// `DrawLast`: `T` ids on a GPU, the logits `All` returns elsewhere.
-    DrawAll(crate::Draw),
 }
 
 impl Logits {
@@ -43,29 +32,9 @@ impl Logits {
     pub(super) fn rows(self, span: &std::ops::Range<usize>) -> std::ops::Range<usize> {
         match self {
             Logits::None => span.start..span.start,
-            Logits::All | Logits::GreedyAll | Logits::DrawAll(_) => span.clone(),
-            Logits::Last | Logits::GreedyLast | Logits::DrawLast(_) => span.end - 1..span.end,
+            Logits::All => span.clone(),
+            Logits::Last => span.end - 1..span.end,
         }
-    }
-
-    /// Whether a forward can keep this request's choices on the device (greedy or a draw).
-    pub(super) fn chosen_on_device(self) -> bool {
-        self.greedy() || matches!(self, Logits::DrawLast(_) | Logits::DrawAll(_))
-    }
-
-    /// The draw asked for, with the position the first wanted row of a chunk of `t` tokens at
-    /// `start` predicts.
-    pub(super) fn draw(self, start: usize, t: usize) -> Option<(crate::Draw, usize)> {
-        match self {
-            Logits::DrawLast(d) => Some((d, start + t)),
-            Logits::DrawAll(d) => Some((d, start + 1)),
-            _ => None,
-        }
-    }
-
-    /// Whether only the greedy choices are wanted.
-    pub(super) fn greedy(self) -> bool {
-        matches!(self, Logits::GreedyLast | Logits::GreedyAll)
     }
 }
 
@@ -76,8 +45,11 @@ pub struct ForwardRequest<'a> {
     pub tokens: &'a [u32],
     /// Absolute position of the first token (= tokens already in the caches).
     pub start: usize,
-    /// Which logits to compute.
+    /// Which rows go through the head.
     pub logits: Logits,
+    /// The token to choose after each of those rows, in place of their logits where the
+    /// forward can ([`Choice`]); `None`: return the logits.
+    pub choice: Option<Choice>,
     /// Return the hidden state after each of these layers (0-based, in this order).
     pub hidden_after: &'a [usize],
     /// Return, per layer, raw q/k/v projections and the attention output.
@@ -94,10 +66,37 @@ impl<'a> ForwardRequest<'a> {
             tokens,
             start,
             logits,
+            choice: None,
             hidden_after: &[],
             capture_attention: false,
             tree: None,
         }
+    }
+
+    /// The same request, choosing a token after each wanted row ([`Self::choice`]).
+    pub fn choose(self, choice: Choice) -> Self {
+        Self {
+            choice: Some(choice),
+            ..self
+        }
+    }
+
+    /// Whether a forward can keep this request's choices on the device: it wants rows and a
+    /// [`Choice`] for them.
+    pub(super) fn chosen_on_device(&self) -> bool {
+        self.choice.is_some() && self.logits != Logits::None
+    }
+
+    /// Whether only the greedy choices are wanted.
+    pub(super) fn greedy(&self) -> bool {
+        self.choice == Some(Choice::Greedy)
+    }
+
+    /// The draw asked for, with the position its first wanted row predicts.
+    pub(super) fn draw(&self) -> Option<(crate::Draw, usize)> {
+        let d = self.choice?.draw()?;
+        let first = self.logits.rows(&(0..self.tokens.len())).start;
+        Some((d, self.start + first + 1))
     }
 }
 
@@ -106,46 +105,13 @@ impl<'a> ForwardRequest<'a> {
 pub struct ForwardOutput {
     /// Logits, `[1 or T, vocab]`, when asked for.
     pub logits: Option<Tensor<2>>,
-    /// The chosen tokens (1 or `T` ids): the greedy choices when asked for
-    /// ([`Logits::GreedyLast`] / [`Logits::GreedyAll`]), the draws on a GPU
-    /// ([`Logits::DrawLast`] / [`Logits::DrawAll`]).
+    /// The chosen tokens (1 or `T` ids) where the request asked for a [`Choice`]: the
+    /// greedy choices always, the draws on a GPU.
     pub chosen: Option<Vec<u32>>,
     /// Hidden states after the requested layers, each `[T, hidden]`.
     pub hidden: Vec<Tensor<2>>,
     /// Per-layer attention captures, when asked for.
     pub attention: Vec<AttentionCapture>,
-}
-
-/// The first largest entry of every row. On the CPU the logits are read in place; on another
-/// device the argmax runs there and only the `T` ids come back, so a greedy step copies no
-/// logits to the host (the GPU kernels take the first on ties too; Burn's argmax elsewhere
-/// picks by its own rule).
-///
-/// # Shapes
-/// - `logits`: `[T, vocab]` → `T` ids
-fn argmax_rows(logits: Tensor<2>) -> Vec<u32> {
-    if let Some(ids) = crate::gpu::argmax_rows(&logits) {
-        return ids;
-    }
-    if logits.device() != burn::tensor::Device::flex() {
-        return logits
-            .argmax(1)
-            .into_data()
-            .convert::<i64>()
-            .try_into_vec::<i64>()
-            .expect("argmax ids are integers")
-            .into_iter()
-            .map(|i| i as u32)
-            .collect();
-    }
-    let v = logits.dims()[1];
-    let host = logits
-        .into_data()
-        .try_into_vec::<f32>()
-        .expect("logits are f32");
-    host.chunks_exact(v)
-        .map(|row| kakeya_kernels::argmax::first_max(row).unwrap_or(0) as u32)
-        .collect()
 }
 
 /// One decoder layer.
@@ -247,7 +213,7 @@ impl DecoderLayer {
     }
 }
 
-/// The Gemma 3 text model.
+/// The Gemma text model (Gemma 3; Gemma 4's per-layer inputs and experts where configured).
 #[derive(Debug, Clone)]
 pub struct GemmaModel {
     /// Hyper-parameters.
@@ -401,7 +367,7 @@ impl GemmaModel {
     /// [`Self::logits`]'s rows. On the CPU with a quantised head (GGUF Q8_0) and no soft-cap
     /// (whose tanh could round distinct logits to a tie), the certified search of
     /// [`Linear::argmax`] finds it computing only the few exact logits its error bound cannot
-    /// exclude; otherwise the logits are computed and searched (`argmax_rows`: on the host on
+    /// exclude; otherwise the logits are computed and searched ([`crate::choice::argmax_rows`]: on the host on
     /// the CPU, on the device elsewhere).
     ///
     /// # Shapes
@@ -413,7 +379,7 @@ impl GemmaModel {
         {
             return ids;
         }
-        argmax_rows(self.head_logits(x))
+        crate::choice::argmax_rows(self.head_logits(x))
     }
 
     /// Runs a chunk through the model, updating `kv` (one cache per layer, built by the caller
@@ -467,9 +433,7 @@ impl GemmaModel {
         // no request wants logits, else logits (searched on the host for greedy requests).
         let (head_in, counts) = head_input(reqs, &spans, &x);
         let total: usize = counts.iter().sum();
-        let only_greedy = reqs
-            .iter()
-            .all(|r| r.logits == Logits::None || r.logits.greedy());
+        let only_greedy = reqs.iter().all(|r| r.logits == Logits::None || r.greedy());
         let (logits, greedy) = match head_in {
             None => (None, None),
             Some(h) if only_greedy => (None, Some(self.greedy(h))),
@@ -490,15 +454,16 @@ impl GemmaModel {
                 at += n;
                 (l, g)
             });
-            // On a GPU a draw runs there: only its ids come back.
-            let drawn = match (&part, req.logits.draw(span.start, span.rows.len())) {
-                (Some((Some(l), _)), Some((d, first))) => d.on_device(l, first),
+            // Greedy choices searched in the logits, or (on a GPU) a draw: only the ids.
+            let chosen = match (&part, req.choice, req.draw()) {
+                (Some((Some(l), _)), Some(c), first) => {
+                    c.from_logits(l, first.map_or(0, |(_, f)| f))
+                }
                 _ => None,
             };
             let (logits, chosen) = match part {
                 None => (None, None),
-                Some(_) if drawn.is_some() => (None, drawn),
-                Some((Some(l), _)) if req.logits.greedy() => (None, Some(argmax_rows(l))),
+                Some(_) if chosen.is_some() => (None, chosen),
                 Some((l, g)) => (l, g),
             };
             outs.push(ForwardOutput {

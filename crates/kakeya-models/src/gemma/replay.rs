@@ -25,26 +25,27 @@ use burn::tensor::Tensor;
 use super::device::CacheBuffers;
 use super::model::{ForwardOutput, ForwardRequest, GemmaModel, Logits};
 use crate::cache::KvLayers;
+use crate::choice::Choice;
 use crate::error::{ModelError, Result};
 pub use crate::gpu::ReplayStats;
 use crate::gpu::{self, DeviceGraph, GPU_ROWS_MAX, StepInputs};
 
-/// What a request's head launches: its [`Logits`] without a draw's seed (the draws' uniforms
-/// are inputs, copied in before each replay; the rest is baked into the launches).
-fn launched(l: Logits) -> Logits {
-    let unseeded = |d: crate::Draw| crate::Draw { seed: 0, ..d };
-    match l {
-        Logits::DrawLast(d) => Logits::DrawLast(unseeded(d)),
-        Logits::DrawAll(d) => Logits::DrawAll(unseeded(d)),
-        other => other,
-    }
+/// What a request's head launches: its rows and its [`Choice`] without a draw's seed (the
+/// draws' uniforms are inputs, copied in before each replay; the rest is baked into the
+/// launches).
+fn launched(req: &ForwardRequest<'_>) -> (Logits, Option<Choice>) {
+    let choice = req.choice.map(|c| match c {
+        Choice::Draw(d) => Choice::Draw(crate::Draw { seed: 0, ..d }),
+        greedy => greedy,
+    });
+    (req.logits, choice)
 }
 
 /// What a forward must match to replay a recording.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Key {
     /// Per request: its rows and what its head launches ([`launched`]).
-    rows: Vec<(usize, Logits)>,
+    rows: Vec<(usize, (Logits, Option<Choice>))>,
     hidden_after: Vec<usize>,
     /// Per request, each layer cache's slots and buffers.
     caches: Vec<Vec<CacheBuffers>>,
@@ -79,7 +80,7 @@ impl GemmaModel {
         reqs: &[ForwardRequest<'_>],
         kvs: &mut [&mut dyn KvLayers],
     ) -> Result<Option<Vec<ForwardOutput>>> {
-        let chosen = reqs.iter().all(|r| r.logits.chosen_on_device());
+        let chosen = reqs.iter().all(ForwardRequest::chosen_on_device);
         let total: usize = reqs.iter().map(|r| r.tokens.len()).sum();
         if !chosen
             || reqs.iter().any(|r| r.capture_attention)
@@ -115,10 +116,7 @@ impl GemmaModel {
             }
         }
         let key = Key {
-            rows: reqs
-                .iter()
-                .map(|r| (r.tokens.len(), launched(r.logits)))
-                .collect(),
+            rows: reqs.iter().map(|r| (r.tokens.len(), launched(r))).collect(),
             hidden_after: reqs[0].hidden_after.to_vec(),
             caches,
             rope,

@@ -26,14 +26,14 @@ impl<'m> Session<'m> {
         wants: &[Want<'_>],
     ) -> Result<Vec<Verified>> {
         Self::check_batch(sessions, blocks, wants.len())?;
-        let logits: Vec<Logits> = wants
+        let heads: Vec<_> = wants
             .iter()
             .map(|w| match w {
-                Want::Next(s) => s.wants(),
-                Want::Block(s) => s.draw().map_or(Logits::GreedyAll, Logits::DrawAll),
+                Want::Next(s) => (Logits::Last, Some(s.choice())),
+                Want::Block(s) => (Logits::All, Some(s.choice())),
             })
             .collect();
-        let outs = Self::forward_many(sessions, blocks, &logits, &[], &[])?;
+        let outs = Self::forward_many(sessions, blocks, &heads, &[], &[])?;
         let mut verified = Vec::with_capacity(outs.len());
         for (((s, out), want), block) in sessions.iter_mut().zip(outs).zip(wants).zip(blocks) {
             verified.push(match *want {

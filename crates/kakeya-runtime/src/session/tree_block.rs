@@ -6,7 +6,8 @@ use std::ops::Range;
 
 use burn::tensor::{Int, Tensor, TensorData};
 use kakeya_models::{
-    DeferredKv, ForwardOutput, HostTier, InPlace, KvLayers, KvPart, KvSegment, Logits, TreeRows,
+    Choice, DeferredKv, ForwardOutput, HostTier, InPlace, KvLayers, KvPart, KvSegment, Logits,
+    TreeRows,
 };
 
 use super::Session;
@@ -119,7 +120,7 @@ fn select_rows<const D: usize>(t: Tensor<D>, dim: usize, rows: &[usize]) -> Tens
 impl Session<'_> {
     /// Runs `tokens` as the tree `tree` at the next positions in one forward (row `i` at the
     /// next position plus its depth, seeing the committed positions and its ancestors),
-    /// returning what `logits` asks for, row by row as a plain forward of the path to each
+    /// returning what `logits` and `choice` ask for, row by row as a plain forward of the path to each
     /// row gives it. The caches hold the rows until [`Self::keep_path`] keeps one path (or
     /// [`Self::truncate`] drops them all); no other forward runs before. On the CPU, in a KV
     /// mode that does not rebuild K/V with f_θ.
@@ -131,6 +132,7 @@ impl Session<'_> {
         tokens: &[u32],
         tree: &TreeRows,
         logits: Logits,
+        choice: Option<Choice>,
     ) -> Result<ForwardOutput> {
         let layers = self.kv.layer_count();
         if self.policy.mode.restores() || (0..layers).any(|l| self.kv.wants_raw(l)) {
@@ -139,7 +141,13 @@ impl Session<'_> {
                 self.policy.mode
             )));
         }
-        let mut out = Self::forward_many(&mut [self], &[tokens], &[logits], &[], &[Some(tree)])?;
+        let mut out = Self::forward_many(
+            &mut [self],
+            &[tokens],
+            &[(logits, choice)],
+            &[],
+            &[Some(tree)],
+        )?;
         Ok(out.pop().expect("one output per session"))
     }
 

@@ -1,7 +1,7 @@
 //! The verifier side of speculation: the target model and the sequence's KV state, checking a
 //! block of tokens in one forward and rolling back the rejected tail.
 
-use kakeya_models::{GemmaModel, Logits};
+use kakeya_models::{Choice, GemmaModel, Logits};
 
 use crate::error::{Result, RuntimeError};
 use crate::kv::{CompactStore, KvBytes};
@@ -95,13 +95,15 @@ impl<'m> Verifier<'m> {
         if block.is_empty() {
             return Err(RuntimeError::Input("empty block".into()));
         }
-        let out = self.session.forward(block, Logits::GreedyAll, &[])?;
+        let out = self
+            .session
+            .forward(block, Logits::All, Some(Choice::Greedy), &[])?;
         Ok(out.chosen.expect("asked for the greedy choices"))
     }
 
     /// Runs a block like [`Self::verify`] and returns the token `sampler` draws after each
     /// row (row `i` predicts the position after it, with that position's uniform): drawn on
-    /// a GPU by the forward ([`Logits::DrawAll`]), else from the rows copied to the host
+    /// a GPU by the forward ([`Choice::Draw`]), else from the rows copied to the host
     /// ([`sampled_choices`]). Greedy: [`Self::verify`].
     ///
     /// # Shapes
@@ -115,7 +117,9 @@ impl<'m> Verifier<'m> {
         }
         // The block's first row sits at the session's next position and predicts the one after.
         let first = self.session.len() + 1;
-        let out = self.session.forward(block, Logits::DrawAll(draw), &[])?;
+        let out = self
+            .session
+            .forward(block, Logits::All, Some(Choice::Draw(draw)), &[])?;
         if let Some(ids) = out.chosen {
             return Ok(ids);
         }
@@ -136,13 +140,15 @@ impl<'m> Verifier<'m> {
         let rows = tree.rows()?;
         let tokens: Vec<u32> = tree.nodes().iter().map(|n| n.token).collect();
         if sampler.draw().is_none() {
-            let out = self
-                .session
-                .forward_tree(&tokens, &rows, Logits::GreedyAll)?;
+            let out =
+                self.session
+                    .forward_tree(&tokens, &rows, Logits::All, Some(Choice::Greedy))?;
             return Ok(out.chosen.expect("asked for the greedy choices"));
         }
         let first = self.session.len() + 1;
-        let out = self.session.forward_tree(&tokens, &rows, Logits::All)?;
+        let out = self
+            .session
+            .forward_tree(&tokens, &rows, Logits::All, None)?;
         let logits = logits_row(out.logits.expect("asked for logits"));
         let vocab = self.model().config.vocab_size;
         Ok(logits

@@ -133,7 +133,7 @@ pub fn assert_blocks_equal_steps_after(m: &GemmaModel, what: &str, len: u32, chu
         let mut s = kakeya_runtime::Session::new(m, 0);
         s.run(&prompt, chunk).unwrap();
         let out = s
-            .forward(&block[..t], kakeya_models::Logits::All, &[])
+            .forward(&block[..t], kakeya_models::Logits::All, None, &[])
             .unwrap();
         let flat = out
             .logits

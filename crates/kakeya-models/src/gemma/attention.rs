@@ -14,8 +14,11 @@ use crate::sdpa::grouped_attention;
 use crate::tree_rows::TreeRows;
 
 mod host;
+mod reference;
 mod rows;
 mod tiled;
+
+pub use reference::AttentionRoute;
 
 /// Positions per tile of a deferred segment on a GPU: the most dequantised or restored K (or
 /// V) of one layer held at once.
@@ -420,36 +423,84 @@ impl Attention {
                 start + t
             )));
         }
+        for route in AttentionRoute::ALL {
+            if let Some(out) = self.attend_by(
+                route,
+                &q,
+                (start, tree),
+                &segments,
+                (&mut *caches, layer),
+                device,
+            )? {
+                return Ok(out);
+            }
+        }
+        Err(ModelError::Cache(format!(
+            "layer {layer}: tree rows are attended on the CPU over caches it reads in place"
+        )))
+    }
+
+    /// [`Self::attend`] by one route, `None` where the route does not apply
+    /// ([`AttentionRoute`]): the host loops off the CPU (or over a tier without host storage),
+    /// the tensor routes for tree rows, the tiled route without deferred segments, the others
+    /// with them, the per-row route over more than [`QUANT_MAX_ROWS`] rows. `segments` holds no
+    /// empty segment.
+    ///
+    /// # Shapes
+    /// - `q`: `[heads, T, head_dim]` (normed, RoPE'd) → `[T, heads · head_dim]`
+    pub fn attend_by(
+        &self,
+        route: AttentionRoute,
+        q: &Tensor<3>,
+        (start, tree): (usize, Option<&TreeRows>),
+        segments: &[KvSegment],
+        (caches, layer): (&mut dyn KvLayers, usize),
+        device: &Device,
+    ) -> Result<Option<Tensor<2>>> {
         // On the CPU, at any length: each row's loops read the caches' buffers and quantised
         // tiers in place, over exactly the keys the row sees (a causal prompt chunk costs
         // half the square a masked product computes, and a prompt row's bits are those of the
         // same row decoded alone).
-        if let Some(out) =
-            self.attend_on_host(&q, (start, tree), &segments, (caches, layer), device)?
-        {
-            return Ok(out);
+        if route == AttentionRoute::Host {
+            return self.attend_on_host(q, (start, tree), segments, (caches, layer), device);
         }
         if tree.is_some() {
-            return Err(ModelError::Cache(format!(
-                "layer {layer}: tree rows are attended on the CPU over caches it reads in place"
-            )));
+            return Ok(None);
         }
-        let (deferred, ready): (Vec<KvSegment>, Vec<KvSegment>) = segments
-            .into_iter()
-            .partition(|s| matches!(s.kv, SegmentKv::Deferred));
-        if !deferred.is_empty() {
-            return self.tiled_attention(q, start, &ready, &deferred, (caches, layer), device);
+        let t = q.dims()[1];
+        let deferred = segments.iter().any(|s| matches!(s.kv, SegmentKv::Deferred));
+        if (route == AttentionRoute::Tiled) != deferred {
+            return Ok(None);
+        }
+        let q = q.clone();
+        if route == AttentionRoute::Tiled {
+            let (deferred, ready): (Vec<KvSegment>, Vec<KvSegment>) = segments
+                .iter()
+                .cloned()
+                .partition(|s| matches!(s.kv, SegmentKv::Deferred));
+            let out = self.tiled_attention(q, start, &ready, &deferred, (caches, layer), device);
+            return out.map(Some);
+        }
+        let ready = segments;
+        // Row by row for short chunks (a row's bits do not depend on the other rows); long
+        // chunks elsewhere (a GPU, autodiff) take one masked product.
+        if route == AttentionRoute::Rows && t > QUANT_MAX_ROWS {
+            return Ok(None);
         }
         let (ks, vs): (Vec<_>, Vec<_>) = ready.iter().map(|s| self.ready(s, device)).unzip();
         let (k, v) = (cat_keys(ks), cat_keys(vs));
-        // Row by row for short chunks (a row's bits do not depend on the other rows); long
-        // chunks elsewhere (a GPU, autodiff) take one masked product.
-        if t <= QUANT_MAX_ROWS {
-            return Ok(self.attend_rows(q, start, &ready, k, v, device));
+        if route == AttentionRoute::Rows {
+            return Ok(Some(self.attend_rows(q, start, ready, k, v, device)));
         }
         let groups = self.heads / self.kv_heads;
-        let mask = self.mask(start, t, &ready, groups, device);
-        Ok(grouped_attention(q, as_f32(k), as_f32(v), self.scale, mask))
+        let mask = self.mask(start, t, ready, groups, device);
+        Ok(Some(grouped_attention(
+            q,
+            as_f32(k),
+            as_f32(v),
+            self.scale,
+            mask,
+        )))
     }
 }
 

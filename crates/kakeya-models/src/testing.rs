@@ -61,8 +61,8 @@ pub fn tiny_config(window: usize) -> GemmaConfig {
     }
 }
 
-/// Uniform values in `[-scale, scale)` from a splitmix64 stream.
-fn values(n: usize, seed: &mut u64, scale: f32) -> Vec<f32> {
+/// Uniform values in `[-scale, scale)` from a splitmix64 stream (`seed` advances).
+pub fn values(n: usize, seed: &mut u64, scale: f32) -> Vec<f32> {
     (0..n)
         .map(|_| {
             *seed = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);

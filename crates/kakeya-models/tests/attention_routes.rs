@@ -86,6 +86,16 @@ fn at(t: &Tensor<3>, r: std::ops::Range<usize>) -> Tensor<3> {
     t.clone().slice([0..kvh, r, 0..d])
 }
 
+/// The exact recent positions 30..45 of `k` and `v`, read by queries fewer than 6 past them.
+fn recent(k: &Tensor<3>, v: &Tensor<3>) -> KvSegment {
+    KvSegment::ready(
+        at(k, 30..45),
+        at(v, 30..45),
+        (30..45).collect(),
+        Reach::Younger(6),
+    )
+}
+
 /// Runs every route on a chunk of `t` queries at `start` over `segments`; checks that the
 /// routes in `applies` run and match the reference, and that the others decline.
 fn check(
@@ -182,12 +192,7 @@ fn every_route_matches_the_reference_over_ready_segments() {
                 (0..40).collect(),
                 Reach::AtLeast(6),
             ),
-            KvSegment::ready(
-                at(&k, 30..45),
-                at(&v, 30..45),
-                (30..45).collect(),
-                Reach::Younger(6),
-            ),
+            recent(&k, &v),
         ];
         check(
             &a,
@@ -218,17 +223,12 @@ fn the_tiled_route_matches_the_reference_over_deferred_segments() {
                 positions: (0..40).collect(),
                 reach: Reach::AtLeast(6),
             };
-            let recent = KvSegment::ready(
-                at(&k, 30..45),
-                at(&v, 30..45),
-                (30..45).collect(),
-                Reach::Younger(6),
-            );
+
             // No host storage for the deferred tier: the CPU loops decline, the tiled route runs.
             check(
                 &a,
                 (40, 5),
-                &[deferred, recent],
+                &[deferred, recent(&k, &v)],
                 &mut held,
                 &[AttentionRoute::Tiled],
                 &what,

@@ -8,30 +8,20 @@
 
 use burn::tensor::{Device, Tensor, TensorData};
 use kakeya_models::gemma::attention::AttentionRoute;
-use kakeya_models::testing::{random_checkpoint, tiny_config};
+use kakeya_models::testing::{random_checkpoint, tiny_config, values};
 use kakeya_models::{GemmaModel, KvLayers, SegmentKv};
 use kakeya_runtime::kv::{KvPolicy, SequenceKv};
 
+mod common;
+use common::host;
+
 const TOLERANCE: f32 = 1e-5;
 
-/// Deterministic values in about [-2, 2].
-fn values(n: usize, seed: u32) -> Vec<f32> {
-    (0..n as u32)
-        .map(|i| {
-            let h = (i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(40_503))
-                .wrapping_mul(2_246_822_519);
-            (h >> 8) as f32 / (1u32 << 24) as f32 * 4.0 - 2.0
-        })
-        .collect()
-}
-
-fn tensor3(shape: [usize; 3], seed: u32) -> Tensor<3> {
+/// `shape` values in [-2, 2) from `seed`.
+fn tensor3(shape: [usize; 3], seed: u64) -> Tensor<3> {
     let n = shape.iter().product();
-    Tensor::from_data(TensorData::new(values(n, seed), shape), &Device::flex())
-}
-
-fn host(t: Tensor<2>) -> Vec<f32> {
-    t.into_data().try_into_vec::<f32>().unwrap()
+    let v = values(n, &mut { seed }, 2.0);
+    Tensor::from_data(TensorData::new(v, shape), &Device::flex())
 }
 
 #[test]
@@ -60,7 +50,7 @@ fn host_loops_and_tiles_over_quantised_tiers_match_the_reference() {
             let mut at = 0;
             while at < start {
                 let n = 64.min(start - at);
-                let seed = at as u32;
+                let seed = at as u64;
                 kv.update(
                     layer,
                     tensor3([kvh, n, d], seed),

@@ -1,6 +1,7 @@
-//! Kakeya's models — pure math over Burn tensors, no file I/O: the Gemma verifier (Gemma 3 and 4) and the
-//! DFlash drafter. Each
-//! model declares its cache layout ([`cache::CacheSpec`]); callers own the caches.
+//! Kakeya's models — the math over Burn tensors, no file I/O: the Gemma verifier (Gemma 3
+//! and 4) and the DFlash drafter. Each model declares its cache layout ([`cache::CacheSpec`]);
+//! callers own the caches. Where a model runs is chosen once, at load, from its device
+//! ([`gemma::Backend`]): on a GPU it also keeps RoPE tables and recorded forwards there.
 
 pub mod activation;
 pub mod cache;

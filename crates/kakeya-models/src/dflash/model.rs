@@ -58,8 +58,15 @@ pub struct DFlashDrafter {
     /// On a GPU, drafts are recorded once and replayed ([`Self::replays_drafts`]); false:
     /// issued launch by launch (the CLI's `--no-graph`).
     pub record_drafts: bool,
+    /// What the drafter keeps on a GPU, chosen at load from its device (`None` on the CPU).
+    pub(super) gpu: Option<DraftGpuSide>,
+}
+
+/// What a drafter keeps on a GPU beside its weights.
+#[derive(Debug, Clone, Default)]
+pub(super) struct DraftGpuSide {
     /// The RoPE table on the device that recorded drafts gather from.
-    pub(super) device_rope: DeviceRopes,
+    pub(super) rope: DeviceRopes,
     /// The recorded drafts.
     pub(super) replayer: Replayer,
     /// The recorded appends of store rows.
@@ -144,11 +151,9 @@ impl DFlashDrafter {
             embed_scale: (v.hidden_size as f32).sqrt(),
             config: c,
             weights,
+            gpu: crate::gpu::is_gpu(&device).then(DraftGpuSide::default),
             device,
             record_drafts: verifier.record_decode,
-            device_rope: DeviceRopes::default(),
-            replayer: Replayer::default(),
-            append_replayer: AppendReplayer::default(),
         })
     }
 

@@ -123,7 +123,9 @@ impl DFlashDrafter {
 
     /// How this drafter's appends of store rows ran on a GPU so far.
     pub fn append_replay_stats(&self) -> ReplayStats {
-        self.append_replayer.lock().stats
+        self.gpu
+            .as_ref()
+            .map_or_else(ReplayStats::default, |g| g.append_replayer.lock().stats)
     }
 
     /// An append replayed, or recorded now; `Ok(false)` where it is not (the caller issues
@@ -146,7 +148,10 @@ impl DFlashDrafter {
         let Some((k, v)) = allocations(&kb, &vb) else {
             return Ok(false);
         };
-        let mut state = self.append_replayer.lock();
+        let Some(gpu) = &self.gpu else {
+            return Ok(false);
+        };
+        let mut state = gpu.append_replayer.lock();
         if !state.begin() {
             return Ok(false);
         }
@@ -206,7 +211,9 @@ impl DFlashDrafter {
 
     /// How this drafter's drafts ran on a GPU so far.
     pub fn replay_stats(&self) -> ReplayStats {
-        self.replayer.lock().stats
+        self.gpu
+            .as_ref()
+            .map_or_else(ReplayStats::default, |g| g.replayer.lock().stats)
     }
 
     /// Whether drafts can be recorded: on a GPU whose kernels write in place (not under Burn's
@@ -243,13 +250,16 @@ impl DFlashDrafter {
         let Some((k, v)) = allocations(&ck, &cv) else {
             return Ok(None);
         };
-        let mut state = self.replayer.lock();
+        let Some(gpu) = &self.gpu else {
+            return Ok(None);
+        };
+        let mut state = gpu.replayer.lock();
         if !state.begin() {
             return Ok(None);
         }
         let rope = Rope::new(self.config.head_dim, self.config.rope_theta, 1.0);
-        let table = self
-            .device_rope
+        let table = gpu
+            .rope
             .table(0, &rope, capacity.max(len + b), &self.device);
         let key = Key {
             rows: b,

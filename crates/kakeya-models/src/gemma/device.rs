@@ -10,6 +10,7 @@ use kakeya_weights::AttentionKind;
 
 use super::model::{ForwardRequest, GemmaModel};
 use super::pass::head_input;
+use super::replay::Replayer;
 use crate::cache::KvLayers;
 use crate::error::{ModelError, Result};
 use crate::gpu::{self, StepInputs};
@@ -17,6 +18,52 @@ use crate::rope::Rope;
 
 /// Fewest positions a device RoPE table holds; it doubles past them.
 const ROPE_ROWS_MIN: usize = 1024;
+
+/// Where a model's forwards run, chosen once when it is loaded, from its device: what the
+/// model keeps for that place lives here, and only there.
+#[derive(Debug, Clone)]
+pub enum Backend {
+    /// The CPU (burn-flex): Burn's ops, the host's row loops and block kernels; nothing kept
+    /// beside the weights.
+    Host,
+    /// A CubeCL device (CUDA, wgpu): the decode kernels, with the RoPE tables and recorded
+    /// forwards kept on it.
+    Gpu(Box<GpuSide>),
+}
+
+impl Backend {
+    /// The backend of a model whose weights live on `device`.
+    pub(super) fn of(device: &Device) -> Self {
+        if !gpu::is_gpu(device) {
+            return Self::Host;
+        }
+        Self::Gpu(Box::new(GpuSide {
+            ropes: DeviceRopes::default(),
+            replayer: Replayer::default(),
+            max_buffer: gpu::max_buffer_bytes(device),
+        }))
+    }
+
+    /// The GPU's side, `None` on the CPU.
+    pub fn gpu(&self) -> Option<&GpuSide> {
+        match self {
+            Self::Host => None,
+            Self::Gpu(side) => Some(side),
+        }
+    }
+}
+
+/// What a model keeps on a GPU beside its weights.
+#[derive(Debug, Clone)]
+pub struct GpuSide {
+    /// RoPE tables on the device, gathered from by forwards whose positions are there.
+    pub(super) ropes: DeviceRopes,
+    /// The recorded forwards ([`GemmaModel::replays_decode`]).
+    pub(super) replayer: Replayer,
+    /// The largest buffer the device holds ([`gpu::max_buffer_bytes`]; `None` under Burn's
+    /// fusion, which hides it): a forward's logits must fit in one.
+    pub(super) max_buffer: Option<u64>,
+}
 
 /// The RoPE tables on the device, one per attention kind (full, sliding), each of positions
 /// `0..n` ([`Rope::device_table`]), grown by doubling to cover what a forward reaches.
@@ -114,14 +161,17 @@ impl GemmaModel {
     /// returns each table's positions (a recording is valid while they stay).
     pub fn ensure_device_rope(&self, reach: usize) -> [usize; 2] {
         let mut held = [0; 2];
+        let Some(gpu) = self.backend.gpu() else {
+            return held;
+        };
         for (kind, n) in held.iter_mut().enumerate() {
             // The first layer of each kind gives its table (as the forward builds it).
             let of_kind = |l: &&super::model::DecoderLayer| {
                 usize::from(l.attn.kind == AttentionKind::Sliding) == kind
             };
             if let Some(layer) = self.layers.iter().find(of_kind) {
-                *n = self
-                    .device_ropes
+                *n = gpu
+                    .ropes
                     .table(kind, &layer.attn.rope, reach, &self.device)
                     .dims()[1];
             }

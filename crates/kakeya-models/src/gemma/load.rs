@@ -247,10 +247,8 @@ impl GemmaModel {
             norm,
             per_layer,
             device: device.clone(),
-            max_buffer: crate::gpu::max_buffer_bytes(device),
-            device_ropes: Default::default(),
+            backend: super::device::Backend::of(device),
             record_decode: true,
-            replayer: Default::default(),
         })
     }
 }

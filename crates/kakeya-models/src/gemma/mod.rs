@@ -12,7 +12,7 @@ pub mod per_layer;
 mod replay;
 
 pub use attention::AttentionCapture;
-pub use device::CacheBuffers;
 pub(crate) use device::DeviceRopes;
+pub use device::{Backend, CacheBuffers, GpuSide};
 pub use model::{ForwardOutput, ForwardRequest, GemmaModel, Logits};
 pub use replay::ReplayStats;

@@ -4,11 +4,10 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use kakeya_weights::{AttentionKind, GemmaConfig};
 
 use super::attention::{Attention, AttentionCapture, SharedKv, Span};
-use super::device::DeviceRopes;
+use super::device::Backend;
 use super::moe::Moe;
 use super::pass::{Pass, head_input};
 use super::per_layer::{PerLayerEmbed, PerLayerGate};
-use super::replay::Replayer;
 use crate::cache::{CacheSpec, KvLayers};
 use crate::choice::Choice;
 use crate::error::{ModelError, Result};
@@ -229,16 +228,11 @@ pub struct GemmaModel {
     /// Gemma 4's per-layer input embeddings.
     pub per_layer: Option<PerLayerEmbed>,
     pub(super) device: Device,
-    /// RoPE tables on the device, gathered from by GPU forwards.
-    pub(super) device_ropes: DeviceRopes,
+    /// Where the forwards run, chosen at load from the device, with what is kept there.
+    pub(super) backend: Backend,
     /// On a GPU, greedy forwards are recorded once and replayed ([`Self::replays_decode`]);
     /// false: issued launch by launch (the CLI's `--no-graph`).
     pub record_decode: bool,
-    /// The recorded forwards.
-    pub(super) replayer: Replayer,
-    /// The largest buffer the device holds ([`crate::gpu::max_buffer_bytes`]; `None` on the
-    /// CPU): a forward's logits must fit in one.
-    pub(super) max_buffer: Option<u64>,
 }
 
 impl GemmaModel {
@@ -303,6 +297,11 @@ impl GemmaModel {
     /// The device the weights live on.
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// Where the forwards run (chosen at load from [`Self::device`]).
+    pub fn backend(&self) -> &Backend {
+        &self.backend
     }
 
     /// The cache each layer needs, in layer order (the caller builds and owns the caches).

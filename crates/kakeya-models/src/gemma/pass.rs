@@ -111,10 +111,11 @@ impl GemmaModel {
         let mut rope_tables: [Option<(Tensor<2>, Tensor<2>)>; 2] = [None, None];
         for (i, layer) in self.layers.iter().enumerate() {
             let kind = usize::from(layer.attn.kind == AttentionKind::Sliding);
-            let rope = rope_tables[kind].get_or_insert_with(|| match inputs {
-                Some(i) => self.device_ropes.rows(kind, &layer.attn.rope, reach, i),
-                None => layer.attn.rope.tables(&positions, &self.device),
-            });
+            let rope =
+                rope_tables[kind].get_or_insert_with(|| match (inputs, self.backend.gpu()) {
+                    (Some(i), Some(gpu)) => gpu.ropes.rows(kind, &layer.attn.rope, reach, i),
+                    _ => layer.attn.rope.tables(&positions, &self.device),
+                });
             let (y, caps) = layer.forward(
                 x,
                 &spans,
@@ -174,7 +175,8 @@ impl GemmaModel {
             .map(|r| r.logits.rows(&(0..r.tokens.len())).len())
             .sum();
         let bytes = (rows * self.config.vocab_size * 4) as u64;
-        if let Some(max) = self.max_buffer.filter(|&max| bytes > max) {
+        let max_buffer = self.backend.gpu().and_then(|g| g.max_buffer);
+        if let Some(max) = max_buffer.filter(|&max| bytes > max) {
             let mib = |b: u64| b as f64 / (1 << 20) as f64;
             return Err(ModelError::Input(format!(
                 "the logits of {rows} rows ({:.1} MiB) are more than one buffer on this device \

@@ -67,7 +67,9 @@ pub(crate) type Replayer = gpu::Recorder<Key, Recorded>;
 impl GemmaModel {
     /// How this model's greedy forwards ran on a GPU so far.
     pub fn replay_stats(&self) -> ReplayStats {
-        self.replayer.lock().stats
+        self.backend
+            .gpu()
+            .map_or_else(ReplayStats::default, |g| g.replayer.lock().stats)
     }
 
     /// [`Self::forward_batch`] replayed from a recording, or recorded now; `Ok(None)` where it
@@ -89,7 +91,10 @@ impl GemmaModel {
         {
             return Ok(None);
         }
-        let mut state = self.replayer.lock();
+        let Some(gpu) = self.backend.gpu() else {
+            return Ok(None);
+        };
+        let mut state = gpu.replayer.lock();
         if !state.begin() {
             return Ok(None);
         }

@@ -93,6 +93,9 @@ pub struct Attention {
     pub window: usize,
     /// RoPE of this layer's kind.
     pub rope: Rope,
+    /// Whether this layer's rows take the GPU's attention kernel, decided at load from the
+    /// weights' device ([`crate::gpu::kernels_on`]).
+    pub on_gpu: bool,
 }
 
 impl Attention {

@@ -23,8 +23,8 @@ const ROPE_ROWS_MIN: usize = 1024;
 /// model keeps for that place lives here, and only there.
 #[derive(Debug, Clone)]
 pub enum Backend {
-    /// The CPU (burn-flex): Burn's ops, the host's row loops and block kernels; nothing kept
-    /// beside the weights.
+    /// The CPU (burn-flex), or any device under autodiff: Burn's ops, the host's row loops
+    /// and block kernels; nothing kept beside the weights.
     Host,
     /// A CubeCL device (CUDA, wgpu): the decode kernels, with the RoPE tables and recorded
     /// forwards kept on it.
@@ -32,9 +32,11 @@ pub enum Backend {
 }
 
 impl Backend {
-    /// The backend of a model whose weights live on `device`.
+    /// The backend of a model whose weights live on `device`: the GPU's where its kernels
+    /// apply ([`gpu::kernels_on`]: a CubeCL device without an autodiff graph), the host's
+    /// otherwise.
     pub(super) fn of(device: &Device) -> Self {
-        if !gpu::is_gpu(device) {
+        if !gpu::kernels_on(device) {
             return Self::Host;
         }
         Self::Gpu(Box::new(GpuSide {

@@ -196,6 +196,7 @@ impl GemmaModel {
                     (AttentionKind::Full, None) => global_rope.clone(),
                     (AttentionKind::Sliding, _) => local_rope.clone(),
                 },
+                on_gpu: crate::gpu::kernels_on(device),
             };
             let per_layer = match &g4 {
                 Some(g) if g.per_layer_input_size > 0 => Some(PerLayerGate {

@@ -90,7 +90,7 @@ impl GemmaModel {
             });
         }
         // On a GPU: the ids and positions in one device buffer, read there.
-        let uploaded = (given.is_none() && crate::gpu::applies(&self.norm.scale))
+        let uploaded = (given.is_none() && self.backend.gpu().is_some())
             .then(|| StepInputs::upload(&tokens, &positions, &self.device));
         let inputs = given.or(uploaded.as_ref());
         let scale = (self.config.hidden_size as f32).sqrt();

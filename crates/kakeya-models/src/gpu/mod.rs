@@ -48,15 +48,20 @@ pub const GPU_ROWS_MAX: usize = 16;
 /// Whether the GPU kernels take this tensor: it lives on a CubeCL device (CUDA, wgpu) and
 /// carries no autodiff graph (training keeps Burn's differentiable ops).
 pub fn applies<const D: usize>(x: &Tensor<D>) -> bool {
+    kernels_on(&x.device())
+}
+
+/// Whether the GPU kernels take tensors on `device`: a CubeCL device (CUDA, wgpu) without an
+/// autodiff graph.
+pub fn kernels_on(device: &Device) -> bool {
     #[cfg(feature = "cube")]
     {
-        let device = x.device();
         !device.is_autodiff()
             && matches!(device.as_dispatch(), burn::backend::DispatchDevice::Cube(_))
     }
     #[cfg(not(feature = "cube"))]
     {
-        let _ = x;
+        let _ = device;
         false
     }
 }

@@ -46,7 +46,7 @@ impl Attention {
             .collect();
         // On a GPU every row takes the attention kernel, so a row's bits never depend on the
         // path: runs moving in step need no upload, other rows' keys are listed.
-        if crate::gpu::applies(&q) {
+        if self.on_gpu {
             let runs: Option<Vec<std::ops::Range<usize>>> = seen
                 .iter()
                 .map(|seen| {
